@@ -1,0 +1,365 @@
+"""The per-step engine: measure once, decide once, touch the gradients once.
+
+Every gradkit callback derives from :class:`GradKitCallback`. Whichever of them Lightning calls first in
+``on_before_optimizer_step`` (after AMP unscale and after the DDP all-reduce) runs the whole pipeline for all of
+them; the others find the step already done. So results never depend on the order of the ``callbacks`` list:
+
+1. ``_reduce_request``: callbacks name per-rank scalars that need a cross-rank sum (window loss, token counts).
+2. The engine reads every gradient once into per-parameter norms, and performs at most ONE all-reduce carrying
+   the sharded norm contributions and those scalars together.
+3. ``_decide`` in stage order: ``SCALE`` (accumulation) -> ``GUARD`` (skip flags) -> ``CLIP`` (coefficient)
+   -> ``OBSERVE``. Each reads :class:`StepPlan` and writes its decision to it; none reads the gradients.
+4. The engine writes the gradients once: a single ``torch._foreach_mul_`` with the product of all scales
+   (per-parameter factors, if any, are folded into that same pass), plus a clamp for value clipping.
+5. ``_observe``: logging, on logging steps only.
+
+The strategy mixin (``strategy.py``) reads ``StepPlan.skip`` to step the optimizer or not.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_gradkit.stats import (
+    GradStats,
+    ParamIndex,
+    build_param_index,
+    combine_sharded,
+    derive_stats,
+    local_tensor,
+    per_tensor_norms,
+    powered,
+    total_norm,
+)
+
+
+class Stage(IntEnum):
+    """The order in which policies decide within one step."""
+
+    SCALE = 0
+    GUARD = 1
+    CLIP = 2
+    OBSERVE = 3
+
+
+@dataclass
+class StepPlan:
+    """Everything measured and decided for one optimizer step. All values are device tensors.
+
+    Policies write ``scale`` (via :meth:`multiply_scale`), ``clip_coef``, ``param_coefs``, ``clamp_value`` and
+    skip flags (via :meth:`add_skip`); the engine applies them in one pass.
+    """
+
+    optimizer: Optimizer
+    optimizer_idx: int
+    index: ParamIndex
+    grads: list[Tensor]
+    present: list[int]
+    stats: dict[float, GradStats]
+    reduced: dict[str, Tensor]
+    primary_norm_type: float
+    logging_step: bool
+    scale: Tensor | None = None
+    clip_coef: Tensor | None = None
+    param_coefs: dict[int, Tensor] = field(default_factory=dict)
+    clamp_value: float | None = None
+    skip: Tensor | None = None
+    skip_reasons: dict[str, Tensor] = field(default_factory=dict)
+    post_clip_param_norms: Tensor | None = None
+    _post_clip_total: Tensor | None = None
+
+    @property
+    def primary(self) -> GradStats:
+        """Statistics at the primary norm type (the monitor's, 2.0 by default)."""
+        return self.stats[self.primary_norm_type]
+
+    def scaled(self, value: Tensor) -> Tensor:
+        """A norm of the raw gradients expressed for the gradients after the accumulation scale."""
+        return value if self.scale is None else value * self.scale
+
+    def pre_clip_total(self, norm_type: float | None = None) -> Tensor:
+        """Total norm of the gradients as the optimizer would see them without clipping."""
+        return self.scaled(self.stats[self.primary_norm_type if norm_type is None else norm_type].total)
+
+    def multiply_scale(self, factor: Tensor) -> None:
+        """Fold a factor for every gradient (e.g. accumulation normalization) into the single multiply."""
+        self.scale = factor if self.scale is None else self.scale * factor
+
+    def add_skip(self, reason: str, flag: Tensor) -> None:
+        """Ask the strategy not to step the optimizer when ``flag`` (a bool device scalar) is true."""
+        self.skip_reasons[reason] = flag
+        self.skip = flag if self.skip is None else self.skip | flag
+
+    def post_clip_total(self) -> Tensor:
+        """Total norm (primary norm type) of the gradients after scaling and clipping.
+
+        Derived without touching the gradients when the clip is a scalar coefficient or per-parameter norms were
+        supplied; measured once (on logging steps only, by the callers) after a value clamp.
+        """
+        if self._post_clip_total is not None:
+            return self._post_clip_total
+        p = self.primary_norm_type
+        if self.post_clip_param_norms is not None:
+            result = total_norm(self.post_clip_param_norms, p)
+        elif self.clamp_value is not None:
+            result = total_norm(per_tensor_norms(self.grads, p), p)
+        else:
+            result = self.pre_clip_total()
+            if self.clip_coef is not None:
+                result = result * self.clip_coef
+        self._post_clip_total = result
+        return result
+
+    @property
+    def clipped(self) -> bool:
+        return self.clip_coef is not None or bool(self.param_coefs) or self.clamp_value is not None
+
+    def apply(self) -> None:
+        """Write the gradients once: multiply by the product of all factors, then clamp for value clipping."""
+        common = self.scale
+        if self.clip_coef is not None:
+            common = self.clip_coef if common is None else common * self.clip_coef
+        if self.param_coefs:
+            uniform = [g for i, g in enumerate(self.grads) if self.present[i] not in self.param_coefs]
+            for i, g in enumerate(self.grads):
+                coef = self.param_coefs.get(self.present[i])
+                if coef is not None:
+                    g.mul_(coef if common is None else coef * common)
+        else:
+            uniform = self.grads
+        if common is not None and uniform:
+            torch._foreach_mul_(uniform, common.to(uniform[0].dtype))
+        if self.clamp_value is not None and self.grads:
+            torch._foreach_clamp_min_(self.grads, -self.clamp_value)
+            torch._foreach_clamp_max_(self.grads, self.clamp_value)
+
+
+@dataclass
+class _StatsRequest:
+    norm_types: set[float] = field(default_factory=set)
+    depth: int = 0
+
+
+def is_logging_step(trainer: pl.Trainer, every_n_steps: int | None) -> bool:
+    """Lightning's own rule (``_LoggerConnector.should_update_logs``) with an optional own period."""
+    n = trainer.log_every_n_steps if every_n_steps is None else every_n_steps
+    if n == 0:
+        return False
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1
+    return step % n == 0 or trainer.should_stop
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class _Engine:
+    """One per Trainer; shared by all gradkit callbacks of that Trainer."""
+
+    _by_trainer: weakref.WeakKeyDictionary[pl.Trainer, _Engine] = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        self._indexes: dict[tuple[int, int], ParamIndex] = {}
+        self._last_key: tuple[int, int, int] | None = None
+        self.last_plans: dict[int, StepPlan] = {}
+
+    @classmethod
+    def of(cls, trainer: pl.Trainer) -> _Engine:
+        engine = cls._by_trainer.get(trainer)
+        if engine is None:
+            engine = cls._by_trainer[trainer] = cls()
+        return engine
+
+    def reset(self) -> None:
+        """Forget the parameter indexes (parameters may be replaced between fits, e.g. by sharding)."""
+        self._indexes.clear()
+        self._last_key = None
+        self.last_plans.clear()
+
+    @staticmethod
+    def callbacks(trainer: pl.Trainer) -> list[GradKitCallback]:
+        found = [cb for cb in trainer.callbacks if isinstance(cb, GradKitCallback)]
+        return sorted(found, key=lambda cb: cb._stage)
+
+    def _index(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, depth: int
+    ) -> ParamIndex:
+        key = (id(optimizer), depth)
+        index = self._indexes.get(key)
+        if index is None:
+            names = {id(p): n for n, p in pl_module.named_parameters()}
+            first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+            device = first.device if first is not None else pl_module.device
+            flat = type(trainer.strategy).__name__.endswith("FSDPStrategy") and trainer.world_size > 1
+            index = self._indexes[key] = build_param_index(optimizer.param_groups, names, depth, device, flat)
+        return index
+
+    def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> StepPlan | None:
+        key = (id(optimizer), trainer.global_step, trainer.fit_loop.total_batch_idx)
+        if key == self._last_key:
+            return None
+        self._last_key = key
+        cbs = self.callbacks(trainer)
+        request = _StatsRequest()
+        for cb in cbs:
+            cb._stats_request(request)
+        if not request.norm_types:
+            request.norm_types.add(2.0)
+
+        index = self._index(trainer, pl_module, optimizer, request.depth)
+        grads: list[Tensor] = []
+        present: list[int] = []
+        missing: list[str] = []
+        for i, p in enumerate(index.params):
+            if p.grad is None:
+                missing.append(index.names[i])
+            else:
+                grads.append(local_tensor(p.grad))
+                present.append(i)
+
+        extras: dict[str, Tensor] = {}
+        for cb in cbs:
+            extras.update(cb._reduce_request(trainer, pl_module))
+
+        local: dict[float, Tensor] = {}
+        for p in sorted(request.norm_types):
+            norms = per_tensor_norms(grads, p).to(index.shard_weight.device)
+            if len(present) != index.num_params:
+                full = torch.zeros(index.num_params, dtype=torch.float32, device=index.shard_weight.device)
+                if present:
+                    full[torch.tensor(present, device=full.device)] = norms
+                norms = full
+            local[p] = norms
+
+        norms_by_p, reduced = self._all_reduce(index, local, extras)
+        stats = {p: derive_stats(index, norms_by_p[p], p, missing) for p in local}
+        primary = next((cb._primary_norm_type() for cb in cbs if cb._primary_norm_type() is not None), None)
+        plan = StepPlan(
+            optimizer=optimizer,
+            optimizer_idx=_optimizer_index(trainer, optimizer),
+            index=index,
+            grads=grads,
+            present=present,
+            stats=stats,
+            reduced=reduced,
+            primary_norm_type=primary if primary is not None else min(stats),
+            logging_step=is_logging_step(trainer, None),
+        )
+        for cb in cbs:
+            cb._decide(plan, trainer, pl_module)
+        plan.apply()
+        for cb in cbs:
+            cb._observe(plan, trainer, pl_module)
+        self.last_plans[id(optimizer)] = plan
+        return plan
+
+    @staticmethod
+    def _all_reduce(
+        index: ParamIndex, local: dict[float, Tensor], extras: dict[str, Tensor]
+    ) -> tuple[dict[float, Tensor], dict[str, Tensor]]:
+        """The one collective: sharded norm contributions for every finite p, plus the extra scalars (SUM).
+
+        ``p = inf`` over sharded gradients needs a MAX and travels in a second collective.
+        """
+        if world_size() == 1 or (not index.any_sharded and not extras):
+            return local, extras
+        device = index.shard_weight.device
+        finite_ps = [p for p in local if not math.isinf(p)] if index.any_sharded else []
+        pieces = [powered(local[p], p) * index.shard_weight for p in finite_ps]
+        pieces += [t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in extras.values()]
+        result = dict(local)
+        reduced_extras: dict[str, Tensor] = {}
+        if pieces:
+            flat = torch.cat(pieces)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for p in finite_ps:
+                n = index.num_params
+                result[p] = combine_sharded(local[p], index.shard_weight, flat[offset : offset + n], p)
+                offset += n
+            for name, t in extras.items():
+                n = t.numel()
+                reduced_extras[name] = flat[offset : offset + n].reshape(t.shape)
+                offset += n
+        if index.any_sharded and math.inf in local:
+            contrib = local[math.inf] * (index.shard_weight > 0)
+            dist.all_reduce(contrib, op=dist.ReduceOp.MAX)
+            result[math.inf] = combine_sharded(local[math.inf], index.shard_weight, contrib, math.inf)
+        return result, reduced_extras
+
+
+def _optimizer_index(trainer: pl.Trainer, optimizer: Optimizer) -> int:
+    for i, opt in enumerate(trainer.optimizers):
+        if opt is optimizer or getattr(opt, "_optimizer", None) is optimizer:
+            return i
+    return 0
+
+
+class GradKitCallback(Callback):
+    """Base of every gradkit callback: joins the shared per-step engine.
+
+    Subclasses set ``_stage`` and override the ``_stats_request``, ``_reduce_request``, ``_decide`` and
+    ``_observe`` steps they need. Lightning hooks stay thin.
+    """
+
+    _stage: Stage = Stage.OBSERVE
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._engine = _Engine.of(trainer)
+        self._engine.reset()
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        _Engine.of(trainer).run(trainer, pl_module, optimizer)
+
+    # -- engine steps -------------------------------------------------------------------------------------------
+    def _stats_request(self, request: _StatsRequest) -> None:
+        """Add the norm types and module depth this callback reads."""
+
+    def _primary_norm_type(self) -> float | None:
+        """The norm type whose statistics are logged as the step's gradient norm (the monitor's)."""
+        return None
+
+    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
+        """Per-rank scalars to be summed across ranks in the step's single collective (keys must be unique)."""
+        return {}
+
+    def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Read the plan's statistics and write a decision into it. Must not read gradients or sync."""
+
+    def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After the gradients are written: log on logging steps."""
+
+
+def log_metrics(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, Tensor], every_n_steps: int | None = None
+) -> None:
+    """Log step-level values so every attached Lightning logger receives them.
+
+    Following the Trainer's logging period, values go through ``pl_module.log_dict`` (they also reach
+    ``trainer.callback_metrics``). With a period of its own, a callback must not use ``self.log``: Lightning keeps
+    step values for the whole epoch and would flush stale ones on its own logging steps. Then the values are read
+    to the host in one transfer and sent to ``trainer.loggers`` directly, as Lightning's ``LearningRateMonitor``
+    does.
+    """
+    if not metrics:
+        return
+    if every_n_steps is None or every_n_steps == trainer.log_every_n_steps:
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        return
+    first = next(iter(metrics.values()))
+    values = torch.stack([v.detach().reshape(()).to(first.device, torch.float32) for v in metrics.values()]).tolist()
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    for logger in trainer.loggers:
+        logger.log_metrics(dict(zip(metrics, values, strict=True)), step=step)

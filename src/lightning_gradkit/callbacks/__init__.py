@@ -1,0 +1,5 @@
+"""Lightning callbacks of lightning_gradkit, one per file."""
+
+from lightning_gradkit.callbacks.monitor import GradNormMonitor
+
+__all__ = ["GradNormMonitor"]

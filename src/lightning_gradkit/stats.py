@@ -1,0 +1,289 @@
+"""One-pass gradient statistics.
+
+Every optimizer step the gradients are read once: one ``torch._foreach_norm`` per (device, dtype) group gives
+the norm of every parameter's gradient as one fp32 vector. Everything else (per-module, per-param-group and
+total norms, the finite flag) is derived from that vector with small device ops, so no consumer ever reads the
+gradients again. When gradients are sharded (DTensor under FSDP2, flat shards under FSDP1) the local p-th powers
+of all parameters travel in a single all-reduce.
+
+The functions here are pure tensor math with no Lightning in them; the engine (``_engine.py``) wires them to
+the Trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def validate_norm_type(norm_type: float, argument: str = "norm_type") -> float:
+    """Return ``norm_type`` as a float, or raise if it is not a p-norm order (``p >= 1`` or ``inf``).
+
+    Raises:
+        ValueError: if ``norm_type`` is below 1, NaN or ``-inf``.
+    """
+    p = float(norm_type)
+    if math.isnan(p) or p < 1.0:
+        raise ValueError(
+            f"`{argument}` must be >= 1 or float('inf'), got {norm_type!r}. Use 2.0 for the Euclidean norm."
+        )
+    return p
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The tensor a rank holds: the local shard of a DTensor, the tensor itself otherwise.
+
+    In-place ops on the returned tensor modify the DTensor's storage.
+    """
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t
+
+
+def _same_group(a: Tensor, b: Tensor) -> bool:
+    return a.device == b.device and a.dtype == b.dtype
+
+
+def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
+    """The p-norm of each tensor, as one fp32 vector on the first tensor's device.
+
+    One ``torch._foreach_norm`` call per run of consecutive tensors that share device and dtype (callers keep
+    parameters ordered by group, so this is one call per (device, dtype) group). Low-precision tensors are
+    reduced in fp32.
+
+    Example::
+
+        >>> per_tensor_norms([torch.ones(4), torch.full((3,), 2.0)], 2.0)
+        tensor([2.0000, 3.4641])
+    """
+    if len(tensors) == 0:
+        return torch.zeros(0)
+    out_device = tensors[0].device
+    pieces: list[Tensor] = []
+    start = 0
+    for i in range(1, len(tensors) + 1):
+        if i == len(tensors) or not _same_group(tensors[i], tensors[start]):
+            run = list(tensors[start:i])
+            low_precision = run[0].dtype in (torch.float16, torch.bfloat16)
+            norms = torch._foreach_norm(run, norm_type, dtype=torch.float32 if low_precision else None)
+            pieces.append(torch.stack(norms).to(out_device, torch.float32, non_blocking=True))
+            start = i
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def powered(norms: Tensor, norm_type: float) -> Tensor:
+    """``norms ** p`` for finite p (the additive form of a p-norm); the norms themselves for ``p = inf``."""
+    return norms if math.isinf(norm_type) else norms.pow(norm_type)
+
+
+def unpowered(powers: Tensor, norm_type: float) -> Tensor:
+    """Inverse of :func:`powered`."""
+    return powers if math.isinf(norm_type) else powers.pow(1.0 / norm_type)
+
+
+def total_norm(norms: Tensor, norm_type: float) -> Tensor:
+    """The p-norm of the concatenation of tensors, from their individual p-norms.
+
+    Matches ``torch.nn.utils.get_total_norm``. NaN in any element propagates (also for ``p = inf``).
+    """
+    if norms.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=norms.device)
+    if math.isinf(norm_type):
+        # amax ignores nothing: NaN propagates, like torch.nn.utils.get_total_norm.
+        return norms.amax()
+    return torch.linalg.vector_norm(norms, norm_type)
+
+
+def grouped_norms(norms: Tensor, index: Tensor, num_groups: int, norm_type: float) -> Tensor:
+    """Combine per-tensor norms into per-group norms; ``index[i]`` is the group of tensor ``i``.
+
+    Example::
+
+        >>> grouped_norms(torch.tensor([3.0, 4.0, 1.0]), torch.tensor([0, 0, 1]), 2, 2.0)
+        tensor([5., 1.])
+    """
+    out = torch.zeros(num_groups, dtype=norms.dtype, device=norms.device)
+    if math.isinf(norm_type):
+        return out.scatter_reduce(0, index, norms, reduce="amax", include_self=True)
+    return unpowered(out.index_add(0, index, powered(norms, norm_type)), norm_type)
+
+
+def combine_sharded(local_norms: Tensor, shard_weight: Tensor, reduced_powers: Tensor, norm_type: float) -> Tensor:
+    """Global per-parameter norms from local ones after the one all-reduce.
+
+    Args:
+        local_norms: this rank's per-parameter norms (of local shards for sharded parameters).
+        shard_weight: per parameter, 0 for replicated gradients (identical on every rank, nothing to reduce) and
+            ``1 / replication`` for sharded ones (a shard held by ``replication`` ranks is counted once).
+        reduced_powers: the all-reduced (sum, or max for ``p = inf``) of ``powered(local_norms) * shard_weight``.
+        norm_type: the p of the norm.
+    """
+    sharded = shard_weight > 0
+    return torch.where(sharded, unpowered(reduced_powers, norm_type), local_norms)
+
+
+@dataclass
+class ParamIndex:
+    """Static description of the parameters one optimizer steps, built once and reused every step.
+
+    Parameters are ordered so that gradients of the same (device, dtype) are adjacent.
+    """
+
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    module_names: list[str]
+    module_index: Tensor | None
+    group_index: Tensor
+    num_groups: int
+    shard_weight: Tensor
+    any_sharded: bool
+    depth: int
+
+    @property
+    def num_params(self) -> int:
+        return len(self.params)
+
+
+def module_key(param_name: str, depth: int) -> str:
+    """The module a parameter is grouped under at ``depth`` components of its owner's qualified name.
+
+    Example::
+
+        >>> module_key("encoder.layer.3.attn.q.weight", 3)
+        'encoder.layer.3'
+        >>> module_key("lm_head.weight", 3)
+        'lm_head'
+        >>> module_key("scale", 2)
+        '<root>'
+    """
+    owner = param_name.split(".")[:-1]
+    return ".".join(owner[:depth]) if owner else "<root>"
+
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def clean_param_name(name: str) -> str:
+    """Strip the names that FSDP1, ``checkpoint_wrapper``, ``torch.compile`` and DDP insert into a parameter's name."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _replication(param: Tensor) -> int:
+    """How many ranks hold the same shard of a DTensor parameter (1 for a fully sharded one)."""
+    placements = getattr(param, "placements", None)
+    mesh = getattr(param, "device_mesh", None)
+    if placements is None or mesh is None:
+        return 1
+    factor = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            factor *= mesh.size(dim)
+    return factor
+
+
+def build_param_index(
+    param_groups: Sequence[dict],
+    names_by_id: dict[int, str],
+    depth: int,
+    device: torch.device,
+    flat_sharded: bool = False,
+) -> ParamIndex:
+    """Order an optimizer's trainable parameters by (device, dtype) and precompute the grouping indices.
+
+    Args:
+        param_groups: ``optimizer.param_groups``.
+        names_by_id: ``id(param) -> qualified name`` from the LightningModule.
+        depth: module-tree depth of the per-module grouping; 0 disables it.
+        device: where the index tensors live (the device of the gradients).
+        flat_sharded: every gradient is a local shard (FSDP1); DTensor parameters are detected on their own.
+    """
+    entries: list[tuple[str, str, int, str, torch.nn.Parameter]] = []
+    for g, group in enumerate(param_groups):
+        for j, p in enumerate(group["params"]):
+            if p.requires_grad:
+                name = clean_param_name(names_by_id.get(id(p), f"param_group{g}.param{j}"))
+                entries.append((str(p.device), str(p.dtype), g, name, p))
+    # A stable sort keeps the optimizer's order inside each (device, dtype) group.
+    entries.sort(key=lambda e: (e[0], e[1]))
+    params = [e[4] for e in entries]
+    groups = [e[2] for e in entries]
+    names = [e[3] for e in entries]
+
+    module_names: list[str] = []
+    module_index: Tensor | None = None
+    if depth > 0:
+        keys = [module_key(n, depth) for n in names]
+        module_names = list(dict.fromkeys(keys))
+        lookup = {k: i for i, k in enumerate(module_names)}
+        module_index = torch.tensor([lookup[k] for k in keys], dtype=torch.long, device=device)
+
+    weights = []
+    any_sharded = False
+    for p in params:
+        sharded = flat_sharded or hasattr(p, "placements")
+        any_sharded |= sharded
+        weights.append(1.0 / _replication(p) if sharded else 0.0)
+    return ParamIndex(
+        params=params,
+        names=names,
+        module_names=module_names,
+        module_index=module_index,
+        group_index=torch.tensor(groups, dtype=torch.long, device=device),
+        num_groups=len(param_groups),
+        shard_weight=torch.tensor(weights, dtype=torch.float32, device=device),
+        any_sharded=any_sharded,
+        depth=depth,
+    )
+
+
+@dataclass
+class GradStats:
+    """The gradient statistics of one optimizer step, all device tensors (reading them is the caller's choice).
+
+    Attributes:
+        norm_type: the p of every norm in this record.
+        param_norms: ``[P]`` global norm of every trainable parameter's gradient (0 where it has none).
+        names: ``[P]`` qualified parameter names, aligned with ``param_norms``.
+        module_norms: ``[M]`` norms per module at the chosen depth (``None`` when depth is 0).
+        module_names: ``[M]`` the module names.
+        group_norms: ``[G]`` norms per optimizer param group.
+        total: scalar total norm, equal to ``torch.nn.utils.get_total_norm`` over all gradients.
+        finite: scalar bool, False when any gradient element is NaN or Inf.
+        missing: names of trainable parameters that had no gradient at this step.
+        scale: scalar factor the gradients will be multiplied by before clipping (accumulation); derived norms
+            below account for it, the raw ones above do not.
+    """
+
+    norm_type: float
+    param_norms: Tensor
+    names: list[str]
+    module_norms: Tensor | None
+    module_names: list[str]
+    group_norms: Tensor
+    total: Tensor
+    finite: Tensor
+    missing: list[str] = field(default_factory=list)
+
+
+def derive_stats(index: ParamIndex, param_norms: Tensor, norm_type: float, missing: list[str]) -> GradStats:
+    """Build a :class:`GradStats` from global per-parameter norms (no gradient is read here)."""
+    total = total_norm(param_norms, norm_type)
+    module_norms = None
+    if index.module_index is not None:
+        module_norms = grouped_norms(param_norms, index.module_index, len(index.module_names), norm_type)
+    return GradStats(
+        norm_type=norm_type,
+        param_norms=param_norms,
+        names=index.names,
+        module_norms=module_norms,
+        module_names=index.module_names,
+        group_norms=grouped_norms(param_norms, index.group_index, index.num_groups, norm_type),
+        total=total,
+        finite=torch.isfinite(total),
+        missing=missing,
+    )

@@ -1,0 +1,143 @@
+"""Shared test utilities: a host-sync counter, small models and a Trainer factory."""
+
+from __future__ import annotations
+
+import csv
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+# Tensor methods that force a device-to-host synchronization on a GPU.
+SYNC_METHODS = ("item", "__bool__", "tolist", "cpu", "numpy", "nonzero", "__int__", "__float__")
+
+
+class SyncCounter:
+    """Counts calls of the Tensor methods that would sync a GPU, while ``active`` (or inside watched methods)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.depth = 0
+        self._originals: dict[str, Callable[..., Any]] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def install(self) -> None:
+        for name in SYNC_METHODS:
+            original = getattr(torch.Tensor, name)
+            self._originals[name] = original
+
+            def wrapper(t: Tensor, *args: Any, __name: str = name, __orig: Callable = original, **kw: Any) -> Any:
+                if self.depth > 0:
+                    self.counts[__name] += 1
+                return __orig(t, *args, **kw)
+
+            setattr(torch.Tensor, name, wrapper)
+
+    def uninstall(self) -> None:
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, original)
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    def watch(self, obj: Any, method: str) -> None:
+        """Count syncs only while ``obj.method`` runs."""
+        original = getattr(obj, method)
+
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with self.active():
+                return original(*args, **kwargs)
+
+        setattr(obj, method, counted)
+
+
+@contextmanager
+def count_syncs() -> Iterator[SyncCounter]:
+    counter = SyncCounter()
+    counter.install()
+    try:
+        yield counter
+    finally:
+        counter.uninstall()
+
+
+class MLPModule(pl.LightningModule):
+    """A small regression model with named submodules (``encoder.0``, ``encoder.2``, ``head``)."""
+
+    def __init__(self, lr: float = 0.1, optimizer: str = "sgd", hidden: int = 16, param_groups: bool = False) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, hidden))
+        self.head = nn.Linear(hidden, 1)
+        self.lr = lr
+        self.optimizer_name = optimizer
+        self.use_param_groups = param_groups
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.encoder(x)))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params: Any = self.parameters()
+        if self.use_param_groups:
+            params = [{"params": self.encoder.parameters()}, {"params": self.head.parameters(), "lr": self.lr / 2}]
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(params, lr=self.lr)
+        return torch.optim.SGD(params, lr=self.lr)
+
+
+def regression_data(n: int = 64, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, :1] * 2.0 - x[:, 1:2]).tanh() + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    return DataLoader(regression_data(n, seed), batch_size=batch_size, shuffle=False)
+
+
+def make_trainer(tmp_path: Path, **kwargs: Any) -> pl.Trainer:
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=CSVLogger(tmp_path, name="logs"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+def read_metrics(trainer: pl.Trainer) -> list[dict[str, str]]:
+    """Rows of the CSVLogger's metrics.csv."""
+    path = Path(trainer.logger.log_dir) / "metrics.csv"
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def column(rows: list[dict[str, str]], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
