@@ -116,6 +116,14 @@ def loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
     return DataLoader(regression_data(n, seed), batch_size=batch_size, shuffle=False)
 
 
+def rank_loader(rank: int, world_size: int = 2, n: int = 32, batch_size: int = 4, seed: int = 0) -> DataLoader:
+    """Rank ``r`` gets samples ``r, r + world, ...``: step k of all ranks together is batch k of
+    ``loader(n, batch_size * world_size)``, so a single-process reference sees the same global batches.
+    Use with ``Trainer(use_distributed_sampler=False)`` (Lightning's sampler shuffles)."""
+    data = regression_data(n, seed)
+    return DataLoader(torch.utils.data.Subset(data, range(rank, n, world_size)), batch_size=batch_size)
+
+
 def make_trainer(tmp_path: Path, **kwargs: Any) -> pl.Trainer:
     defaults: dict[str, Any] = dict(
         accelerator="cpu",
@@ -141,3 +149,26 @@ def read_metrics(trainer: pl.Trainer) -> list[dict[str, str]]:
 
 def column(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
+
+
+SCRIPTS = Path(__file__).parent / "distributed"
+
+
+def run_distributed(script: str, out_dir: Path, *args: str, timeout: float = 300) -> list[dict[str, Any]]:
+    """Run ``tests/distributed/<script>`` as a 2-process CPU job and return each rank's JSON result.
+
+    The script is started once; Lightning's launcher (``strategy="ddp"`` or ``ModelParallelStrategy``) starts the
+    second rank by re-running the same command. Each rank writes ``rank<r>.json`` into ``out_dir``.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(SCRIPTS / script), "--out", str(out_dir), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=out_dir)
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]

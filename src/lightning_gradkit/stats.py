@@ -67,6 +67,9 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
     for i in range(1, len(tensors) + 1):
         if i == len(tensors) or not _same_group(tensors[i], tensors[start]):
             run = list(tensors[start:i])
+            if math.isinf(norm_type):
+                # A rank's shard of a small parameter can be empty (FSDP); its inf-norm is 0, not an error.
+                run = [t if t.numel() else t.new_zeros(1) for t in run]
             low_precision = run[0].dtype in (torch.float16, torch.bfloat16)
             norms = torch._foreach_norm(run, norm_type, dtype=torch.float32 if low_precision else None)
             pieces.append(torch.stack(norms).to(out_device, torch.float32, non_blocking=True))

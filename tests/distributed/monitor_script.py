@@ -1,0 +1,65 @@
+"""2-process CPU job: GradNormMonitor under DDP or FSDP2 (ModelParallelStrategy); each rank records what it logged."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from helpers import MLPModule, rank_loader
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from lightning_gradkit import GradNormMonitor
+
+
+class ShardedMLP(MLPModule):
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for module in (self.encoder, self.head):
+            fully_shard(module, mesh=mesh)
+
+
+class Record(pl.Callback):
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("grad_norm")})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--strategy", choices=["ddp", "fsdp2"], required=True)
+    parser.add_argument("--norm-type", type=float, default=2.0)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    if args.strategy == "fsdp2":
+        model, strategy = ShardedMLP(), ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    else:
+        model, strategy = MLPModule(), "ddp"
+    record = Record()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        use_distributed_sampler=False,
+        callbacks=[GradNormMonitor(norm_type=args.norm_type, depth=1), record],
+    )
+    trainer.fit(model, rank_loader(trainer.global_rank))
+    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record.rows))
+
+
+if __name__ == "__main__":
+    main()
