@@ -4,12 +4,16 @@ Public API only; see DESIGN in the README for the architecture ("measure once, d
 once").
 """
 
+from lightning_gradkit.callbacks.checkpointing import ActivationCheckpointing
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
+from lightning_gradkit.checkpointing import inject_activation_checkpointing
 from lightning_gradkit.stats import GradStats
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "ActivationCheckpointing",
     "GradNormMonitor",
     "GradStats",
+    "inject_activation_checkpointing",
 ]
