@@ -129,6 +129,16 @@ def build_figure(data: RunData):
         image = ax_heat.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent)
         ax_heat.set_yticks(range(len(modules)), modules, fontsize=7)
         fig.colorbar(image, ax=ax_heat, label="log10 gradient norm", pad=0.01)
+        # Logged but non-finite (NaN/Inf) cells in red; cells with nothing logged stay blank.
+        bad = [
+            (s, row)
+            for row, m in enumerate(modules)
+            for s, v in data.series[_MODULE_PREFIX + m].items()
+            if not math.isfinite(v)
+        ]
+        if bad:
+            ax_heat.scatter([b[0] for b in bad], [b[1] for b in bad], marker="s", color="red", label="non-finite")
+            ax_heat.legend(loc="upper right", fontsize=7)
     else:
         ax_heat.text(0.5, 0.5, "no per-module norms logged (GradNormMonitor(depth=...))", ha="center")
     ax_heat.set_title("Per-module gradient norm")
