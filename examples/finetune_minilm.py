@@ -191,6 +191,7 @@ class FineTuneCLI(LightningCLI):
     def after_fit(self) -> None:
         final = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)[0]["val_acc"]
         chance = 1 / len(MODULES)
+        self.accuracies = {"untrained": self.baseline, "fine-tuned": final, "chance": chance}
         print(
             f"\nvalidation accuracy: untrained head {self.baseline:.3f} -> fine-tuned {final:.3f} (chance {chance:.3f})"
         )
