@@ -30,7 +30,7 @@ from lightning_gradkit import ActivationCheckpointing
 from lightning_gradkit.checkpointing import format_bytes
 from lightning_gradkit.demos import ByteDataset, TinyGPTModule, stdlib_text
 
-MODEL = dict(n_layer=8, n_head=4, n_embd=64, block_size=128, dropout=0.0)
+MODEL = dict(n_layer=8, n_head=4, n_embd=128, block_size=128, dropout=0.0)
 BATCH = 16
 SETTINGS: dict[str, dict[str, Any] | None] = {
     "a_none": None,

@@ -57,11 +57,14 @@ class ActivationCheckpointing(Callback):
       ``configure_model`` are checkpointed now (correct after ``fully_shard``/FSDP wrapping, since only
       ``forward`` changes), and targets that still match nothing raise. An injection of ours that Lightning's
       ``FSDPStrategy(activation_checkpointing_policy=...)`` wrapped again is undone (no double checkpointing).
-    - First training batch (``measure=True``): one extra forward without backward, under the step's precision,
-      measures the saved-activation bytes (with ``torch.autograd.graph.saved_tensors_hooks``; saved tensors are
-      counted and dropped, so the un-checkpointed measurement needs no extra memory), then again with checkpointing;
-      rank 0 logs a one-screen summary. RNG states, buffers and logging are left untouched; DDP gradient sync is
-      off for it. With ``memory_budget``, the plan is made here and broadcast from rank 0.
+    - First training batch (``measure=True``): two extra forwards of ``training_step`` on that batch, without
+      backward and in eager mode, under the step's precision: one with checkpointing bypassed, one with it. They
+      measure the saved-activation bytes with ``torch.autograd.graph.saved_tensors_hooks`` (saved tensors are
+      counted and dropped, so the un-checkpointed measurement needs no extra memory). RNG states, buffers and
+      ``self.log`` are left untouched and DDP gradient sync is off; other side effects of ``training_step`` (a
+      counter it increments) happen twice more. Rank 0 logs a one-screen summary. With ``memory_budget``, the plan
+      is made here, on rank 0's batch, and broadcast. The summary cannot come at ``setup``: the model is not on its
+      device yet and there is no batch.
     - ``teardown``: the injections are removed; the model is returned as it was given.
 
     Args:
