@@ -4,12 +4,18 @@ Public API only; see DESIGN in the README for the architecture ("measure once, d
 once").
 """
 
+from lightning_gradkit.accumulation import ManualAccumulator
+from lightning_gradkit.callbacks.accumulation import AccumulationGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
+from lightning_gradkit.callbacks.validation import InferenceModeValidation
 from lightning_gradkit.stats import GradStats
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AccumulationGuard",
     "GradNormMonitor",
     "GradStats",
+    "InferenceModeValidation",
+    "ManualAccumulator",
 ]

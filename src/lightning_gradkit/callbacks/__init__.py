@@ -1,5 +1,7 @@
 """Lightning callbacks of lightning_gradkit, one per file."""
 
+from lightning_gradkit.callbacks.accumulation import AccumulationGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
+from lightning_gradkit.callbacks.validation import InferenceModeValidation
 
-__all__ = ["GradNormMonitor"]
+__all__ = ["AccumulationGuard", "GradNormMonitor", "InferenceModeValidation"]
