@@ -10,8 +10,8 @@ from typing import Any, Literal, get_args
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.accelerators import XLAAccelerator
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.accelerators import Accelerator, XLAAccelerator
+from lightning.pytorch.strategies import FSDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
@@ -41,8 +41,8 @@ def _is_fsdp2(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
-def inference_mode_unsafe_reason(trainer: pl.Trainer) -> str | None:
-    """Why in-fit validation must not run under ``torch.inference_mode`` with this Trainer, or ``None``.
+def inference_mode_unsafe_reason(strategy: Strategy, accelerator: Accelerator, module: nn.Module | None) -> str | None:
+    """Why in-fit validation must not run under ``torch.inference_mode`` with this setup, or ``None``.
 
     - FSDP1 (``FSDPStrategy``): the unsharded flat-parameter views made in an inference-mode forward are
       inference tensors that the next training forward cannot use (pytorch/pytorch#95957; Lightning's own
@@ -53,17 +53,17 @@ def inference_mode_unsafe_reason(trainer: pl.Trainer) -> str | None:
       (checked with torch 2.13).
     - the ``gloo`` backend and XLA: Lightning's evaluation loop itself refuses inference mode there.
     """
-    if isinstance(trainer.strategy, FSDPStrategy):
+    if isinstance(strategy, FSDPStrategy):
         return (
             "FSDP1 (`FSDPStrategy`) turns its unsharded parameter views into inference tensors that break the next "
             "training step (pytorch/pytorch#95957)"
         )
-    if trainer.lightning_module is not None and _is_fsdp2(trainer.lightning_module):
+    if module is not None and _is_fsdp2(module):
         return (
             "FSDP2 (`fully_shard`) allocates its all-gather buffers on the first forward; under inference mode they "
             "become inference tensors that the training step cannot write"
         )
-    if isinstance(trainer.accelerator, XLAAccelerator):
+    if isinstance(accelerator, XLAAccelerator):
         return "XLA does not support `torch.inference_mode` (Lightning's evaluation loop uses `no_grad` there)"
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
         return "Lightning's evaluation loop uses `no_grad` with the gloo backend"
@@ -158,11 +158,12 @@ class InferenceModeValidation(pl.Callback):
 
     The hazard of inference mode is a tensor created during validation and kept: a cache on a module (rotary
     tables, a running statistic, a torchmetrics state reset in validation) is an inference tensor, and training
-    fails with "Inference tensors cannot be saved for backward" (Lightning #20181). So before the first training
-    batch after any validation (and at train start, which covers the sanity check and an earlier
-    ``trainer.validate``) every module's buffers and tensor attributes (also inside lists, tuples and dicts) are
-    searched; inference tensors are replaced by normal clones (``on_inference_tensors="clone"``) or named in an
-    error (``"raise"``). A parameter that became an inference tensor always raises: the optimizer holds the old one.
+    fails with "Inference tensors cannot be saved for backward" (Lightning #20181). So at the end of every
+    validation (also ``trainer.validate``), again before the next training batch (hooks that run after this
+    callback's may still cache tensors) and at train start (an earlier validation without the callback), every
+    module's buffers and tensor attributes (also inside lists, tuples and dicts) are searched; inference tensors
+    are replaced by normal clones (``on_inference_tensors="clone"``) or named in an error (``"raise"``). A
+    parameter that became an inference tensor always raises: the optimizer holds the old one.
 
     With ``check_finite``, the validation metrics (``trainer.callback_metrics`` logged by that validation) are
     read once at validation end; non-finite ones are named in a warning and appended as an event to
@@ -222,7 +223,7 @@ class InferenceModeValidation(pl.Callback):
                 "InferenceModeValidation: the Trainer's fit loop has no `epoch_loop.val_loop.inference_mode` switch "
                 f"(custom loop `{type(trainer.fit_loop).__name__}`, or an unsupported Lightning version)."
             )
-        reason = inference_mode_unsafe_reason(trainer)
+        reason = inference_mode_unsafe_reason(trainer.strategy, trainer.accelerator, pl_module)
         self._enabled = reason is None
         if reason is not None:
             if self.fallback == "raise":
@@ -263,9 +264,12 @@ class InferenceModeValidation(pl.Callback):
             self._metrics_before = dict(trainer.callback_metrics)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._scan_pending = True
         if self.check_finite:
             self._check_finite(trainer)
+        # Now, and again before the next training batch: hooks that run after this one (the LightningModule's own
+        # `on_validation_end`, later callbacks) may still cache tensors.
+        self._repair(pl_module)
+        self._scan_pending = True
 
     def _check_finite(self, trainer: pl.Trainer) -> None:
         before, self._metrics_before = self._metrics_before, {}
