@@ -76,8 +76,10 @@ def test_model_is_in_eval_inside_and_modes_restored_after(tmp_path: Path) -> Non
 
 
 def test_fit_restores_lightning_validation_mode_afterwards(tmp_path: Path) -> None:
+    model = ModeRecorder()
     trainer = make_trainer(tmp_path, limit_val_batches=1, callbacks=[InferenceModeValidation()])
-    trainer.fit(MLPModule(), loader(n=16), loader(n=8))
+    trainer.fit(model, loader(n=16), loader(n=8))
+    assert [s["inference"] for s in model.seen] == [True]
     assert trainer.fit_loop.epoch_loop.val_loop.inference_mode is False
 
 
