@@ -86,7 +86,8 @@ def main() -> None:
     base = statistics.median(times["lightning_no_grad"])
     print(f"### In-fit validation time ({machine()})")
     print()
-    print(f"{args.val_batches} batches of {args.batch_size} x {MODEL['block_size']} tokens per validation, model {MODEL}")
+    shape = f"{args.val_batches} batches of {args.batch_size} x {MODEL['block_size']} tokens"
+    print(f"{shape} per validation, model {MODEL}")
     print()
     print("| configuration | validations | median per validation (ms) | per batch (ms) | ratio vs lightning_no_grad |")
     print("| --- | ---: | ---: | ---: | ---: |")

@@ -61,7 +61,8 @@ class AccumulationGuard(GradKitCallback):
       gradients are freed with ``zero_grad(set_to_none=True)``; Lightning would free them only after the next
       window's first forward, so they would occupy memory through that whole forward pass. Done in
       ``on_train_batch_end`` rather than in an optimizer step post-hook so that it also happens when the step is
-      skipped (AMP overflow, a gradkit guard).
+      skipped (AMP overflow, a gradkit guard). Read gradients in ``on_before_optimizer_step``, not in
+      ``on_train_batch_end``. Turn it off if gradient buffers must keep their addresses (CUDA graphs).
     - ``check_clean``: at the first backward of every window (``on_before_backward``, which runs after
       Lightning's ``zero_grad`` and also inside ``manual_backward``) the gradients must be ``None`` or zero.
       The classic failure is manual optimization that forgets ``optimizer.zero_grad()``, or an
