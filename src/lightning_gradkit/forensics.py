@@ -72,7 +72,7 @@ class Finding:
 
 def clean_module_name(name: str) -> str:
     """Drop the components that ``torch.compile``, FSDP, checkpoint wrappers and DDP add to a module's name."""
-    parts = [p for p in name.split(".") if p not in _WRAPPER_COMPONENTS]
+    parts = [p for p in name.split(".") if p and p not in _WRAPPER_COMPONENTS]
     return ".".join(parts) if parts else "<root>"
 
 
@@ -240,7 +240,9 @@ def find_nonfinite_origin(
             if anomaly:
                 traces = [str(w.message) for w in caught if "Traceback of forward call" in str(w.message)]
                 if traces:
-                    detail["anomaly_forward_trace"] = traces[0][-2000:]
+                    # The header, then the innermost frames: where the forward op that made the NaN was called.
+                    head, _, body = traces[0].partition("\n")
+                    detail["anomaly_forward_trace"] = head + "\n..." + body[-1500:]
     finally:
         for h in handles:
             h.remove()

@@ -21,9 +21,7 @@ _RELATIVE_STD_FLOOR = 1e-6
 _ABSOLUTE_STD_FLOOR = 1e-12
 
 
-def ema_update(
-    mean: Tensor, var: Tensor, count: Tensor, x: Tensor, alpha: float
-) -> tuple[Tensor, Tensor, Tensor]:
+def ema_update(mean: Tensor, var: Tensor, count: Tensor, x: Tensor, alpha: float) -> tuple[Tensor, Tensor, Tensor]:
     r"""One NaN-masked step of the exponentially weighted mean and variance.
 
     The weight of the new value is :math:`w = \max(1/n, 1 - \alpha)` where :math:`n` counts the finite values

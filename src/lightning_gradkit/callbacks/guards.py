@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _Engine, is_logging_step, world_size
+from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _Engine, world_size
 from lightning_gradkit.events import EventLog, events_dir
 from lightning_gradkit.forensics import Finding, RNGState, capture_rng, replay_training_step
 from lightning_gradkit.running import RunningMoments, WindowMoments, spike_decision
@@ -323,7 +323,9 @@ class NonFiniteGuard(_Guard):
         self._scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
 
     # -- per micro-batch ---------------------------------------------------------------------------------------
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.forensics and not self._forensics_done and self._reads_on_host():
             # A reference (no copy) and the torch RNG state, so the replay repeats this batch's dropout masks.
             self._batches.append((batch, batch_idx, capture_rng(full=False)))
@@ -399,8 +401,15 @@ class NonFiniteGuard(_Guard):
             finding = self._replay(trainer, pl_module)
         local = {
             "rank": trainer.global_rank,
-            "losses": [v for t in self._losses for v in t.float().reshape(-1).tolist()],
-            "finding": None if finding is None else {"culprit": finding.culprit, "phase": finding.phase, **finding.detail},
+            # As training_step returned them (Lightning divides by the accumulation count before the backward).
+            "losses": [
+                v * trainer.accumulate_grad_batches
+                for t in self._losses
+                for v in _unscaled_loss(trainer, t).reshape(-1).tolist()
+            ],
+            "finding": None
+            if finding is None
+            else {"culprit": finding.culprit, "phase": finding.phase, **finding.detail},
             "described": None if finding is None else finding.describe(),
         }
         per_rank = _gather(local)
@@ -469,7 +478,9 @@ class NonFiniteGuard(_Guard):
         if self._first_finding is not None:
             f = self._first_finding
             first_found = f" The first detection (step {f['step']}) found: {f['described']}."
-        applied = "" if self.action == "skip" else f" Those updates were applied: use a checkpoint from before step {first}."
+        applied = (
+            "" if self.action == "skip" else f" Those updates were applied: use a checkpoint from before step {first}."
+        )
         raise RuntimeError(
             f"NonFiniteGuard: {self.max_consecutive} consecutive optimizer steps had non-finite values (steps "
             f"{first}-{last}); giving up. Last one: {summary}{first_found}{applied} {_last_checkpoint(trainer)}. "
@@ -484,7 +495,9 @@ class NonFiniteGuard(_Guard):
         names = self._param_names
         first, last, count = int(record["first"]), int(record["last"]), int(record["count"])
         loss_ranks = record.get("loss_ranks")
-        bad_ranks = [r for r, v in enumerate(loss_ranks if isinstance(loss_ranks, list) else [loss_ranks or 0]) if v > 0]
+        bad_ranks = [
+            r for r, v in enumerate(loss_ranks if isinstance(loss_ranks, list) else [loss_ranks or 0]) if v > 0
+        ]
         grads = bool(record.get("grads", 0.0))
         param = names[int(record["param"])] if grads and names else None
         what = _what(bool(bad_ranks), grads)
