@@ -225,6 +225,23 @@ def test_fused_adam_skips_on_device_with_zero_host_syncs(tmp_path: Path) -> None
     assert event["first_step"] == 2 and event["culprit"] == "encoder.0.weight"
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_fused_adam_skip_is_exact_under_mixed_precision(tmp_path: Path, precision: str) -> None:
+    """The fused kernel receives the skip as ``found_inf`` (under 16-mixed combined with the GradScaler's own)."""
+    fault = Fault("activation", NAN)
+    if precision == "16-mixed":
+        kwargs = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))]}
+    else:
+        kwargs = {"precision": precision}
+    torch.manual_seed(0)
+    model = FaultModule(fault, fused=True)
+    trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[NonFiniteGuard()], **kwargs)
+    with pytest.warns(UserWarning, match="NonFiniteGuard"):
+        trainer.fit(model, loader())
+    assert state_equal(model.snapshots[2], model.snapshots[3])
+    assert not state_equal(model.snapshots[3], model.snapshots[4])
+
+
 def test_ordinary_optimizer_costs_one_host_read_per_step(tmp_path: Path) -> None:
     torch.manual_seed(0)
     trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[NonFiniteGuard()], log_every_n_steps=1000)

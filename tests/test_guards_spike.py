@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor
 
 from helpers import column, loader, make_trainer, read_metrics
@@ -153,6 +154,22 @@ def test_grad_norm_spike_is_skipped_exactly(tmp_path: Path) -> None:
     (event,) = events(trainer)
     assert event["what"] == "grad_norm_spike" and event["step"] == 9 and event["culprit"] is not None
     assert len(warned) == 1 and "The update was skipped" in warned[0]
+
+
+def test_fused_adam_spike_skip_under_fp16_gradscaler(tmp_path: Path) -> None:
+    """A finite spike does not trip the GradScaler: only the guard's flag, passed as ``found_inf`` together with
+    the scaler's, keeps the fused kernel from stepping."""
+    model = SpikyModule()
+    model.optimizer_name, model.fused, model.lr = "adam", True, 0.01
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    guard = SpikeGuard("loss", z_threshold=4.0, warmup_steps=5, action="skip")
+    model, trainer, warned = run(
+        tmp_path, guard, model=model, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    )
+    assert state_equal(model.snapshots[9], model.snapshots[10])
+    assert not state_equal(model.snapshots[8], model.snapshots[9])
+    assert scaler.get_scale() == 2.0**8  # the scaler itself never skipped
+    assert [e["step"] for e in events(trainer)] == [9] and len(warned) == 1
 
 
 def test_raise_stops_before_the_spiky_update(tmp_path: Path) -> None:

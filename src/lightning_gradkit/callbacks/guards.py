@@ -446,7 +446,10 @@ class NonFiniteGuard(_Guard):
             return Finding(None, "unavailable", {"reason": reason})
         finding = Finding(None, "not_reproduced")
         for batch, batch_idx, rng in self._batches:
-            finding = replay_training_step(trainer, pl_module, batch, batch_idx, rng, anomaly=self.detect_anomaly)
+            try:
+                finding = replay_training_step(trainer, pl_module, batch, batch_idx, rng, anomaly=self.detect_anomaly)
+            except Exception as err:  # forensics must never be what stops a run
+                return Finding(None, "unavailable", {"reason": f"the replay failed: {type(err).__name__}: {err}"})
             if finding.culprit is not None:
                 finding.detail["batch_idx"] = batch_idx
                 break
@@ -665,6 +668,7 @@ class SpikeGuard(_Guard):
                 )
         self.window = window
         self._stats: RunningMoments | WindowMoments = WindowMoments(window) if window else RunningMoments(self.alpha)
+        self._device = torch.device("cpu")
         self._loss_sum: Tensor | None = None
         self._step: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
         self._spikes = 0
@@ -700,9 +704,9 @@ class SpikeGuard(_Guard):
             x = plan.reduced[self._key].reshape(()) / max(world_size(), 1)
         else:
             x = plan.scaled(plan.stats[2.0].total)
-        device = x.device
-        if self._stats.moments()[0].device != device:
-            self._stats.to(device)
+        if self._device != x.device:
+            self._stats.to(x.device)
+            self._device = x.device
         mean, var, count = self._stats.moments()
         spike, z, record = spike_decision(x, mean, var, count, self.z_threshold, self.warmup_steps)
         std = var.clamp_min(0.0).sqrt()
