@@ -254,14 +254,15 @@ def test_ordinary_optimizer_costs_one_host_read_per_step(tmp_path: Path) -> None
 # -- learning-rate schedulers and accumulation ---------------------------------------------------------------------
 class ScheduledFaultModule(FaultModule):
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr, fused=self.fused or None)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def test_step_scheduler_does_not_advance_on_a_skipped_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused_adam"])
+def test_step_scheduler_does_not_advance_on_a_skipped_step(tmp_path: Path, fused: bool) -> None:
     torch.manual_seed(0)
-    model = ScheduledFaultModule(Fault("loss", NAN, batch_idx=3))
+    model = ScheduledFaultModule(Fault("loss", NAN, batch_idx=3), fused=fused)
     trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[NonFiniteGuard()])
     with pytest.warns(UserWarning, match="NonFiniteGuard"):
         trainer.fit(model, loader())
@@ -404,6 +405,21 @@ def test_closure_re_evaluating_optimizer_is_refused_at_setup(tmp_path: Path) -> 
 def test_bad_arguments_raise_naming_the_argument(kwargs: dict, argument: str) -> None:
     with pytest.raises(ValueError, match=f"`{argument}`"):
         NonFiniteGuard(**kwargs)
+
+
+def test_skip_count_survives_a_resume(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = FaultModule(Fault("loss", NAN, batch_idx=2))
+    trainer = make_trainer(tmp_path / "a", strategy="gradkit", callbacks=[NonFiniteGuard()], max_epochs=1)
+    with pytest.warns(UserWarning):
+        trainer.fit(model, loader())
+    trainer.save_checkpoint(tmp_path / "epoch1.ckpt")
+    model.fault = Fault("loss", NAN, batch_idx=5)  # one more in epoch 2
+    trainer = make_trainer(tmp_path / "b", strategy="gradkit", callbacks=[NonFiniteGuard()], max_epochs=2)
+    with pytest.warns(UserWarning):
+        trainer.fit(model, loader(), ckpt_path=tmp_path / "epoch1.ckpt")
+    assert column(read_metrics(trainer), "gradkit/skipped_steps")[-1] == 2.0
+    assert trainer.callbacks[0].state_dict()["skipped_steps"] == 2.0
 
 
 def test_state_dict_round_trips(tmp_path: Path) -> None:

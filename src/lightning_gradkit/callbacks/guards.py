@@ -2,7 +2,8 @@
 
 Both guards decide on device, in the shared per-step engine (stage ``GUARD``), from values that are identical on
 every rank: gradient statistics after the DDP all-reduce, and per-rank loss values summed in the engine's single
-collective. So every rank takes the same decision and no extra collective is issued.
+collective. So every rank takes the same decision and no extra collective is issued (except once per detection,
+when the ranks' findings are gathered for the report).
 
 When a guard *acts* it reads its flag to the host:
 
@@ -131,7 +132,6 @@ class _Guard(GradKitCallback):
     """Shared wiring: argument checks, strategy check, the event log, host-read or device-ledger reporting."""
 
     _stage = Stage.GUARD
-    _label = "Guard"
 
     def __init__(self, action: str) -> None:
         self.action = action
@@ -165,7 +165,7 @@ class _Guard(GradKitCallback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._reads_on_host():
-            self._report_ledger(trainer, final=True)
+            self._report_ledger(trainer)
 
     # -- shared helpers ----------------------------------------------------------------------------------------
     def _needs_step_control(self) -> bool:
@@ -198,7 +198,7 @@ class _Guard(GradKitCallback):
             fields.setdefault("batch_idx", trainer.fit_loop.epoch_loop.batch_idx)
             self._events.write(source=type(self).__name__, action=self.action, **fields)
 
-    def _report_ledger(self, trainer: pl.Trainer, final: bool = False) -> None:
+    def _report_ledger(self, trainer: pl.Trainer) -> None:
         """Lazy mode: read what was counted on device since the last read and report it."""
 
     def _skipped_state(self) -> dict[str, float]:
@@ -282,8 +282,6 @@ class NonFiniteGuard(_Guard):
         >>> from lightning_gradkit import NonFiniteGuard
         >>> trainer = Trainer(strategy="gradkit", accelerator="cpu", callbacks=[NonFiniteGuard(action="skip")])
     """
-
-    _label = "NonFiniteGuard"
 
     def __init__(
         self,
@@ -491,7 +489,7 @@ class NonFiniteGuard(_Guard):
         )
 
     # -- lazy reporting (device ledger) ------------------------------------------------------------------------
-    def _report_ledger(self, trainer: pl.Trainer, final: bool = False) -> None:
+    def _report_ledger(self, trainer: pl.Trainer) -> None:
         record = self._ledger.read()
         if record is None:
             return
@@ -641,8 +639,6 @@ class SpikeGuard(_Guard):
         >>> trainer = Trainer(strategy="gradkit", accelerator="cpu", callbacks=[SpikeGuard("loss", action="skip")])
     """
 
-    _label = "SpikeGuard"
-
     def __init__(
         self,
         monitor: Literal["loss", "grad_norm"] = "loss",
@@ -733,7 +729,7 @@ class SpikeGuard(_Guard):
         elif plan.logging_step:
             self._report_ledger(trainer)
 
-    def _report_ledger(self, trainer: pl.Trainer, final: bool = False) -> None:
+    def _report_ledger(self, trainer: pl.Trainer) -> None:
         record = self._ledger.read()
         if record is None:
             return
