@@ -77,6 +77,7 @@ class StepPlan:
     skip_reasons: dict[str, Tensor] = field(default_factory=dict)
     post_clip_param_norms: Tensor | None = None
     _post_clip_total: Tensor | None = None
+    _skip_host: bool | None = None
 
     @property
     def primary(self) -> GradStats:
@@ -99,6 +100,18 @@ class StepPlan:
         """Ask the strategy not to step the optimizer when ``flag`` (a bool device scalar) is true."""
         self.skip_reasons[reason] = flag
         self.skip = flag if self.skip is None else self.skip | flag
+
+    def skip_on_host(self) -> bool:
+        """The skip decision as a Python bool: one host read per step, shared by everyone who asks."""
+        if self._skip_host is None:
+            self._skip_host = bool(self.skip) if self.skip is not None else False
+        return self._skip_host
+
+    def skip_known_on_host(self) -> bool | None:
+        """The skip decision if it was already read to the host this step, else ``None`` (never synchronizes)."""
+        if self.skip is None:
+            return False
+        return self._skip_host
 
     def post_clip_total(self) -> Tensor:
         """Total norm (primary norm type) of the gradients after scaling and clipping.
@@ -172,6 +185,7 @@ class _Engine:
         self._indexes: dict[tuple[int, int], ParamIndex] = {}
         self._last_key: tuple[int, int, int] | None = None
         self.last_plans: dict[int, StepPlan] = {}
+        self.skipped_steps: Tensor | None = None
 
     @classmethod
     def of(cls, trainer: pl.Trainer) -> _Engine:
@@ -185,6 +199,7 @@ class _Engine:
         self._indexes.clear()
         self._last_key = None
         self.last_plans.clear()
+        self.skipped_steps = None
 
     @staticmethod
     def callbacks(trainer: pl.Trainer) -> list[GradKitCallback]:
@@ -258,9 +273,14 @@ class _Engine:
         for cb in cbs:
             cb._decide(plan, trainer, pl_module)
         plan.apply()
+        if plan.skip is not None:
+            count = plan.skip.to(torch.float32)
+            self.skipped_steps = count if self.skipped_steps is None else self.skipped_steps + count
+        self.last_plans[id(optimizer)] = plan
         for cb in cbs:
             cb._observe(plan, trainer, pl_module)
-        self.last_plans[id(optimizer)] = plan
+        if self.skipped_steps is not None and plan.logging_step:
+            log_metrics(trainer, pl_module, {"gradkit/skipped_steps": self.skipped_steps})
         return plan
 
     @staticmethod
@@ -324,6 +344,10 @@ class GradKitCallback(Callback):
         _Engine.of(trainer).run(trainer, pl_module, optimizer)
 
     # -- engine steps -------------------------------------------------------------------------------------------
+    def _needs_step_control(self) -> bool:
+        """Whether this callback may ask the strategy to skip an optimizer step (needs a GradKit strategy)."""
+        return False
+
     def _stats_request(self, request: _StatsRequest) -> None:
         """Add the norm types and module depth this callback reads."""
 
