@@ -4,7 +4,9 @@ Public API only; see DESIGN in the README for the architecture ("measure once, d
 once").
 """
 
+from lightning_gradkit.callbacks.graph_leak import GraphLeakGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
+from lightning_gradkit.callbacks.sync_audit import SyncAudit
 from lightning_gradkit.stats import GradStats
 
 __version__ = "0.1.0.dev0"
@@ -12,4 +14,6 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "GradNormMonitor",
     "GradStats",
+    "GraphLeakGuard",
+    "SyncAudit",
 ]
