@@ -551,10 +551,44 @@ def autograd_sequence_marker() -> int:
     return node._sequence_nr() + 1
 
 
-def created_before(tensor: Tensor, marker: int) -> bool:
-    """Whether ``tensor`` holds an autograd graph whose output node is older than ``marker``."""
-    fn = tensor.grad_fn
-    return fn is not None and fn._sequence_nr() < marker
+class OlderGraph:
+    """Tells whether a tensor's autograd graph reaches a node created before ``marker``.
+
+    Such a graph outlived the step in which it was made: ``losses.append(loss)`` holds old output nodes, and
+    ``total = total + loss`` makes a new node each step that links to all the old ones. A graph made entirely in
+    the current step (``self.last_logits = logits``) does not qualify. ``AccumulateGrad`` nodes (numbered last by
+    autograd) never count. Nodes found not to reach an old one are remembered across calls, so checking many tensors
+    of one graph costs one walk.
+
+    Autograd numbers nodes per thread; a graph built in another thread (e.g. a double-backward graph built by
+    autograd's device threads) cannot be dated this way and may be reported.
+
+    Args:
+        marker: an :func:`autograd_sequence_marker` taken when the step started.
+    """
+
+    def __init__(self, marker: int) -> None:
+        self.marker = marker
+        self._clean: set[int] = set()
+        self._alive: list[object] = []  # keeps walked node wrappers alive so that their ids stay unique
+
+    def __call__(self, tensor: Tensor) -> bool:
+        fn = tensor.grad_fn
+        if fn is None:
+            return False
+        stack = [fn]
+        walked: dict[int, object] = {}
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in self._clean or id(node) in walked:
+                continue
+            if node._sequence_nr() < self.marker:
+                return True
+            walked[id(node)] = node
+            stack.extend(f for f, _ in node.next_functions)
+        self._clean.update(walked)
+        self._alive.extend(walked.values())
+        return False
 
 
 @dataclass(frozen=True)
@@ -602,10 +636,10 @@ def _is_user_object(obj: object) -> bool:
 
 
 class _Walker:
-    """Depth-first walk of an object tree for tensors holding a graph older than ``marker`` (any, if ``None``)."""
+    """Depth-first walk of an object tree for tensors with a ``grad_fn`` that ``select`` accepts."""
 
-    def __init__(self, marker: int | None, skip: frozenset[str], budget: int) -> None:
-        self.marker = marker
+    def __init__(self, select: Callable[[Tensor], bool] | None, skip: frozenset[str], budget: int) -> None:
+        self.select = select
         self.skip = skip
         self.budget = budget
         self.seen: set[int] = set()
@@ -617,8 +651,7 @@ class _Walker:
         while stack:
             obj, path = stack.pop()
             if isinstance(obj, Tensor):
-                fn = obj.grad_fn
-                if fn is not None and (self.marker is None or fn._sequence_nr() < self.marker):
+                if obj.grad_fn is not None and (self.select is None or self.select(obj)):
                     self.found.append((path, obj))
                 continue
             if isinstance(obj, _SCALARS) or id(obj) in self.seen:
@@ -652,7 +685,7 @@ def module_graph_tensors(
     module: nn.Module,
     root: str = "module",
     skip: frozenset[str] = frozenset(),
-    marker: int | None = None,
+    select: Callable[[Tensor], bool] | None = None,
     budget: int = _MAX_VISITS,
 ) -> tuple[list[tuple[str, Tensor]], bool]:
     """Tensors with a ``grad_fn`` held in the user attributes of ``module`` and of its submodules.
@@ -665,13 +698,14 @@ def module_graph_tensors(
         module: the root module.
         root: the name the paths start with.
         skip: attribute names not to walk.
-        marker: only tensors whose graph is older than this :func:`autograd_sequence_marker`; ``None`` for all.
+        select: keeps only the tensors it accepts (e.g. an :class:`OlderGraph`); ``None`` keeps every tensor with a
+            ``grad_fn``.
         budget: the most objects to visit; the walk stops there and reports itself truncated.
 
     Returns:
         ``([(path, tensor), ...], truncated)``, e.g. ``("module.history[3]", tensor)``.
     """
-    walker = _Walker(marker, skip, budget)
+    walker = _Walker(select, skip, budget)
     named = list(module.named_modules())
     walker.seen.update(id(m) for _, m in named)
     for name, sub in named:
@@ -684,24 +718,28 @@ def module_graph_tensors(
     return walker.found, False
 
 
-def object_graph_tensors(obj: object, root: str, marker: int | None = None) -> list[tuple[str, Tensor]]:
-    """Tensors with a ``grad_fn`` (older than ``marker``, if given) anywhere in a plain object tree."""
-    walker = _Walker(marker, frozenset(), _MAX_VISITS)
+def object_graph_tensors(
+    obj: object, root: str, select: Callable[[Tensor], bool] | None = None
+) -> list[tuple[str, Tensor]]:
+    """Tensors with a ``grad_fn`` (that ``select`` accepts, if given) anywhere in a plain object tree."""
+    walker = _Walker(select, frozenset(), _MAX_VISITS)
     walker.walk(obj, root)
     return walker.found
 
 
-def gc_graph_tensors(marker: int, exclude: set[int], max_named: int = 5) -> list[tuple[str, Tensor]]:
-    """Every live tensor holding a graph older than ``marker`` and not in ``exclude`` (ids), by a GC scan.
+def gc_graph_tensors(
+    select: Callable[[Tensor], bool], exclude: set[int], max_named: int = 5
+) -> list[tuple[str, Tensor]]:
+    """Every live tensor with a ``grad_fn`` that ``select`` accepts and not in ``exclude`` (ids), by a GC scan.
 
     The first ``max_named`` get a best-effort location from their referrers (``gc.get_referrers`` scans every
     object, so it is kept to a few); the others are named ``<gc>``.
     """
     objects = gc.get_objects()
-    found = [
-        ("<gc>", t) for t in objects if isinstance(t, Tensor) and id(t) not in exclude and created_before(t, marker)
-    ]
+    held = [t for t in objects if isinstance(t, Tensor) and t.grad_fn is not None and id(t) not in exclude]
     del objects
+    found = [("<gc>", t) for t in held if select(t)]
+    del held
     named = [(_locate(t, found), t) for _, t in found[:max_named]]
     return named + found[max_named:]
 

@@ -15,6 +15,7 @@ from torch import nn
 from lightning_gradkit.diagnostics import (
     GraphFootprint,
     GraphTensor,
+    OlderGraph,
     _write_event,
     autograd_sequence_marker,
     check_int,
@@ -65,8 +66,12 @@ def _container(path: str) -> str:
     return path[:cut]
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
 
 
 class GraphLeakGuard(Callback):
@@ -75,19 +80,20 @@ class GraphLeakGuard(Callback):
     Storing a tensor without ``.detach()``/``.item()`` keeps its whole autograd graph alive: every node, and
     every saved activation that ``backward()`` did not free. Done each step, memory grows until the run dies.
     Every ``check_every_n_steps`` training steps, at the end of the step (after backward and the optimizer step),
-    this callback looks for tensors whose ``grad_fn`` was created in an EARLIER step:
+    this callback looks for tensors whose autograd graph reaches into an EARLIER step:
 
     - in the LightningModule's attributes and those of its submodules (lists, tuples, dicts, sets, deques,
       dataclasses, plain objects, nested), named by path (``pl_module.history[120]``);
     - anywhere in the process with ``gc_scan=True`` (slower: it visits every Python object), named by the
       container or frame holding them where it can tell.
 
-    "Earlier" uses autograd's creation order of graph nodes (a
-    :func:`~lightning_gradkit.diagnostics.autograd_sequence_marker` taken when the checked step starts), so a
-    graph made in the current step and overwritten by the next (``self.last_logits = logits``, or weights
-    recomputed in every forward) is not a leak. Parameters and buffers
-    are never reported. The report gives the number of distinct graphs held, their nodes and the memory they pin:
-    the tensors' own storage plus the saved tensors their graphs still hold (see
+    "Earlier" uses autograd's creation order of graph nodes (see :class:`~lightning_gradkit.diagnostics.OlderGraph`,
+    dated by an :func:`~lightning_gradkit.diagnostics.autograd_sequence_marker` taken when the checked step starts).
+    So ``history.append(loss)`` (old graphs kept) and ``total = total + loss`` (a new node each step, linked to all
+    the old ones) are leaks, while a graph made in the current step and replaced in the next
+    (``self.last_logits = logits``, weights recomputed in every forward) is not. Parameters and buffers are never
+    reported. The report gives the number of distinct graphs held, their nodes and the memory they pin: the
+    tensors' own storage plus the saved tensors their graphs still hold (see
     :class:`~lightning_gradkit.diagnostics.GraphFootprint`; parameters and buffers excluded).
 
     On the same checks it also reports:
@@ -183,9 +189,10 @@ class GraphLeakGuard(Callback):
     def _check_leaks(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, marker: int, exclude: set[Any], batch_idx: int
     ) -> None:
-        found, truncated = module_graph_tensors(pl_module, "pl_module", self._skip, marker)
+        older = OlderGraph(marker)
+        found, truncated = module_graph_tensors(pl_module, "pl_module", self._skip, older)
         if self.gc_scan:
-            found += gc_graph_tensors(marker, {id(t) for _, t in found})
+            found += gc_graph_tensors(older, {id(t) for _, t in found})
         if not found:
             return
         footprint = graph_footprint([t for _, t in found], exclude)
@@ -227,7 +234,7 @@ class GraphLeakGuard(Callback):
         lines = [
             f"GraphLeakGuard: at training step {report.batch_idx}, {len(report.tensors)} tensor(s) still hold "
             f"autograd graphs from earlier steps ({fp.graphs} graph(s), {fp.nodes} node(s), "
-            f"{_mib(fp.pinned_bytes)} pinned{' at least' if fp.truncated or report.truncated else ''}):"
+            f"{'at least ' if fp.truncated or report.truncated else ''}{_bytes(fp.pinned_bytes)} pinned):"
         ]
         for container, count in report.containers.items():
             paths = [t.path for t in report.tensors if _container(t.path) == container]
@@ -265,7 +272,7 @@ class GraphLeakGuard(Callback):
                 )
             rank_zero_warn(
                 f"GraphLeakGuard: `training_step` returned {path} with an autograd graph that still holds "
-                f"{_mib(footprint.saved_bytes)} of saved tensors (a branch `backward()` did not run through). "
+                f"{_bytes(footprint.saved_bytes)} of saved tensors (a branch `backward()` did not run through). "
                 "Lightning passes it to the `on_train_batch_end` hooks after the optimizer step, so that memory "
                 "stays allocated through the step. Return it `.detach()`-ed."
             )
@@ -293,7 +300,7 @@ class GraphLeakGuard(Callback):
             )
         rank_zero_warn(
             f"GraphLeakGuard: allocated CUDA memory on {device} rose steadily over the last {self.trend_window} checks "
-            f"({_mib(self._memory[0])} -> {_mib(self._memory[-1])}, about {_mib(per_step)} per step). Something "
+            f"({_bytes(self._memory[0])} -> {_bytes(self._memory[-1])}, about {_bytes(per_step)} per step). Something "
             "keeps tensors from every step; if no graph leak is reported, look for tensors stored without "
             "`.detach()`/`.cpu()` outside the LightningModule."
         )
