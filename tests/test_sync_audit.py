@@ -82,6 +82,7 @@ def test_clean_module_reports_zero_and_lightning_syncs_apart(tmp_path: Path) -> 
     trainer.fit(LoggingModule(), loader(n=32))
     assert audit.report == []
     assert audit.step_counts == [0, 0, 0, 0]
+    assert not (Path(trainer.log_dir) / "gradkit_events.jsonl").exists()  # nothing of the user's to report
     # Lightning's progress bar reads the loss on every step: counted, but as Lightning's own sync.
     lightning_dir = os.path.dirname(os.path.realpath(__import__("lightning").__file__))
     assert audit.framework_report

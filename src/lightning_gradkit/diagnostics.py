@@ -54,6 +54,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_gradkit.report import EVENTS_FILE
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -934,8 +936,6 @@ def check_int(name: str, value: object, minimum: int, meaning: str = "") -> None
 
 
 # -- events ------------------------------------------------------------------------------------------------------
-
-EVENTS_FILE = "gradkit_events.jsonl"
 
 
 def events_dir(trainer: pl.Trainer) -> str:

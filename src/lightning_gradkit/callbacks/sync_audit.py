@@ -60,7 +60,7 @@ class SyncAudit(Callback):
 
     The table is emitted (rank zero) after the first audited step and, if it changed, at the end of training. Each
     audited step is also written as an event (``what="host_sync"``) to ``gradkit_events.jsonl`` in the Trainer's
-    log directory.
+    log directory, when your code synced in it.
 
     Args:
         every_n_steps: audit one training step (batch) in every ``every_n_steps``: the ``n``-th, ``2n``-th, ...
@@ -238,7 +238,7 @@ class SyncAudit(Callback):
         self._table.add(step)
         rows = [site_row(k, t, 1, step.seconds) for k, t in step.user.items()]
         rows.sort(key=lambda r: (-r.syncs, r.filename, r.lineno))
-        if self._events_dir is not None:
+        if self._events_dir is not None and step.user_total:
             _write_event(
                 self._events_dir,
                 trainer,
