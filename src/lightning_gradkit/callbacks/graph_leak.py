@@ -121,7 +121,8 @@ class GraphLeakGuard(Callback):
     Raises:
         ValueError: if ``check_every_n_steps`` is not a positive integer, ``action`` is not ``"warn"`` or
             ``"raise"``, or ``trend_window`` < 3.
-        RuntimeError: with ``action="raise"``, at the first check that finds a leak.
+        RuntimeError: with ``action="raise"``, at the first check that finds a leak (on every rank of a distributed
+            run: the ranks decide together).
 
     Example::
 
@@ -189,44 +190,52 @@ class GraphLeakGuard(Callback):
     def _check_leaks(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, marker: int, exclude: set[Any], batch_idx: int
     ) -> None:
+        report = self._scan(trainer, pl_module, marker, exclude)
+        if report is not None:
+            self.reports.append(report)
+            if self._events_dir is not None:
+                fp = report.footprint
+                _write_event(
+                    self._events_dir,
+                    trainer,
+                    "graph_leak",
+                    batch_idx,
+                    tensors=len(report.tensors),
+                    graphs=fp.graphs,
+                    nodes=fp.nodes,
+                    pinned_bytes=fp.pinned_bytes,
+                    containers=report.containers,
+                    paths=[t.path for t in report.tensors[:20]],
+                )
+        if self.action == "raise":
+            # Every rank checks the same steps: decide together, so that no rank is left waiting in a collective.
+            if trainer.strategy.reduce_boolean_decision(report is not None, all=False):
+                raise RuntimeError(
+                    self._leak_message(report)
+                    if report is not None
+                    else "GraphLeakGuard: another rank found tensors holding autograd graphs from earlier steps."
+                )
+            return
+        if report is not None and any(c not in self._warned for c in report.containers):
+            self._warned.update(report.containers)
+            rank_zero_warn(self._leak_message(report))
+
+    def _scan(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, marker: int, exclude: set[Any]
+    ) -> LeakReport | None:
         older = OlderGraph(marker)
         found, truncated = module_graph_tensors(pl_module, "pl_module", self._skip, older)
         if self.gc_scan:
             found += gc_graph_tensors(older, {id(t) for _, t in found})
         if not found:
-            return
-        footprint = graph_footprint([t for _, t in found], exclude)
-        report = LeakReport(
+            return None
+        return LeakReport(
             step=trainer.global_step,
             batch_idx=trainer.fit_loop.total_batch_idx,
             tensors=[GraphTensor.describe(path, t) for path, t in found],
-            footprint=footprint,
+            footprint=graph_footprint([t for _, t in found], exclude),
             truncated=truncated,
         )
-        del found
-        self.reports.append(report)
-        containers = report.containers
-        if self._events_dir is not None:
-            _write_event(
-                self._events_dir,
-                trainer,
-                "graph_leak",
-                batch_idx,
-                tensors=len(report.tensors),
-                graphs=footprint.graphs,
-                nodes=footprint.nodes,
-                pinned_bytes=footprint.pinned_bytes,
-                containers=containers,
-                paths=[t.path for t in report.tensors[:20]],
-            )
-        new = [c for c in containers if c not in self._warned]
-        if self.action == "warn" and not new:
-            return
-        self._warned.update(containers)
-        message = self._leak_message(report)
-        if self.action == "raise":
-            raise RuntimeError(message)
-        rank_zero_warn(message)
 
     @staticmethod
     def _leak_message(report: LeakReport) -> str:

@@ -78,7 +78,8 @@ class SyncAudit(Callback):
         ValueError: if ``every_n_steps`` or ``top_k`` is not a positive integer, ``mode`` is not ``"warn"`` or
             ``"raise"``, ``max_syncs_per_step`` is negative or missing with ``mode="raise"``, or a package in
             ``skip_packages`` cannot be found.
-        RuntimeError: with ``mode="raise"``, when an audited step exceeds ``max_syncs_per_step``.
+        RuntimeError: with ``mode="raise"``, when an audited step exceeds ``max_syncs_per_step`` (on every rank of a
+            distributed run: the ranks decide together).
 
     Example::
 
@@ -261,16 +262,18 @@ class SyncAudit(Callback):
                 ],
             )
         budget = self.max_syncs_per_step
-        if budget is not None and step.user_total > budget:
-            message = (
-                f"SyncAudit: training step {trainer.fit_loop.total_batch_idx} made {step.user_total} host-device "
-                f"syncs from your code, more than `max_syncs_per_step={budget}`:\n{format_sync_table(rows, self.top_k)}"
-            )
-            if self.mode == "raise":
-                raise RuntimeError(message)
-            if not self._warned_budget:
-                self._warned_budget = True
-                rank_zero_warn(message)
+        exceeded = budget is not None and step.user_total > budget
+        message = (
+            f"SyncAudit: training step {trainer.fit_loop.total_batch_idx} made {step.user_total} host-device syncs "
+            f"from your code, more than `max_syncs_per_step={budget}`:\n{format_sync_table(rows, self.top_k)}"
+        )
+        if self.mode == "raise":
+            # Every rank audits the same steps: decide together, so that no rank is left waiting in a collective.
+            if trainer.strategy.reduce_boolean_decision(exceeded, all=False):
+                raise RuntimeError(message if exceeded else "SyncAudit: another rank exceeded `max_syncs_per_step`.")
+        elif exceeded and not self._warned_budget:
+            self._warned_budget = True
+            rank_zero_warn(message)
         if self._shown is None:
             self._emit(self.report, f"audited step {trainer.fit_loop.total_batch_idx}")
 
