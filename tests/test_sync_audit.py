@@ -166,6 +166,22 @@ def test_exception_inside_audited_step_uninstalls_the_interceptor(tmp_path: Path
     assert function_stack_depth() == 0
 
 
+class StopEarlyModule(SyncingModule):
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> int | None:
+        return -1 if batch_idx == 3 else None  # Lightning then ends the epoch without `on_train_batch_end`
+
+
+def test_batch_skipped_by_on_train_batch_start_leaves_nothing_installed(tmp_path: Path) -> None:
+    audit = SyncAudit(every_n_steps=2)
+    model = StopEarlyModule()
+    trainer = make_trainer(tmp_path, callbacks=[audit], max_epochs=2, limit_val_batches=0)
+    with pytest.warns(UserWarning):
+        trainer.fit(model, loader(n=48))  # 6 batches per epoch; each epoch stops at its batch 3
+    assert model.depth_per_step == [0, 1, 0, 0, 1, 0]  # batches 1 and 5 (the 2nd epoch's batch 1) audited
+    assert audit.step_counts == [2, 2]
+    assert function_stack_depth() == 0
+
+
 def test_events_are_written_per_audited_step(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, callbacks=[SyncAudit(every_n_steps=4)])
     with pytest.warns(UserWarning):

@@ -186,6 +186,9 @@ class GraphLeakGuard(Callback):
         self._check_memory(trainer, pl_module, batch_idx)
         self._check_leaks(trainer, pl_module, marker, exclude, batch_idx)
 
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._marker = None  # a batch skipped by `on_train_batch_start` returning -1 never reaches its end hook
+
     # -- checks ------------------------------------------------------------------------------------------------
     def _check_leaks(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, marker: int, exclude: set[Any], batch_idx: int

@@ -185,18 +185,21 @@ class SyncAudit(Callback):
             try:
                 result = hook(*args, **kwargs)
             except BaseException:
-                self._abort(pl_module)
+                self._finish(pl_module)
                 raise
             self._close(trainer, pl_module, batch_idx)
             return result
 
         pl_module.__dict__[_HOOK] = recorded_hook
 
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(pl_module)  # a batch skipped by `on_train_batch_start` returning -1 never reaches its end hook
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._abort(pl_module)
+        self._finish(pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._abort(pl_module)
+        self._finish(pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._table.steps == 0:
@@ -225,12 +228,10 @@ class SyncAudit(Callback):
 
     # -- internals ---------------------------------------------------------------------------------------------
     def _finish(self, pl_module: pl.LightningModule) -> StepSyncs | None:
+        """Stop recording and restore the LightningModule's hook (exception-safe; a no-op when not recording)."""
         recorder, self._recorder = self._recorder, None
         pl_module.__dict__.pop(_HOOK, None)
         return recorder.stop() if recorder is not None and recorder.active else None
-
-    def _abort(self, pl_module: pl.LightningModule) -> None:
-        self._finish(pl_module)
 
     def _close(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         step = self._finish(pl_module)
