@@ -7,8 +7,10 @@ once"). Importing the package registers the strategy names ``"gradkit"``, ``"gra
 
 from lightning_gradkit.accumulation import ManualAccumulator
 from lightning_gradkit.callbacks.accumulation import AccumulationGuard
+from lightning_gradkit.callbacks.graph_leak import GraphLeakGuard
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
+from lightning_gradkit.callbacks.sync_audit import SyncAudit
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
 from lightning_gradkit.stats import GradStats
 from lightning_gradkit.strategy import (
@@ -33,8 +35,10 @@ __all__ = [
     "GradKitStrategyMixin",
     "GradNormMonitor",
     "GradStats",
+    "GraphLeakGuard",
     "InferenceModeValidation",
     "ManualAccumulator",
     "NonFiniteGuard",
     "SpikeGuard",
+    "SyncAudit",
 ]

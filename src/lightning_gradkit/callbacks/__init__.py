@@ -1,8 +1,18 @@
 """Lightning callbacks of lightning_gradkit, one per file."""
 
 from lightning_gradkit.callbacks.accumulation import AccumulationGuard
+from lightning_gradkit.callbacks.graph_leak import GraphLeakGuard
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
+from lightning_gradkit.callbacks.sync_audit import SyncAudit
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
 
-__all__ = ["AccumulationGuard", "GradNormMonitor", "InferenceModeValidation", "NonFiniteGuard", "SpikeGuard"]
+__all__ = [
+    "AccumulationGuard",
+    "GradNormMonitor",
+    "GraphLeakGuard",
+    "InferenceModeValidation",
+    "NonFiniteGuard",
+    "SpikeGuard",
+    "SyncAudit",
+]

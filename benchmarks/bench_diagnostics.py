@@ -1,0 +1,142 @@
+"""SyncAudit and GraphLeakGuard overhead: on the steps they do not audit (the target: within 1% of step time on
+CPU) and on the steps they do, side by side with no callback, on the same GPT-style model, in one run.
+
+    python benchmarks/bench_diagnostics.py [--steps 60 --repeats 3]
+
+Unaudited steps are measured twice: as the step-time ratio of interleaved Trainer runs with and without both
+callbacks (bounded by the machine's noise), and exactly, by timing the callbacks' per-step hooks on an unaudited
+step called directly on a real Trainer. Audited steps are measured inside one run that audits every other step,
+so audited and unaudited steps alternate and share the machine's conditions.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import common_args, machine, run_once
+
+from lightning_gradkit import GraphLeakGuard, SyncAudit
+from lightning_gradkit.demos import ByteDataset, TinyGPTModule, stdlib_text
+
+MODEL = dict(n_layer=4, n_head=4, n_embd=64, block_size=64)
+NEVER = 10**9
+
+
+class SyncingGPT(TinyGPTModule):
+    """Two host syncs per step in user code (what an audit finds)."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.last = loss.item()
+        if bool(torch.isnan(loss)):
+            raise RuntimeError("nan")
+        return loss
+
+
+class LeakingGPT(SyncingGPT):
+    """Also keeps every step's loss with its graph (what a leak check walks: one more graph per step)."""
+
+    def __init__(self, **kwargs: int) -> None:
+        super().__init__(**kwargs)
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss)
+        return loss
+
+
+CONFIGS = {
+    "a_none": lambda: (SyncingGPT(**MODEL), {}),
+    "b_both_unaudited": lambda: (
+        SyncingGPT(**MODEL),
+        {"callbacks": [SyncAudit(every_n_steps=NEVER), GraphLeakGuard(check_every_n_steps=NEVER)]},
+    ),
+    "c_SyncAudit_every_2nd": lambda: (SyncingGPT(**MODEL), {"callbacks": [SyncAudit(every_n_steps=2)]}),
+    "d_GraphLeakGuard_every_2nd": lambda: (SyncingGPT(**MODEL), {"callbacks": [GraphLeakGuard(check_every_n_steps=2)]}),
+    "e_GraphLeakGuard_every_2nd_leaking": lambda: (
+        LeakingGPT(**MODEL),
+        {"callbacks": [GraphLeakGuard(check_every_n_steps=2)]},
+    ),
+}
+
+
+def hook_cost(loader: DataLoader, root: str, calls: int = 50000) -> dict[str, float]:
+    """Seconds per unaudited step spent in each callback's two per-step hooks, called directly on a real Trainer."""
+    audit, guard = SyncAudit(every_n_steps=NEVER), GraphLeakGuard(check_every_n_steps=NEVER)
+    module = SyncingGPT(**MODEL)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=[audit, guard],
+    )
+    trainer.fit(module, loader)
+    out = {}
+    for name, cb in (("SyncAudit", audit), ("GraphLeakGuard", guard)):
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                cb.on_train_batch_start(trainer, module, None, 0)
+                cb.on_train_batch_end(trainer, module, None, None, 0)
+            samples.append((time.perf_counter() - t0) / calls)
+        out[name] = min(samples)
+    return out
+
+
+def main() -> None:
+    args = common_args(__doc__.splitlines()[0]).parse_args()
+    data = ByteDataset(stdlib_text(), block_size=MODEL["block_size"])
+    loader = DataLoader(data, batch_size=16, shuffle=False)
+    print(f"machine: {machine()}\nmodel: TinyGPT {MODEL}, batch 16, {args.steps} steps x {args.repeats} runs each")
+    runs: dict[str, list[list[float]]] = {name: [] for name in CONFIGS}
+    with tempfile.TemporaryDirectory() as root:
+        for _ in range(args.repeats):
+            for name, factory in CONFIGS.items():
+                times = run_once(factory, loader, args.steps, args.accelerator, {"default_root_dir": root})
+                runs[name].append(times)
+        hooks = hook_cost(loader, root)
+
+    def median(name: str, parity: int | None = None) -> float:
+        # Step i is the time from batch i's start to batch i+1's start; batch i is audited when (i + 1) % 2 == 0.
+        picked = [
+            t
+            for times in runs[name]
+            for i, t in enumerate(times)
+            if i >= args.warmup and (parity is None or i % 2 == parity)
+        ]
+        return statistics.median(picked)
+
+    base = median("a_none")
+    both = median("b_both_unaudited")
+    print("\n| configuration | steps | median step (ms) | vs reference |")
+    print("| --- | --- | ---: | ---: |")
+    print(f"| a_none | all | {base * 1e3:.2f} | |")
+    print(f"| b_both_unaudited | all | {both * 1e3:.2f} | {100 * (both / base - 1):+.2f}% vs a_none |")
+    for name, seconds in hooks.items():
+        print(
+            f"| {name} hooks, unaudited step, called directly | - | {seconds * 1e3:.5f} | "
+            f"{100 * seconds / base:+.4f}% of a_none |"
+        )
+    for name in ("c_SyncAudit_every_2nd", "d_GraphLeakGuard_every_2nd", "e_GraphLeakGuard_every_2nd_leaking"):
+        plain, audited = median(name, 0), median(name, 1)
+        print(f"| {name} | unaudited | {plain * 1e3:.2f} | |")
+        print(f"| {name} | audited | {audited * 1e3:.2f} | {100 * (audited / plain - 1):+.1f}% vs unaudited |")
+
+
+if __name__ == "__main__":
+    main()
