@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import InferenceModeValidation
-from lightning_gradkit.callbacks.validation import EVENTS_FILE, find_inference_tensors, inference_mode_unsafe_reason
+from lightning_gradkit.callbacks.validation import find_inference_tensors, inference_mode_unsafe_reason
+from lightning_gradkit.events import EVENTS_FILENAME as EVENTS_FILE
 
 
 class ModeRecorder(MLPModule):
@@ -197,15 +198,16 @@ def test_non_finite_validation_metric_is_reported(tmp_path: Path) -> None:
     ):
         trainer.fit(NaNValidation(), loader(n=32), loader(n=16))
     lines = (Path(trainer.logger.log_dir) / EVENTS_FILE).read_text().splitlines()
-    assert [json.loads(line) for line in lines] == [
-        {
-            "event": "validation_non_finite",
-            "epoch": 1,
-            "global_step": 8,
-            "sanity_check": False,
-            "metrics": {"val_loss": "nan"},
-        }
-    ]
+    events = [json.loads(line) for line in lines]
+    assert len(events) == 1
+    event = events[0]
+    assert (event["what"], event["step"], event["epoch"], event["sanity_check"]) == (
+        "validation_non_finite",
+        8,
+        1,
+        False,
+    )
+    assert event["values"] == {"val_loss": "nan"}
 
 
 def test_non_finite_metric_in_sanity_check_is_reported(tmp_path: Path) -> None:

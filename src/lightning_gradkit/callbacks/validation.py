@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -16,9 +14,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_gradkit.events import EventLog, events_dir
+
 Fallback = Literal["no_grad", "raise"]
 OnInferenceTensors = Literal["clone", "raise"]
-EVENTS_FILE = "gradkit_events.jsonl"
 _MAX_NAMES = 10
 _MAX_DEPTH = 3
 # Module internals that hold no user tensors (parameters and buffers are visited separately).
@@ -132,18 +131,6 @@ def find_inference_tensors(root: nn.Module, clone: bool = False) -> tuple[list[s
     return params, found
 
 
-def write_event(trainer: pl.Trainer, event: dict[str, Any]) -> None:
-    """Append one JSON line to ``gradkit_events.jsonl`` in the logger's directory (global rank 0 only)."""
-    if not trainer.is_global_zero:
-        return
-    logger = trainer.logger
-    directory = (getattr(logger, "log_dir", None) or logger.save_dir) if logger is not None else None
-    path = Path(directory or trainer.default_root_dir) / EVENTS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(event) + "\n")
-
-
 class InferenceModeValidation(pl.Callback):
     r"""Run the sanity check and every in-fit validation under ``torch.inference_mode``, safely.
 
@@ -216,6 +203,10 @@ class InferenceModeValidation(pl.Callback):
         self._reported: set[str] = set()
 
     # -- switching the fit loop's validation --------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Resolved on every rank here: `trainer.log_dir` is a broadcast from rank 0.
+        self._events = EventLog(events_dir(trainer), rank=trainer.global_rank)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loop = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "val_loop", None)
         if loop is None or not hasattr(loop, "inference_mode"):
@@ -298,15 +289,15 @@ class InferenceModeValidation(pl.Callback):
             f"InferenceModeValidation: non-finite validation metric(s) in {where} "
             f"(global step {trainer.global_step}): {shown}."
         )
-        write_event(
-            trainer,
-            {
-                "event": "validation_non_finite",
-                "epoch": trainer.current_epoch,
-                "global_step": trainer.global_step,
-                "sanity_check": trainer.sanity_checking,
-                "metrics": bad,
-            },
+        self._events.write(
+            step=trainer.global_step,
+            batch_idx=-1,
+            rank=trainer.global_rank,
+            what="validation_non_finite",
+            culprit=None,
+            values=bad,
+            epoch=trainer.current_epoch,
+            sanity_check=trainer.sanity_checking,
         )
 
     # -- making module tensors usable by training again ---------------------------------------------------------
