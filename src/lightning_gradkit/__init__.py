@@ -7,11 +7,13 @@ once"). Importing the package registers the strategy names ``"gradkit"``, ``"gra
 
 from lightning_gradkit.accumulation import ManualAccumulator
 from lightning_gradkit.callbacks.accumulation import AccumulationGuard
+from lightning_gradkit.callbacks.checkpointing import ActivationCheckpointing
 from lightning_gradkit.callbacks.graph_leak import GraphLeakGuard
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
 from lightning_gradkit.callbacks.sync_audit import SyncAudit
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
+from lightning_gradkit.checkpointing import inject_activation_checkpointing
 from lightning_gradkit.stats import GradStats
 from lightning_gradkit.strategy import (
     GradKitDDPStrategy,
@@ -28,6 +30,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AccumulationGuard",
+    "ActivationCheckpointing",
     "GradKitDDPStrategy",
     "GradKitFSDPStrategy",
     "GradKitModelParallelStrategy",
@@ -41,4 +44,5 @@ __all__ = [
     "NonFiniteGuard",
     "SpikeGuard",
     "SyncAudit",
+    "inject_activation_checkpointing",
 ]

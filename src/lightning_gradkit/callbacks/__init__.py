@@ -1,6 +1,7 @@
 """Lightning callbacks of lightning_gradkit, one per file."""
 
 from lightning_gradkit.callbacks.accumulation import AccumulationGuard
+from lightning_gradkit.callbacks.checkpointing import ActivationCheckpointing
 from lightning_gradkit.callbacks.graph_leak import GraphLeakGuard
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
@@ -9,6 +10,7 @@ from lightning_gradkit.callbacks.validation import InferenceModeValidation
 
 __all__ = [
     "AccumulationGuard",
+    "ActivationCheckpointing",
     "GradNormMonitor",
     "GraphLeakGuard",
     "InferenceModeValidation",
