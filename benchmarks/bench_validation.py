@@ -75,7 +75,8 @@ def time_forward(batch_size: int, iters: int, accelerator: str) -> dict[str, flo
     modes = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
     times: dict[str, list[float]] = {name: [] for name in modes}
     for i in range(iters + 5):
-        for name, mode in modes.items():
+        order = list(modes.items())
+        for name, mode in order if i % 2 == 0 else order[::-1]:  # A B B A: neither mode always runs second
             sync_device()
             start = time.perf_counter()
             with mode():
