@@ -179,6 +179,49 @@ def test_no_host_sync_per_step(tmp_path: Path, case: str) -> None:
         assert counter.total == 0, counter.counts
 
 
+def _strict_after_first_step(callback: _GradClipCallback) -> None:
+    """Make any CUDA host sync inside the callback's hook an error (the first step builds index tensors)."""
+    original = callback.on_before_optimizer_step
+
+    def strict(trainer, pl_module, optimizer) -> None:
+        if trainer.global_step >= 1:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            original(trainer, pl_module, optimizer)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    callback.on_before_optimizer_step = strict  # type: ignore[method-assign]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_cuda_sync_per_step(tmp_path: Path, case: str) -> None:
+    callback = CASES[case][0]()
+    _strict_after_first_step(callback)
+    trainer = make_trainer(
+        tmp_path, accelerator="gpu", callbacks=[callback], log_every_n_steps=1000, accumulate_grad_batches=2
+    )
+    trainer.fit(MLPModule(), loader(n=64))
+    assert trainer.global_step == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["norm-2", "value", "agc", "zclip"])
+def test_no_cuda_sync_per_step_with_fused_adamw_under_16_mixed(tmp_path: Path, case: str) -> None:
+    class FusedAdamW(MLPModule):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=0.01, fused=True)
+
+    callback = CASES[case][0]()
+    _strict_after_first_step(callback)
+    trainer = make_trainer(
+        tmp_path, accelerator="gpu", precision="16-mixed", callbacks=[callback], log_every_n_steps=1000
+    )
+    trainer.fit(FusedAdamW(), loader(n=64))
+    assert trainer.global_step == 8
+
+
 @pytest.mark.parametrize(
     "make_callback",
     [

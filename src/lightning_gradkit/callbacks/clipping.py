@@ -409,6 +409,7 @@ class AdaptiveGradClip(_GradClipCallback):
                 )
         self._selected: set[str] | None = None
         self._sharded_1d: list[tuple[str, Tensor, float]] = []
+        self._sharded_1d_factors: Tensor | None = None
         self._cache: dict[tuple[int, tuple[int, ...]], tuple[list[int], Tensor | None, list[int]]] = {}
 
     @property
@@ -426,6 +427,7 @@ class AdaptiveGradClip(_GradClipCallback):
         callback.exclude = []
         callback._selected = None
         callback._sharded_1d = []
+        callback._sharded_1d_factors = None
         callback._cache = {}
         return callback
 
@@ -438,6 +440,7 @@ class AdaptiveGradClip(_GradClipCallback):
             )
         self._selected = _select_parameters(pl_module, self.exclude)
         self._sharded_1d = []
+        self._sharded_1d_factors = None
         self._cache = {}
         for name, param in pl_module.named_parameters():
             name = clean_param_name(name)
@@ -464,8 +467,10 @@ class AdaptiveGradClip(_GradClipCallback):
         if not self._sharded_1d or world_size() == 1:
             return {}
         weights = [local_tensor(p.detach()) for _, p, _ in self._sharded_1d]
-        factors = torch.tensor([w for _, _, w in self._sharded_1d], device=weights[0].device)
-        return {self._REDUCE_KEY: per_tensor_norms(weights, 2.0).pow(2) * factors}
+        if self._sharded_1d_factors is None:
+            factors = [w for _, _, w in self._sharded_1d]
+            self._sharded_1d_factors = torch.tensor(factors, device=weights[0].device)
+        return {self._REDUCE_KEY: per_tensor_norms(weights, 2.0).pow(2) * self._sharded_1d_factors}
 
     def _one_dim_positions(self, plan: StepPlan) -> tuple[list[int], Tensor | None, list[int]]:
         """Selected parameters with at most one dim that have a gradient, an index tensor of them, and for each the
