@@ -8,6 +8,14 @@ once"). Importing the package registers the strategy names ``"gradkit"``, ``"gra
 from lightning_gradkit.accumulation import ManualAccumulator
 from lightning_gradkit.callbacks.accumulation import AccumulationGuard
 from lightning_gradkit.callbacks.checkpointing import ActivationCheckpointing
+from lightning_gradkit.callbacks.clipping import (
+    AdaptiveGradClip,
+    AutoClip,
+    ClipGradNorm,
+    ClipGradValue,
+    ZClip,
+    clip_gradients,
+)
 from lightning_gradkit.callbacks.graph_leak import GraphLeakGuard
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
@@ -31,6 +39,10 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "AccumulationGuard",
     "ActivationCheckpointing",
+    "AdaptiveGradClip",
+    "AutoClip",
+    "ClipGradNorm",
+    "ClipGradValue",
     "GradKitDDPStrategy",
     "GradKitFSDPStrategy",
     "GradKitModelParallelStrategy",
@@ -44,5 +56,7 @@ __all__ = [
     "NonFiniteGuard",
     "SpikeGuard",
     "SyncAudit",
+    "ZClip",
+    "clip_gradients",
     "inject_activation_checkpointing",
 ]
