@@ -95,8 +95,17 @@ class FaultModule(MLPModule):
         return loss
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        params = {n: p.detach().clone() for n, p in self.named_parameters()}
-        self.snapshots[batch_idx] = (params, copy.deepcopy(self.trainer.optimizers[0].state_dict()))
+        params = {n: plain(p) for n, p in self.named_parameters()}
+        state = self.trainer.optimizers[0].state_dict()
+        state = {"state": {i: {k: plain(v) for k, v in s.items()} for i, s in state["state"].items()}}
+        self.snapshots[batch_idx] = (params, state)
+
+
+def plain(t: Any) -> Any:
+    """A detached copy; a DTensor (FSDP2) is gathered whole (a collective: every rank calls it at the same point)."""
+    if not isinstance(t, Tensor):
+        return copy.deepcopy(t)
+    return t.detach().full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
 
 
 def state_equal(a: tuple[dict[str, Tensor], dict[str, Any]], b: tuple[dict[str, Tensor], dict[str, Any]]) -> bool:

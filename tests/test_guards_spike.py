@@ -72,11 +72,12 @@ def test_window_holds_the_last_finite_values() -> None:
 
 def test_spike_decision_thresholds_z_and_clamps_the_recorded_value() -> None:
     mean, var, count = torch.tensor(1.0), torch.tensor(0.04), torch.tensor(30.0)
-    spike, z, record = spike_decision(torch.tensor(2.3), mean, var, count, z_threshold=6.0, warmup=25)
+    spike, z, record, std = spike_decision(torch.tensor(2.3), mean, var, count, z_threshold=6.0, warmup=25)
     assert bool(spike) and z.item() == pytest.approx(6.5) and record.item() == pytest.approx(1.0 + 6 * 0.2)
-    spike, z, record = spike_decision(torch.tensor(2.3), mean, var, torch.tensor(3.0), z_threshold=6.0, warmup=25)
+    assert std.item() == pytest.approx(0.2)
+    spike, z, record, _ = spike_decision(torch.tensor(2.3), mean, var, torch.tensor(3.0), z_threshold=6.0, warmup=25)
     assert not bool(spike) and z.item() == 0.0 and record.item() == pytest.approx(2.3)  # still warming up
-    spike, _, _ = spike_decision(torch.tensor(NAN), mean, var, count, z_threshold=6.0, warmup=25)
+    spike, _, _, _ = spike_decision(torch.tensor(NAN), mean, var, count, z_threshold=6.0, warmup=25)
     assert not bool(spike)
     assert std_of(torch.tensor(5.0), torch.tensor(0.0)).item() > 0
 

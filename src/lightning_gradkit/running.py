@@ -105,7 +105,7 @@ def std_of(mean: Tensor, var: Tensor) -> Tensor:
 
 def spike_decision(
     x: Tensor, mean: Tensor, var: Tensor, count: Tensor, z_threshold: float, warmup: int
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Decide whether ``x`` is an upward spike, and the value to feed the running statistics with.
 
     ``z = (x - mean) / std``; a spike is a finite ``x`` with ``z > z_threshold`` once ``count >= warmup``. The
@@ -115,7 +115,7 @@ def spike_decision(
     forever.
 
     Returns:
-        ``(spike, z, value_to_record)``, device tensors (``z`` is 0 before warm-up and for non-finite ``x``).
+        ``(spike, z, value_to_record, std)``, device tensors (``z`` is 0 before warm-up and for non-finite ``x``).
     """
     x = x.detach().to(mean.dtype)
     std = std_of(mean, var)
@@ -124,7 +124,7 @@ def spike_decision(
     z = torch.where(active & finite, (x - mean) / std, 0.0)
     spike = z > z_threshold
     record = torch.where(active & finite, torch.minimum(x, mean + z_threshold * std), x)
-    return spike, z, record
+    return spike, z, record, std
 
 
 class RunningMoments:

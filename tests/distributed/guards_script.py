@@ -18,11 +18,21 @@ import lightning.pytorch as pl
 import torch
 
 from helpers import rank_loader
-from lightning_gradkit import NonFiniteGuard, SpikeGuard
-from test_guards import FaultModule, events, make_fault, state_equal
+from lightning_gradkit import GradKitModelParallelStrategy, NonFiniteGuard, SpikeGuard
+from test_guards import FaultModule, events, make_fault, plain, state_equal
 from test_guards_spike import SpikyModule
 
 NAN, INF = float("nan"), float("inf")
+
+
+class ShardedFaultModule(FaultModule):
+    """FSDP2 (``fully_shard``) on the encoder and the head."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for module in (self.encoder, self.head):
+            fully_shard(module, mesh=self.device_mesh["data_parallel"])
 
 
 class OneRankSpike(SpikyModule):
@@ -39,11 +49,13 @@ class OneRankSpike(SpikyModule):
         return super().training_step(batch, batch_idx)
 
 
-def fit(out: Path, name: str, model: FaultModule, callback: pl.Callback) -> tuple[pl.Trainer, FaultModule]:
+def fit(
+    out: Path, name: str, model: FaultModule, callback: pl.Callback, strategy: Any = "gradkit_ddp"
+) -> tuple[pl.Trainer, FaultModule]:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="gradkit_ddp",
+        strategy=strategy,
         max_epochs=1,
         logger=False,
         default_root_dir=out / name,
@@ -63,7 +75,7 @@ def record(trainer: pl.Trainer, model: FaultModule, k: int) -> dict[str, Any]:
     return {
         "unchanged": state_equal(model.snapshots[k], model.snapshots[k + 1]),
         "later_changed": not state_equal(model.snapshots[k + 1], model.snapshots[k + 2]),
-        "params": {n: p.detach().reshape(-1).tolist() for n, p in model.named_parameters()},
+        "params": {n: plain(p).reshape(-1).tolist() for n, p in model.named_parameters()},
         "events": events(trainer.default_root_dir) if trainer.global_rank == 0 else None,
         "global_step": trainer.global_step,
     }
@@ -88,6 +100,11 @@ def main() -> None:
         args.out, "spike", OneRankSpike(), SpikeGuard("loss", z_threshold=4.0, warmup_steps=3, action="skip")
     )
     results["spike"] = record(trainer, model, 5)
+    torch.manual_seed(0)
+    fsdp2 = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    fault = make_fault("loss", NAN, rank=1)
+    trainer, model = fit(args.out, "fsdp2-loss-nan", ShardedFaultModule(fault), NonFiniteGuard(), strategy=fsdp2)
+    results["fsdp2-loss-nan"] = record(trainer, model, fault.batch_idx)
     (args.out / f"rank{rank}.json").write_text(json.dumps(results))
 
 

@@ -311,6 +311,7 @@ class NonFiniteGuard(_Guard):
         self._forensics_done = False
         self._val_bad: Tensor | None = None
         self._val_first: Tensor | None = None
+        self._key = f"{self.state_key}/loss_nonfinite_ranks"
 
     @property
     def state_key(self) -> str:
@@ -343,7 +344,7 @@ class NonFiniteGuard(_Guard):
         ranks = torch.zeros(max(world_size(), 1), dtype=torch.float32, device=pl_module.device)
         if self._loss_bad is not None:
             ranks[_rank()] = self._loss_bad.to(torch.float32)
-        return {f"{self.state_key}/loss_nonfinite_ranks": ranks}
+        return {self._key: ranks}
 
     def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = plan.primary.total.device
@@ -351,7 +352,7 @@ class NonFiniteGuard(_Guard):
         loss_ranks = None
         grads_bad = None
         if self.check_loss:
-            loss_ranks = plan.reduced[f"{self.state_key}/loss_nonfinite_ranks"].to(device)
+            loss_ranks = plan.reduced[self._key].to(device)
             bad = bad | (loss_ranks.sum() > 0)
         if self.check_grads:
             grads_bad = ~plan.primary.finite
@@ -668,14 +669,12 @@ class SpikeGuard(_Guard):
         self._loss_sum: Tensor | None = None
         self._step: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
         self._spikes = 0
+        self._key = f"{self.state_key}/loss_sum"
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(monitor=self.monitor, window=self.window, alpha=self.alpha)
 
-    @property
-    def _key(self) -> str:
-        return f"{self.state_key}/loss_sum"
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.monitor == "loss":
@@ -697,15 +696,16 @@ class SpikeGuard(_Guard):
 
     def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor == "loss":
-            x = plan.reduced[self._key].reshape(()) / max(world_size(), 1)
+            x = plan.reduced[self._key].reshape(())
+            if world_size() > 1:
+                x = x / world_size()
         else:
             x = plan.scaled(plan.stats[2.0].total)
         if self._device != x.device:
             self._stats.to(x.device)
             self._device = x.device
         mean, var, count = self._stats.moments()
-        spike, z, record = spike_decision(x, mean, var, count, self.z_threshold, self.warmup_steps)
-        std = var.clamp_min(0.0).sqrt()
+        spike, z, record, std = spike_decision(x, mean, var, count, self.z_threshold, self.warmup_steps)
         self._stats.update(record)
         self._step = (spike, x.float(), z, mean, std)
         if self.action == "skip":
