@@ -300,7 +300,7 @@ def test_full_mode_cuts_saved_activation_bytes_by_at_least_60_percent() -> None:
 def test_budget_plan_is_the_smallest_selection_that_fits_and_the_measured_result_fits(
     mode: str, fraction: float
 ) -> None:
-    model, idx = tiny_gpt(), tokens(batch=8)
+    model, idx = tiny_gpt(n_layer=3), tokens(batch=8)
     blocks = select_modules(model, ["Block"])
     before = measure_saved_activations(
         lambda: loss_of(model, idx), model, blocks, selective=mode == "selective", exclude=[idx]

@@ -287,3 +287,22 @@ def test_compiled_submodules_are_selected_through_orig_mod_and_measured_in_eager
     stripped = [{n.replace("_orig_mod.", ""): g for n, g in step.items()} for step in recorder.grads]
     assert_same_grads(stripped, reference_grads())
     assert callback.saved_bytes_after <= 0.4 * callback.saved_bytes_before
+
+
+def test_lightning_cli_builds_the_callback_from_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_gradkit.demos import StdlibTextDataModule
+
+    monkeypatch.setattr("sys.argv", ["cli"])
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_gradkit.ActivationCheckpointing\n      init_args:\n"
+        "        targets: [Block, 're:model\\.lm_head']\n        mode: selective\n        memory_budget: 2000000\n"
+    )
+    result = LightningCLI(
+        TinyGPTModule, StdlibTextDataModule, args=[f"--config={config}", "--trainer.accelerator=cpu"], run=False
+    )
+    (callback,) = [c for c in result.trainer.callbacks if isinstance(c, ActivationCheckpointing)]
+    assert callback.targets == ["Block", r"re:model\.lm_head"]
+    assert (callback.mode, callback.memory_budget) == ("selective", 2_000_000)
