@@ -3,6 +3,7 @@ CPU) and on the steps they do, side by side with no callback, on the same GPT-st
 
     python benchmarks/bench_diagnostics.py [--steps 60 --repeats 3]
 
+Step times are wall time and process CPU time (the latter less disturbed by other processes on the machine).
 Unaudited steps are measured twice: as the step-time ratio of interleaved Trainer runs with and without both
 callbacks (bounded by the machine's noise), and exactly, by timing the callbacks' per-step hooks on an unaudited
 step called directly on a real Trainer. Audited steps are measured inside one run that audits every other step,
@@ -15,7 +16,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -55,18 +58,33 @@ class LeakingGPT(SyncingGPT):
         return loss
 
 
-CONFIGS = {
-    "a_none": lambda: (SyncingGPT(**MODEL), {}),
-    "b_both_unaudited": lambda: (
-        SyncingGPT(**MODEL),
-        {"callbacks": [SyncAudit(every_n_steps=NEVER), GraphLeakGuard(check_every_n_steps=NEVER)]},
+class CpuStepTimer(pl.Callback):
+    """Process CPU time between consecutive training batches: less sensitive than wall time to other processes
+    competing for the machine's cores."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.starts.append(time.process_time())
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.starts.append(time.process_time())
+
+    @property
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)]
+
+
+CONFIGS: dict[str, tuple[type[SyncingGPT], Callable[[], list[pl.Callback]]]] = {
+    "a_none": (SyncingGPT, list),
+    "b_both_unaudited": (
+        SyncingGPT,
+        lambda: [SyncAudit(every_n_steps=NEVER), GraphLeakGuard(check_every_n_steps=NEVER)],
     ),
-    "c_SyncAudit_every_2nd": lambda: (SyncingGPT(**MODEL), {"callbacks": [SyncAudit(every_n_steps=2)]}),
-    "d_GraphLeakGuard_every_2nd": lambda: (SyncingGPT(**MODEL), {"callbacks": [GraphLeakGuard(check_every_n_steps=2)]}),
-    "e_GraphLeakGuard_every_2nd_leaking": lambda: (
-        LeakingGPT(**MODEL),
-        {"callbacks": [GraphLeakGuard(check_every_n_steps=2)]},
-    ),
+    "c_SyncAudit_every_2nd": (SyncingGPT, lambda: [SyncAudit(every_n_steps=2)]),
+    "d_GraphLeakGuard_every_2nd": (SyncingGPT, lambda: [GraphLeakGuard(check_every_n_steps=2)]),
+    "e_GraphLeakGuard_every_2nd_leaking": (LeakingGPT, lambda: [GraphLeakGuard(check_every_n_steps=2)]),
 }
 
 
@@ -103,15 +121,25 @@ def main() -> None:
     data = ByteDataset(stdlib_text(), block_size=MODEL["block_size"])
     loader = DataLoader(data, batch_size=16, shuffle=False)
     print(f"machine: {machine()}\nmodel: TinyGPT {MODEL}, batch 16, {args.steps} steps x {args.repeats} runs each")
-    runs: dict[str, list[list[float]]] = {name: [] for name in CONFIGS}
+    wall: dict[str, list[list[float]]] = {name: [] for name in CONFIGS}
+    cpu: dict[str, list[list[float]]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as root:
         for _ in range(args.repeats):
-            for name, factory in CONFIGS.items():
-                times = run_once(factory, loader, args.steps, args.accelerator, {"default_root_dir": root})
-                runs[name].append(times)
+            for name, (module_type, callbacks) in CONFIGS.items():
+                timer = CpuStepTimer()
+
+                def factory(
+                    module_type: type[SyncingGPT] = module_type,
+                    callbacks: Callable[[], list[pl.Callback]] = callbacks,
+                    timer: CpuStepTimer = timer,
+                ) -> tuple[pl.LightningModule, dict[str, Any]]:
+                    return module_type(**MODEL), {"callbacks": [*callbacks(), timer]}
+
+                wall[name].append(run_once(factory, loader, args.steps, args.accelerator, {"default_root_dir": root}))
+                cpu[name].append(timer.step_times)
         hooks = hook_cost(loader, root)
 
-    def median(name: str, parity: int | None = None) -> float:
+    def median(runs: dict[str, list[list[float]]], name: str, parity: int | None = None) -> float:
         # Step i is the time from batch i's start to batch i+1's start; batch i is audited when (i + 1) % 2 == 0.
         picked = [
             t
@@ -121,21 +149,31 @@ def main() -> None:
         ]
         return statistics.median(picked)
 
-    base = median("a_none")
-    both = median("b_both_unaudited")
-    print("\n| configuration | steps | median step (ms) | vs reference |")
-    print("| --- | --- | ---: | ---: |")
-    print(f"| a_none | all | {base * 1e3:.2f} | |")
-    print(f"| b_both_unaudited | all | {both * 1e3:.2f} | {100 * (both / base - 1):+.2f}% vs a_none |")
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.2f}"
+
+    def pct(a: float, b: float) -> str:
+        return f"{100 * (a / b - 1):+.2f}%"
+
+    base_w, base_c = median(wall, "a_none"), median(cpu, "a_none")
+    both_w, both_c = median(wall, "b_both_unaudited"), median(cpu, "b_both_unaudited")
+    print("\n| configuration | steps | wall (ms) | CPU (ms) | wall vs ref | CPU vs ref |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print(f"| a_none | all | {ms(base_w)} | {ms(base_c)} | | |")
+    print(f"| b_both_unaudited | all | {ms(both_w)} | {ms(both_c)} | {pct(both_w, base_w)} | {pct(both_c, base_c)} |")
+    for name in ("c_SyncAudit_every_2nd", "d_GraphLeakGuard_every_2nd", "e_GraphLeakGuard_every_2nd_leaking"):
+        plain_w, plain_c = median(wall, name, 0), median(cpu, name, 0)
+        audit_w, audit_c = median(wall, name, 1), median(cpu, name, 1)
+        print(f"| {name} | unaudited | {ms(plain_w)} | {ms(plain_c)} | | |")
+        print(
+            f"| {name} | audited | {ms(audit_w)} | {ms(audit_c)} | {pct(audit_w, plain_w)} | {pct(audit_c, plain_c)} |"
+        )
+    print("\nPer-step hooks on an unaudited step, called directly on a real Trainer:")
     for name, seconds in hooks.items():
         print(
-            f"| {name} hooks, unaudited step, called directly | - | {seconds * 1e3:.5f} | "
-            f"{100 * seconds / base:+.4f}% of a_none |"
+            f"  {name}: {seconds * 1e6:.2f} us per step = {100 * seconds / base_c:.4f}% of the a_none step "
+            f"({ms(base_c)} ms CPU)"
         )
-    for name in ("c_SyncAudit_every_2nd", "d_GraphLeakGuard_every_2nd", "e_GraphLeakGuard_every_2nd_leaking"):
-        plain, audited = median(name, 0), median(name, 1)
-        print(f"| {name} | unaudited | {plain * 1e3:.2f} | |")
-        print(f"| {name} | audited | {audited * 1e3:.2f} | {100 * (audited / plain - 1):+.1f}% vs unaudited |")
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@ Source attribution
 
 Graph leaks
     :func:`module_graph_tensors` walks a module tree's user attributes (lists, tuples, dicts, sets, deques,
-    dataclasses, plain objects, nested) for tensors that still carry ``grad_fn``; :func:`autograd_sequence_marker`
-    tells graphs created before a point in time from newer ones (autograd numbers its nodes in creation order);
-    :func:`graph_footprint` counts the distinct graphs such tensors keep alive, their nodes and the memory they pin.
+    dataclasses, plain objects, nested) for tensors that still carry ``grad_fn``; :class:`OlderGraph` keeps those
+    whose graph reaches a node created before an :func:`autograd_sequence_marker` (autograd numbers its nodes in
+    creation order); :func:`graph_footprint` counts the distinct graphs such tensors keep alive, their nodes and the
+    memory they pin.
 """
 
 from __future__ import annotations
