@@ -12,34 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
-from monitor_script import ShardedMLP
 from torch import Tensor, nn
 
-from helpers import MLPModule, count_syncs, rank_loader
+from helpers import MLPModule, ShardedMLP, count_syncs, distributed_trainer, rank_loader
 from lightning_gradkit import AccumulationGuard, InferenceModeValidation
 from test_accumulation import ManualTokenLM, TokenLM, token_loader
-
-
-def trainer(**kwargs: Any) -> pl.Trainer:
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        log_every_n_steps=1,
-        use_distributed_sampler=False,
-    )
-    defaults.update(kwargs)
-    return pl.Trainer(**defaults)
 
 
 def state(model: nn.Module) -> dict[str, list]:
@@ -96,7 +76,7 @@ def main() -> None:
     guard = AccumulationGuard(normalize="tokens")
     collectives = CollectiveCounter()
     collectives.watch(guard, "on_before_optimizer_step")
-    t = trainer(accumulate_grad_batches=2, callbacks=[guard])
+    t = distributed_trainer(accumulate_grad_batches=2, callbacks=[guard])
     rank = t.global_rank
     with count_syncs() as syncs:
         syncs.watch(guard, "on_before_optimizer_step")
@@ -109,24 +89,24 @@ def main() -> None:
     # 2. Mean mode: 10 micro-batches of 4 per rank, N = 4 -> windows 4, 4, 2.
     torch.manual_seed(0)
     model = MLPModule()
-    t = trainer(accumulate_grad_batches=4, callbacks=[AccumulationGuard()])
+    t = distributed_trainer(accumulate_grad_batches=4, callbacks=[AccumulationGuard()])
     t.fit(model, rank_loader(rank, n=80, batch_size=4))
     out["mean"] = state(model)
 
     # 3. The manual helper in token mode (no_sync inside windows, one scalar all-reduce per step).
     torch.manual_seed(0)
     model = ManualTokenLM(2)
-    t = trainer(callbacks=[AccumulationGuard(on_dirty="raise")])
+    t = distributed_trainer(callbacks=[AccumulationGuard(on_dirty="raise")])
     t.fit(model, token_loader(40, 4, rank=rank, world_size=2))
     out["manual_tokens"] = state(model)
 
     # 4. Validation under gloo: Lightning's evaluation loop refuses inference mode, so the callback falls back.
     model = ValRecorder()
-    t = trainer(limit_val_batches=2, callbacks=[InferenceModeValidation()])
+    t = distributed_trainer(limit_val_batches=2, callbacks=[InferenceModeValidation()])
     t.fit(model, rank_loader(rank, n=16), rank_loader(rank, n=16))
     out["val_modes"] = model.modes
     try:
-        trainer(limit_val_batches=1, callbacks=[InferenceModeValidation(fallback="raise")]).fit(
+        distributed_trainer(limit_val_batches=1, callbacks=[InferenceModeValidation(fallback="raise")]).fit(
             ValRecorder(), rank_loader(rank, n=16), rank_loader(rank, n=16)
         )
         out["raise_message"] = None
@@ -136,9 +116,9 @@ def main() -> None:
     # 5. FSDP2 (fully_shard): refused before gloo is even considered.
     try:
         fsdp2 = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-        trainer(strategy=fsdp2, limit_val_batches=1, callbacks=[InferenceModeValidation(fallback="raise")]).fit(
-            ShardedMLP(), rank_loader(rank, n=16), rank_loader(rank, n=16)
-        )
+        distributed_trainer(
+            strategy=fsdp2, limit_val_batches=1, callbacks=[InferenceModeValidation(fallback="raise")]
+        ).fit(ShardedMLP(), rank_loader(rank, n=16), rank_loader(rank, n=16))
         out["fsdp2_message"] = None
     except RuntimeError as err:
         out["fsdp2_message"] = str(err)

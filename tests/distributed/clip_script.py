@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from helpers import MLPModule, rank_loader
+from helpers import MLPModule, ShardedMLP, distributed_trainer, rank_loader
 from lightning_gradkit import AdaptiveGradClip, AutoClip, ClipGradNorm, ClipGradValue, GradNormMonitor, ZClip
 
 CASES = {
@@ -26,15 +26,6 @@ CASES = {
     "zclip": lambda: ZClip(alpha=0.9, z_threshold=0.5, warmup_steps=3, max_norm=1.4),
 }
 N_SAMPLES = 64
-
-
-class ShardedMLP(MLPModule):
-    def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh["data_parallel"]
-        for module in (self.encoder, self.head):
-            fully_shard(module, mesh=mesh)
 
 
 class Record(pl.Callback):
@@ -82,18 +73,8 @@ def main() -> None:
         torch.manual_seed(0)
         model, strategy = make_strategy(strategy_name)
         record = Record()
-        trainer = pl.Trainer(
-            accelerator=args.accelerator,
-            devices=2,
-            strategy=strategy,
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            log_every_n_steps=1,
-            use_distributed_sampler=False,
-            callbacks=[CASES[case](), GradNormMonitor(), record],
+        trainer = distributed_trainer(
+            accelerator=args.accelerator, strategy=strategy, callbacks=[CASES[case](), GradNormMonitor(), record]
         )
         trainer.fit(model, rank_loader(trainer.global_rank, n=N_SAMPLES))
         rank = trainer.global_rank
