@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib.util
-import json
 import linecache
 import math
 import os
@@ -49,13 +48,14 @@ import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_gradkit.report import EVENTS_FILE
+from lightning_gradkit.events import EventLog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -939,19 +939,15 @@ def check_int(name: str, value: object, minimum: int, meaning: str = "") -> None
 # -- events ------------------------------------------------------------------------------------------------------
 
 
-def events_dir(trainer: pl.Trainer) -> str:
-    """Where events go: ``trainer.log_dir``, else ``trainer.default_root_dir``.
-
-    ``trainer.log_dir`` broadcasts from rank 0: call this on every rank (e.g. in ``setup``), never from a code
-    path that only some ranks take.
-    """
-    return trainer.log_dir or trainer.default_root_dir
-
-
-def _write_event(directory: str, trainer: pl.Trainer, what: str, batch_idx: int, **details: Any) -> None:
-    """Append one JSON line to ``<directory>/gradkit_events.jsonl`` (every rank writes its own lines)."""
-    record = {"step": trainer.global_step, "batch_idx": batch_idx, "rank": trainer.global_rank, "what": what}
-    record.update(details)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, EVENTS_FILE), "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+def _write_event(directory: str | Path, trainer: pl.Trainer, what: str, batch_idx: int, **details: Any) -> None:
+    """Append one event for this rank's findings to ``<directory>/gradkit_events.jsonl``."""
+    log = EventLog(Path(directory), rank=trainer.global_rank, every_rank=True)
+    log.write(
+        step=trainer.global_step,
+        batch_idx=batch_idx,
+        rank=trainer.global_rank,
+        what=what,
+        culprit=None,
+        values={},
+        **details,
+    )

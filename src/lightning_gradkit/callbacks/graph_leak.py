@@ -19,7 +19,6 @@ from lightning_gradkit.diagnostics import (
     _write_event,
     autograd_sequence_marker,
     check_int,
-    events_dir,
     gc_graph_tensors,
     graph_footprint,
     module_graph_tensors,
@@ -28,6 +27,7 @@ from lightning_gradkit.diagnostics import (
     steady_growth,
     storage_keys,
 )
+from lightning_gradkit.events import events_dir
 
 _ACTIONS = ("warn", "raise")
 _MAX_LISTED = 5

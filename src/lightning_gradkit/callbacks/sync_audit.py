@@ -16,11 +16,11 @@ from lightning_gradkit.diagnostics import (
     SyncTable,
     _write_event,
     check_int,
-    events_dir,
     format_sync_table,
     package_dirs,
     site_row,
 )
+from lightning_gradkit.events import events_dir
 
 _MODES = ("warn", "raise")
 _HOOK = "on_train_batch_end"
