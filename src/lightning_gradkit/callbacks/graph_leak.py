@@ -74,6 +74,11 @@ def _bytes(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+def _module_storages(module: nn.Module) -> set[Any]:
+    """The parameters' and buffers' storages: alive anyway, never counted as pinned by a graph."""
+    return storage_keys([*module.parameters(), *module.buffers()])
+
+
 class GraphLeakGuard(Callback):
     r"""Find tensors that keep their autograd graph alive across training steps (``self.losses.append(loss)``).
 
@@ -181,19 +186,16 @@ class GraphLeakGuard(Callback):
         marker, self._marker = self._marker, None
         if marker is None:
             return
-        exclude = storage_keys([*pl_module.parameters(), *pl_module.buffers()])
-        self._check_outputs(trainer, outputs, exclude, batch_idx)
+        self._check_outputs(trainer, pl_module, outputs, batch_idx)
         self._check_memory(trainer, pl_module, batch_idx)
-        self._check_leaks(trainer, pl_module, marker, exclude, batch_idx)
+        self._check_leaks(trainer, pl_module, marker, batch_idx)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._marker = None  # a batch skipped by `on_train_batch_start` returning -1 never reaches its end hook
 
     # -- checks ------------------------------------------------------------------------------------------------
-    def _check_leaks(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, marker: int, exclude: set[Any], batch_idx: int
-    ) -> None:
-        report = self._scan(trainer, pl_module, marker, exclude)
+    def _check_leaks(self, trainer: pl.Trainer, pl_module: pl.LightningModule, marker: int, batch_idx: int) -> None:
+        report = self._scan(trainer, pl_module, marker)
         if report is not None:
             self.reports.append(report)
             if self._events_dir is not None:
@@ -223,9 +225,7 @@ class GraphLeakGuard(Callback):
             self._warned.update(report.containers)
             rank_zero_warn(self._leak_message(report))
 
-    def _scan(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, marker: int, exclude: set[Any]
-    ) -> LeakReport | None:
+    def _scan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, marker: int) -> LeakReport | None:
         older = OlderGraph(marker)
         found, truncated = module_graph_tensors(pl_module, "pl_module", self._skip, older)
         if self.gc_scan:
@@ -236,7 +236,7 @@ class GraphLeakGuard(Callback):
             step=trainer.global_step,
             batch_idx=trainer.fit_loop.total_batch_idx,
             tensors=[GraphTensor.describe(path, t) for path, t in found],
-            footprint=graph_footprint([t for _, t in found], exclude),
+            footprint=graph_footprint([t for _, t in found], _module_storages(pl_module)),
             truncated=truncated,
         )
 
@@ -259,7 +259,7 @@ class GraphLeakGuard(Callback):
         )
         return "\n".join(lines)
 
-    def _check_outputs(self, trainer: pl.Trainer, outputs: Any, exclude: set[Any], batch_idx: int) -> None:
+    def _check_outputs(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch_idx: int) -> None:
         if not isinstance(outputs, dict):
             return
         found = object_graph_tensors({k: v for k, v in outputs.items() if k != "loss"}, "outputs")
@@ -268,7 +268,7 @@ class GraphLeakGuard(Callback):
             key = path.split("]", 1)[0] + "]"  # outputs['<key>']
             if key in self._warned:
                 continue
-            footprint = graph_footprint([tensor], exclude | returned)
+            footprint = graph_footprint([tensor], _module_storages(pl_module) | returned)
             if footprint.saved_bytes == 0:
                 continue
             self._warned.add(key)
