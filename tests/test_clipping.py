@@ -99,6 +99,29 @@ def test_agc_eps_floor_lets_zero_initialised_parameters_update(tmp_path: Path) -
     assert got["encoder.2.weight"].abs().sum() > 0
 
 
+@pytest.mark.parametrize("case", ["norm-2", "agc"])
+def test_bf16_parameters_are_clipped_like_the_reference(tmp_path: Path, case: str) -> None:
+    """With ``bf16-true`` the gradients are bf16: unit norms are reduced in fp32, coefficients cast to bf16."""
+    make_callback, make_ref = CASES[case]
+    torch.manual_seed(0)
+    model = MLPModule()
+    trainer = make_trainer(tmp_path, callbacks=[make_callback()], precision="bf16-true")
+    trainer.fit(model, loader(n=STEPS * 8, batch_size=8))
+
+    torch.manual_seed(0)
+    ref = MLPModule().to(torch.bfloat16)
+    opt = ref.configure_optimizers()
+    clip = make_ref()
+    for x, y in loader(n=STEPS * 8, batch_size=8):
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x.to(torch.bfloat16)), y.to(torch.bfloat16)).backward()
+        clip(ref)
+        opt.step()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-2, msg=name)
+
+
 class RecordingClipped(MLPModule):
     """Records the reference pre- and post-clip 2-norms in the module hook, which runs after every callback's."""
 

@@ -203,7 +203,7 @@ class StepPlan:
             for i, g in enumerate(self.grads):
                 coef = self.param_coefs.get(self.present[i])
                 if coef is not None:
-                    g.mul_(coef if common is None else coef * common)
+                    g.mul_((coef if common is None else coef * common).to(g.dtype))
         else:
             uniform = self.grads
         if common is not None and uniform:
