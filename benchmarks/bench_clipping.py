@@ -10,14 +10,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from torch.utils.data import DataLoader
-
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_monitoring import LightningRecipe
-from harness import common_args, compare, machine, report
+from harness import common_args, run_table
 
 from lightning_gradkit import AdaptiveGradClip, AutoClip, ClipGradNorm, ClipGradValue, GradNormMonitor, ZClip
-from lightning_gradkit.demos import ByteDataset, TinyGPTModule, stdlib_text
+from lightning_gradkit.demos import TinyGPTModule
 
 MODEL = dict(n_layer=8, n_head=4, n_embd=128, block_size=64)
 LOG_EVERY = 50
@@ -42,24 +40,7 @@ def configs() -> dict:
 
 def main() -> None:
     args = common_args(__doc__.splitlines()[0]).parse_args()
-    data = ByteDataset(stdlib_text(), block_size=MODEL["block_size"])
-    loader = DataLoader(data, batch_size=16, shuffle=False)
-    n_params = len(list(TinyGPTModule(**MODEL).parameters()))
-    print(f"machine: {machine()}\nmodel: TinyGPT {MODEL}, {n_params} parameter tensors, batch 16")
-    results = compare(
-        configs(),
-        loader,
-        steps=args.steps,
-        warmup=args.warmup,
-        repeats=args.repeats,
-        accelerator=args.accelerator,
-        trainer_kwargs={"log_every_n_steps": LOG_EVERY},
-    )
-    print(report(results, "a_none", f"Clipping overhead, log_every_n_steps={LOG_EVERY}"))
-    base = results["a_none"].median
-    print()
-    for name in list(results)[1:]:
-        print(f"overhead {name}: {100 * (results[name].median / base - 1):+.2f}% of step time")
+    results = run_table(args, configs(), MODEL, "Clipping overhead", "a_none", LOG_EVERY)
     for ref in ("b_gradient_clip_val", "c_gradient_clip_val+grad_norm"):
         ratio = results["d_ClipGradNorm+monitor"].median / results[ref].median
         print(f"d_ClipGradNorm+monitor / {ref}: {ratio:.4f}")
