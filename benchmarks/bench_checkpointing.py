@@ -2,7 +2,7 @@
 selective / memory budget 0.5, on the same GPT-style model, in one interleaved run. On a GPU it also reports the
 peak ``torch.cuda.max_memory_allocated`` per training step.
 
-    python benchmarks/bench_checkpointing.py [--steps 30 --warmup 5 --repeats 3 --threads 1]
+    python benchmarks/bench_checkpointing.py [--n-embd 64 --steps 30 --warmup 5 --repeats 3 --threads 1]
 
 Besides the harness's wall-clock step time it reports the process CPU time per step (``time.process_time``), which a
 busy shared machine disturbs far less; with ``--threads 1`` it is the compute cost of each configuration.
@@ -30,7 +30,7 @@ from lightning_gradkit import ActivationCheckpointing
 from lightning_gradkit.checkpointing import format_bytes
 from lightning_gradkit.demos import ByteDataset, TinyGPTModule, stdlib_text
 
-MODEL = dict(n_layer=8, n_head=4, n_embd=128, block_size=128, dropout=0.0)
+MODEL: dict[str, Any] = dict(n_layer=8, n_head=4, n_embd=64, block_size=128, dropout=0.0)
 BATCH = 16
 SETTINGS: dict[str, dict[str, Any] | None] = {
     "a_none": None,
@@ -75,7 +75,9 @@ class PeakMemory(pl.Callback):
 def main() -> None:
     parser = common_args(__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"], help="model width")
     args = parser.parse_args()
+    MODEL["n_embd"] = args.n_embd
     if args.threads:
         torch.set_num_threads(args.threads)
     data = ByteDataset(stdlib_text(), block_size=MODEL["block_size"])

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Subset
 
+from helpers import distributed_trainer
 from lightning_gradkit import ActivationCheckpointing
 from lightning_gradkit.checkpointing import injected_mode
 from lightning_gradkit.demos import ByteDataset, GPTConfig, TinyGPT, TinyGPTModule, stdlib_text
@@ -109,18 +110,7 @@ def main() -> None:
         if "callback" in config:
             callback = ActivationCheckpointing(["Block"], **config["callback"])
             callbacks.insert(0, callback)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_steps=STEPS,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            callbacks=callbacks,
-        )
+        trainer = distributed_trainer(strategy=strategy, max_epochs=None, max_steps=STEPS, callbacks=callbacks)
         rank = trainer.global_rank
         trainer.fit(model, rank_loader(rank))
         torch.save(record.grads, args.out / f"grads_{name}_rank{rank}.pt")

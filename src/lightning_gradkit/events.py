@@ -1,0 +1,111 @@
+"""A JSON-lines event log next to the run's logs: ``gradkit_events.jsonl``.
+
+Callbacks that detect something (a non-finite loss, a spike, a skipped step) write one JSON object per line with
+the fields ``time``, ``step``, ``batch_idx``, ``rank``, ``what``, ``culprit``, ``values`` (and any extra fields
+the caller adds). By default only global rank 0 writes (callers gather per-rank findings first); a log made with
+``every_rank=True`` lets each rank append its own findings, each line written with one ``write`` on an ``O_APPEND``
+descriptor so lines never interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+EVENTS_FILENAME = "gradkit_events.jsonl"
+
+
+def events_dir(trainer: pl.Trainer) -> Path:
+    """The directory of the event file: the first logger's directory, else ``trainer.default_root_dir``.
+
+    Must be called on every rank at the same point (``setup``): ``trainer.log_dir`` broadcasts rank 0's value.
+    """
+    directory = trainer.log_dir if trainer.loggers else None
+    return Path(directory if directory else trainer.default_root_dir)
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON: tensors become numbers or lists, non-finite floats the strings ``"nan"``/``"inf"``."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    if isinstance(value, float):
+        return value
+    return str(value)
+
+
+class EventLog:
+    """Appends events as JSON lines to ``<directory>/gradkit_events.jsonl`` (global rank 0 only).
+
+    Args:
+        directory: where the file goes (see :func:`events_dir`).
+        rank: this process's global rank; other ranks than 0 write nothing unless ``every_rank``.
+        every_rank: let every rank write (for findings that are local to a rank, e.g. host syncs).
+
+    Example::
+
+        >>> import tempfile
+        >>> log = EventLog(Path(tempfile.mkdtemp()), rank=0)
+        >>> log.write(step=3, batch_idx=3, rank=0, what="nonfinite_loss", culprit="encoder.2", values={"loss": 1.0})
+        >>> log.read()[0]["culprit"]
+        'encoder.2'
+    """
+
+    def __init__(self, directory: Path, rank: int = 0, every_rank: bool = False) -> None:
+        self.path = Path(directory) / EVENTS_FILENAME
+        self.rank = rank
+        self.every_rank = every_rank
+
+    def write(
+        self,
+        *,
+        step: int,
+        batch_idx: int,
+        rank: int | list[int] | None,
+        what: str,
+        culprit: str | None,
+        values: Mapping[str, Any],
+        **extra: Any,
+    ) -> None:
+        """Append one event (a no-op on ranks other than 0, unless ``every_rank``)."""
+        if self.rank != 0 and not self.every_rank:
+            return
+        record = {
+            "time": time.time(),
+            "step": step,
+            "batch_idx": batch_idx,
+            "rank": rank,
+            "what": what,
+            "culprit": culprit,
+            "values": values,
+            **extra,
+        }
+        line = json.dumps(jsonable(record), allow_nan=False) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # One write() of the whole line on an O_APPEND descriptor: a reader never sees half an event.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    def read(self) -> list[dict[str, Any]]:
+        """All events written so far (empty when there is no file yet)."""
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,194 @@
+"""NaN-masked running statistics on device: an exponential moving average and a sliding window.
+
+Both track the mean and the (population) variance of a stream of scalars with small device ops only: no value is
+ever read to the host, so a consumer can take a decision every step without a host-device synchronization.
+Non-finite values are *masked*: they change nothing (OLMo-core's loss-spike window, by contrast, keeps a NaN for
+the whole window, so one bad step disables the detector for that long).
+
+The functions are pure tensor math with no Lightning in them; :class:`RunningMoments` and :class:`WindowMoments`
+are small stateful wrappers with ``state_dict``/``load_state_dict`` (exact, so a resumed run continues
+identically).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# A standard deviation below this fraction of |mean| (plus an absolute epsilon) is treated as this value, so a
+# constant stream does not turn every tiny fluctuation into an infinite z-score.
+_RELATIVE_STD_FLOOR = 1e-6
+_ABSOLUTE_STD_FLOOR = 1e-12
+
+
+def ema_update(mean: Tensor, var: Tensor, count: Tensor, x: Tensor, alpha: float) -> tuple[Tensor, Tensor, Tensor]:
+    r"""One NaN-masked step of the exponentially weighted mean and variance.
+
+    The weight of the new value is :math:`w = \max(1/n, 1 - \alpha)` where :math:`n` counts the finite values
+    seen so far: the first values are averaged with equal weights (Welford's algorithm: exact mean and population
+    variance), later ones exponentially with decay ``alpha``. The update follows Finch (2009), "Incremental
+    calculation of weighted mean and variance", eq. 143:
+
+    .. math::
+        \delta = x - \mu,\quad \mu' = \mu + w\delta,\quad \sigma'^2 = (1 - w)(\sigma^2 + w\delta^2)
+
+    A non-finite ``x`` leaves all three unchanged.
+
+    Args:
+        mean: scalar running mean.
+        var: scalar running variance.
+        count: scalar number of finite values seen (float).
+        x: the new scalar value.
+        alpha: decay of the history, in ``(0, 1)``.
+
+    Returns:
+        The new ``(mean, var, count)``.
+
+    Example::
+
+        >>> m, v, n = torch.zeros(()), torch.zeros(()), torch.zeros(())
+        >>> for x in (1.0, float("nan"), 3.0):
+        ...     m, v, n = ema_update(m, v, n, torch.tensor(x), alpha=0.9)
+        >>> m, v, n
+        (tensor(2.), tensor(1.), tensor(2.))
+    """
+    x = x.detach().to(mean.dtype)
+    valid = torch.isfinite(x)
+    n = count + valid.to(count.dtype)
+    w = torch.where(valid, torch.maximum(1.0 / n.clamp_min(1.0), torch.full_like(n, 1.0 - alpha)), 0.0)
+    delta = torch.where(valid, x - mean, 0.0)
+    incr = w * delta
+    return mean + incr, (1.0 - w) * (var + delta * incr), n
+
+
+def window_update(values: Tensor, position: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    """Write ``x`` into a ring buffer of the last finite values; a non-finite ``x`` is not recorded.
+
+    Args:
+        values: ``[W]`` buffer, NaN where empty. Updated in place.
+        position: scalar long tensor, the number of finite values written so far.
+        x: the new scalar value.
+
+    Returns:
+        ``(values, position)`` after the write.
+
+    Example::
+
+        >>> buf, pos = torch.full((2,), float("nan")), torch.zeros((), dtype=torch.long)
+        >>> for x in (1.0, float("inf"), 2.0, 3.0):
+        ...     buf, pos = window_update(buf, pos, torch.tensor(x))
+        >>> buf, pos
+        (tensor([3., 2.]), tensor(3))
+    """
+    x = x.detach().to(values.dtype).reshape(1)
+    valid = torch.isfinite(x)
+    slot = (position % values.numel()).reshape(1)
+    values.scatter_(0, slot, torch.where(valid, x, values.gather(0, slot)))
+    return values, position + valid.reshape(()).to(position.dtype)
+
+
+def window_moments(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean, population variance and count of the finite entries of a window buffer (NaN marks empty slots)."""
+    valid = ~torch.isnan(values)
+    n = valid.sum().to(values.dtype)
+    safe_n = n.clamp_min(1.0)
+    filled = torch.where(valid, values, 0.0)
+    mean = filled.sum() / safe_n
+    var = torch.where(valid, (values - mean) ** 2, 0.0).sum() / safe_n
+    return mean, var, n
+
+
+def std_of(mean: Tensor, var: Tensor) -> Tensor:
+    """The standard deviation, floored at ``1e-6 * |mean| + 1e-12`` (a constant stream has no zero divisor)."""
+    return torch.maximum(var.clamp_min(0.0).sqrt(), mean.abs() * _RELATIVE_STD_FLOOR + _ABSOLUTE_STD_FLOOR)
+
+
+def spike_decision(
+    x: Tensor, mean: Tensor, var: Tensor, count: Tensor, z_threshold: float, warmup: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Decide whether ``x`` is an upward spike, and the value to feed the running statistics with.
+
+    ``z = (x - mean) / std``; a spike is a finite ``x`` with ``z > z_threshold`` once ``count >= warmup``. The
+    value to record is ``x`` clamped to ``mean + z_threshold * std`` (after warm-up), as ZClip (Kumar et al.,
+    2025, "ZClip: Adaptive Spike Mitigation for LLM Pre-Training") feeds its EMA with the clipped norm: one spike
+    does not inflate the statistics, and a lasting level shift is absorbed gradually instead of being flagged
+    forever.
+
+    Returns:
+        ``(spike, z, value_to_record, std)``, device tensors (``z`` is 0 before warm-up and for non-finite ``x``).
+    """
+    x = x.detach().to(mean.dtype)
+    std = std_of(mean, var)
+    active = count >= warmup
+    finite = torch.isfinite(x)
+    z = torch.where(active & finite, (x - mean) / std, 0.0)
+    spike = z > z_threshold
+    record = torch.where(active & finite, torch.minimum(x, mean + z_threshold * std), x)
+    return spike, z, record, std
+
+
+class RunningMoments:
+    """NaN-masked exponentially weighted mean and variance of a scalar stream, on device (see :func:`ema_update`).
+
+    Args:
+        alpha: decay of the history, in ``(0, 1)``; the effective memory is about ``1 / (1 - alpha)`` values.
+    """
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.mean = torch.zeros(())
+        self.var = torch.zeros(())
+        self.count = torch.zeros(())
+
+    def to(self, device: torch.device) -> RunningMoments:
+        self.mean, self.var, self.count = (t.to(device) for t in (self.mean, self.var, self.count))
+        return self
+
+    def moments(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(mean, var, count)`` as device scalars."""
+        return self.mean, self.var, self.count
+
+    def update(self, x: Tensor) -> None:
+        self.mean, self.var, self.count = ema_update(self.mean, self.var, self.count, x, self.alpha)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"mean": self.mean.cpu(), "var": self.var.cpu(), "count": self.count.cpu()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        device = self.mean.device
+        self.mean, self.var, self.count = (state[k].to(device) for k in ("mean", "var", "count"))
+
+
+class WindowMoments:
+    """Mean and variance of the last ``window`` finite values of a scalar stream, on device.
+
+    Args:
+        window: number of finite values kept.
+    """
+
+    def __init__(self, window: int) -> None:
+        self.values = torch.full((window,), float("nan"))
+        self.position = torch.zeros((), dtype=torch.long)
+
+    def to(self, device: torch.device) -> WindowMoments:
+        self.values, self.position = self.values.to(device), self.position.to(device)
+        return self
+
+    def moments(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(mean, var, count)`` of the finite values in the window, as device scalars."""
+        return window_moments(self.values)
+
+    def update(self, x: Tensor) -> None:
+        self.values, self.position = window_update(self.values, self.position, x)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"values": self.values.cpu(), "position": self.position.cpu()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        device = self.values.device
+        if state["values"].shape != self.values.shape:
+            raise ValueError(
+                f"The saved window holds {state['values'].numel()} values but this one holds {self.values.numel()}."
+                " Resume with the same `window`."
+            )
+        self.values, self.position = state["values"].to(device), state["position"].to(device)
