@@ -190,14 +190,19 @@ def module_key(param_name: str, depth: int) -> str:
     return ".".join(owner[:depth]) if owner else "<root>"
 
 
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+_WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def clean_param_name(name: str) -> str:
-    """Strip the names that FSDP1, ``checkpoint_wrapper``, ``torch.compile`` and DDP insert into a parameter's name."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """Drop the name components that FSDP1, ``checkpoint_wrapper``, ``torch.compile`` and DDP insert.
+
+    Whole components only (``submodule.weight`` stays as it is); DDP's ``module`` only as the leading one, so a
+    user attribute named ``module`` deeper in the tree is kept.
+    """
+    parts = [part for part in name.split(".") if part not in _WRAPPER_COMPONENTS]
+    if len(parts) > 1 and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def _replication(param: Tensor) -> int:
