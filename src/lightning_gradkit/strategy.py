@@ -122,7 +122,7 @@ class GradKitStrategyMixin:
         >>> from lightning_gradkit import GradKitStrategyMixin, NonFiniteGuard
         >>> class MyDDP(GradKitStrategyMixin, DDPStrategy):
         ...     pass
-        >>> trainer = Trainer(strategy="gradkit", accelerator="cpu", callbacks=[NonFiniteGuard()])
+        >>> trainer = Trainer(strategy=MyDDP(), accelerator="cpu", devices=2, callbacks=[NonFiniteGuard()])
     """
 
     _gradkit_gate_active: bool = False

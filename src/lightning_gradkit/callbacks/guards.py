@@ -675,7 +675,6 @@ class SpikeGuard(_Guard):
     def state_key(self) -> str:
         return self._generate_state_key(monitor=self.monitor, window=self.window, alpha=self.alpha)
 
-
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.monitor == "loss":
             loss = _unscaled_loss(trainer, loss).reshape(())
