@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/tiny_gpt.py --config examples/configs/demo.yaml --report
+	$(PY) examples/tiny_gpt.py fit --config examples/configs/demo.yaml --trainer.enable_progress_bar=false
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
 import harness
-from harness import common_args, compare, machine, report
+from harness import common_args, compare, report, run_table
 
 from lightning_gradkit import GradNormMonitor, NonFiniteGuard, SpikeGuard
 from lightning_gradkit.demos import ByteDataset, TinyGPTModule, stdlib_text
@@ -82,19 +82,8 @@ def main() -> None:
     if args.clock == "process":
         torch.set_num_threads(1)
         harness.StepTimer = ProcessTimeStepTimer  # run_once builds its timer from this module attribute
-    data = ByteDataset(stdlib_text(), block_size=MODEL["block_size"])
-    loader = DataLoader(data, batch_size=16, shuffle=False)
-    print(f"machine: {machine()}\nmodel: TinyGPT {MODEL}, batch 16, no faults, clock: {args.clock}")
-    results = compare(
-        configs(MODEL),
-        loader,
-        steps=args.steps,
-        warmup=args.warmup,
-        repeats=args.repeats,
-        accelerator=args.accelerator,
-        trainer_kwargs={"log_every_n_steps": LOG_EVERY},
-    )
-    print(report(results, "a_monitor", f"Guard overhead, log_every_n_steps={LOG_EVERY}"))
+    print(f"clock: {args.clock}")
+    results = run_table(args, configs(MODEL), MODEL, "Guard overhead (no faults)", "a_monitor", LOG_EVERY)
     print(quantile_lines(results, "a_monitor"))
     base = results["a_monitor"].median
     guards = results["b_monitor+guards"].median

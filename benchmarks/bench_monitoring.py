@@ -13,13 +13,12 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch.utilities import grad_norm
-from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import common_args, compare, machine, report
+from harness import common_args, run_table
 
 from lightning_gradkit import GradNormMonitor
-from lightning_gradkit.demos import ByteDataset, TinyGPTModule, stdlib_text
+from lightning_gradkit.demos import TinyGPTModule
 from lightning_gradkit.stats import build_param_index, derive_stats, per_tensor_norms
 
 MODEL = dict(n_layer=8, n_head=4, n_embd=128, block_size=64)
@@ -87,23 +86,7 @@ def time_stats_pass(device: str, iters: int = 200) -> tuple[float, float, int]:
 
 def main() -> None:
     args = common_args(__doc__.splitlines()[0]).parse_args()
-    data = ByteDataset(stdlib_text(), block_size=MODEL["block_size"])
-    loader = DataLoader(data, batch_size=16, shuffle=False)
-    n_params = len(list(TinyGPTModule(**MODEL).parameters()))
-    print(f"machine: {machine()}\nmodel: TinyGPT {MODEL}, {n_params} parameter tensors, batch 16")
-    results = compare(
-        configs(),
-        loader,
-        steps=args.steps,
-        warmup=args.warmup,
-        repeats=args.repeats,
-        accelerator=args.accelerator,
-        trainer_kwargs={"log_every_n_steps": LOG_EVERY},
-    )
-    print(report(results, "a_none", f"Monitoring overhead, log_every_n_steps={LOG_EVERY}"))
-    base = results["a_none"].median
-    for name in ("b_lightning_grad_norm", "c_item_loop", "d_GradNormMonitor"):
-        print(f"overhead {name}: {100 * (results[name].median / base - 1):+.2f}% of step time")
+    run_table(args, configs(), MODEL, "Monitoring overhead", "a_none", LOG_EVERY)
     device = "cuda" if args.accelerator == "gpu" else "cpu"
     stats_t, read_t, numel = time_stats_pass(device)
     print(

@@ -115,6 +115,41 @@ def report(results: dict[str, Result], baseline: str, title: str) -> str:
     return "\n".join(lines)
 
 
+def gpt_loader(block_size: int, batch_size: int = 16) -> DataLoader:
+    """Next-byte batches of the standard library's source (the data every benchmark trains on)."""
+    from lightning_gradkit.demos import ByteDataset, stdlib_text
+
+    return DataLoader(ByteDataset(stdlib_text(), block_size=block_size), batch_size=batch_size, shuffle=False)
+
+
+def run_table(
+    args: argparse.Namespace,
+    configs: dict[str, ConfigFactory],
+    model: dict[str, Any],
+    title: str,
+    baseline: str,
+    log_every_n_steps: int,
+) -> dict[str, Result]:
+    """The common body of a benchmark: train every configuration on :func:`gpt_loader` batches, print the table
+    and each configuration's overhead against ``baseline``."""
+    print(f"machine: {machine()}\nmodel: TinyGPT {model}, batch 16")
+    results = compare(
+        configs,
+        gpt_loader(model["block_size"]),
+        steps=args.steps,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        accelerator=args.accelerator,
+        trainer_kwargs={"log_every_n_steps": log_every_n_steps},
+    )
+    print(report(results, baseline, f"{title}, log_every_n_steps={log_every_n_steps}"))
+    base = results[baseline].median
+    for name in results:
+        if name != baseline:
+            print(f"overhead {name}: {100 * (results[name].median / base - 1):+.2f}% of step time")
+    return results
+
+
 def machine() -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)"
     return f"{platform.machine()} {device}, torch {torch.__version__}, lightning {pl.__version__}"

@@ -155,6 +155,39 @@ def column(rows: list[dict[str, str]], key: str) -> list[float]:
 SCRIPTS = Path(__file__).parent / "distributed"
 
 
+class ShardedMLP(MLPModule):
+    """:class:`MLPModule` sharded with FSDP2 ``fully_shard`` in ``configure_model`` (``ModelParallelStrategy``)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for module in (self.encoder, self.head):
+            fully_shard(module, mesh=mesh)
+
+
+def distributed_trainer(**kwargs: Any) -> pl.Trainer:
+    """A quiet 2-process CPU (gloo) Trainer for the scripts in ``tests/distributed``.
+
+    Data comes from :func:`rank_loader` (``use_distributed_sampler=False``) so references see the same batches.
+    """
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        use_distributed_sampler=False,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
 def run_distributed(script: str, out_dir: Path, *args: str, timeout: float = 300) -> list[dict[str, Any]]:
     """Run ``tests/distributed/<script>`` as a 2-process CPU job and return each rank's JSON result.
 

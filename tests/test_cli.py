@@ -90,3 +90,57 @@ def test_help_shows_each_arguments_documentation(capsys: pytest.CaptureFixture[s
     assert "--trainer.callbacks.depth DEPTH" in out
     assert "module-tree depth of the per-module norms" in out
     assert "the p of the norm" in out
+
+
+# Every public callback, with the arguments it needs, as a user would type them.
+CALLBACK_ARGS = {
+    "GradNormMonitor": [],
+    "ClipGradNorm": ["--trainer.callbacks.max_norm=1.0"],
+    "ClipGradValue": ["--trainer.callbacks.clip_value=0.5"],
+    "AdaptiveGradClip": ["--trainer.callbacks.clip_factor=0.02"],
+    "AutoClip": ["--trainer.callbacks.percentile=20.0"],
+    "ZClip": ["--trainer.callbacks.z_threshold=3.0"],
+    "NonFiniteGuard": ["--trainer.callbacks.action=warn"],
+    "SpikeGuard": ["--trainer.callbacks.monitor=grad_norm"],
+    "ActivationCheckpointing": ["--trainer.callbacks.targets=[Block]"],
+    "InferenceModeValidation": [],
+    "AccumulationGuard": ["--trainer.callbacks.normalize=mean"],
+    "SyncAudit": ["--trainer.callbacks.every_n_steps=5"],
+    "GraphLeakGuard": ["--trainer.callbacks.check_every_n_steps=5"],
+}
+
+
+def test_every_public_callback_is_covered() -> None:
+    import lightning.pytorch as pl
+
+    import lightning_gradkit
+
+    public = {n for n in lightning_gradkit.__all__ if isinstance(getattr(lightning_gradkit, n), type)}
+    callbacks = {n for n in public if issubclass(getattr(lightning_gradkit, n), pl.Callback)}
+    assert callbacks == set(CALLBACK_ARGS)
+
+
+@pytest.mark.parametrize("name", sorted(CALLBACK_ARGS))
+def test_every_callback_builds_from_the_command_line(name: str) -> None:
+    import lightning_gradkit
+
+    result = cli([*BASE, f"--trainer.callbacks+=lightning_gradkit.{name}", *CALLBACK_ARGS[name]], run=False)
+    built = [c for c in result.trainer.callbacks if type(c) is getattr(lightning_gradkit, name)]
+    assert len(built) == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("gradkit", "GradKitSingleDeviceStrategy"),
+        ("gradkit_ddp", "GradKitDDPStrategy"),
+        ("gradkit_ddp_spawn", "GradKitDDPStrategy"),
+        ("gradkit_model_parallel", "GradKitModelParallelStrategy"),
+    ],
+)
+def test_strategy_names_resolve_from_the_command_line(name: str, cls: str) -> None:
+    import lightning_gradkit
+
+    devices = "1" if name == "gradkit" else "2"
+    result = cli([*BASE, f"--trainer.strategy={name}", f"--trainer.devices={devices}"], run=False)
+    assert isinstance(result.trainer.strategy, getattr(lightning_gradkit, cls))

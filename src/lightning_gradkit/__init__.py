@@ -5,8 +5,23 @@ once"). Importing the package registers the strategy names ``"gradkit"``, ``"gra
 ``"gradkit_ddp_spawn"``, ``"gradkit_fsdp"`` and ``"gradkit_model_parallel"`` with Lightning.
 """
 
+from lightning_gradkit.accumulation import ManualAccumulator
+from lightning_gradkit.callbacks.accumulation import AccumulationGuard
+from lightning_gradkit.callbacks.checkpointing import ActivationCheckpointing
+from lightning_gradkit.callbacks.clipping import (
+    AdaptiveGradClip,
+    AutoClip,
+    ClipGradNorm,
+    ClipGradValue,
+    ZClip,
+    clip_gradients,
+)
+from lightning_gradkit.callbacks.graph_leak import GraphLeakGuard
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
+from lightning_gradkit.callbacks.sync_audit import SyncAudit
+from lightning_gradkit.callbacks.validation import InferenceModeValidation
+from lightning_gradkit.checkpointing import inject_activation_checkpointing
 from lightning_gradkit.stats import GradStats
 from lightning_gradkit.strategy import (
     GradKitDDPStrategy,
@@ -22,6 +37,12 @@ register_strategies()
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AccumulationGuard",
+    "ActivationCheckpointing",
+    "AdaptiveGradClip",
+    "AutoClip",
+    "ClipGradNorm",
+    "ClipGradValue",
     "GradKitDDPStrategy",
     "GradKitFSDPStrategy",
     "GradKitModelParallelStrategy",
@@ -29,6 +50,13 @@ __all__ = [
     "GradKitStrategyMixin",
     "GradNormMonitor",
     "GradStats",
+    "GraphLeakGuard",
+    "InferenceModeValidation",
+    "ManualAccumulator",
     "NonFiniteGuard",
     "SpikeGuard",
+    "SyncAudit",
+    "ZClip",
+    "clip_gradients",
+    "inject_activation_checkpointing",
 ]

@@ -13,6 +13,12 @@ them; the others find the step already done. So results never depend on the orde
    (per-parameter factors, if any, are folded into that same pass), plus a clamp for value clipping.
 5. ``_observe``: logging, on logging steps only.
 
+Under 16-mixed AMP with an optimizer that unscales inside its own ``step`` (``fused=True``), Lightning does not
+call ``GradScaler.unscale_`` before ``on_before_optimizer_step``: the gradients the engine sees are still multiplied
+by the loss scale. The engine then divides every norm by the scaler's scale tensor (no host sync), so that all
+statistics and thresholds mean the same as without AMP, and records the factor in ``StepPlan.loss_scale``; a
+multiplicative clip coefficient is equally valid on scaled gradients, and a value clamp is widened by that factor.
+
 The strategy mixin (``strategy.py``) reads ``StepPlan.skip`` to step the optimizer or not.
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -28,6 +35,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
+from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from lightning_gradkit.stats import (
@@ -37,6 +45,7 @@ from lightning_gradkit.stats import (
     combine_sharded,
     derive_stats,
     local_tensor,
+    per_tensor_norm_list,
     per_tensor_norms,
     powered,
     total_norm,
@@ -53,11 +62,36 @@ class Stage(IntEnum):
 
 
 @dataclass
+class UnitNorms:
+    """Unit-wise 2-norms of some gradients (AGC): one norm per slice along dim 0, i.e. per output unit.
+
+    Measured in the engine's single read of the gradients, for the parameters a callback named in
+    ``_StatsRequest.unit_norm_names`` whose gradient has more than one dimension; the per-parameter norms in
+    ``StepPlan.stats`` are derived from them, so those gradients are read once. Values are local to the rank (a
+    sharded gradient holds whole rows under FSDP2's dim-0 sharding) and already divided by ``StepPlan.loss_scale``,
+    but not multiplied by ``StepPlan.scale``.
+
+    Attributes:
+        positions: index positions (in ``ParamIndex.params``) of the parameters, in order.
+        sizes: number of (local) units of each.
+        flat: ``[sum(sizes)]`` the unit norms of all of them, concatenated in that order.
+    """
+
+    positions: list[int]
+    sizes: list[int]
+    flat: Tensor
+
+
+@dataclass
 class StepPlan:
     """Everything measured and decided for one optimizer step. All values are device tensors.
 
     Policies write ``scale`` (via :meth:`multiply_scale`), ``clip_coef``, ``param_coefs``, ``clamp_value`` and
     skip flags (via :meth:`add_skip`); the engine applies them in one pass.
+
+    ``loss_scale`` is set when the gradients are still multiplied by the AMP loss scale (fused optimizers under
+    16-mixed); every norm in ``stats`` and ``unit_norms`` is already expressed without it, and ``clamp_value`` is
+    meant in those unscaled units too.
     """
 
     optimizer: Optimizer
@@ -76,6 +110,9 @@ class StepPlan:
     skip: Tensor | None = None
     skip_reasons: dict[str, Tensor] = field(default_factory=dict)
     post_clip_param_norms: Tensor | None = None
+    post_clip_total_fn: Callable[[], Tensor] | None = None
+    loss_scale: Tensor | None = None
+    unit_norms: UnitNorms | None = None
     _post_clip_total: Tensor | None = None
     _skip_host: bool | None = None
 
@@ -116,22 +153,41 @@ class StepPlan:
     def post_clip_total(self) -> Tensor:
         """Total norm (primary norm type) of the gradients after scaling and clipping.
 
-        Derived without touching the gradients when the clip is a scalar coefficient or per-parameter norms were
-        supplied; measured once (on logging steps only, by the callers) after a value clamp.
+        Derived without touching the gradients when the clip is a scalar coefficient or the clipping policy supplied
+        ``post_clip_total_fn`` / ``post_clip_param_norms`` (for the primary norm type); measured once (on logging
+        steps only, by the callers) after a value clamp or per-parameter coefficients otherwise.
         """
         if self._post_clip_total is not None:
             return self._post_clip_total
         p = self.primary_norm_type
-        if self.post_clip_param_norms is not None:
+        if self.post_clip_total_fn is not None:
+            result = self.post_clip_total_fn()
+        elif self.post_clip_param_norms is not None:
             result = total_norm(self.post_clip_param_norms, p)
-        elif self.clamp_value is not None:
-            result = total_norm(per_tensor_norms(self.grads, p), p)
+        elif self.clamp_value is not None or self.param_coefs:
+            result = total_norm(self.measure_grads(p), p)
         else:
             result = self.pre_clip_total()
             if self.clip_coef is not None:
                 result = result * self.clip_coef
         self._post_clip_total = result
         return result
+
+    def measure_grads(self, norm_type: float) -> Tensor:
+        """Read the gradients as they are now: global per-parameter norms, without the loss scale.
+
+        A second read of the gradients: only for post-clip values that cannot be derived (callers use it on logging
+        steps only). Under sharding this performs a collective, so every rank must call it.
+        """
+        local = per_tensor_norms(self.grads, norm_type).to(self.index.shard_weight.device)
+        if len(self.present) != self.index.num_params:
+            full = torch.zeros(self.index.num_params, dtype=torch.float32, device=local.device)
+            if self.present:
+                full[torch.tensor(self.present, device=full.device)] = local
+            local = full
+        if self.loss_scale is not None:
+            local = local / self.loss_scale
+        return reduce_param_norms(self.index, local, norm_type)
 
     @property
     def clipped(self) -> bool:
@@ -147,20 +203,58 @@ class StepPlan:
             for i, g in enumerate(self.grads):
                 coef = self.param_coefs.get(self.present[i])
                 if coef is not None:
-                    g.mul_(coef if common is None else coef * common)
+                    g.mul_((coef if common is None else coef * common).to(g.dtype))
         else:
             uniform = self.grads
         if common is not None and uniform:
             torch._foreach_mul_(uniform, common.to(uniform[0].dtype))
         if self.clamp_value is not None and self.grads:
-            torch._foreach_clamp_min_(self.grads, -self.clamp_value)
-            torch._foreach_clamp_max_(self.grads, self.clamp_value)
+            if self.loss_scale is None:
+                torch._foreach_clamp_min_(self.grads, -self.clamp_value)
+                torch._foreach_clamp_max_(self.grads, self.clamp_value)
+            else:
+                # The gradients still carry the loss scale: so does the bound (a device scalar, no host sync). The
+                # scaler looks for overflows only inside `step`, after this: a clamp must not turn an Inf into a
+                # finite value, so a step with a non-finite gradient gets NaN bounds (all NaN, which it skips).
+                finite = next(iter(self.stats.values())).finite
+                bound = torch.where(finite, self.loss_scale * self.clamp_value, math.nan)
+                for g in self.grads:
+                    g.clamp_(min=-bound.to(g.dtype), max=bound.to(g.dtype))
 
 
 @dataclass
 class _StatsRequest:
     norm_types: set[float] = field(default_factory=set)
     depth: int = 0
+    unit_norm_names: set[str] = field(default_factory=set)
+
+
+def reduce_param_norms(index: ParamIndex, local: Tensor, norm_type: float) -> Tensor:
+    """Global per-parameter norms from local ones: one collective when gradients are sharded, none otherwise."""
+    if world_size() == 1 or not index.any_sharded:
+        return local
+    contrib = powered(local, norm_type) * index.shard_weight
+    if math.isinf(norm_type):
+        contrib = local * (index.shard_weight > 0)
+    dist.all_reduce(contrib, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+    return combine_sharded(local, index.shard_weight, contrib, norm_type)
+
+
+def pending_loss_scale(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor | None:
+    """The AMP loss scale the optimizer's gradients are still multiplied by, or ``None`` when they are unscaled.
+
+    Lightning unscales before ``on_before_optimizer_step`` except for optimizers that unscale inside ``step``
+    (``fused=True``); in manual optimization it unscales only inside ``optimizer.step()``. The scaler's own
+    per-optimizer stage says which case holds. Returns the scaler's device tensor: reading it needs no host sync
+    (``GradScaler.get_scale()`` would sync).
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
+        return None
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    if state is not None and state["stage"] is not OptState.READY:
+        return None
+    return scaler._scale
 
 
 def is_logging_step(trainer: pl.Trainer, every_n_steps: int | None) -> bool:
@@ -202,9 +296,9 @@ class _Engine:
         self.skipped_steps = None
 
     @staticmethod
-    def callbacks(trainer: pl.Trainer) -> list[GradKitCallback]:
+    def callbacks(trainer: pl.Trainer, extra: Sequence[GradKitCallback] = ()) -> list[GradKitCallback]:
         found = [cb for cb in trainer.callbacks if isinstance(cb, GradKitCallback)]
-        return sorted(found, key=lambda cb: cb._stage)
+        return sorted([*found, *extra], key=lambda cb: cb._stage)
 
     def _index(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, depth: int
@@ -219,12 +313,22 @@ class _Engine:
             index = self._indexes[key] = build_param_index(optimizer.param_groups, names, depth, device, flat)
         return index
 
-    def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> StepPlan | None:
+    def run(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: Optimizer,
+        extra: Sequence[GradKitCallback] = (),
+    ) -> StepPlan | None:
+        """Run the step's pipeline once per optimizer step; ``None`` when it already ran for this step.
+
+        ``extra`` adds policies that are not in ``trainer.callbacks`` (the manual-optimization entry point).
+        """
         key = (id(optimizer), trainer.global_step, trainer.fit_loop.total_batch_idx)
         if key == self._last_key:
             return None
         self._last_key = key
-        cbs = self.callbacks(trainer)
+        cbs = self.callbacks(trainer, extra)
         request = _StatsRequest()
         for cb in cbs:
             cb._stats_request(request)
@@ -246,9 +350,13 @@ class _Engine:
         for cb in cbs:
             extras.update(cb._reduce_request(trainer, pl_module))
 
+        loss_scale = pending_loss_scale(trainer, optimizer)
+        unit_norms = _measure_units(index, grads, present, request.unit_norm_names)
         local: dict[float, Tensor] = {}
         for p in sorted(request.norm_types):
-            norms = per_tensor_norms(grads, p).to(index.shard_weight.device)
+            norms = _param_norms(grads, p, unit_norms if p == 2.0 else None).to(index.shard_weight.device)
+            if loss_scale is not None:
+                norms = norms / loss_scale
             if len(present) != index.num_params:
                 full = torch.zeros(index.num_params, dtype=torch.float32, device=index.shard_weight.device)
                 if present:
@@ -256,6 +364,12 @@ class _Engine:
                 norms = full
             local[p] = norms
 
+        if unit_norms is not None:
+            unit_norms = UnitNorms(
+                [present[j] for j in unit_norms.positions],
+                unit_norms.sizes,
+                unit_norms.flat if loss_scale is None else unit_norms.flat / loss_scale,
+            )
         norms_by_p, reduced = self._all_reduce(index, local, extras)
         stats = {p: derive_stats(index, norms_by_p[p], p, missing) for p in local}
         primary = next((cb._primary_norm_type() for cb in cbs if cb._primary_norm_type() is not None), None)
@@ -269,6 +383,8 @@ class _Engine:
             reduced=reduced,
             primary_norm_type=primary if primary is not None else min(stats),
             logging_step=is_logging_step(trainer, None),
+            loss_scale=loss_scale,
+            unit_norms=unit_norms,
         )
         for cb in cbs:
             cb._decide(plan, trainer, pl_module)
@@ -316,6 +432,37 @@ class _Engine:
             dist.all_reduce(contrib, op=dist.ReduceOp.MAX)
             result[math.inf] = combine_sharded(local[math.inf], index.shard_weight, contrib, math.inf)
         return result, reduced_extras
+
+
+def _measure_units(index: ParamIndex, grads: list[Tensor], present: list[int], names: set[str]) -> UnitNorms | None:
+    """Unit-wise 2-norms (over all dims but the first) of the named gradients with more than one dimension.
+
+    ``flat`` is left in the gradients' own units here (the caller removes the loss scale); ``positions`` hold the
+    positions in ``grads`` until the caller maps them (see :func:`_param_norms`).
+    """
+    if not names:
+        return None
+    slots = [j for j, i in enumerate(present) if grads[j].ndim > 1 and index.names[i] in names]
+    if not slots:
+        return None
+    units = [
+        torch.linalg.vector_norm(grads[j], 2.0, dim=tuple(range(1, grads[j].ndim)), dtype=torch.float32) for j in slots
+    ]
+    return UnitNorms(positions=slots, sizes=[u.numel() for u in units], flat=torch.cat(units))
+
+
+def _param_norms(grads: list[Tensor], norm_type: float, units: UnitNorms | None) -> Tensor:
+    """Per-gradient norms; the 2-norms of gradients measured unit-wise are derived from their unit norms."""
+    if units is None:
+        return per_tensor_norms(grads, norm_type)
+    slots = set(units.positions)
+    others = [g for j, g in enumerate(grads) if j not in slots]
+    from_units = torch._foreach_norm(list(units.flat.split(units.sizes)), 2.0)
+    other_norms = iter(per_tensor_norm_list(others, norm_type))
+    unit_iter = iter(from_units)
+    device = units.flat.device
+    pieces = [(next(unit_iter) if j in slots else next(other_norms)).to(device) for j in range(len(grads))]
+    return torch.stack(pieces)
 
 
 def _optimizer_index(trainer: pl.Trainer, optimizer: Optimizer) -> int:

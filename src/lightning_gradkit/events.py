@@ -2,8 +2,9 @@
 
 Callbacks that detect something (a non-finite loss, a spike, a skipped step) write one JSON object per line with
 the fields ``time``, ``step``, ``batch_idx``, ``rank``, ``what``, ``culprit``, ``values`` (and any extra fields
-the caller adds). Only global rank 0 writes, so several processes never interleave in one file; callers gather
-per-rank findings first.
+the caller adds). By default only global rank 0 writes (callers gather per-rank findings first); a log made with
+``every_rank=True`` lets each rank append its own findings, each line written with one ``write`` on an ``O_APPEND``
+descriptor so lines never interleave.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class EventLog:
 
     Args:
         directory: where the file goes (see :func:`events_dir`).
-        rank: this process's global rank; other ranks than 0 write nothing.
+        rank: this process's global rank; other ranks than 0 write nothing unless ``every_rank``.
+        every_rank: let every rank write (for findings that are local to a rank, e.g. host syncs).
 
     Example::
 
@@ -64,9 +66,10 @@ class EventLog:
         'encoder.2'
     """
 
-    def __init__(self, directory: Path, rank: int = 0) -> None:
+    def __init__(self, directory: Path, rank: int = 0, every_rank: bool = False) -> None:
         self.path = Path(directory) / EVENTS_FILENAME
         self.rank = rank
+        self.every_rank = every_rank
 
     def write(
         self,
@@ -79,8 +82,8 @@ class EventLog:
         values: Mapping[str, Any],
         **extra: Any,
     ) -> None:
-        """Append one event (a no-op on ranks other than 0)."""
-        if self.rank != 0:
+        """Append one event (a no-op on ranks other than 0, unless ``every_rank``)."""
+        if self.rank != 0 and not self.every_rank:
             return
         record = {
             "time": time.time(),

@@ -22,7 +22,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-EVENTS_FILE = "gradkit_events.jsonl"
+from lightning_gradkit.events import EVENTS_FILENAME as EVENTS_FILE
+
 REPORT_FILE = "gradient_report.png"
 _MODULE_PREFIX = "grad_norm/module/"
 _TOTAL = "grad_norm/total"

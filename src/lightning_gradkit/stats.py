@@ -47,6 +47,37 @@ def _same_group(a: Tensor, b: Tensor) -> bool:
     return a.device == b.device and a.dtype == b.dtype
 
 
+def per_tensor_norm_list(tensors: Sequence[Tensor], norm_type: float) -> list[Tensor]:
+    """The p-norm of each tensor, as a list of fp32 scalars on the first tensor's device.
+
+    Like :func:`per_tensor_norms`, without stacking (for callers that interleave these with norms from elsewhere).
+    """
+    if len(tensors) == 0:
+        return []
+    out_device = tensors[0].device
+    result: list[Tensor] = []
+    for run in _device_dtype_runs(tensors, norm_type):
+        low_precision = run[0].dtype in (torch.float16, torch.bfloat16)
+        norms = torch._foreach_norm(run, norm_type, dtype=torch.float32 if low_precision else None)
+        result.extend(n.to(out_device, torch.float32, non_blocking=True) for n in norms)
+    return result
+
+
+def _device_dtype_runs(tensors: Sequence[Tensor], norm_type: float) -> list[list[Tensor]]:
+    """Split into runs of consecutive tensors sharing device and dtype (one ``_foreach_norm`` call each)."""
+    runs: list[list[Tensor]] = []
+    start = 0
+    for i in range(1, len(tensors) + 1):
+        if i == len(tensors) or not _same_group(tensors[i], tensors[start]):
+            run = list(tensors[start:i])
+            if math.isinf(norm_type):
+                # A rank's shard of a small parameter can be empty (FSDP); its inf-norm is 0, not an error.
+                run = [t if t.numel() else t.new_zeros(1) for t in run]
+            runs.append(run)
+            start = i
+    return runs
+
+
 def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
     """The p-norm of each tensor, as one fp32 vector on the first tensor's device.
 
@@ -63,17 +94,10 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
         return torch.zeros(0)
     out_device = tensors[0].device
     pieces: list[Tensor] = []
-    start = 0
-    for i in range(1, len(tensors) + 1):
-        if i == len(tensors) or not _same_group(tensors[i], tensors[start]):
-            run = list(tensors[start:i])
-            if math.isinf(norm_type):
-                # A rank's shard of a small parameter can be empty (FSDP); its inf-norm is 0, not an error.
-                run = [t if t.numel() else t.new_zeros(1) for t in run]
-            low_precision = run[0].dtype in (torch.float16, torch.bfloat16)
-            norms = torch._foreach_norm(run, norm_type, dtype=torch.float32 if low_precision else None)
-            pieces.append(torch.stack(norms).to(out_device, torch.float32, non_blocking=True))
-            start = i
+    for run in _device_dtype_runs(tensors, norm_type):
+        low_precision = run[0].dtype in (torch.float16, torch.bfloat16)
+        norms = torch._foreach_norm(run, norm_type, dtype=torch.float32 if low_precision else None)
+        pieces.append(torch.stack(norms).to(out_device, torch.float32, non_blocking=True))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from helpers import rank_loader
+from helpers import distributed_trainer, rank_loader
 from lightning_gradkit import GradKitModelParallelStrategy, NonFiniteGuard, SpikeGuard
 from test_guards import FaultModule, events, make_fault, plain, state_equal
 from test_guards_spike import SpikyModule
@@ -52,18 +52,8 @@ class OneRankSpike(SpikyModule):
 def fit(
     out: Path, name: str, model: FaultModule, callback: pl.Callback, strategy: Any = "gradkit_ddp"
 ) -> tuple[pl.Trainer, FaultModule]:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        default_root_dir=out / name,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[callback],
+    trainer = distributed_trainer(
+        strategy=strategy, default_root_dir=out / name, log_every_n_steps=50, callbacks=[callback]
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -10,17 +10,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from helpers import MLPModule, rank_loader
+from helpers import MLPModule, ShardedMLP, distributed_trainer, rank_loader
 from lightning_gradkit import GradNormMonitor
-
-
-class ShardedMLP(MLPModule):
-    def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh["data_parallel"]
-        for module in (self.encoder, self.head):
-            fully_shard(module, mesh=mesh)
 
 
 class Record(pl.Callback):
@@ -44,18 +35,8 @@ def main() -> None:
     else:
         model, strategy = MLPModule(), "ddp"
     record = Record()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-        use_distributed_sampler=False,
-        callbacks=[GradNormMonitor(norm_type=args.norm_type, depth=1), record],
+    trainer = distributed_trainer(
+        strategy=strategy, callbacks=[GradNormMonitor(norm_type=args.norm_type, depth=1), record]
     )
     trainer.fit(model, rank_loader(trainer.global_rank))
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record.rows))

@@ -121,7 +121,11 @@ class GradNormMonitor(GradKitCallback):
         from lightning_gradkit.report import render
 
         trainer.logger.save()
-        path = render(trainer.logger.log_dir)
+        try:
+            path = render(trainer.logger.log_dir)
+        except ValueError as err:  # nothing logged yet (e.g. a run shorter than the logging period)
+            rank_zero_warn(f"GradNormMonitor: no gradient report written: {err}")
+            return
         rank_zero_info(f"GradNormMonitor: gradient report written to {path}")
 
     def _stats_request(self, request: _StatsRequest) -> None:

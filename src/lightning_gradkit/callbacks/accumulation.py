@@ -1,0 +1,331 @@
+"""Exact gradient accumulation: short last windows, per-token normalization, early freeing and clean windows."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, get_args
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, is_logging_step, world_size
+from lightning_gradkit.accumulation import (
+    TOKENS_KEY,
+    Normalize,
+    TokenCount,
+    mean_window_scale,
+    micro_batches_in_window,
+    nonzero_grad_flags,
+    token_window_scale,
+    validate_normalize,
+)
+
+OnDirty = Literal["warn", "raise"]
+_TOKENS_REDUCE_KEY = "accumulation/tokens"
+_MAX_NAMES = 10
+
+
+def _name_list(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_NAMES])
+    return shown + (f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else "")
+
+
+def _describe(output: object) -> str:
+    if isinstance(output, Mapping):
+        return f"a dict with keys {sorted(map(str, output))}"
+    return f"a {type(output).__name__}"
+
+
+class AccumulationGuard(GradKitCallback):
+    r"""Make gradient accumulation exact, free gradients early and check that every window starts clean.
+
+    Lightning divides each micro-batch loss by ``accumulate_grad_batches`` (N) and steps on the last batch of an
+    epoch even when the window is short, so the short last window of an epoch gets a gradient that is too small
+    (Lightning #19987); it cannot normalize by tokens (Lightning #20350); it ignores the setting silently when an
+    epoch has fewer batches than N (#21808); and it zeroes the gradients only after the next forward pass. This
+    callback fixes the scale with ONE multiply at the optimizer step, folded into the gradkit engine's single
+    gradient write (so clipping and norm logging see the normalized gradients), with no host synchronization.
+
+    - ``normalize="mean"``: every window's gradient is the mean over the micro-batches actually in it, the short
+      last window included (factor ``N / k`` for a window of ``k < N``; full windows are not touched).
+    - ``normalize="tokens"``: ``training_step`` returns the SUM of its per-token losses under ``"loss"`` and the
+      number of tokens under ``tokens_key`` (``"num_tokens"``). The stepped gradient equals the gradient of the
+      total loss of the window across all ranks divided by the total number of tokens across all ranks (factor
+      ``W * N / T``). The count of the window travels in the engine's one all-reduce; there is no look-ahead over
+      batches. The same normalization as Hugging Face ``transformers`` >= 4.46 uses for causal LMs.
+    - ``zero_early``: after the optimizer step (at the end of the boundary batch, before the next forward) the
+      gradients are freed with ``zero_grad(set_to_none=True)``; Lightning would free them only after the next
+      window's first forward, so they would occupy memory through that whole forward pass. Done in
+      ``on_train_batch_end`` rather than in an optimizer step post-hook so that it also happens when the step is
+      skipped (AMP overflow, a gradkit guard). Read gradients in ``on_before_optimizer_step``, not in
+      ``on_train_batch_end``. Turn it off if gradient buffers must keep their addresses (CUDA graphs).
+    - ``check_clean``: at the first backward of every window (``on_before_backward``, which runs after
+      Lightning's ``zero_grad`` and also inside ``manual_backward``) the gradients must be ``None`` or zero.
+      The classic failure is manual optimization that forgets ``optimizer.zero_grad()``, or an
+      ``optimizer_zero_grad`` override that skips parameters. With ``None`` gradients (PyTorch's default
+      ``set_to_none=True``) the check is host-only. Otherwise a per-parameter device flag is computed (one
+      ``torch._foreach_norm`` pass) and read on the Trainer's next logging step or at the epoch end, so no other
+      step synchronizes. In manual optimization the window is the span between two optimizer steps; with several
+      optimizers the check is skipped (a backward for one optimizer legitimately leaves gradients on the others).
+    - A warning when an epoch has fewer batches than ``accumulate_grad_batches``.
+
+    Manual optimization: Lightning does not accumulate there (``accumulate_grad_batches`` must be 1); use
+    :class:`~lightning_gradkit.ManualAccumulator` for exact accumulation; ``check_clean`` works as above and
+    ``zero_early`` has no effect.
+
+    Args:
+        normalize: ``"mean"`` or ``"tokens"``.
+        zero_early: free the gradients right after each optimizer step (automatic optimization).
+        check_clean: verify that gradients are ``None`` or zero at the start of every window.
+        on_dirty: ``"warn"`` or ``"raise"`` when a window starts with gradients left over.
+        tokens_key: the key of the token count in the dict ``training_step`` returns (token mode).
+
+    Raises:
+        ValueError: at construction, if ``normalize`` or ``on_dirty`` is unknown or ``tokens_key`` is empty; in
+            token mode, if ``training_step`` does not return the token count.
+        RuntimeError: at setup, if the Trainer holds another ``AccumulationGuard``, if the strategy accumulates on
+            its own (DeepSpeed), or if token mode meets manual optimization.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import AccumulationGuard
+        >>> trainer = Trainer(accumulate_grad_batches=4, callbacks=[AccumulationGuard(normalize="tokens")])
+
+    with a ``training_step`` such as::
+
+        def training_step(self, batch, batch_idx):
+            logits = self(batch["input_ids"])
+            token_losses = F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+            mask = batch["attention_mask"]
+            return {"loss": (token_losses * mask).sum(), "num_tokens": mask.sum()}
+    """
+
+    _stage = Stage.SCALE
+
+    def __init__(
+        self,
+        normalize: Normalize = "mean",
+        zero_early: bool = True,
+        check_clean: bool = True,
+        on_dirty: OnDirty = "warn",
+        tokens_key: str = TOKENS_KEY,
+    ) -> None:
+        self.normalize = validate_normalize(normalize)
+        if on_dirty not in get_args(OnDirty):
+            raise ValueError(f"`on_dirty` must be one of {list(get_args(OnDirty))}, got {on_dirty!r}.")
+        if not tokens_key:
+            raise ValueError(f"`tokens_key` must name the key of the token count, got {tokens_key!r}.")
+        self.zero_early = zero_early
+        self.check_clean = check_clean
+        self.on_dirty = on_dirty
+        self.tokens_key = tokens_key
+        self._tokens = TokenCount()
+        self._batch_idx = 0
+        self._stepped = False
+        self._expect_clean = False
+        self._params: list[Tensor] = []
+        self._names: list[str] = []
+        self._pending: list[tuple[int, list[int], Tensor]] = []
+        self._scalars: dict[tuple[float, torch.device], Tensor] = {}
+        self._wrapped: pl.LightningModule | None = None
+        self._previous_step_attr: Callable[..., Any] | None = None
+        self._warned_short_epoch = False
+        self._told_multi_optimizer = False
+
+    # -- setup / teardown ---------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        if sum(isinstance(cb, AccumulationGuard) for cb in trainer.callbacks) > 1:
+            raise RuntimeError(
+                "The Trainer holds several AccumulationGuard callbacks; each would rescale the same gradients. "
+                "Keep one."
+            )
+        automatic = pl_module.automatic_optimization
+        if automatic and trainer.strategy.handles_gradient_accumulation:
+            raise RuntimeError(
+                f"AccumulationGuard: the strategy `{type(trainer.strategy).__name__}` accumulates gradients itself "
+                "(e.g. DeepSpeed), so Lightning's windows and the scale they need are not visible to callbacks. "
+                "Use the strategy's own accumulation settings, or a DDP/FSDP strategy with this callback."
+            )
+        if self.normalize == "tokens" and not automatic:
+            raise RuntimeError(
+                "AccumulationGuard(normalize='tokens') works with automatic optimization; "
+                f"`{type(pl_module).__name__}` uses manual optimization. Use "
+                "`lightning_gradkit.ManualAccumulator(window, normalize='tokens')` in your `training_step` instead."
+            )
+        if self.normalize == "tokens":
+            self._wrap_training_step(pl_module)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._unwrap_training_step()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._unwrap_training_step()
+
+    def _wrap_training_step(self, pl_module: pl.LightningModule) -> None:
+        """Capture each micro-batch's token count from ``training_step``'s output before its backward.
+
+        Callbacks see ``training_step``'s output only in ``on_train_batch_end``, after the optimizer step; the
+        boundary micro-batch's count is needed before it. An instance attribute shadows the method; Lightning looks
+        it up on the module at call time, also through the DDP/FSDP wrappers' forward redirection.
+        """
+        if self._wrapped is not None:
+            return
+        original = pl_module.training_step
+        self._previous_step_attr = pl_module.__dict__.get("training_step")
+
+        @functools.wraps(original)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            output = original(*args, **kwargs)
+            self._record_tokens(output)
+            return output
+
+        pl_module.training_step = training_step  # type: ignore[method-assign]
+        self._wrapped = pl_module
+
+    def _unwrap_training_step(self) -> None:
+        module, self._wrapped = self._wrapped, None
+        if module is None:
+            return
+        if self._previous_step_attr is not None:
+            module.training_step = self._previous_step_attr  # type: ignore[method-assign]
+        else:
+            del module.training_step
+        self._previous_step_attr = None
+
+    def _record_tokens(self, output: object) -> None:
+        if output is None:  # Lightning skips the micro-batch
+            return
+        if not isinstance(output, Mapping) or self.tokens_key not in output:
+            raise ValueError(
+                f"AccumulationGuard(normalize='tokens') needs each micro-batch's token count, but `training_step` "
+                f"returned {_describe(output)} without the key {self.tokens_key!r}. Return the SUM of the per-token "
+                f"losses and the number of tokens: `return {{'loss': loss_sum, {self.tokens_key!r}: n}}` "
+                "(e.g. `loss_sum = (token_losses * mask).sum()`, `n = mask.sum()`)."
+            )
+        self._tokens.add(output[self.tokens_key])
+
+    # -- training hooks -----------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        self._params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
+        self._names = [names.get(id(p), f"<param {i}>") for i, p in enumerate(self._params)]
+        self._tokens.reset()
+        self._pending.clear()
+        self._stepped = False
+        self._expect_clean = True
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        window, batches = trainer.accumulate_grad_batches, trainer.num_training_batches
+        if self._warned_short_epoch or not pl_module.automatic_optimization or not 0 < batches < window:
+            return
+        self._warned_short_epoch = True
+        effect = (
+            f"AccumulationGuard rescales it to the mean over those {int(batches)} micro-batches"
+            if self.normalize == "mean"
+            else "AccumulationGuard normalizes it by the window's token count"
+        )
+        rank_zero_warn(
+            f"The epoch has {int(batches)} training batch(es), fewer than `accumulate_grad_batches={window}`: every "
+            f"optimizer step accumulates only {int(batches)} micro-batch(es) (Lightning #21808). Lightning alone "
+            f"would divide their gradient by {window}; {effect}. Lower `accumulate_grad_batches` or use more batches "
+            "per epoch if you meant larger steps."
+        )
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_idx = batch_idx
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if not (self.check_clean and self._expect_clean):
+            return
+        self._expect_clean = False
+        if not pl_module.automatic_optimization and len(trainer.optimizers) > 1:
+            if not self._told_multi_optimizer:
+                self._told_multi_optimizer = True
+                rank_zero_info(
+                    "AccumulationGuard: `check_clean` is skipped with several optimizers in manual optimization."
+                )
+            return
+        present = [i for i, p in enumerate(self._params) if p.grad is not None]
+        if present:  # None gradients are clean: decided on the host
+            flags = nonzero_grad_flags([self._params[i].grad for i in present])
+            self._pending.append((trainer.global_step, present, flags))
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        self._stepped = True
+        self._expect_clean = True
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._stepped and self.zero_early and pl_module.automatic_optimization:
+            for opt in trainer.optimizers:
+                opt.zero_grad(set_to_none=True)
+        self._stepped = False
+        if self._pending and is_logging_step(trainer, None):
+            self._report_dirty()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._report_dirty()
+
+    def _report_dirty(self) -> None:
+        """Read the pending window-start flags in one transfer and report the first dirty window."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        values = torch.cat([flags.to(pending[0][2].device) for _, _, flags in pending]).tolist()
+        offset = 0
+        for step, present, _ in pending:
+            dirty = [self._names[i] for i, v in zip(present, values[offset : offset + len(present)], strict=True) if v]
+            offset += len(present)
+            if dirty:
+                message = (
+                    f"AccumulationGuard: the accumulation window that starts at optimizer step {step} began with "
+                    f"non-zero gradients left from the previous window in {len(dirty)} parameter(s): "
+                    f"{_name_list(dirty)}. In manual optimization call `optimizer.zero_grad()` after every "
+                    "`optimizer.step()` (or use `ManualAccumulator`); an `optimizer_zero_grad` override must zero "
+                    "every parameter."
+                )
+                if self.on_dirty == "raise":
+                    raise RuntimeError(message)
+                rank_zero_warn(message)
+                return
+
+    # -- engine steps -------------------------------------------------------------------------------------------
+    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
+        if self.normalize != "tokens" or not pl_module.automatic_optimization:
+            return {}
+        return {_TOKENS_REDUCE_KEY: self._tokens.total(pl_module.device)}
+
+    def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            return
+        window = trainer.accumulate_grad_batches
+        device = plan.index.shard_weight.device
+        if self.normalize == "tokens":
+            tokens = plan.reduced[_TOKENS_REDUCE_KEY].to(device)
+            plan.multiply_scale(token_window_scale(tokens, world_size(), window))
+            self._tokens.reset()
+            return
+        factor = mean_window_scale(window, micro_batches_in_window(self._batch_idx, window))
+        if factor != 1.0:
+            plan.multiply_scale(self._scalar(factor, device))
+
+    def _scalar(self, value: float, device: torch.device) -> Tensor:
+        """A device scalar, made once per value (a fill kernel, no host-to-device copy)."""
+        key = (value, device)
+        if key not in self._scalars:
+            self._scalars[key] = torch.full((), value, dtype=torch.float32, device=device)
+        return self._scalars[key]

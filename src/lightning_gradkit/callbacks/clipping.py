@@ -1,0 +1,699 @@
+"""Gradient-clipping callbacks on the shared one-pass statistics, and the manual-optimization entry point.
+
+Every clipping callback decides at the optimizer-step boundary (``on_before_optimizer_step``: after the AMP unscale,
+the DDP all-reduce and the accumulation window) from the norms the engine measured once, writes a coefficient into
+the step's plan, and the engine multiplies the gradients once, with no host sync. The algorithms themselves live in
+:mod:`lightning_gradkit.clipping`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_gradkit._engine import (
+    GradKitCallback,
+    Stage,
+    StepPlan,
+    _Engine,
+    _StatsRequest,
+    log_metrics,
+    world_size,
+)
+from lightning_gradkit.clipping import (
+    AdaptiveGradClipPolicy,
+    AutoClipPolicy,
+    ClipPolicy,
+    GradNormPolicy,
+    GradValuePolicy,
+    ScalarClipPolicy,
+    ZClipPolicy,
+)
+from lightning_gradkit.stats import _replication, clean_param_name, local_tensor, per_tensor_norms
+
+
+@dataclass
+class _Decision:
+    """What a clipping callback decided for one step, kept for logging (device tensors)."""
+
+    pre: Tensor
+    post: Callable[[], Tensor]
+    coef: Callable[[], Tensor]
+    clipped: Tensor
+    threshold: Tensor | None = None
+
+
+class _GradClipCallback(GradKitCallback):
+    """Shared base of the gradient-clipping callbacks: conflicts, per-optimizer policies, logging and state.
+
+    Subclasses implement :meth:`_clip`, which reads the plan's statistics and writes the clip into it.
+    """
+
+    _stage = Stage.CLIP
+
+    def __init__(self, policy: ClipPolicy) -> None:
+        self.policy = policy
+        self._shared_policy = False
+        self._policies: dict[int, ClipPolicy] = {}
+        self._clipped: dict[int, Tensor] = {}
+        self._steps: dict[int, int] = {}
+        self._last: dict[int, _Decision] = {}
+        self._prepared_for: weakref.ref[pl.Trainer] | None = None
+
+    # -- Lightning hooks --------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        _check_single_clipper(trainer)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._prepare(trainer, pl_module)
+        self._prepared_for = weakref.ref(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "policies": {i: p.state_dict() for i, p in self._policies.items()},
+            "clipped": {i: c.detach().cpu() for i, c in self._clipped.items()},
+            "steps": dict(self._steps),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for i, state in state_dict.get("policies", {}).items():
+            self._policy_for(int(i)).load_state_dict(state)
+        self._clipped = {int(i): c.clone() for i, c in state_dict.get("clipped", {}).items()}
+        self._steps = {int(i): int(n) for i, n in state_dict.get("steps", {}).items()}
+
+    # -- engine steps -----------------------------------------------------------------------------------------
+    def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Model-dependent checks and selections, once the model is configured (sharded, wrapped)."""
+
+    def _prepare_once(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._prepared_for is None or self._prepared_for() is not trainer:
+            self._prepare(trainer, pl_module)
+            self._prepared_for = weakref.ref(trainer)
+
+    def _stats_request(self, request: _StatsRequest) -> None:
+        request.norm_types.add(self.policy.norm_type)
+
+    def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not plan.grads:
+            return
+        idx = plan.optimizer_idx
+        decision = self._clip(self._policy_for(idx), plan)
+        self._last[idx] = decision
+        count = self._clipped.get(idx)
+        if count is None or count.device != decision.clipped.device:
+            count = self._clipped[idx] = torch.zeros((), dtype=torch.long, device=decision.clipped.device)
+        count.add_(decision.clipped.to(count.dtype))
+        self._steps[idx] = self._steps.get(idx, 0) + 1
+
+    def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        idx = plan.optimizer_idx
+        decision = self._last.get(idx)
+        if not plan.logging_step or decision is None:
+            return
+        suffix = f"/opt{idx}" if len(trainer.optimizers) > 1 else ""
+        log_metrics(trainer, pl_module, {k + suffix: v for k, v in self.metrics(idx).items()})
+        # A fresh counter: the logged fraction may still refer to the old one until Lightning reads it.
+        self._clipped[idx] = torch.zeros_like(self._clipped[idx])
+        self._steps[idx] = 0
+
+    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
+        """The values logged for the last step of an optimizer, as device tensors (no host sync).
+
+        ``grad_clip/pre_clip_norm`` and ``grad_clip/post_clip_norm`` (the total norm before and after clipping,
+        in the policy's norm), ``grad_clip/coef`` (the clip coefficient; for per-unit or element-wise clipping,
+        the ratio of the two norms), ``grad_clip/clipped_fraction`` (the fraction of optimizer steps clipped since
+        the previous log) and, for adaptive policies, ``grad_clip/threshold``.
+        """
+        decision = self._last[optimizer_idx]
+        steps = max(self._steps.get(optimizer_idx, 0), 1)
+        out = {
+            "grad_clip/pre_clip_norm": decision.pre,
+            "grad_clip/post_clip_norm": decision.post(),
+            "grad_clip/coef": decision.coef(),
+            "grad_clip/clipped_fraction": self._clipped[optimizer_idx].to(torch.float32) / steps,
+        }
+        if decision.threshold is not None:
+            out["grad_clip/threshold"] = decision.threshold
+        return out
+
+    def _policy_for(self, optimizer_idx: int) -> ClipPolicy:
+        policy = self._policies.get(optimizer_idx)
+        if policy is None:
+            shared = self._shared_policy or optimizer_idx == 0
+            policy = self._policies[optimizer_idx] = self.policy if shared else self.policy.fresh()
+        return policy
+
+    def _clip(self, policy: ClipPolicy, plan: StepPlan) -> _Decision:
+        raise NotImplementedError
+
+    @classmethod
+    def _around(cls, policy: ClipPolicy) -> _GradClipCallback:
+        """A callback that applies ``policy`` (its state shared with the caller) to any optimizer."""
+        callback = cls.__new__(cls)
+        _GradClipCallback.__init__(callback, policy)
+        callback._shared_policy = True
+        return callback
+
+
+def _check_single_clipper(trainer: pl.Trainer) -> None:
+    clippers = [cb for cb in trainer.callbacks if isinstance(cb, _GradClipCallback)]
+    if len(clippers) > 1:
+        names = ", ".join(type(cb).__name__ for cb in clippers)
+        raise ValueError(
+            f"The Trainer has {len(clippers)} gradient-clipping callbacks ({names}); each would rescale the "
+            "gradients the other already clipped. Keep exactly one of them."
+        )
+    if clippers and trainer.gradient_clip_val:
+        raise ValueError(
+            f"`Trainer(gradient_clip_val={trainer.gradient_clip_val!r})` and the {type(clippers[0]).__name__} "
+            "callback both clip gradients. Use one: remove `gradient_clip_val` from the Trainer (the callback clips "
+            "after the AMP unscale, also with fused optimizers, and logs its norms), or remove the callback."
+        )
+
+
+class _ScalarClip(_GradClipCallback):
+    """Clipping with one coefficient for all gradients, from the total norm."""
+
+    policy: ScalarClipPolicy
+
+    def _clip(self, policy: ClipPolicy, plan: StepPlan) -> _Decision:
+        assert isinstance(policy, ScalarClipPolicy)
+        pre = plan.pre_clip_total(policy.norm_type)
+        coef, clipped, threshold = policy(pre)
+        plan.clip_coef = coef
+        return _Decision(pre=pre, post=lambda: pre * coef, coef=lambda: coef, clipped=clipped, threshold=threshold)
+
+
+class ClipGradNorm(_ScalarClip):
+    r"""Clip gradients by their total p-norm: the same result as ``torch.nn.utils.clip_grad_norm_``.
+
+    Every optimizer step, the gradients are multiplied by ``min(1, max_norm / (total_norm + 1e-6))``. The total norm
+    is the one the shared statistics measured (no second pass over the gradients), after the AMP unscale and over
+    the whole accumulation window; under DDP, FSDP1 and FSDP2 it is the global norm and every rank applies the same
+    coefficient. Unlike ``Trainer(gradient_clip_val=...)``, it also clips with fused optimizers under 16-mixed AMP,
+    logs the norms, and runs with manual optimization too (see :func:`lightning_gradkit.clip_gradients`).
+
+    Logged on logging steps: ``grad_clip/pre_clip_norm``, ``grad_clip/post_clip_norm``, ``grad_clip/coef`` and
+    ``grad_clip/clipped_fraction`` (steps clipped since the previous log); ``/opt{i}`` is appended with several
+    optimizers.
+
+    Args:
+        max_norm: the largest total norm, > 0.
+        norm_type: the p of the norm, ``>= 1`` or ``float("inf")``; 2.0 by default.
+
+    Raises:
+        ValueError: at construction, if ``max_norm`` <= 0 or ``norm_type`` < 1; at setup, if another clipping
+            callback or ``Trainer(gradient_clip_val=...)`` is also present.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import ClipGradNorm
+        >>> trainer = Trainer(callbacks=[ClipGradNorm(max_norm=1.0)])
+    """
+
+    def __init__(self, max_norm: float, norm_type: float = 2.0) -> None:
+        super().__init__(GradNormPolicy(max_norm, norm_type))
+
+    @property
+    def max_norm(self) -> float:
+        return self.policy.max_norm
+
+    @property
+    def norm_type(self) -> float:
+        return self.policy.norm_type
+
+
+class ClipGradValue(_GradClipCallback):
+    r"""Clip every gradient element to ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``.
+
+    The clamp is applied by the engine right after its single multiply (accumulation scaling), after the AMP
+    unscale; with a fused optimizer under 16-mixed AMP the bound is scaled by the loss scale, so it means the same.
+    The logged norms are inf-norms (the largest absolute element), the quantity value clipping bounds: the post-clip
+    value is ``min(pre, clip_value)``, derived without reading the gradients again.
+
+    Args:
+        clip_value: the bound, > 0.
+
+    Raises:
+        ValueError: at construction, if ``clip_value`` <= 0; at setup, if another clipping callback or
+            ``Trainer(gradient_clip_val=...)`` is also present.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import ClipGradValue
+        >>> trainer = Trainer(callbacks=[ClipGradValue(clip_value=0.5)])
+    """
+
+    policy: GradValuePolicy
+
+    def __init__(self, clip_value: float) -> None:
+        super().__init__(GradValuePolicy(clip_value))
+
+    @property
+    def clip_value(self) -> float:
+        return self.policy.clip_value
+
+    def _clip(self, policy: ClipPolicy, plan: StepPlan) -> _Decision:
+        assert isinstance(policy, GradValuePolicy)
+        pre = plan.pre_clip_total(math.inf)
+        plan.clamp_value = policy.clip_value
+        post = torch.clamp(pre, max=policy.clip_value)
+        return _Decision(
+            pre=pre,
+            post=lambda: post,
+            coef=lambda: torch.where(pre > 0, post / pre, torch.ones_like(pre)),
+            clipped=pre > policy.clip_value,
+        )
+
+
+class AutoClip(_ScalarClip):
+    r"""Clip to a percentile of the history of total gradient norms (AutoClip).
+
+    Seetharaman, Wichern, Pardo, Le Roux, "AutoClip: Adaptive Gradient Clipping for Source Separation Networks"
+    (IEEE MLSP 2020): each step the total 2-norm joins the history, then the gradients are clipped (as
+    ``clip_grad_norm_``) to the ``percentile``-th percentile of all norms seen so far, the current one included.
+    The paper recommends ``percentile=10``. The history is a ring buffer of the last ``history_size`` finite norms,
+    kept on the gradients' device (no host sync); non-finite norms never enter it. It is saved in checkpoints.
+
+    Logs, besides the keys of :class:`ClipGradNorm`, ``grad_clip/threshold`` (the percentile).
+
+    Args:
+        percentile: in ``(0, 100]``; 10.0 by default.
+        history_size: number of past norms kept, >= 1; 10000 by default.
+
+    Raises:
+        ValueError: at construction, if ``percentile`` is outside ``(0, 100]`` or ``history_size`` < 1; at setup, if
+            another clipping callback or ``Trainer(gradient_clip_val=...)`` is also present.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import AutoClip
+        >>> trainer = Trainer(callbacks=[AutoClip(percentile=10.0)])
+    """
+
+    def __init__(self, percentile: float = 10.0, history_size: int = 10000) -> None:
+        super().__init__(AutoClipPolicy(percentile, history_size))
+
+
+class ZClip(_ScalarClip):
+    r"""Clip gradient-norm spikes detected by a z-score against an EMA of the total norm (ZClip).
+
+    Kumar, Owen, Roy Chowdhury, Güra, "ZClip: Adaptive Spike Mitigation for LLM Pre-Training" (arXiv:2504.02507,
+    2025), the paper's ``zscore`` mode with reciprocal ("adaptive scaling") clipping, defaults ``alpha=0.97``,
+    ``z_threshold=2.5``, ``warmup_steps=25``:
+
+    - the first ``warmup_steps`` total 2-norms initialise the mean ``mu`` and variance ``sigma**2`` (only
+      ``max_norm`` clips meanwhile);
+    - then ``z = (g - mu) / (sigma + 1e-6)``; when ``z > z_threshold`` the gradients are scaled to the norm
+      ``g* = mu + z_threshold**2 * sigma / z`` (never above ``max_norm`` when given), otherwise left untouched;
+    - ``mu`` and ``sigma**2`` follow an EMA of ``g*`` (the clipped norm, so a spike does not inflate them).
+
+    Unlike the reference callback, the statistics stay on the device (no ``.item()`` per step), a non-finite norm
+    never enters them (one Inf would poison the mean forever), and they are saved in checkpoints.
+
+    Logs, besides the keys of :class:`ClipGradNorm`, ``grad_clip/threshold`` (the norm clipped to this step).
+
+    Args:
+        alpha: EMA smoothing factor in ``(0, 1)``.
+        z_threshold: z-score above which the norm is clipped, > 0.
+        warmup_steps: number of finite norms that initialise the statistics, >= 1.
+        max_norm: optional absolute ceiling on the total norm, > 0; ``None`` (default) for none.
+
+    Raises:
+        ValueError: at construction, for ``alpha`` outside ``(0, 1)``, ``z_threshold`` or ``max_norm`` <= 0, or
+            ``warmup_steps`` < 1; at setup, if another clipping callback or ``Trainer(gradient_clip_val=...)`` is
+            also present.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import ZClip
+        >>> trainer = Trainer(callbacks=[ZClip(alpha=0.97, z_threshold=2.5)])
+    """
+
+    def __init__(
+        self, alpha: float = 0.97, z_threshold: float = 2.5, warmup_steps: int = 25, max_norm: float | None = None
+    ) -> None:
+        super().__init__(ZClipPolicy(alpha, z_threshold, warmup_steps, max_norm))
+
+
+class AdaptiveGradClip(_GradClipCallback):
+    r"""Unit-wise adaptive gradient clipping (AGC).
+
+    Brock, De, Smith, Simonyan, "High-Performance Large-Scale Image Recognition Without Normalization" (ICML 2021),
+    as in ``timm.utils.agc``: for every output unit ``i`` of a parameter (a row of a linear weight, an output channel
+    of a conv; a bias or gain is one unit), the gradient is rescaled when
+    ``|G_i| / max(|W_i|, eps) > clip_factor``, to ``clip_factor * max(|W_i|, eps) / |G_i| * G_i``. The ``eps`` floor
+    lets zero-initialised parameters still update. The paper does not clip the final classifier: name it in
+    ``exclude``. Defaults ``clip_factor=0.01``, ``eps=1e-3`` are the paper's and timm's.
+
+    The unit-wise gradient norms are measured in the engine's single read of the gradients (the per-parameter norms
+    of the shared statistics are derived from them); the weights are read once for their unit norms. Under FSDP2
+    (``fully_shard``, dim-0 sharding) each rank clips its own rows; the norms of sharded 1-D parameters travel in
+    the step's single all-reduce. FSDP1 flattens parameters, which loses the units: not supported.
+
+    Logs the keys of :class:`ClipGradNorm` (2-norms; ``grad_clip/coef`` is post / pre), a step counting as clipped
+    when any unit (on rank 0, under sharding) was rescaled.
+
+    Args:
+        clip_factor: the ``lambda`` of the paper, > 0.
+        eps: floor of the unit weight norm, > 0.
+        exclude: parameters left unclipped: module class names (``"Linear"``, matching subclasses and everything
+            inside such modules) or ``"re:<regex>"`` searched in qualified parameter and module names
+            (``"re:^head\."``, ``"re:lm_head"``).
+
+    Raises:
+        ValueError: at construction, for non-positive ``clip_factor`` or ``eps`` or an invalid regex; at setup, for an
+            ``exclude`` pattern that matches no parameter, or another clipping callback or
+            ``Trainer(gradient_clip_val=...)`` also present.
+        RuntimeError: at setup, under FSDP1 or for a parameter sharded along a dimension other than 0.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import AdaptiveGradClip
+        >>> trainer = Trainer(callbacks=[AdaptiveGradClip(clip_factor=0.01, exclude=["re:^head\\."])])
+    """
+
+    policy: AdaptiveGradClipPolicy
+    _REDUCE_KEY = "AdaptiveGradClip/sharded_weight_sq"
+
+    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, exclude: list[str] | None = None) -> None:
+        super().__init__(AdaptiveGradClipPolicy(clip_factor, eps))
+        self.exclude = list(exclude or [])
+        for pattern in self.exclude:
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as err:
+                    raise ValueError(
+                        f"`exclude` pattern {pattern!r} is not a valid regular expression: {err}."
+                    ) from err
+            elif not pattern.isidentifier():
+                raise ValueError(
+                    f"`exclude` entry {pattern!r} is neither a module class name nor a `re:<regex>` pattern."
+                )
+        self._selected: set[str] | None = None
+        self._sharded_1d: list[tuple[str, Tensor, float]] = []
+        self._sharded_1d_factors: Tensor | None = None
+        self._cache: dict[tuple[int, tuple[int, ...]], tuple[list[int], Tensor | None, list[int]]] = {}
+
+    @property
+    def clip_factor(self) -> float:
+        return self.policy.clip_factor
+
+    @property
+    def eps(self) -> float:
+        return self.policy.eps
+
+    @classmethod
+    def _around(cls, policy: ClipPolicy) -> _GradClipCallback:
+        callback = super()._around(policy)
+        assert isinstance(callback, AdaptiveGradClip)
+        callback.exclude = []
+        callback._selected = None
+        callback._sharded_1d = []
+        callback._sharded_1d_factors = None
+        callback._cache = {}
+        return callback
+
+    def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if type(trainer.strategy).__name__.endswith("FSDPStrategy") and trainer.world_size > 1:
+            raise RuntimeError(
+                "AdaptiveGradClip needs every parameter in its original shape to find its output units, and FSDP1 "
+                "(`strategy='fsdp'`) flattens them into shards. Use FSDP2 (`ModelParallelStrategy` with "
+                "`fully_shard` in `configure_model`) or a norm-based clipping callback such as ClipGradNorm."
+            )
+        self._selected = _select_parameters(pl_module, self.exclude)
+        self._sharded_1d = []
+        self._sharded_1d_factors = None
+        self._cache = {}
+        for name, param in pl_module.named_parameters():
+            name = clean_param_name(name)
+            placements = getattr(param, "placements", None)
+            if name not in self._selected or placements is None:
+                continue
+            sharded_dims = {p.dim for p in placements if p.is_shard()}
+            if param.ndim > 1 and sharded_dims - {0}:
+                raise RuntimeError(
+                    f"AdaptiveGradClip: parameter `{name}` is sharded along dim(s) {sorted(sharded_dims)}; its output "
+                    "units (dim 0) are split across ranks. Exclude it (`exclude=['re:<its name>']`) or shard it "
+                    "along dim 0 only (FSDP2's default)."
+                )
+            if param.ndim <= 1 and sharded_dims:
+                self._sharded_1d.append((name, param, 1.0 / _replication(param)))
+
+    def _stats_request(self, request: _StatsRequest) -> None:
+        request.norm_types.add(2.0)
+        if self._selected is not None:
+            request.unit_norm_names |= self._selected
+
+    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
+        # Sharded biases and gains are one unit spread over ranks: their weight norms join the step's all-reduce.
+        if not self._sharded_1d or world_size() == 1:
+            return {}
+        weights = [local_tensor(p.detach()) for _, p, _ in self._sharded_1d]
+        if self._sharded_1d_factors is None:
+            factors = [w for _, _, w in self._sharded_1d]
+            self._sharded_1d_factors = torch.tensor(factors, device=weights[0].device)
+        return {self._REDUCE_KEY: per_tensor_norms(weights, 2.0).pow(2) * self._sharded_1d_factors}
+
+    def _one_dim_positions(self, plan: StepPlan) -> tuple[list[int], Tensor | None, list[int]]:
+        """Selected parameters with at most one dim that have a gradient, an index tensor of them, and for each the
+        slot of its reduced weight norm (-1: not sharded). Cached: the set only changes when gradients go missing."""
+        key = (id(plan.index), tuple(plan.present))
+        cached = self._cache.get(key)
+        if cached is None:
+            assert self._selected is not None
+            index = plan.index
+            slots = {name: k for k, (name, _, _) in enumerate(self._sharded_1d)}
+            positions = [i for i in plan.present if index.params[i].ndim <= 1 and index.names[i] in self._selected]
+            tensor = torch.tensor(positions, device=index.shard_weight.device) if positions else None
+            cached = self._cache[key] = (positions, tensor, [slots.get(index.names[i], -1) for i in positions])
+        return cached
+
+    def _clip(self, policy: ClipPolicy, plan: StepPlan) -> _Decision:
+        assert isinstance(policy, AdaptiveGradClipPolicy)
+        if self._selected is None:
+            raise RuntimeError("AdaptiveGradClip was not prepared for this model.")
+        index = plan.index
+        stats = plan.stats[2.0]
+        units = plan.unit_norms
+        pos_nd = units.positions if units is not None else []
+        pos_1d, pos_1d_tensor, reduced_slots = self._one_dim_positions(plan)
+        if not pos_nd and not pos_1d:
+            pre = plan.pre_clip_total(2.0)
+            return _Decision(pre, lambda: pre, lambda: torch.ones_like(pre), torch.zeros((), dtype=torch.bool))
+
+        grad_parts: list[Tensor] = []
+        weight_parts: list[Tensor] = []
+        if units is not None:
+            grad_parts.append(units.flat)
+            weight_parts.extend(
+                torch.linalg.vector_norm(w, 2.0, dim=tuple(range(1, w.ndim)), dtype=torch.float32)
+                for w in (local_tensor(index.params[i].detach()) for i in pos_nd)
+            )
+        if pos_1d_tensor is not None:
+            grad_parts.append(stats.param_norms[pos_1d_tensor])
+            weight_parts.append(self._one_dim_weight_norms(plan, pos_1d, reduced_slots))
+        grad_units = plan.scaled(torch.cat(grad_parts))
+        coefs = policy(grad_units, torch.cat(weight_parts))
+
+        sizes = (units.sizes if units is not None else []) + [1] * len(pos_1d)
+        for i, c in zip([*pos_nd, *pos_1d], coefs.split(sizes), strict=True):
+            g = index.params[i].grad
+            ndim = local_tensor(g).ndim if g is not None else 0
+            plan.param_coefs[i] = c.reshape((-1,) + (1,) * (ndim - 1)) if ndim > 1 else c.reshape(())
+
+        pre = plan.pre_clip_total(2.0)
+        post = _memo(lambda: self._post_clip_total(plan, grad_units * coefs, pos_nd, sizes, pos_1d_tensor))
+        if plan.primary_norm_type == 2.0:
+            plan.post_clip_total_fn = post
+        return _Decision(
+            pre=pre,
+            post=post,
+            coef=lambda: torch.where(pre > 0, post() / pre, torch.ones_like(pre)),
+            clipped=(coefs < 1).any(),
+        )
+
+    def _one_dim_weight_norms(self, plan: StepPlan, positions: list[int], reduced_slots: list[int]) -> Tensor:
+        local = per_tensor_norms([local_tensor(plan.index.params[i].detach()) for i in positions], 2.0)
+        reduced = plan.reduced.get(self._REDUCE_KEY)
+        if reduced is None or all(s < 0 for s in reduced_slots):
+            return local
+        parts = [reduced[s].sqrt() if s >= 0 else local[k] for k, s in enumerate(reduced_slots)]
+        return torch.stack(parts)
+
+    @staticmethod
+    def _post_clip_total(
+        plan: StepPlan, post_units: Tensor, pos_nd: list[int], sizes: list[int], pos_1d: Tensor | None
+    ) -> Tensor:
+        """Total 2-norm after the clip, from the unit norms: no read of the gradients (logging steps only).
+
+        Unit norms of multi-dimensional parameters are local to a rank under FSDP2: their squares are summed across
+        ranks (one scalar all-reduce); all other norms here are already global.
+        """
+        index = plan.index
+        device = post_units.device
+        n_nd = sum(sizes[: len(pos_nd)])
+        sq_nd = post_units[:n_nd].square()
+        sq_global = post_units[n_nd:].square().sum()
+        clipped_mask = torch.zeros(index.num_params, dtype=torch.bool, device=device)
+        if pos_nd:
+            per_param = torch.stack([s.sum() for s in sq_nd.split(sizes[: len(pos_nd)])])
+            nd_tensor = torch.tensor(pos_nd, device=device)
+            weight = index.shard_weight[nd_tensor]
+            sq_global = sq_global + (per_param * (weight == 0)).sum()
+            sharded = (per_param * weight).sum()
+            if world_size() > 1 and index.any_sharded:
+                dist.all_reduce(sharded, op=dist.ReduceOp.SUM)
+            sq_global = sq_global + sharded
+            clipped_mask[nd_tensor] = True
+        if pos_1d is not None:
+            clipped_mask[pos_1d] = True
+        others = plan.scaled(plan.stats[2.0].param_norms).square() * ~clipped_mask
+        return (sq_global + others.sum()).sqrt()
+
+
+def _memo(fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
+    cache: list[Tensor] = []
+
+    def wrapped() -> Tensor:
+        if not cache:
+            cache.append(fn())
+        return cache[0]
+
+    return wrapped
+
+
+def _select_parameters(pl_module: torch.nn.Module, exclude: list[str]) -> set[str]:
+    """Names (cleaned) of the trainable parameters not matched by any ``exclude`` pattern.
+
+    Raises:
+        ValueError: naming a pattern that matches no parameter.
+    """
+    params = [clean_param_name(n) for n, p in pl_module.named_parameters() if p.requires_grad]
+    modules = [(clean_param_name(n), m) for n, m in pl_module.named_modules()]
+    excluded: set[str] = set()
+    for pattern in exclude:
+        matched: set[str] = set()
+        if pattern.startswith("re:"):
+            regex = re.compile(pattern[3:])
+            for name in params:
+                parts = name.split(".")
+                owners = (".".join(parts[:k]) for k in range(1, len(parts)))
+                if regex.search(name) or any(regex.search(owner) for owner in owners):
+                    matched.add(name)
+        else:
+            for module_name, module in modules:
+                if any(cls.__name__ == pattern for cls in type(module).__mro__):
+                    prefix = module_name + "." if module_name else ""
+                    matched.update(n for n in params if n.startswith(prefix))
+        if not matched:
+            raise ValueError(
+                f"AdaptiveGradClip: `exclude` pattern {pattern!r} matches no trainable parameter of "
+                f"`{type(pl_module).__name__}`. Use a module class name (e.g. 'Linear') or 're:<regex>' over "
+                f"qualified names such as {params[:3]}."
+            )
+        excluded |= matched
+    return set(params) - excluded
+
+
+_POLICY_CALLBACKS: dict[type[ClipPolicy], type[_GradClipCallback]] = {
+    GradNormPolicy: ClipGradNorm,
+    GradValuePolicy: ClipGradValue,
+    AdaptiveGradClipPolicy: AdaptiveGradClip,
+    AutoClipPolicy: AutoClip,
+    ZClipPolicy: ZClip,
+}
+_WRAPPERS: weakref.WeakKeyDictionary[ClipPolicy, _GradClipCallback] = weakref.WeakKeyDictionary()
+
+
+def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, policy: _GradClipCallback | ClipPolicy) -> Tensor:
+    r"""Clip the gradients of ``optimizer`` in a manual-optimization ``training_step`` and return their norm.
+
+    Call it after ``self.manual_backward(loss)`` and before ``optimizer.step()``. It measures the gradients once,
+    clips them with ``policy`` (one in-place multiply, no host sync), logs on logging steps like the callbacks, and
+    returns the total norm before clipping (a device tensor, in the policy's norm; 2-norm for AGC, inf-norm for
+    value clipping). Every other gradkit callback of the Trainer runs in the same pass, and the step is not measured
+    or clipped again when ``optimizer.step()`` reaches ``on_before_optimizer_step``.
+
+    Under 16-mixed AMP the gradients are still multiplied by the loss scale at this point (Lightning unscales inside
+    ``optimizer.step()``, and calling ``GradScaler.unscale_`` here would make that call fail): norms and thresholds
+    are computed on the unscaled values, from the scaler's scale tensor, so ``max_norm=1.0`` means the same as
+    without AMP (``LightningModule.clip_gradients`` clips the scaled values instead, Lightning issue #18089).
+
+    Args:
+        module: the LightningModule (``self``).
+        optimizer: the optimizer about to step, as returned by ``self.optimizers()``.
+        policy: one of the clipping callbacks (``ZClip(...)``; if it is also in the Trainer's ``callbacks``, its
+            state is saved in checkpoints) or a policy from :mod:`lightning_gradkit.clipping`
+            (``GradNormPolicy(1.0)``). Keep the same object across steps: adaptive policies carry state.
+
+    Returns:
+        The total gradient norm before clipping, a device scalar.
+
+    Raises:
+        RuntimeError: with automatic optimization (use the callbacks there).
+        ValueError: if the Trainer has a different clipping callback, or ``policy`` is not a clipping policy.
+
+    Example::
+
+        class GAN(LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.automatic_optimization = False
+                self.clip = ZClip()
+
+            def training_step(self, batch, batch_idx):
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(self.loss(batch))
+                norm = clip_gradients(self, opt, self.clip)
+                opt.step()
+    """
+    trainer = module.trainer
+    if module.automatic_optimization:
+        raise RuntimeError(
+            "`clip_gradients` is for manual optimization (`self.automatic_optimization = False`). With automatic "
+            "optimization add the clipping callback to the Trainer instead: `Trainer(callbacks=[ClipGradNorm(1.0)])`."
+        )
+    if isinstance(policy, _GradClipCallback):
+        clipper = policy
+    elif isinstance(policy, ClipPolicy) and type(policy) in _POLICY_CALLBACKS:
+        clipper = _WRAPPERS.get(policy)
+        if clipper is None:
+            clipper = _WRAPPERS[policy] = _POLICY_CALLBACKS[type(policy)]._around(policy)
+    else:
+        raise ValueError(
+            f"`policy` must be a gradkit clipping callback or a policy from `lightning_gradkit.clipping`, got "
+            f"{type(policy).__name__}."
+        )
+    attached = [cb for cb in trainer.callbacks if isinstance(cb, _GradClipCallback)]
+    if attached and attached[0] is not clipper:
+        raise ValueError(
+            f"The Trainer already has the clipping callback {type(attached[0]).__name__}; `clip_gradients` with "
+            f"another policy ({type(policy).__name__}) would clip twice. Pass that callback as `policy` instead."
+        )
+    raw = getattr(optimizer, "_optimizer", optimizer)
+    engine = _Engine.of(trainer)
+    if not attached:
+        clipper._prepare_once(trainer, module)
+    plan = engine.run(trainer, module, raw, extra=() if attached else (clipper,))
+    if plan is None:
+        plan = engine.last_plans[id(raw)]
+    return plan.pre_clip_total(clipper.policy.norm_type)

@@ -1,0 +1,729 @@
+"""Activation checkpointing injected into any model: selection, injection, measurement and the memory-budget planner.
+
+Nothing in this module depends on Lightning; :class:`~lightning_gradkit.ActivationCheckpointing` wires it into the
+Trainer.
+
+How a module is checkpointed. The selected module keeps its class, its place in the module tree and its parameter
+names: only its instance-level ``forward`` is replaced by a small callable that runs the class ``forward`` under
+non-reentrant :func:`torch.utils.checkpoint.checkpoint` (``use_reentrant=False, preserve_rng_state=True``). Compared
+with the alternatives:
+
+- ``checkpoint_wrapper`` inserts a ``CheckpointWrapper`` module: ``state_dict`` keys survive (it strips the prefix
+  with state-dict hooks) but ``named_parameters``/``named_modules`` gain ``_checkpoint_wrapped_module.``, which changes
+  per-module logging names, optimizer parameter naming and anything matching module paths; it must also be applied
+  before FSDP wraps the module.
+- ``torch.distributed._composable.checkpoint`` keeps names too, but it works through forward hooks and recomputes by
+  calling the module again (re-running every forward hook, FSDP2's included) and cannot be applied twice.
+- Replacing ``forward`` keeps every name, leaves all forward hooks (FSDP2's unshard/reshard, DDP, user hooks) outside
+  the checkpointed region, and recomputes only the module's own computation. It is therefore equally correct before
+  or after ``fully_shard``/FSDP wrapping/DDP, and ``torch.compile`` traces it as its native checkpoint operator.
+  ``copy.deepcopy`` and ``pickle`` of the model keep working: the callable holds the module, so a copy is bound to
+  the copy.
+
+Measurement. :func:`measure_saved_activations` runs a forward (no backward) with
+:func:`torch.autograd.graph.saved_tensors_hooks` that count each saved tensor's storage once (unique storages, views
+deduplicated, parameters and pre-existing tensors excluded) and then drop it, so measuring the un-checkpointed model
+needs no more memory than one checkpointed step. What a checkpointed region keeps is not visible to saved-tensor
+hooks (the checkpoint installs its own), so the region's inputs (kept for the recompute) and, in selective mode, the
+outputs the policy caches are recorded alongside. A module's bytes are what is saved while its forward runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import pydoc
+import random
+import re
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+CheckpointMode = Literal["full", "selective"]
+MODES: tuple[str, ...] = ("full", "selective")
+
+# Name components that wrappers insert between a module and its children: torch.compile's OptimizedModule, FSDP1,
+# checkpoint_wrapper. Selection and reporting use names without them.
+_WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+# (class name, second component of its module path) of those wrappers, compared by name: importing their modules
+# (torch._dynamo in particular) only to test isinstance would be slow.
+_WRAPPER_CLASSES = frozenset(
+    {("OptimizedModule", "_dynamo"), ("FullyShardedDataParallel", "distributed"), ("ActivationWrapper", "distributed")}
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Selection
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def normalize_name(name: str) -> str:
+    """A qualified module name without the components that wrappers insert (``_orig_mod``, FSDP1, checkpoint)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_COMPONENTS)
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    """Wrapper modules (compile, FSDP1, checkpoint_wrapper) are never selected: the module they wrap is."""
+    return any(
+        (c.__name__, c.__module__.split(".")[1] if "." in c.__module__ else "") in _WRAPPER_CLASSES
+        for c in type(module).__mro__
+    )
+
+
+def user_class(module: nn.Module) -> type:
+    """The module's class, seen through the per-class subclasses that FSDP2's ``fully_shard`` creates."""
+    for cls in type(module).__mro__:
+        if not cls.__module__.startswith("torch.distributed.fsdp"):
+            return cls
+    return type(module)
+
+
+def module_class_names(root: nn.Module) -> list[str]:
+    """The distinct class names of ``root``'s submodules, sorted (for error messages)."""
+    return sorted({user_class(m).__name__ for name, m in root.named_modules() if name and not _is_wrapper(m)})
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One entry of ``targets``: a class name (bare or dotted) or an ``re:`` regex over qualified names."""
+
+    text: str
+    regex: re.Pattern[str] | None
+
+    @classmethod
+    def parse(cls, text: str) -> _Target:
+        if text.startswith("re:"):
+            try:
+                return cls(text, re.compile(text[3:]))
+            except re.error as err:
+                raise ValueError(f"`targets` entry {text!r} is not a valid regular expression: {err}.") from None
+        return cls(text, None)
+
+    @functools.cached_property
+    def resolved_class(self) -> type | None:
+        if "." not in self.text:
+            return None
+        found = pydoc.locate(self.text)
+        return found if isinstance(found, type) else None
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        if self.regex is not None:
+            return self.regex.fullmatch(name) is not None
+        if self.resolved_class is not None:
+            return isinstance(module, self.resolved_class)
+        if "." in self.text:
+            return any(f"{c.__module__}.{c.__qualname__}" == self.text for c in type(module).__mro__)
+        return any(c.__name__ == self.text for c in type(module).__mro__)
+
+
+def parse_targets(targets: Sequence[str]) -> tuple[_Target, ...]:
+    """Validate ``targets`` (class names or ``re:`` regexes) for :func:`select_modules`.
+
+    Raises:
+        ValueError: if ``targets`` is empty, holds a non-string or an invalid regex.
+    """
+    if isinstance(targets, str):
+        targets = [targets]
+    if not targets or not all(isinstance(t, str) and t.strip() for t in targets):
+        raise ValueError(
+            f"`targets` must be a non-empty list of module class names (e.g. 'Block', "
+            f"'torch.nn.TransformerEncoderLayer') or 're:' regexes over qualified module names, got {targets!r}."
+        )
+    return tuple(_Target.parse(t.strip()) for t in targets)
+
+
+def select_modules(
+    root: nn.Module, targets: Sequence[str] | Sequence[_Target], every_n: int = 1
+) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``root`` that ``targets`` select, in module order.
+
+    A class name matches instances of that class and its subclasses (a dotted name is imported; a bare one is
+    compared with the class names in the module's MRO, so FSDP2's per-class subclasses still match). A ``re:``
+    regex must match the whole qualified name (``re.fullmatch``) relative to ``root``, without the components that
+    ``torch.compile`` (``_orig_mod``), FSDP1 and ``checkpoint_wrapper`` insert. ``root`` itself is never selected.
+    A match nested in another match is dropped (the outer recompute covers it). Of the remaining matches, every
+    ``every_n``-th is kept: the ``every_n``-th, the ``2 * every_n``-th, and so on (torchtitan's ``ac_freq``).
+
+    Returns:
+        ``(qualified name, module)`` pairs; the names are normalized (see :func:`normalize_name`).
+    """
+    parsed = [t if isinstance(t, _Target) else _Target.parse(t) for t in targets]
+    kept: list[tuple[str, str, nn.Module]] = []
+    for raw, module in root.named_modules():
+        if not raw or _is_wrapper(module):
+            continue
+        if kept and raw.startswith(kept[-1][0] + "."):
+            continue
+        name = normalize_name(raw)
+        if any(t.matches(name, module) for t in parsed):
+            kept.append((raw, name, module))
+    return [(name, module) for _, name, module in kept[every_n - 1 :: every_n]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Selective checkpointing policy
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _ops(*names: str) -> frozenset[torch._ops.OpOverload]:
+    found = []
+    for name in names:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None and hasattr(packet, overload):
+            found.append(getattr(packet, overload))
+    return frozenset(found)
+
+
+# Compute-bound ops whose outputs selective checkpointing keeps (torchtitan's ``_save_list``; ``aten.linear`` and
+# ``aten.matmul`` decompose into these before the dispatcher sees them).
+SAVED_MATMUL_OPS = _ops(
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.baddbmm.default",
+    "aten._scaled_mm.default",
+    "aten.convolution.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+)
+SAVED_ATTENTION_OPS = _ops(
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._flash_attention_forward.default",
+    "aten._efficient_attention_forward.default",
+)
+
+
+def _dropout_p(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == "dropout_p":
+            if "dropout_p" in kwargs:
+                return float(kwargs["dropout_p"])
+            return float(args[i]) if i < len(args) else float(arg.default_value or 0.0)
+    return 0.0
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The op-level policy of ``mode="selective"``: keep matmul and attention outputs, recompute the rest.
+
+    Follows torchtitan's selective activation checkpointing (``torchtitan/distributed/activation_checkpoint.py``):
+    the outputs of matmuls, convolutions, attention kernels and reduce-scatters are saved (``MUST_SAVE``); cheap
+    pointwise/normalization ops are recomputed (``PREFER_RECOMPUTE``). Random ops are always recomputed, and an
+    attention kernel with ``dropout_p > 0`` is recomputed too: skipping a random op during the recompute would shift
+    the RNG stream that the recomputed dropouts after it replay, and their masks would differ from the forward's.
+
+    Used with :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`.
+    """
+    if op in SAVED_ATTENTION_OPS:
+        return CheckpointPolicy.MUST_SAVE if _dropout_p(op, args, kwargs) == 0.0 else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in SAVED_MATMUL_OPS and torch.Tag.nondeterministic_seeded not in op.tags:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVE_POLICIES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+_selective_context_fn = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Injection
+# ----------------------------------------------------------------------------------------------------------------
+
+_bypass_depth = 0
+
+
+@contextlib.contextmanager
+def bypass_checkpointing() -> Iterator[None]:
+    """Run injected modules without checkpointing inside this context (used to measure the baseline)."""
+    global _bypass_depth
+    _bypass_depth += 1
+    try:
+        yield
+    finally:
+        _bypass_depth -= 1
+
+
+class _CheckpointedForward:
+    """The instance-level ``forward`` of a module that :func:`inject_activation_checkpointing` selected.
+
+    It holds the module (not a bound method or a closure) so that ``copy.deepcopy`` and ``pickle`` bind the copy's
+    ``forward`` to the copy. ``original`` is an instance-level ``forward`` that existed before the injection, if any.
+    """
+
+    def __init__(self, module: nn.Module, mode: CheckpointMode, original: Callable[..., Any] | None = None) -> None:
+        self.module = module
+        self.mode = mode
+        self.original = original
+
+    def _inner(self) -> Callable[..., Any]:
+        if self.original is not None:
+            return self.original
+        return type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self._inner()
+        if kwargs:  # keyword arguments go to the module, never to `checkpoint` (whose own keywords could clash)
+            fn = functools.partial(fn, **kwargs)
+        # Nothing is saved without grad mode (validation, inference): skip the checkpoint's RNG bookkeeping.
+        if _bypass_depth or not torch.is_grad_enabled():
+            return fn(*args)
+        if self.mode == "selective":
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_selective_context_fn)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+
+    def __repr__(self) -> str:
+        return f"<activation-checkpointed forward ({self.mode}) of {type(self.module).__name__}>"
+
+
+def injected_mode(module: nn.Module) -> CheckpointMode | None:
+    """The mode ``module`` was checkpointed with by this package, or None."""
+    fwd = module.__dict__.get("forward")
+    return fwd.mode if isinstance(fwd, _CheckpointedForward) else None
+
+
+def _composable_checkpointed(module: nn.Module) -> bool:
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # pragma: no cover - builds without torch.distributed
+        return False
+    registry = _get_registry(module)
+    return bool(registry) and "checkpoint" in registry
+
+
+def checkpointed_by(module: nn.Module, parent: nn.Module | None = None, own: bool = True) -> str | None:
+    """Who already checkpoints ``module``: this package (unless ``own=False``), ``checkpoint_wrapper`` (``module``
+    or ``parent`` is an ``ActivationWrapper``), composable ``checkpoint``, or Hugging Face's
+    ``gradient_checkpointing_enable()``; None if nothing does."""
+    if own and injected_mode(module) is not None:
+        return "lightning_gradkit"
+    for m in (module, parent):
+        if m is not None and any(c.__name__ == "ActivationWrapper" for c in type(m).__mro__):
+            return "checkpoint_wrapper"
+    if _composable_checkpointed(module):
+        return "torch.distributed._composable.checkpoint"
+    if getattr(module, "gradient_checkpointing", False) is True:
+        return "gradient_checkpointing_enable()"
+    return None
+
+
+def _ancestry(root: nn.Module) -> dict[int, list[nn.Module]]:
+    """For every submodule (by id), its ancestors from the parent up to ``root``."""
+    parents: dict[int, list[nn.Module]] = {id(root): []}
+    for _, module in root.named_modules():
+        for child in module.children():
+            parents.setdefault(id(child), [module, *parents.get(id(module), [])])
+    return parents
+
+
+def checkpointed_elsewhere(
+    root: nn.Module, module: nn.Module, own: bool = True, ancestry: dict[int, list[nn.Module]] | None = None
+) -> str | None:
+    """Whether ``module`` or one of its ancestors within ``root`` is already checkpointed, and by whom.
+
+    With ``own=False`` an injection of this package on ``module`` itself does not count (ancestors always do).
+    ``ancestry`` is ``_ancestry(root)``, computed once when checking many modules."""
+    chain = (ancestry if ancestry is not None else _ancestry(root)).get(id(module), [])
+    for depth, (m, parent) in enumerate(zip([module, *chain], [*chain, None], strict=True)):
+        who = checkpointed_by(m, parent, own=own or depth > 0)
+        if who is not None:
+            return who
+    return None
+
+
+def inject(module: nn.Module, mode: CheckpointMode = "full") -> None:
+    """Checkpoint ``module``'s forward in place (no check for existing checkpointing; see
+    :func:`inject_activation_checkpointing`)."""
+    if mode not in MODES:
+        raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
+    module.forward = _CheckpointedForward(module, mode, module.__dict__.get("forward"))
+
+
+def remove(module: nn.Module) -> bool:
+    """Undo :func:`inject` on ``module``; returns whether it was injected."""
+    fwd = module.__dict__.get("forward")
+    if not isinstance(fwd, _CheckpointedForward):
+        return False
+    if fwd.original is not None:
+        module.forward = fwd.original
+    else:
+        del module.forward
+    return True
+
+
+def inject_activation_checkpointing(
+    module: nn.Module, targets: list[str], every_n: int = 1, mode: CheckpointMode = "full"
+) -> list[str]:
+    """Checkpoint the submodules of ``module`` that ``targets`` select; the helper for ``configure_model``.
+
+    Non-reentrant :func:`torch.utils.checkpoint.checkpoint` with the RNG state preserved (dropout masks are the
+    same in the recompute). Names, ``state_dict`` keys and the module tree are unchanged. Safe before or after
+    ``fully_shard``/DDP/FSDP wrapping and before ``torch.compile``. Modules that are already checkpointed (by this
+    function, ``checkpoint_wrapper``, composable ``checkpoint`` or ``gradient_checkpointing_enable``) are left as they
+    are, with a warning.
+
+    Args:
+        module: the model to modify in place.
+        targets: module class names (``"Block"``, ``"torch.nn.TransformerEncoderLayer"``) or ``re:`` regexes that
+            must match whole qualified names (see :func:`select_modules`).
+        every_n: checkpoint every n-th match (1: all of them).
+        mode: ``"full"`` recomputes the whole module; ``"selective"`` keeps matmul/attention outputs and recomputes
+            the rest (:func:`selective_policy`).
+
+    Returns:
+        The qualified names of the modules it checkpointed.
+
+    Raises:
+        ValueError: on invalid arguments, or if ``targets`` match no submodule (the message lists the class names).
+
+    Example::
+
+        class MyModel(LightningModule):
+            def configure_model(self):
+                self.model = Transformer(...)
+                inject_activation_checkpointing(self.model, ["TransformerBlock"])
+                for block in self.model.blocks:
+                    fully_shard(block, mesh=self.device_mesh)
+                fully_shard(self.model, mesh=self.device_mesh)
+    """
+    parsed = parse_targets(targets)
+    validate_every_n(every_n)
+    if mode not in MODES:
+        raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
+    selected = select_modules(module, parsed, every_n)
+    if not selected:
+        raise ValueError(no_match_message(module, [t.text for t in parsed]))
+    injected, skipped = [], []
+    ancestry = _ancestry(module)
+    for name, sub in selected:
+        who = checkpointed_elsewhere(module, sub, ancestry=ancestry)
+        if who is not None:
+            skipped.append(f"{name} ({who})")
+            continue
+        inject(sub, mode)
+        injected.append(name)
+    if skipped:
+        _warn_already_checkpointed(skipped)
+    return injected
+
+
+def validate_every_n(every_n: int) -> None:
+    if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
+        raise ValueError(f"`every_n` must be an integer >= 1 (1 checkpoints every match), got {every_n!r}.")
+
+
+def no_match_message(root: nn.Module, targets: Sequence[str]) -> str:
+    names = module_class_names(root)
+    return (
+        f"ActivationCheckpointing: `targets={list(targets)!r}` match no submodule of `{type(root).__name__}`. "
+        f"Its module classes are: {', '.join(names) or '(none)'}. Use one of these class names, a dotted class path, "
+        "or a 're:' regex that matches whole qualified module names (e.g. 're:model\\.blocks\\.\\d+')."
+    )
+
+
+def _warn_already_checkpointed(skipped: list[str]) -> None:
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(
+        "ActivationCheckpointing: these modules are already checkpointed and are left as they are (no double "
+        f"checkpointing): {', '.join(skipped)}."
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Measurement
+# ----------------------------------------------------------------------------------------------------------------
+
+_OUTSIDE = -1
+
+
+class _Dropped:
+    """What the measuring pack hook stores instead of the tensor."""
+
+
+_DROPPED = _Dropped()
+
+
+def _unpack_dropped(_: object) -> Tensor:
+    raise RuntimeError(
+        "ActivationCheckpointing: the forward being measured ran a backward over its own graph (e.g. "
+        "`torch.autograd.grad` inside `training_step`); saved activations cannot be measured for such a step."
+    )
+
+
+@dataclass
+class ActivationProfile:
+    """Saved-activation storages of one forward, attributed to candidate modules.
+
+    ``nbytes`` maps a storage key to its size; ``owners`` gives for each saved storage the candidates whose forward
+    was running when it was saved (``-1``: outside every candidate); ``inputs[i]`` and ``cached[i]`` are the
+    storages that checkpointing candidate ``i`` would keep: its inputs and, in selective mode, the outputs the policy
+    saves.
+    """
+
+    names: list[str]
+    nbytes: dict[int, int] = field(default_factory=dict)
+    owners: dict[int, set[int]] = field(default_factory=dict)
+    inputs: list[set[int]] = field(default_factory=list)
+    cached: list[set[int]] = field(default_factory=list)
+
+    def held_keys(self, checkpointed: Collection[int]) -> set[int]:
+        """The storages kept for backward when the ``checkpointed`` candidates are checkpointed."""
+        chosen = set(checkpointed)
+        keys = {k for k, owners in self.owners.items() if not owners <= chosen}
+        for i in chosen:
+            keys |= self.inputs[i] | self.cached[i]
+        return keys
+
+    def held(self, checkpointed: Collection[int] = ()) -> int:
+        """Bytes kept for backward when the ``checkpointed`` candidates are checkpointed (default: none)."""
+        return sum(self.nbytes[k] for k in self.held_keys(checkpointed))
+
+    def module_bytes(self, i: int) -> int:
+        """Bytes saved while candidate ``i``'s forward runs."""
+        return sum(self.nbytes[k] for k, owners in self.owners.items() if i in owners)
+
+    @property
+    def checkpoint_held(self) -> int:
+        """Bytes kept by checkpointed regions themselves (their inputs and cached outputs) outside autograd's saved
+        tensors; in a profile measured with checkpointing active."""
+        keys: set[int] = set()
+        for i in range(len(self.names)):
+            keys |= self.inputs[i] | self.cached[i]
+        return sum(self.nbytes[k] for k in keys)
+
+
+class _Recorder:
+    def __init__(self, profile: ActivationProfile, candidates: Sequence[nn.Module], exclude: set[int]) -> None:
+        self.profile = profile
+        self.index = {id(m): i for i, m in enumerate(candidates)}
+        self.exclude = exclude
+        self.stack: list[int] = []
+        self._pins: list[StorageWeakRef] = []
+
+    def key(self, t: Tensor) -> int | None:
+        """A storage key for ``t``, or None for parameters and tensors that existed before the forward."""
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return None
+        t = getattr(t, "_local_tensor", t)  # DTensor: the local shard
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse / opaque tensors: no storage to share
+            self.profile.nbytes[-id(t)] = t.numel() * t.element_size()
+            return -id(t)
+        # Holding a weak reference keeps the storage's identity unique for the whole measurement, without keeping
+        # its memory: a freed storage's key is never reused by a new one.
+        ref = StorageWeakRef(storage)
+        if ref.cdata in self.exclude:
+            return None
+        if ref.cdata not in self.profile.nbytes:
+            self._pins.append(ref)
+            self.profile.nbytes[ref.cdata] = storage.nbytes()
+        return ref.cdata
+
+    def pack(self, t: Tensor) -> _Dropped:
+        key = self.key(t)
+        if key is not None:
+            self.profile.owners.setdefault(key, set()).add(self.stack[-1] if self.stack else _OUTSIDE)
+        return _DROPPED
+
+    def pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        i = self.index[id(module)]
+        self.stack.append(i)
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, Tensor) and (key := self.key(leaf)) is not None:
+                self.profile.inputs[i].add(key)
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.stack.pop()
+
+
+class _PolicyProbe(TorchDispatchMode):
+    """Records the outputs that :func:`selective_policy` would cache, per enclosing candidate module."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        stack = self.recorder.stack
+        if stack and func not in SAC_IGNORED_OPS and selective_policy(None, func, *args, **kwargs) in _SAVE_POLICIES:
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, Tensor) and (key := self.recorder.key(leaf)) is not None:
+                    self.recorder.profile.cached[stack[-1]].add(key)
+        return out
+
+
+def _storage_keys(tensors: Iterator[Tensor]) -> set[int]:
+    keys = set()
+    for t in tensors:
+        t = getattr(t, "_local_tensor", t)
+        with contextlib.suppress(RuntimeError, NotImplementedError):
+            keys.add(StorageWeakRef(t.untyped_storage()).cdata)
+    return keys
+
+
+def measure_saved_activations(
+    forward: Callable[[], object],
+    root: nn.Module,
+    candidates: Sequence[tuple[str, nn.Module]] = (),
+    selective: bool = False,
+    exclude: Sequence[Tensor] = (),
+) -> ActivationProfile:
+    """Measure what ``forward()`` saves for backward, without keeping it and without running a backward.
+
+    Saved tensors are counted by unique storage through :func:`torch.autograd.graph.saved_tensors_hooks`, then
+    dropped. ``root``'s parameters and buffers, tensors in ``exclude`` (e.g. the batch), and parameters in general
+    are not activations and are skipped. For each candidate module the profile also records its tensor inputs and
+    (with ``selective=True``) the outputs :func:`selective_policy` caches: what checkpointing that module keeps.
+    Run it with grad mode on; ``forward``'s result is discarded, so its graph is freed at once.
+
+    Returns:
+        An :class:`ActivationProfile` whose ``held()`` is the saved-activation bytes of the step.
+    """
+    names = [name for name, _ in candidates]
+    modules = [m for _, m in candidates]
+    profile = ActivationProfile(names, inputs=[set() for _ in names], cached=[set() for _ in names])
+    with torch.no_grad():
+        keys = _storage_keys(iter([*root.parameters(), *root.buffers(), *exclude]))
+    recorder = _Recorder(profile, modules, keys)
+    handles = []
+    try:
+        for m in modules:
+            # Registered last, so they run after other pre-hooks (FSDP2's unshard, ...): the recorded inputs are the
+            # ones the module's forward, and thus the checkpoint, receives.
+            handles.append(m.register_forward_pre_hook(recorder.pre_forward, with_kwargs=True))
+            handles.append(m.register_forward_hook(recorder.post_forward, always_call=True))
+        probe = _PolicyProbe(recorder) if selective and modules else contextlib.nullcontext()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack_dropped), probe:
+            forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return profile
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module, devices: Sequence[torch.device] = ()) -> Iterator[None]:
+    """Restore the RNG states (Python, CPU, the given accelerator devices) and ``module``'s buffers on exit, so an
+    extra forward (for measuring) changes nothing the training sees."""
+    py_state = random.getstate()
+    cuda = [d for d in devices if d.type == "cuda"]
+    with torch.no_grad():
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+            yield
+    finally:
+        random.setstate(py_state)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory-budget planner
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def validate_memory_budget(memory_budget: float | None) -> None:
+    """``None``; a fraction in (0, 1] of the un-checkpointed activation bytes; or a whole number of bytes > 1."""
+    if memory_budget is None:
+        return
+    valid = isinstance(memory_budget, (int, float)) and not isinstance(memory_budget, bool)
+    if valid and 0 < memory_budget <= 1:
+        return
+    if valid and memory_budget > 1 and float(memory_budget).is_integer():
+        return
+    raise ValueError(
+        "`memory_budget` must be None, a fraction in (0, 1] of the un-checkpointed activation memory (e.g. 0.5), "
+        f"or a whole number of bytes > 1 (e.g. 2_000_000_000), got {memory_budget!r}."
+    )
+
+
+def budget_bytes(memory_budget: float, baseline: int) -> int:
+    """The budget in bytes: a fraction of ``baseline`` when ``memory_budget`` <= 1, else bytes."""
+    return int(memory_budget * baseline) if memory_budget <= 1 else int(memory_budget)
+
+
+def plan_checkpointing(profile: ActivationProfile, budget: int) -> tuple[list[int], bool]:
+    """Choose candidates to checkpoint so the saved-activation bytes fit in ``budget``.
+
+    Greedy, largest saving first: each candidate's saving is what checkpointing it alone frees (the bytes saved
+    inside it, minus the inputs and cached outputs it keeps); candidates are added in that order until
+    ``profile.held(chosen) <= budget``. With additive savings (disjoint modules, the usual case) this is the fewest
+    modules that meet the budget. Candidates that free nothing are never chosen.
+
+    Returns:
+        The chosen candidate indices (sorted) and whether the budget is met (if not, all useful candidates).
+    """
+    baseline = profile.held()
+    if baseline <= budget:
+        return [], True
+    savings = {i: baseline - profile.held([i]) for i in range(len(profile.names))}
+    chosen: list[int] = []
+    for i in sorted(savings, key=lambda i: (-savings[i], i)):
+        if savings[i] <= 0:
+            break
+        chosen.append(i)
+        if profile.held(chosen) <= budget:
+            return sorted(chosen), True
+    return sorted(chosen), False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Summary
+# ----------------------------------------------------------------------------------------------------------------
+
+_MAX_ROWS = 16
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_summary(
+    header: str,
+    rows: Sequence[tuple[str, str, int | None, bool]],
+    before: int | None = None,
+    after: int | None = None,
+    footer: Sequence[str] = (),
+) -> str:
+    """A one-screen table: ``(name, class, saved bytes or None, checkpointed)`` per candidate, then totals."""
+    shown = list(rows[:_MAX_ROWS])
+    width = max([len(r[0]) for r in shown] + [6])
+    cls_width = max([len(r[1]) for r in shown] + [5])
+    lines = [header, f"  {'module':<{width}}  {'class':<{cls_width}}  {'saved activations':>17}  checkpointed"]
+    for name, cls, nbytes, selected in shown:
+        size = format_bytes(nbytes) if nbytes is not None else "-"
+        lines.append(f"  {name:<{width}}  {cls:<{cls_width}}  {size:>17}  {'yes' if selected else 'no'}")
+    if len(rows) > len(shown):
+        rest = rows[len(shown) :]
+        lines.append(f"  ... {len(rest)} more ({sum(r[3] for r in rest)} of them checkpointed)")
+    if before is not None and after is not None:
+        change = f" ({(after - before) / before:+.0%})" if before else ""
+        lines.append(
+            f"  saved activations per step: {format_bytes(before)} without checkpointing -> {format_bytes(after)} "
+            f"with it{change}"
+        )
+    lines.extend(f"  {line}" for line in footer)
+    return "\n".join(lines)

@@ -1,0 +1,460 @@
+"""AccumulationGuard and ManualAccumulator with Lightning's real Trainer, against plain PyTorch reference loops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+from helpers import MLPModule, column, count_syncs, loader, make_trainer, read_metrics
+from lightning_gradkit import AccumulationGuard, GradNormMonitor, ManualAccumulator
+from lightning_gradkit.accumulation import (
+    is_window_boundary,
+    mean_window_scale,
+    micro_batches_in_window,
+    token_window_scale,
+)
+
+VOCAB, SEQ_LEN = 11, 7
+
+# -- models and data shared with the distributed script ------------------------------------------------------------
+
+
+class TokenLM(pl.LightningModule):
+    """A tiny per-token classifier: returns the SUM of the masked token losses and the token count."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, VOCAB)
+        self.lr = lr
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.embed(x)))
+
+    def token_losses(self, batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        x, y, mask = batch
+        logits = self(x)
+        losses = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="none")
+        return (losses.reshape(y.shape) * mask).sum(), mask.sum()
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        loss_sum, n = self.token_losses(batch)
+        return {"loss": loss_sum, "num_tokens": n}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def token_data(n: int, seed: int = 0) -> TensorDataset:
+    """Sequences of very different lengths (1..SEQ_LEN tokens, padding masked out)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(VOCAB, (n, SEQ_LEN), generator=g)
+    y = torch.randint(VOCAB, (n, SEQ_LEN), generator=g)
+    lengths = torch.randint(1, SEQ_LEN + 1, (n,), generator=g)
+    mask = (torch.arange(SEQ_LEN)[None, :] < lengths[:, None]).float()
+    return TensorDataset(x, y, mask)
+
+
+def token_loader(n: int, batch_size: int, rank: int = 0, world_size: int = 1) -> DataLoader:
+    """Rank ``r`` gets samples ``r, r + world, ...``: micro-batch k of all ranks together is batch k of
+    ``token_loader(n, batch_size * world_size)``."""
+    data = token_data(n)
+    return DataLoader(Subset(data, range(rank, n, world_size)), batch_size=batch_size)
+
+
+def reference_token_lm(n: int, global_batch: int, window: int) -> dict[str, Tensor]:
+    """Plain PyTorch: each window is ONE big batch, its summed token loss divided by its token count."""
+    torch.manual_seed(0)
+    model = TokenLM()
+    opt = torch.optim.SGD(model.parameters(), lr=model.lr)
+    batches = list(token_loader(n, global_batch))
+    for start in range(0, len(batches), window):
+        big = [torch.cat(parts) for parts in zip(*batches[start : start + window], strict=True)]
+        opt.zero_grad()
+        loss_sum, tokens = model.token_losses(big)
+        (loss_sum / tokens).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_mlp(n_batches: int, window: int, divide_by_actual: bool) -> dict[str, Tensor]:
+    """Plain PyTorch: each window's micro-batch losses divided by the window's actual size (or always by N)."""
+    torch.manual_seed(0)
+    model = MLPModule()
+    opt = torch.optim.SGD(model.parameters(), lr=model.lr)
+    batches = list(loader(n=8 * n_batches, batch_size=8))
+    for start in range(0, len(batches), window):
+        part = batches[start : start + window]
+        divisor = len(part) if divide_by_actual else window
+        opt.zero_grad()
+        for x, y in part:
+            (nn.functional.mse_loss(model(x), y) / divisor).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def fitted_state(tmp_path: Path, model: pl.LightningModule, data: DataLoader, **kwargs: Any) -> dict[str, Tensor]:
+    trainer = make_trainer(tmp_path, **kwargs)
+    trainer.fit(model, data)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# -- pure math ------------------------------------------------------------------------------------------------------
+
+
+def test_window_arithmetic_matches_lightning_windows() -> None:
+    # 10 batches, N = 4: Lightning zeroes at 0, 4, 8 and steps after 3, 7, 9.
+    assert [i for i in range(10) if is_window_boundary(i, 4, 10)] == [3, 7, 9]
+    assert [micro_batches_in_window(i, 4) for i in (3, 7, 9)] == [4, 4, 2]
+    assert mean_window_scale(4, 2) == 2.0
+    assert mean_window_scale(1, 4) == 0.25
+    # W * N / T, and a window with no tokens keeps a finite factor (its gradient is zero anyway).
+    assert token_window_scale(torch.tensor(40.0), 2, 4).item() == pytest.approx(0.2)
+    assert torch.isfinite(token_window_scale(torch.tensor(0.0), 2, 4))
+
+
+# -- mean mode ------------------------------------------------------------------------------------------------------
+
+
+def test_short_last_window_is_averaged_over_its_micro_batches(tmp_path: Path) -> None:
+    """10 batches of 8 with N = 4: windows 4, 4, 2. Lightning alone divides the last one by 4."""
+    exact = reference_mlp(10, 4, divide_by_actual=True)
+    lightning_rule = reference_mlp(10, 4, divide_by_actual=False)
+
+    torch.manual_seed(0)
+    guarded = fitted_state(
+        tmp_path, MLPModule(), loader(n=80), accumulate_grad_batches=4, callbacks=[AccumulationGuard()]
+    )
+    torch.manual_seed(0)
+    plain = fitted_state(tmp_path, MLPModule(), loader(n=80), accumulate_grad_batches=4)
+
+    assert max_diff(guarded, exact) < 1e-6
+    # Lightning alone follows the divide-by-N rule and so differs from the exact reference.
+    assert max_diff(plain, lightning_rule) < 1e-6
+    assert max_diff(plain, exact) > 1e-3
+
+
+def test_fewer_batches_than_window_warns_and_averages(tmp_path: Path) -> None:
+    exact = reference_mlp(3, 4, divide_by_actual=True)  # one window of 3 per epoch
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"3 training batch\(es\), fewer than `accumulate_grad_batches=4`"):
+        guarded = fitted_state(
+            tmp_path, MLPModule(), loader(n=24), accumulate_grad_batches=4, callbacks=[AccumulationGuard()]
+        )
+    assert max_diff(guarded, exact) < 1e-6
+
+
+def test_logged_norm_is_the_norm_of_the_normalized_gradient(tmp_path: Path) -> None:
+    """The monitor reads the engine's scaled statistics: the short window's norm is that of the window mean."""
+    torch.manual_seed(0)
+    model = MLPModule()
+    batches = list(loader(n=80))
+    expected = []
+    ref = MLPModule()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=ref.lr)
+    for start in range(0, 10, 4):
+        part = batches[start : start + 4]
+        opt.zero_grad()
+        for x, y in part:
+            (nn.functional.mse_loss(ref(x), y) / len(part)).backward()
+        expected.append(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item())
+        opt.step()
+    trainer = make_trainer(tmp_path, accumulate_grad_batches=4, callbacks=[GradNormMonitor(), AccumulationGuard()])
+    trainer.fit(model, loader(n=80))
+    assert column(read_metrics(trainer), "grad_norm/total") == pytest.approx(expected, rel=1e-5)
+
+
+def test_mean_mode_makes_no_host_sync(tmp_path: Path) -> None:
+    guard = AccumulationGuard(zero_early=True, check_clean=True)
+    hooks = ("on_before_optimizer_step", "on_before_backward", "on_train_batch_start", "on_train_batch_end")
+    with count_syncs() as counter:
+        for hook in hooks:
+            counter.watch(guard, hook)
+        trainer = make_trainer(tmp_path, accumulate_grad_batches=4, callbacks=[guard], log_every_n_steps=1)
+        trainer.fit(MLPModule(), loader(n=80))
+        assert trainer.global_step == 3
+        assert counter.total == 0, counter.counts
+
+        # The counter is live: gradients kept as zeros (not None) need a device check, read on logging steps.
+        class ZeroNotNone(MLPModule):
+            def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+                optimizer.zero_grad(set_to_none=False)
+
+        guard.zero_early = False
+        trainer = make_trainer(tmp_path, accumulate_grad_batches=4, callbacks=[guard], log_every_n_steps=1)
+        trainer.fit(ZeroNotNone(), loader(n=80))
+        assert counter.total > 0
+
+
+# -- token mode -----------------------------------------------------------------------------------------------------
+
+
+def test_token_mode_equals_one_big_batch_normalized_by_token_count(tmp_path: Path) -> None:
+    """5 micro-batches of 4 sequences with N = 2 (windows 2, 2, 1), lengths 1..7 tokens."""
+    expected = reference_token_lm(n=20, global_batch=4, window=2)
+    torch.manual_seed(0)
+    guard = AccumulationGuard(normalize="tokens")
+    with count_syncs() as counter:
+        counter.watch(guard, "on_before_optimizer_step")
+        got = fitted_state(tmp_path, TokenLM(), token_loader(20, 4), accumulate_grad_batches=2, callbacks=[guard])
+    assert counter.total == 0, counter.counts
+    assert max_diff(got, expected) < 1e-6
+    # Per-micro-batch mean losses (Lightning's usual recipe) give a different, token-weighted-wrong answer.
+    torch.manual_seed(0)
+
+    class MeanPerBatch(TokenLM):
+        def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+            loss_sum, n = self.token_losses(batch)
+            return loss_sum / n
+
+    plain = fitted_state(tmp_path, MeanPerBatch(), token_loader(20, 4), accumulate_grad_batches=2)
+    assert max_diff(plain, expected) > 1e-3
+
+
+def test_token_mode_without_token_count_names_the_key(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, callbacks=[AccumulationGuard(normalize="tokens")])
+    with pytest.raises(ValueError, match=r"without the key 'num_tokens'.*return \{'loss': loss_sum, 'num_tokens': n\}"):
+        trainer.fit(MLPModule(), loader())
+
+
+def test_token_mode_restores_training_step_after_fit(tmp_path: Path) -> None:
+    model = TokenLM()
+    make_trainer(tmp_path, callbacks=[AccumulationGuard(normalize="tokens")]).fit(model, token_loader(8, 4))
+    assert "training_step" not in model.__dict__
+    # also after a failing fit
+    model = MLPModule()
+    with pytest.raises(ValueError):
+        make_trainer(tmp_path, callbacks=[AccumulationGuard(normalize="tokens")]).fit(model, loader())
+    assert "training_step" not in model.__dict__
+
+
+def test_custom_tokens_key(tmp_path: Path) -> None:
+    class Renamed(TokenLM):
+        def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+            loss_sum, n = self.token_losses(batch)
+            return {"loss": loss_sum, "ntok": n}
+
+    expected = reference_token_lm(n=12, global_batch=4, window=3)
+    torch.manual_seed(0)
+    guard = AccumulationGuard(normalize="tokens", tokens_key="ntok")
+    got = fitted_state(tmp_path, Renamed(), token_loader(12, 4), accumulate_grad_batches=3, callbacks=[guard])
+    assert max_diff(got, expected) < 1e-6
+
+
+# -- zero_early -----------------------------------------------------------------------------------------------------
+
+
+class GradPresence(pl.Callback):
+    """Records whether gradients exist when each batch starts (i.e. during its forward)."""
+
+    def __init__(self) -> None:
+        self.present: list[bool] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        self.present.append(any(p.grad is not None for p in pl_module.parameters()))
+
+
+@pytest.mark.parametrize("zero_early", [True, False])
+def test_zero_early_frees_gradients_before_the_next_forward(tmp_path: Path, zero_early: bool) -> None:
+    presence = GradPresence()
+    trainer = make_trainer(
+        tmp_path, accumulate_grad_batches=2, callbacks=[AccumulationGuard(zero_early=zero_early), presence]
+    )
+    trainer.fit(MLPModule(), loader(n=48))  # 6 batches: windows start at 0, 2, 4
+    # Inside a window the gradients must survive; at a window start they are gone only with zero_early.
+    assert presence.present == [False, True, not zero_early, True, not zero_early, True]
+
+
+@pytest.mark.gpu
+def test_zero_early_lowers_forward_peak_memory_by_the_gradient_size(tmp_path: Path) -> None:
+    class Wide(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(4)])
+            self.peaks: list[int] = []
+
+        def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+            torch.cuda.reset_peak_memory_stats()
+            loss = self.layers(batch[0]).square().mean()
+            self.peaks.append(torch.cuda.max_memory_allocated())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    data = DataLoader(TensorDataset(torch.randn(32, 2048)), batch_size=4)
+    peaks = {}
+    for zero_early in (True, False):
+        model = Wide()
+        trainer = make_trainer(
+            tmp_path, accelerator="gpu", callbacks=[AccumulationGuard(zero_early=zero_early)], logger=False
+        )
+        trainer.fit(model, data)
+        peaks[zero_early] = max(model.peaks[2:])  # steady state
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    saved = peaks[False] - peaks[True]
+    assert saved == pytest.approx(grad_bytes, rel=0.1)
+
+
+# -- check_clean ----------------------------------------------------------------------------------------------------
+
+
+class ForgetfulManual(MLPModule):
+    """Manual optimization that steps every batch and never calls ``zero_grad`` (unless told to)."""
+
+    def __init__(self, zero: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.zero = zero
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        opt = self.optimizers()
+        if self.zero:
+            opt.zero_grad()
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+def test_check_clean_catches_manual_loop_that_forgets_zero_grad(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, callbacks=[AccumulationGuard(on_dirty="raise")])
+    with pytest.raises(RuntimeError, match=r"window that starts at optimizer step 1 .*encoder\.0\.weight") as info:
+        trainer.fit(ForgetfulManual(), loader(n=64))
+    assert "head.bias" in str(info.value)
+    assert trainer.global_step == 2  # caught in the second window, at its first logging step
+
+    # Control: the same loop with zero_grad is clean.
+    trainer = make_trainer(tmp_path, callbacks=[AccumulationGuard(on_dirty="raise")])
+    trainer.fit(ForgetfulManual(zero=True), loader(n=64))
+    assert trainer.global_step == 8
+
+
+def test_check_clean_warns_for_an_optimizer_zero_grad_that_skips_parameters(tmp_path: Path) -> None:
+    class HeadOnlyZero(MLPModule):
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+            for p in self.head.parameters():
+                p.grad = None
+
+    guard = AccumulationGuard(zero_early=False, on_dirty="warn")
+    trainer = make_trainer(tmp_path, accumulate_grad_batches=2, callbacks=[guard], log_every_n_steps=50)
+    with pytest.warns(UserWarning, match=r"in 4 parameter\(s\): encoder\.0\.weight, encoder\.0\.bias") as record:
+        trainer.fit(HeadOnlyZero(), loader(n=64))
+    message = str(next(w.message for w in record if "AccumulationGuard" in str(w.message)))
+    assert "head" not in message
+    # With zero_early the leftover gradients are freed after each step, so the same module starts clean.
+    trainer = make_trainer(tmp_path, accumulate_grad_batches=2, callbacks=[AccumulationGuard(on_dirty="raise")])
+    trainer.fit(HeadOnlyZero(), loader(n=64))
+
+
+# -- manual optimization helper -------------------------------------------------------------------------------------
+
+
+class ManualMLP(MLPModule):
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.accumulator = ManualAccumulator(window)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        if self.accumulator.backward(self, loss, batch_idx):
+            self.accumulator.step(self.optimizers())
+
+
+class ManualTokenLM(TokenLM):
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.accumulator = ManualAccumulator(window, normalize="tokens")
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
+        loss_sum, n = self.token_losses(batch)
+        if self.accumulator.backward(self, loss_sum, batch_idx, num_tokens=n):
+            self.accumulator.step(self.optimizers())
+
+
+def test_manual_accumulator_mean_matches_reference(tmp_path: Path) -> None:
+    expected = reference_mlp(10, 4, divide_by_actual=True)
+    torch.manual_seed(0)
+    got = fitted_state(tmp_path, ManualMLP(4), loader(n=80), callbacks=[AccumulationGuard(on_dirty="raise")])
+    assert max_diff(got, expected) < 1e-6
+
+
+def test_manual_accumulator_tokens_matches_reference(tmp_path: Path) -> None:
+    expected = reference_token_lm(n=20, global_batch=4, window=2)
+    torch.manual_seed(0)
+    got = fitted_state(tmp_path, ManualTokenLM(2), token_loader(20, 4))
+    assert max_diff(got, expected) < 1e-6
+
+
+def test_manual_accumulator_needs_the_token_count(tmp_path: Path) -> None:
+    class NoCount(ManualTokenLM):
+        def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
+            loss_sum, _ = self.token_losses(batch)
+            self.accumulator.backward(self, loss_sum, batch_idx)
+
+    with pytest.raises(ValueError, match="needs the micro-batch's token count"):
+        make_trainer(tmp_path).fit(NoCount(2), token_loader(8, 4))
+
+
+# -- bad input and setup errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"normalize": "sum"}, r"`normalize` must be one of \['mean', 'tokens'\], got 'sum'"),
+        ({"on_dirty": "ignore"}, r"`on_dirty` must be one of \['warn', 'raise'\], got 'ignore'"),
+        ({"tokens_key": ""}, "`tokens_key` must name"),
+    ],
+)
+def test_bad_arguments_raise_at_construction(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        AccumulationGuard(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"window": 0}, "`window` must be"), ({"window": 2, "normalize": "x"}, "`normalize`")]
+)
+def test_manual_accumulator_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ManualAccumulator(**kwargs)
+
+
+def test_two_guards_are_refused(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, callbacks=[AccumulationGuard(), AccumulationGuard()])
+    with pytest.raises(RuntimeError, match="several AccumulationGuard"):
+        trainer.fit(MLPModule(), loader())
+
+
+def test_token_mode_with_manual_optimization_points_to_the_helper(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, callbacks=[AccumulationGuard(normalize="tokens")])
+    with pytest.raises(RuntimeError, match="ManualAccumulator"):
+        trainer.fit(ManualMLP(2), loader())
+
+
+def test_guard_builds_from_lightning_cli_style_arguments(tmp_path: Path) -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(AccumulationGuard, "guard")
+    cfg = parser.parse_args(["--guard.normalize=tokens", "--guard.on_dirty=raise", "--guard.zero_early=false"])
+    guard = AccumulationGuard(**cfg.guard.as_dict())
+    assert (guard.normalize, guard.on_dirty, guard.zero_early) == ("tokens", "raise", False)
+    with pytest.raises(Exception, match="normalize"):
+        parser.parse_args(["--guard.normalize=sum"])
