@@ -52,13 +52,19 @@ def ema_update(mean: Tensor, var: Tensor, count: Tensor, x: Tensor, alpha: float
         >>> m, v, n
         (tensor(2.), tensor(1.), tensor(2.))
     """
-    x = x.detach().to(mean.dtype)
+    x = _like(x, mean)
     valid = torch.isfinite(x)
-    n = count + valid.to(count.dtype)
-    w = torch.where(valid, torch.maximum(1.0 / n.clamp_min(1.0), torch.full_like(n, 1.0 - alpha)), 0.0)
+    n = count + valid
+    # max(1/n, 1 - alpha) where valid, else 0: fewer, fused ops (this runs every step).
+    w = torch.where(valid, n.clamp_min(1.0).reciprocal().clamp_min(1.0 - alpha), 0.0)
     delta = torch.where(valid, x - mean, 0.0)
     incr = w * delta
-    return mean + incr, (1.0 - w) * (var + delta * incr), n
+    return mean + incr, (1.0 - w) * torch.addcmul(var, delta, incr), n
+
+
+def _like(x: Tensor, ref: Tensor) -> Tensor:
+    x = x.detach()
+    return x if x.dtype == ref.dtype else x.to(ref.dtype)
 
 
 def window_update(values: Tensor, position: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -100,7 +106,8 @@ def window_moments(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def std_of(mean: Tensor, var: Tensor) -> Tensor:
     """The standard deviation, floored at ``1e-6 * |mean| + 1e-12`` (a constant stream has no zero divisor)."""
-    return torch.maximum(var.clamp_min(0.0).sqrt(), mean.abs() * _RELATIVE_STD_FLOOR + _ABSOLUTE_STD_FLOOR)
+    floor = mean.abs().mul_(_RELATIVE_STD_FLOOR).add_(_ABSOLUTE_STD_FLOOR)
+    return torch.maximum(var.clamp_min(0.0).sqrt_(), floor)
 
 
 def spike_decision(
@@ -117,13 +124,12 @@ def spike_decision(
     Returns:
         ``(spike, z, value_to_record, std)``, device tensors (``z`` is 0 before warm-up and for non-finite ``x``).
     """
-    x = x.detach().to(mean.dtype)
+    x = _like(x, mean)
     std = std_of(mean, var)
-    active = count >= warmup
-    finite = torch.isfinite(x)
-    z = torch.where(active & finite, (x - mean) / std, 0.0)
+    decide = (count >= warmup) & torch.isfinite(x)
+    z = torch.where(decide, (x - mean) / std, 0.0)
     spike = z > z_threshold
-    record = torch.where(active & finite, torch.minimum(x, mean + z_threshold * std), x)
+    record = torch.where(decide, torch.minimum(x, torch.add(mean, std, alpha=z_threshold)), x)
     return spike, z, record, std
 
 
