@@ -1,9 +1,15 @@
-"""Direct cost of the gradkit engine per optimizer step (all gradkit callbacks' work at the step boundary),
-timed inside a real Trainer run, for each clipping policy. Complements the A/B step-time tables, whose run-to-run
-noise on a shared CPU is several percent: this measures the callbacks' own time, not a difference of two noisy
-medians.
+"""Direct cost of the gradient work at the optimizer-step boundary, gradkit against Lightning, timed inside real
+Trainer runs.
 
-    python benchmarks/bench_engine_cost.py [--steps 40]
+The boundary is Lightning's ``Precision._after_closure``: every callback's and the module's
+``on_before_optimizer_step`` plus Lightning's own gradient clipping (``gradient_clip_val``). Timing that one
+function gives every configuration the same ruler: gradkit's whole engine (monitor + clip + guards) on one side,
+Lightning's ``clip_grad_norm_`` and its documented ``grad_norm`` logging recipe on the other. It complements the
+A/B step-time tables, whose run-to-run noise on a shared CPU is several percent: this measures the work itself,
+not a difference of two noisy medians. Runs are interleaved over ``--repeats`` and the step time used as the
+denominator is the median over all runs of all configurations.
+
+    python benchmarks/bench_engine_cost.py [--steps 40 --warmup 8 --repeats 3]
 """
 
 from __future__ import annotations
@@ -11,13 +17,17 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import Precision
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import StepTimer, common_args, machine
+from bench_monitoring import LightningRecipe
+from harness import StepTimer, common_args, gpt_loader, machine
 
 from lightning_gradkit import (
     AdaptiveGradClip,
@@ -29,38 +39,51 @@ from lightning_gradkit import (
     SpikeGuard,
     ZClip,
 )
-from lightning_gradkit._engine import _Engine
-from lightning_gradkit.demos import ByteDataset, TinyGPTModule, stdlib_text
+from lightning_gradkit.demos import TinyGPTModule
 
 MODEL = dict(n_layer=8, n_head=4, n_embd=128, block_size=64)
-CASES = {
-    "GradNormMonitor(depth=2)": lambda: [],
-    "+ ClipGradNorm": lambda: [ClipGradNorm(1.0)],
-    "+ ClipGradValue": lambda: [ClipGradValue(0.01)],
-    "+ AdaptiveGradClip": lambda: [AdaptiveGradClip()],
-    "+ AutoClip": lambda: [AutoClip()],
-    "+ ZClip": lambda: [ZClip()],
-    "+ NonFiniteGuard + SpikeGuard (gradkit strategy)": lambda: [
-        NonFiniteGuard(),
-        SpikeGuard("grad_norm", action="skip"),
-    ],
+BASELINE = "Lightning gradient_clip_val=1.0"
+
+# name -> () -> (module, Trainer kwargs)
+Case = Callable[[], tuple[pl.LightningModule, dict[str, Any]]]
+
+
+def _ours(*callbacks: pl.Callback) -> tuple[pl.LightningModule, dict[str, Any]]:
+    strategy = "gradkit" if any(isinstance(c, NonFiniteGuard) for c in callbacks) else "auto"
+    return TinyGPTModule(**MODEL), {"callbacks": [*callbacks, GradNormMonitor(depth=2)], "strategy": strategy}
+
+
+CASES: dict[str, Case] = {
+    "nothing (no clipping, no norm logging)": lambda: (TinyGPTModule(**MODEL), {}),
+    BASELINE: lambda: (TinyGPTModule(**MODEL), {"gradient_clip_val": 1.0}),
+    "Lightning gradient_clip_val=1.0 + grad_norm recipe (b)": lambda: (
+        LightningRecipe(**MODEL),
+        {"gradient_clip_val": 1.0},
+    ),
+    "GradNormMonitor(depth=2)": lambda: _ours(),
+    "+ ClipGradNorm": lambda: _ours(ClipGradNorm(1.0)),
+    "+ ClipGradValue": lambda: _ours(ClipGradValue(0.01)),
+    "+ AdaptiveGradClip": lambda: _ours(AdaptiveGradClip()),
+    "+ AutoClip": lambda: _ours(AutoClip()),
+    "+ ZClip": lambda: _ours(ZClip()),
+    "+ NonFiniteGuard + SpikeGuard (gradkit strategy)": lambda: _ours(
+        NonFiniteGuard(), SpikeGuard("grad_norm", action="skip")
+    ),
 }
 
 
-def engine_cost(extra: list, loader: DataLoader, steps: int, warmup: int) -> tuple[float, float]:
-    """Median engine time per step and median step time, in seconds."""
+def boundary_cost(case: Case, loader: DataLoader, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Per-step boundary times and step times (seconds) of one run, warm-up steps dropped."""
     samples: list[float] = []
-    original = _Engine.run
+    original = Precision._after_closure
 
-    def timed(self, *args, **kwargs):
+    def timed(self: Precision, *args: Any, **kwargs: Any) -> None:
         t0 = time.perf_counter()
-        result = original(self, *args, **kwargs)
-        if result is not None:
-            samples.append(time.perf_counter() - t0)
-        return result
+        original(self, *args, **kwargs)
+        samples.append(time.perf_counter() - t0)
 
+    module, kwargs = case()
     timer = StepTimer()
-    strategy = "gradkit" if any(isinstance(c, NonFiniteGuard) for c in extra) else "auto"
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -69,26 +92,34 @@ def engine_cost(extra: list, loader: DataLoader, steps: int, warmup: int) -> tup
         enable_progress_bar=False,
         enable_model_summary=False,
         log_every_n_steps=50,
-        strategy=strategy,
-        callbacks=[*extra, GradNormMonitor(depth=2), timer],
+        **{**kwargs, "callbacks": [*kwargs.get("callbacks", []), timer]},
     )
-    _Engine.run = timed
+    Precision._after_closure = timed  # type: ignore[method-assign]
     try:
-        trainer.fit(TinyGPTModule(**MODEL), loader)
+        trainer.fit(module, loader)
     finally:
-        _Engine.run = original
-    return statistics.median(samples[warmup:]), statistics.median(timer.step_times[warmup:])
+        Precision._after_closure = original  # type: ignore[method-assign]
+    return samples[warmup:], timer.step_times[warmup:]
 
 
 def main() -> None:
     args = common_args(__doc__.splitlines()[0]).parse_args()
-    loader = DataLoader(ByteDataset(stdlib_text(), MODEL["block_size"]), batch_size=16)
+    loader = gpt_loader(MODEL["block_size"])
+    boundary: dict[str, list[float]] = {name: [] for name in CASES}
+    steps: list[float] = []
+    for _ in range(args.repeats):
+        for name, case in CASES.items():
+            b, s = boundary_cost(case, loader, args.steps, args.warmup)
+            boundary[name] += b
+            steps += s
+    step = statistics.median(steps)
+    cost = {name: statistics.median(b) for name, b in boundary.items()}
     print(f"machine: {machine()}\nmodel: TinyGPT {MODEL}, batch 16, log_every_n_steps=50")
-    print("| callbacks | engine per step (ms) | step (ms) | engine share of step |")
+    print(f"median step over all runs: {step * 1e3:.1f} ms ({args.repeats} interleaved runs per configuration)")
+    print(f"| configuration | boundary per step (ms) | share of step | vs `{BASELINE}` (% of step) |")
     print("| --- | ---: | ---: | ---: |")
-    for name, make in CASES.items():
-        engine, step = engine_cost(make(), loader, args.steps, args.warmup)
-        print(f"| {name} | {engine * 1e3:.3f} | {step * 1e3:.1f} | {100 * engine / step:.2f}% |")
+    for name, c in cost.items():
+        print(f"| {name} | {c * 1e3:.3f} | {100 * c / step:.2f}% | {100 * (c - cost[BASELINE]) / step:+.2f}% |")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,20 @@ def test_per_tensor_norms_match_torch_linalg_across_dtype_groups(p: float) -> No
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
 
 
+def test_inf_norm_propagates_nan_and_inf_and_sign_like_linalg() -> None:
+    # On CPU the inf-norm takes the aminmax route; it must agree with vector_norm on signs, NaN, Inf and empties.
+    tensors = [
+        torch.tensor([-3.0, -1.0]),
+        torch.tensor([0.5, float("nan"), 9.0]),
+        torch.tensor([[1.0, -math.inf]]),
+        torch.zeros(0),
+        torch.tensor([-2.0, 1.0]).bfloat16(),
+    ]
+    got = per_tensor_norms(tensors, math.inf)
+    expected = [torch.linalg.vector_norm(t.float(), math.inf) if t.numel() else torch.tensor(0.0) for t in tensors]
+    torch.testing.assert_close(got, torch.stack(expected), equal_nan=True, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("p", NORMS)
 def test_derived_total_and_module_norms_match_reference(p: float) -> None:
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 2)))

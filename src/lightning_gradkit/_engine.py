@@ -45,7 +45,6 @@ from lightning_gradkit.stats import (
     combine_sharded,
     derive_stats,
     local_tensor,
-    per_tensor_norm_list,
     per_tensor_norms,
     powered,
     total_norm,
@@ -199,19 +198,26 @@ class StepPlan:
         if self.clip_coef is not None:
             common = self.clip_coef if common is None else common * self.clip_coef
         if self.param_coefs:
-            uniform = [g for i, g in enumerate(self.grads) if self.present[i] not in self.param_coefs]
-            for i, g in enumerate(self.grads):
-                coef = self.param_coefs.get(self.present[i])
-                if coef is not None:
-                    g.mul_((coef if common is None else coef * common).to(g.dtype))
+            uniform: list[Tensor] = []
+            own: list[Tensor] = []
+            coefs: list[Tensor] = []
+            for i, g in zip(self.present, self.grads, strict=True):
+                coef = self.param_coefs.get(i)
+                if coef is None:
+                    uniform.append(g)
+                else:
+                    own.append(g)
+                    coefs.append(coef if coef.dtype == g.dtype else coef.to(g.dtype))
+            if common is not None:
+                coefs = torch._foreach_mul(coefs, common.to(coefs[0].dtype))
+            torch._foreach_mul_(own, coefs)  # broadcasts unit-wise coefficients over each gradient
         else:
             uniform = self.grads
         if common is not None and uniform:
             torch._foreach_mul_(uniform, common.to(uniform[0].dtype))
         if self.clamp_value is not None and self.grads:
             if self.loss_scale is None:
-                torch._foreach_clamp_min_(self.grads, -self.clamp_value)
-                torch._foreach_clamp_max_(self.grads, self.clamp_value)
+                _clamp_(self.grads, self.clamp_value)
             else:
                 # The gradients still carry the loss scale: so does the bound (a device scalar, no host sync). The
                 # scaler looks for overflows only inside `step`, after this: a clamp must not turn an Inf into a
@@ -313,6 +319,7 @@ class _Engine:
             index = self._indexes[key] = build_param_index(optimizer.param_groups, names, depth, device, flat)
         return index
 
+    @torch.no_grad()
     def run(
         self,
         trainer: pl.Trainer,
@@ -456,13 +463,27 @@ def _param_norms(grads: list[Tensor], norm_type: float, units: UnitNorms | None)
     if units is None:
         return per_tensor_norms(grads, norm_type)
     slots = set(units.positions)
-    others = [g for j, g in enumerate(grads) if j not in slots]
-    from_units = torch._foreach_norm(list(units.flat.split(units.sizes)), 2.0)
-    other_norms = iter(per_tensor_norm_list(others, norm_type))
-    unit_iter = iter(from_units)
+    rest = [j for j in range(len(grads)) if j not in slots]
     device = units.flat.device
-    pieces = [(next(unit_iter) if j in slots else next(other_norms)).to(device) for j in range(len(grads))]
-    return torch.stack(pieces)
+    out = torch.empty(len(grads), dtype=torch.float32, device=device)
+    out[torch.tensor(units.positions, device=device)] = torch.stack(
+        torch._foreach_norm(list(units.flat.split(units.sizes)), 2.0)
+    )
+    if rest:
+        out[torch.tensor(rest, device=device)] = per_tensor_norms([grads[j] for j in rest], norm_type).to(device)
+    return out
+
+
+def _clamp_(tensors: list[Tensor], bound: float) -> None:
+    """Clamp every tensor to ``[-bound, bound]`` in place: one ``_foreach`` call per bound where the fused
+    multi-tensor kernel exists (CUDA), one ``clamp_`` pass per tensor on CPU, where ``_foreach`` would read each
+    tensor twice."""
+    if tensors[0].device.type == "cpu":
+        for t in tensors:
+            t.clamp_(-bound, bound)
+    else:
+        torch._foreach_clamp_min_(tensors, -bound)
+        torch._foreach_clamp_max_(tensors, bound)
 
 
 def _optimizer_index(trainer: pl.Trainer, optimizer: Optimizer) -> int:

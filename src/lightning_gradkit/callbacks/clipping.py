@@ -410,7 +410,7 @@ class AdaptiveGradClip(_GradClipCallback):
         self._selected: set[str] | None = None
         self._sharded_1d: list[tuple[str, Tensor, float]] = []
         self._sharded_1d_factors: Tensor | None = None
-        self._cache: dict[tuple[int, tuple[int, ...]], tuple[list[int], Tensor | None, list[int]]] = {}
+        self._cache: dict[tuple[Any, ...], Any] = {}
 
     @property
     def clip_factor(self) -> float:
@@ -514,10 +514,10 @@ class AdaptiveGradClip(_GradClipCallback):
         coefs = policy(grad_units, torch.cat(weight_parts))
 
         sizes = (units.sizes if units is not None else []) + [1] * len(pos_1d)
-        for i, c in zip([*pos_nd, *pos_1d], coefs.split(sizes), strict=True):
-            g = index.params[i].grad
-            ndim = local_tensor(g).ndim if g is not None else 0
-            plan.param_coefs[i] = c.reshape((-1,) + (1,) * (ndim - 1)) if ndim > 1 else c.reshape(())
+        pieces = list(coefs.split(sizes))
+        for k, shape in self._coef_shapes(plan, pos_nd, pos_1d):
+            pieces[k] = pieces[k].view(shape)
+        plan.param_coefs.update(zip([*pos_nd, *pos_1d], pieces, strict=True))
 
         pre = plan.pre_clip_total(2.0)
         post = _memo(lambda: self._post_clip_total(plan, grad_units * coefs, pos_nd, sizes, pos_1d_tensor))
@@ -529,6 +529,19 @@ class AdaptiveGradClip(_GradClipCallback):
             coef=lambda: torch.where(pre > 0, post() / pre, torch.ones_like(pre)),
             clipped=(coefs < 1).any(),
         )
+
+    def _coef_shapes(self, plan: StepPlan, pos_nd: list[int], pos_1d: list[int]) -> list[tuple[int, tuple[int, ...]]]:
+        """``(k, shape)`` for the coefficient pieces that need a view to broadcast over their gradient: unit-wise ones
+        of parameters with more than one dim, and scalar parameters (cached per layout; other pieces, of shape
+        ``(1,)``, broadcast as they are)."""
+        key = ("shapes", id(plan.index), tuple(pos_nd), tuple(pos_1d))
+        shapes = self._cache.get(key)
+        if shapes is None:
+            ndims = dict(zip(plan.present, (g.ndim for g in plan.grads), strict=True))
+            shapes = [(k, (-1,) + (1,) * (ndims[i] - 1)) for k, i in enumerate(pos_nd)]
+            shapes += [(len(pos_nd) + k, ()) for k, i in enumerate(pos_1d) if ndims[i] == 0]
+            self._cache[key] = shapes
+        return shapes
 
     def _one_dim_weight_norms(self, plan: StepPlan, positions: list[int], reduced_slots: list[int]) -> Tensor:
         local = per_tensor_norms([local_tensor(plan.index.params[i].detach()) for i in positions], 2.0)
