@@ -11,8 +11,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
+from clip_reference import AGCRef
 from helpers import MLPModule, column, count_syncs, loader, make_trainer, read_metrics
-from lightning_gradkit import AccumulationGuard, GradNormMonitor, ManualAccumulator
+from lightning_gradkit import AccumulationGuard, AdaptiveGradClip, GradNormMonitor, ManualAccumulator
 from lightning_gradkit.accumulation import (
     is_window_boundary,
     mean_window_scale,
@@ -221,6 +222,33 @@ def test_token_mode_equals_one_big_batch_normalized_by_token_count(tmp_path: Pat
 
     plain = fitted_state(tmp_path, MeanPerBatch(), token_loader(20, 4), accumulate_grad_batches=2)
     assert max_diff(plain, expected) > 1e-3
+
+
+def test_token_mode_with_agc_scales_and_clips_unit_wise_in_one_multiply(tmp_path: Path) -> None:
+    """The engine folds the token normalisation into AGC's per-unit coefficients (one multiply per gradient): the
+    result equals normalising first, then timm's AGC, in a plain loop."""
+    clip = AGCRef(clip_factor=0.02)
+    torch.manual_seed(0)
+    model = TokenLM()
+    opt = torch.optim.SGD(model.parameters(), lr=model.lr)
+    batches = list(token_loader(20, 4))
+    clipped_any = False
+    for start in range(0, len(batches), 2):
+        big = [torch.cat(parts) for parts in zip(*batches[start : start + 2], strict=True)]
+        opt.zero_grad()
+        loss_sum, tokens = model.token_losses(big)
+        (loss_sum / tokens).backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        clip(model)
+        clipped_any |= any(not torch.equal(b, p.grad) for b, p in zip(before, model.parameters(), strict=True))
+        opt.step()
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert clipped_any  # the clip factor is small enough to bite
+
+    torch.manual_seed(0)
+    callbacks = [AccumulationGuard(normalize="tokens"), AdaptiveGradClip(clip_factor=0.02)]
+    got = fitted_state(tmp_path, TokenLM(), token_loader(20, 4), accumulate_grad_batches=2, callbacks=callbacks)
+    assert max_diff(got, expected) < 1e-6
 
 
 def test_token_mode_without_token_count_names_the_key(tmp_path: Path) -> None:
