@@ -17,7 +17,6 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_monitoring import LightningRecipe
-from harness import StepTimer, common_args, gpt_loader, machine
+from harness import ConfigFactory, common_args, gpt_loader, machine, run_once
 
 from lightning_gradkit import (
     AdaptiveGradClip,
@@ -44,16 +43,13 @@ from lightning_gradkit.demos import TinyGPTModule
 MODEL = dict(n_layer=8, n_head=4, n_embd=128, block_size=64)
 BASELINE = "Lightning gradient_clip_val=1.0"
 
-# name -> () -> (module, Trainer kwargs)
-Case = Callable[[], tuple[pl.LightningModule, dict[str, Any]]]
-
 
 def _ours(*callbacks: pl.Callback) -> tuple[pl.LightningModule, dict[str, Any]]:
     strategy = "gradkit" if any(isinstance(c, NonFiniteGuard) for c in callbacks) else "auto"
     return TinyGPTModule(**MODEL), {"callbacks": [*callbacks, GradNormMonitor(depth=2)], "strategy": strategy}
 
 
-CASES: dict[str, Case] = {
+CASES: dict[str, ConfigFactory] = {
     "nothing (no clipping, no norm logging)": lambda: (TinyGPTModule(**MODEL), {}),
     BASELINE: lambda: (TinyGPTModule(**MODEL), {"gradient_clip_val": 1.0}),
     "Lightning gradient_clip_val=1.0 + grad_norm recipe (b)": lambda: (
@@ -72,7 +68,7 @@ CASES: dict[str, Case] = {
 }
 
 
-def boundary_cost(case: Case, loader: DataLoader, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+def boundary_cost(case: ConfigFactory, loader: DataLoader, steps: int, warmup: int) -> tuple[list[float], list[float]]:
     """Per-step boundary times and step times (seconds) of one run, warm-up steps dropped."""
     samples: list[float] = []
     original = Precision._after_closure
@@ -82,24 +78,12 @@ def boundary_cost(case: Case, loader: DataLoader, steps: int, warmup: int) -> tu
         original(self, *args, **kwargs)
         samples.append(time.perf_counter() - t0)
 
-    module, kwargs = case()
-    timer = StepTimer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=50,
-        **{**kwargs, "callbacks": [*kwargs.get("callbacks", []), timer]},
-    )
     Precision._after_closure = timed  # type: ignore[method-assign]
     try:
-        trainer.fit(module, loader)
+        step_times = run_once(case, loader, steps, "cpu", {"log_every_n_steps": 50})
     finally:
         Precision._after_closure = original  # type: ignore[method-assign]
-    return samples[warmup:], timer.step_times[warmup:]
+    return samples[warmup:], step_times[warmup:]
 
 
 def main() -> None:
