@@ -24,6 +24,7 @@ The strategy mixin (``strategy.py``) reads ``StepPlan.skip`` to step the optimiz
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -182,7 +183,7 @@ class StepPlan:
         if len(self.present) != self.index.num_params:
             full = torch.zeros(self.index.num_params, dtype=torch.float32, device=local.device)
             if self.present:
-                full[torch.tensor(self.present, device=full.device)] = local
+                full[_positions_tensor(tuple(self.present), full.device)] = local
             local = full
         if self.loss_scale is not None:
             local = local / self.loss_scale
@@ -367,7 +368,7 @@ class _Engine:
             if len(present) != index.num_params:
                 full = torch.zeros(index.num_params, dtype=torch.float32, device=index.shard_weight.device)
                 if present:
-                    full[torch.tensor(present, device=full.device)] = norms
+                    full[_positions_tensor(tuple(present), full.device)] = norms
                 norms = full
             local[p] = norms
 
@@ -466,12 +467,19 @@ def _param_norms(grads: list[Tensor], norm_type: float, units: UnitNorms | None)
     rest = [j for j in range(len(grads)) if j not in slots]
     device = units.flat.device
     out = torch.empty(len(grads), dtype=torch.float32, device=device)
-    out[torch.tensor(units.positions, device=device)] = torch.stack(
+    out[_positions_tensor(tuple(units.positions), device)] = torch.stack(
         torch._foreach_norm(list(units.flat.split(units.sizes)), 2.0)
     )
     if rest:
-        out[torch.tensor(rest, device=device)] = per_tensor_norms([grads[j] for j in rest], norm_type).to(device)
+        out[_positions_tensor(tuple(rest), device)] = per_tensor_norms([grads[j] for j in rest], norm_type).to(device)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _positions_tensor(positions: tuple[int, ...], device: torch.device) -> Tensor:
+    """An index tensor of ``positions`` on ``device``, made once per layout: building it every step would be a
+    host-to-device copy, which synchronizes on CUDA."""
+    return torch.tensor(positions, dtype=torch.long, device=device)
 
 
 def _clamp_(tensors: list[Tensor], bound: float) -> None:
