@@ -188,21 +188,35 @@ def distributed_trainer(**kwargs: Any) -> pl.Trainer:
     return pl.Trainer(**defaults)
 
 
-def run_distributed(script: str, out_dir: Path, *args: str, timeout: float = 300) -> list[dict[str, Any]]:
-    """Run ``tests/distributed/<script>`` as a 2-process CPU job and return each rank's JSON result.
+def run_distributed(
+    script: str, out_dir: Path, *args: str, timeout: float = 300, nprocs: int = 2, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Run ``tests/distributed/<script>`` as an ``nprocs``-process CPU job and return each rank's JSON result.
 
     The script is started once; Lightning's launcher (``strategy="ddp"`` or ``ModelParallelStrategy``) starts the
-    second rank by re-running the same command. Each rank writes ``rank<r>.json`` into ``out_dir``.
+    other ranks by re-running the same command (the script passes ``devices=nprocs``). Each rank writes
+    ``rank<r>.json`` into ``out_dir``. ``env`` adds environment variables. On a timeout the whole process group of
+    the job is killed, so a hung rank cannot outlive the test.
     """
     import json
     import os
+    import signal
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    environ = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
+    environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), environ.get("PYTHONPATH", "")])
+    environ.update(env or {})
     cmd = [sys.executable, str(SCRIPTS / script), "--out", str(out_dir), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=out_dir)
+    proc = subprocess.Popen(
+        cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out_dir, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{script} timed out after {timeout} s:\n{stdout[-4000:]}\n{stderr[-8000:]}") from None
     if proc.returncode != 0:
-        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]

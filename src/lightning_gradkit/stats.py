@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -200,17 +201,44 @@ def clean_param_name(name: str) -> str:
     return ".".join(parts)
 
 
-def _replication(param: Tensor) -> int:
-    """How many ranks hold the same shard of a DTensor parameter (1 for a fully sharded one)."""
+def _replication(param: Tensor, world: int | None = None) -> int:
+    """How many ranks of the whole world hold the same piece of a DTensor parameter (1 for a fully sharded one).
+
+    The engine sums every rank's contribution over the WORLD group, so each distinct piece must be counted once
+    over the world, not once over the parameter's own mesh. Under a 2-D (data x tensor parallel) mesh a parameter
+    that is only ``fully_shard``-ed lives on the 1-D data-parallel sub-mesh: the tensor-parallel ranks that hold the
+    same shard belong to other sub-meshes of the same size. The number of distinct pieces is the product of the
+    mesh sizes along which the placement does not replicate; every rank holds one of them, so each is held by
+    ``world / pieces`` ranks.
+
+    Args:
+        param: a parameter; plain tensors count as held once per rank (1).
+        world: the number of ranks in the all-reduce (the default process group's size when ``None``).
+
+    Raises:
+        ValueError: if the parameter's mesh does not tile the world (some ranks would hold no piece of it, as in
+            pipeline parallelism): the world sum would then miss or over-count pieces.
+    """
     placements = getattr(param, "placements", None)
     mesh = getattr(param, "device_mesh", None)
     if placements is None or mesh is None:
         return 1
-    factor = 1
+    pieces = 1
     for dim, placement in enumerate(placements):
-        if placement.is_replicate():
-            factor *= mesh.size(dim)
-    return factor
+        # Not `is_shard()`: FSDP2 over TP places `_StridedShard`, for which it is False (torch 2.13). A parameter is
+        # never Partial, so every placement that does not replicate splits the tensor.
+        if not placement.is_replicate():
+            pieces *= mesh.size(dim)
+    if world is None:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else mesh.size()
+    if world % mesh.size():
+        raise ValueError(
+            f"A parameter of shape {tuple(param.shape)} lives on a device mesh of {mesh.size()} ranks, which does not "
+            f"tile the world of {world} ranks (placements {tuple(placements)}). gradkit sums gradient norms over the "
+            "whole world and needs every rank to hold a piece of every trained parameter: build each parameter's "
+            "mesh as a sub-mesh of one world-sized `init_device_mesh(...)`."
+        )
+    return world // pieces
 
 
 def build_param_index(
