@@ -150,3 +150,78 @@ def test_2d_mesh_norms_clipping_skip_and_accumulation_equal_one_process(tmp_path
     assert got["guard"]["skipped_steps"] == 1
     for rank in ranks:
         assert_params_close(rank["guard"]["params"], ref["params"])
+
+
+SEQ, FEATURES = 4, 2
+
+
+class SequenceParallelMLP(pl.LightningModule):
+    """Tokens of ``FEATURES`` values (each sample is ``SEQ`` of them), a per-token input projection, one pre-LN MLP
+    block and a per-token head; the loss is the mean squared error over all tokens. ``configure_model`` makes it
+    sequence parallel: each tensor-parallel rank keeps its slice of the sequence, the per-token modules
+    (``SequenceParallel``) hold replicated parameters whose gradients autograd leaves ``Partial``, and the rank's loss
+    is its share of the global mean (the gradients of the shares add up to the gradient of the mean)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, WIDTH)
+        self.block = Block(WIDTH)
+        self.head = nn.Linear(WIDTH, 1)
+        self.tp_rank, self.tp_size = 0, 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.view(x.shape[0], SEQ, FEATURES)
+        part = SEQ // self.tp_size
+        return self.head(self.block(self.inp(tokens[:, self.tp_rank * part : (self.tp_rank + 1) * part])))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        out = self(x)
+        return (out - y[:, None, :]).pow(2).sum() / (x.shape[0] * SEQ)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
+
+        tp = self.device_mesh["tensor_parallel"]
+        self.tp_rank, self.tp_size = tp.get_local_rank(), tp.size()
+        per_token = SequenceParallel(use_local_output=True)
+        plan = {
+            "inp": per_token,
+            "block.ln": per_token,
+            "block.up": ColwiseParallel(input_layouts=Shard(1)),
+            "block.down": RowwiseParallel(output_layouts=Shard(1)),
+            "head": per_token,
+        }
+        parallelize_module(self, tp, plan)
+
+
+def sequence_parallel_reference(steps: int) -> dict[str, Any]:
+    """One process on the full sequences: pre-clip norms from ``clip_grad_norm_``, then SGD."""
+    torch.manual_seed(0)
+    model = SequenceParallelMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    rows = []
+    for x, y in list(loader(n=4 * steps, batch_size=4)):
+        opt.zero_grad()
+        model.training_step((x, y), 0).backward()
+        rows.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+    return {"totals": rows, "params": {n: p.detach().reshape(-1) for n, p in model.named_parameters()}}
+
+
+def test_sequence_parallel_partial_gradients_are_summed_before_the_norm(tmp_path: Path) -> None:
+    ranks = run_distributed("sequence_parallel_script.py", tmp_path, timeout=180)
+    ref = sequence_parallel_reference(steps=3)
+    for rank in ranks:
+        assert rank["partial_before"]  # autograd did leave Partial gradients for the engine to resolve
+        assert rank["totals"] == pytest.approx(ref["totals"], rel=1e-5)
+        assert_params_close(rank["params"], ref["params"])

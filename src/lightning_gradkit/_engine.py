@@ -48,6 +48,7 @@ from lightning_gradkit.stats import (
     local_tensor,
     per_tensor_norms,
     powered,
+    resolve_partial_grads,
     total_norm,
 )
 
@@ -344,6 +345,7 @@ class _Engine:
             request.norm_types.add(2.0)
 
         index = self._index(trainer, pl_module, optimizer, request.depth)
+        resolve_partial_grads([index.params[i] for i in index.replicated_dtensors])
         grads: list[Tensor] = []
         present: list[int] = []
         missing: list[str] = []

@@ -164,6 +164,7 @@ class ParamIndex:
     shard_weight: Tensor
     any_sharded: bool
     depth: int
+    replicated_dtensors: list[int] = field(default_factory=list)
 
     @property
     def num_params(self) -> int:
@@ -293,7 +294,33 @@ def build_param_index(
         shard_weight=torch.tensor(weights, dtype=torch.float32, device=device),
         any_sharded=any_sharded,
         depth=depth,
+        replicated_dtensors=[i for i, p in enumerate(params) if _replicated_dtensor(p)],
     )
+
+
+def _replicated_dtensor(param: Tensor) -> bool:
+    placements = getattr(param, "placements", None)
+    return placements is not None and any(placement.is_replicate() for placement in placements)
+
+
+def resolve_partial_grads(params: Sequence[Tensor]) -> None:
+    """Sum the gradients that autograd left ``Partial`` over some mesh dimension, with DTensor's own ``redistribute``.
+
+    A parameter replicated over a tensor-parallel dimension whose inputs are sharded there (``SequenceParallel``
+    LayerNorms) gets a ``Partial`` gradient: each rank holds a summand, and a norm of summands is not the norm of
+    their sum. FSDP2 resolves non-data-parallel ``Partial`` placements itself before its reduce-scatter, so this
+    only acts under tensor parallelism without ``fully_shard`` on those parameters. Cost: one all-reduce of each such
+    gradient's size; the optimizer would otherwise perform the same reduction in its first op on that gradient
+    (a ``Replicate`` parameter cannot be updated with a ``Partial`` gradient), so it moves rather than adds.
+
+    Args:
+        params: parameters that may have such gradients (``ParamIndex.replicated_dtensors``); each gradient that has
+            a ``Partial`` placement is replaced by one with the parameter's placements.
+    """
+    for param in params:
+        grad = param.grad
+        if grad is not None and any(placement.is_partial() for placement in grad.placements):
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)
 
 
 @dataclass
