@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
+from lightning_gradkit._layout import verify_same_layout
 from lightning_gradkit.stats import (
     GradStats,
     ParamIndex,
@@ -288,6 +289,7 @@ class _Engine:
         self._last_key: tuple[int, int, int] | None = None
         self.last_plans: dict[int, StepPlan] = {}
         self.skipped_steps: Tensor | None = None
+        self._layout_verified = False
 
     @classmethod
     def of(cls, trainer: pl.Trainer) -> _Engine:
@@ -302,6 +304,13 @@ class _Engine:
         self._last_key = None
         self.last_plans.clear()
         self.skipped_steps = None
+        self._layout_verified = False
+
+    def verify_layout(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Once per fit, before the first step: every rank must train the same parameters in the same order."""
+        if not self._layout_verified:
+            self._layout_verified = True
+            verify_same_layout(trainer.optimizers, {id(p): n for n, p in pl_module.named_parameters()})
 
     @staticmethod
     def callbacks(trainer: pl.Trainer, extra: Sequence[GradKitCallback] = ()) -> list[GradKitCallback]:
@@ -515,6 +524,9 @@ class GradKitCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._engine = _Engine.of(trainer)
         self._engine.reset()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _Engine.of(trainer).verify_layout(trainer, pl_module)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer

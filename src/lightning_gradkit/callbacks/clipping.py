@@ -76,6 +76,7 @@ class _GradClipCallback(GradKitCallback):
         _check_single_clipper(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
         self._prepare(trainer, pl_module)
         self._prepared_for = weakref.ref(trainer)
 

@@ -105,6 +105,7 @@ class GradNormMonitor(GradKitCallback):
         return self._generate_state_key(norm_type=self.norm_type, depth=self.depth)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
         if not any(p.requires_grad for p in pl_module.parameters()):
             raise RuntimeError(
                 f"GradNormMonitor: `{type(pl_module).__name__}` has no trainable parameter (none has "
