@@ -189,34 +189,76 @@ def distributed_trainer(**kwargs: Any) -> pl.Trainer:
 
 
 def run_distributed(
-    script: str, out_dir: Path, *args: str, timeout: float = 300, nprocs: int = 2, env: dict[str, str] | None = None
+    script: str, out_dir: Path, *args: str, timeout: float = 300, nprocs: int = 2
 ) -> list[dict[str, Any]]:
     """Run ``tests/distributed/<script>`` as an ``nprocs``-process CPU job and return each rank's JSON result.
 
     The script is started once; Lightning's launcher (``strategy="ddp"`` or ``ModelParallelStrategy``) starts the
     other ranks by re-running the same command (the script passes ``devices=nprocs``). Each rank writes
-    ``rank<r>.json`` into ``out_dir``. ``env`` adds environment variables. On a timeout the whole process group of
-    the job is killed, so a hung rank cannot outlive the test.
+    ``rank<r>.json`` into ``out_dir``. On a timeout the whole process group of the job is killed, so a hung rank
+    cannot outlive the test.
     """
-    import json
+    _run_jobs(script, out_dir, args, timeout, [{}])
+    return _read_ranks(out_dir, nprocs)
+
+
+def run_nodes(script: str, out_dir: Path, *args: str, num_nodes: int = 2, timeout: float = 300) -> list[dict[str, Any]]:
+    """Run ``tests/distributed/<script>`` once per simulated node on this machine, as a user starts a job on a cluster
+    without a scheduler: the same command on every node with Lightning's ``NODE_RANK``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` (``lightning/fabric/plugins/environments/lightning.py``). The script passes
+    ``num_nodes=num_nodes, devices=1``; node ``n`` writes ``rank<n>.json``.
+    """
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    envs = [{"NODE_RANK": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for n in range(num_nodes)]
+    _run_jobs(script, out_dir, args, timeout, envs)
+    return _read_ranks(out_dir, num_nodes)
+
+
+def _run_jobs(script: str, out_dir: Path, args: tuple[str, ...], timeout: float, envs: list[dict[str, str]]) -> None:
+    """Start the script once per entry of ``envs`` (extra environment variables), each in its own session, and wait
+    for all of them; on a timeout every session is killed (hung ranks included)."""
     import os
     import signal
     import subprocess
     import sys
+    import time
 
-    environ = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
-    environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), environ.get("PYTHONPATH", "")])
-    environ.update(env or {})
+    base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
+    base["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), base.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(SCRIPTS / script), "--out", str(out_dir), *args]
-    proc = subprocess.Popen(
-        cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out_dir, start_new_session=True
-    )
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env={**base, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=out_dir,
+            start_new_session=True,
+        )
+        for env in envs
+    ]
+    deadline = time.monotonic() + timeout
+    outputs: list[tuple[str, str]] = []
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"{script} timed out after {timeout} s:\n{stdout[-4000:]}\n{stderr[-8000:]}") from None
-    if proc.returncode != 0:
-        raise AssertionError(f"{script} failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        stderr = "\n".join(proc.communicate()[1][-4000:] for proc in procs[len(outputs) :])
+        raise AssertionError(f"{script} timed out after {timeout} s:\n{stderr}") from None
+    for proc, (stdout, stderr) in zip(procs, outputs, strict=True):
+        if proc.returncode != 0:
+            raise AssertionError(f"{script} failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
+
+
+def _read_ranks(out_dir: Path, count: int) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(count)]
