@@ -392,17 +392,6 @@ def test_skip_on_a_plain_strategy_fails_at_setup_naming_the_fix(tmp_path: Path) 
         trainer.fit(MLPModule(), loader())
 
 
-class LBFGSModule(MLPModule):
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.LBFGS(self.parameters())
-
-
-def test_closure_re_evaluating_optimizer_is_refused_at_setup(tmp_path: Path) -> None:
-    trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[NonFiniteGuard()])
-    with pytest.raises(RuntimeError, match="LBFGS evaluates the training closure"):
-        trainer.fit(LBFGSModule(), loader())
-
-
 @pytest.mark.parametrize(
     ("kwargs", "argument"),
     [

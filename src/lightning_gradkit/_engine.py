@@ -20,6 +20,14 @@ statistics and thresholds mean the same as without AMP, and records the factor i
 multiplicative clip coefficient is equally valid on scaled gradients, and a value clamp is widened by that factor.
 
 The strategy mixin (``strategy.py``) reads ``StepPlan.skip`` to step the optimizer or not.
+
+Once per set of gradients: the pipeline runs at the first call for an optimizer step, whoever makes it
+(``on_before_optimizer_step``, :func:`~lightning_gradkit.clip_gradients`), and later calls for the same step find it
+done. An optimizer that evaluates its closure again inside ``step`` (``LBFGS``, SAM, line searches) produces new
+gradients within the same step: every backward advances ``_Engine.generation``, and a call that sees a new generation
+and changed gradients of its optimizer is such an evaluation. It gets the step's accumulation scale and each
+callback's ``_decide_again`` (clipping of the fresh gradients), never a second decision: the skip, the guards'
+statistics and the logs belong to the first evaluation.
 """
 
 from __future__ import annotations
@@ -286,10 +294,11 @@ class _Engine:
 
     def __init__(self) -> None:
         self._indexes: dict[tuple[int, int], ParamIndex] = {}
-        self._last_key: tuple[int, int, int] | None = None
+        self._runs: dict[int, _Run] = {}
         self.last_plans: dict[int, StepPlan] = {}
         self.skipped_steps: Tensor | None = None
         self._layout_verified = False
+        self.generation = 0
 
     @classmethod
     def of(cls, trainer: pl.Trainer) -> _Engine:
@@ -301,7 +310,7 @@ class _Engine:
     def reset(self) -> None:
         """Forget the parameter indexes (parameters may be replaced between fits, e.g. by sharding)."""
         self._indexes.clear()
-        self._last_key = None
+        self._runs.clear()
         self.last_plans.clear()
         self.skipped_steps = None
         self._layout_verified = False
@@ -330,6 +339,13 @@ class _Engine:
             index = self._indexes[key] = build_param_index(optimizer.param_groups, names, depth, device, flat)
         return index
 
+    def step_plan(self, trainer: pl.Trainer, optimizer: Optimizer) -> StepPlan | None:
+        """The plan decided for ``optimizer``'s current step (its first evaluation), ``None`` if none ran yet."""
+        run = self._runs.get(id(optimizer))
+        if run is None or run.step != _step_key(trainer):
+            return None
+        return self.last_plans.get(id(optimizer))
+
     @torch.no_grad()
     def run(
         self,
@@ -338,14 +354,20 @@ class _Engine:
         optimizer: Optimizer,
         extra: Sequence[GradKitCallback] = (),
     ) -> StepPlan | None:
-        """Run the step's pipeline once per optimizer step; ``None`` when it already ran for this step.
+        """Run the step's pipeline once per set of gradients of an optimizer step; ``None`` when it already ran.
+
+        A closure evaluated again within the step (new gradients) gets a plan that only scales and clips them (see
+        the module docstring); the step's decision stays in ``last_plans``.
 
         ``extra`` adds policies that are not in ``trainer.callbacks`` (the manual-optimization entry point).
         """
-        key = (id(optimizer), trainer.global_step, trainer.fit_loop.total_batch_idx)
-        if key == self._last_key:
-            return None
-        self._last_key = key
+        step = _step_key(trainer)
+        previous = self._runs.get(id(optimizer))
+        first: StepPlan | None = None
+        if previous is not None and previous.step == step:
+            if previous.generation == self.generation or previous.versions == _grad_versions(optimizer):
+                return None  # the same gradients, or a backward that did not touch this optimizer's
+            first = self.last_plans[id(optimizer)]
         cbs = self.callbacks(trainer, extra)
         request = _StatsRequest()
         for cb in cbs:
@@ -405,9 +427,17 @@ class _Engine:
             loss_scale=loss_scale,
             unit_norms=unit_norms,
         )
+        if first is not None:
+            plan.scale = first.scale
+            for cb in cbs:
+                cb._decide_again(plan, first, trainer, pl_module)
+            plan.apply()
+            self._runs[id(optimizer)] = _Run(step, self.generation, _grad_versions(optimizer))
+            return plan
         for cb in cbs:
             cb._decide(plan, trainer, pl_module)
         plan.apply()
+        self._runs[id(optimizer)] = _Run(step, self.generation, _grad_versions(optimizer))
         if plan.skip is not None:
             count = plan.skip.to(torch.float32)
             self.skipped_steps = count if self.skipped_steps is None else self.skipped_steps + count
@@ -451,6 +481,28 @@ class _Engine:
             dist.all_reduce(contrib, op=dist.ReduceOp.MAX)
             result[math.inf] = combine_sharded(local[math.inf], index.shard_weight, contrib, math.inf)
         return result, reduced_extras
+
+
+@dataclass(frozen=True)
+class _Run:
+    """When the engine last ran for an optimizer: its step, the backward generation, its gradients after the write."""
+
+    step: tuple[int, int]
+    generation: int
+    versions: tuple[tuple[int, int], ...]
+
+
+def _step_key(trainer: pl.Trainer) -> tuple[int, int]:
+    """One optimizer step of one optimizer: ``global_step`` counts every attempted step (manual optimization too)."""
+    return trainer.global_step, trainer.fit_loop.total_batch_idx
+
+
+def _grad_versions(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
+    """Identity and in-place version of every gradient of ``optimizer``: a backward that wrote into them (or new
+    ones after ``zero_grad``) changes it, a backward into other parameters does not. Host metadata only."""
+    return tuple(
+        (id(p.grad), p.grad._version) for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+    )
 
 
 def _measure_units(index: ParamIndex, grads: list[Tensor], present: list[int], names: set[str]) -> UnitNorms | None:
@@ -528,6 +580,10 @@ class GradKitCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _Engine.of(trainer).verify_layout(trainer, pl_module)
 
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning calls it after every backward (`manual_backward` and closure re-evaluations included).
+        _Engine.of(trainer).generation += 1
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
@@ -551,6 +607,14 @@ class GradKitCallback(Callback):
 
     def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Read the plan's statistics and write a decision into it. Must not read gradients or sync."""
+
+    def _decide_again(
+        self, plan: StepPlan, first: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> None:
+        """A later evaluation of the closure within the same optimizer step (``LBFGS``, SAM): ``plan`` holds the
+        fresh gradients' statistics and the step's accumulation scale, ``first`` the step's decision. Write what
+        applies to every evaluation's gradients (clipping); forget what this evaluation's micro-batch hooks collected
+        for a decision (the step was decided on the first evaluation). Must not read gradients or sync."""
 
     def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After the gradients are written: log on logging steps."""

@@ -12,7 +12,9 @@ A Lightning callback cannot cancel an optimizer step: ``on_before_optimizer_step
   which calls ``optimizer.step()`` (the gate) unless the scaler found an overflow itself, then ``scaler.update()``.
 
 The gate reads the engine's decision ``StepPlan.skip`` (a device flag, identical on every rank because it is
-derived from all-reduced gradients and from per-rank flags summed in the engine's one collective):
+derived from all-reduced gradients and from per-rank flags summed in the engine's one collective), and only the
+plan of the current step's gradients (``_Engine.step_plan``): whoever ran the engine first for them
+(``on_before_optimizer_step``, or ``clip_gradients`` in manual optimization), never a plan of an earlier step.
 
 - ordinary optimizer: one host read of the flag, the only synchronization the design allows; on a skip the
   optimizer is not called (parameters and state bitwise unchanged) and the gradients are set to ``None``.
@@ -20,17 +22,35 @@ derived from all-reduced gradients and from per-rank flags summed in the engine'
   (combined with the ``GradScaler``'s), the fused kernel skips the update on device: no host synchronization.
   Its gradients are left for Lightning's next ``zero_grad``.
 
-Step-interval LR schedulers are held on a skipped step (the LightningModule's ``lr_scheduler_step`` hook is
-gated while fitting). With a fused optimizer that needs the flag on the host: it is read there, after the step has
-been queued. ``trainer.global_step`` counts *attempted* optimizer steps, as Lightning does when the ``GradScaler``
-skips one: ``max_steps``, logging and checkpoint periods keep following batches, while ``gradkit/skipped_steps``
-counts the skipped ones (applied steps = ``global_step - skipped_steps``) and the LR schedule follows the applied
-ones.
+``optimizer.step`` returns what the optimizer returned (on a skipped step, which never calls it: the result of the
+closure, what PyTorch's optimizers return).
+
+Optimizers that evaluate the closure several times per step (``LBFGS``, SAM, line searches): the skip is decided
+on the FIRST evaluation's gradients, which the gate runs before calling the optimizer. The optimizer's first call
+of the closure returns that evaluation's result (its gradients are already there); every later call runs the real
+closure (training step, backward, ``on_before_optimizer_step``), and the engine scales and clips those fresh
+gradients as Lightning's ``gradient_clip_val`` clips every evaluation, without deciding or logging again (adaptive
+clippers use the threshold of the first evaluation; guards are not fed twice). A later evaluation is not guarded:
+once the optimizer runs, the step is applied.
+
+Step-interval LR schedulers follow the applied steps. Lightning steps one with ``frequency=f`` after an optimizer
+step when ``batch_idx + 1`` (batches of the epoch so far) is a multiple of ``f``. Under the gate the batches of
+skipped steps are left out of that count: the scheduler steps after an applied step when the epoch's batches in
+applied steps are a multiple of ``f``, and never after a skipped step. Without accumulation that is once per ``f``
+applied optimizer steps (counted within the epoch, as Lightning's count restarts each epoch); with nothing
+skipped, exactly Lightning's schedule. For this the gate has Lightning call the (gated) ``lr_scheduler_step`` after
+every optimizer step (the configs' ``frequency`` reads 1 while fitting; restored at teardown), and the counts are
+saved in checkpoints (key ``"gradkit_lr_schedule"``) so a resumed run steps its schedulers where an uninterrupted
+one does. With a fused optimizer the skip flag is read on the host when its scheduler is about to step, after the
+optimizer step has been queued. ``trainer.global_step`` counts *attempted* optimizer steps, as Lightning does when
+the ``GradScaler`` skips one: ``max_steps``, logging and checkpoint periods keep following batches, while
+``gradkit/skipped_steps`` counts the skipped ones (applied steps = ``global_step - skipped_steps``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -43,6 +63,7 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -50,8 +71,8 @@ from lightning_gradkit._engine import GradKitCallback, StepPlan, _Engine
 
 _MISSING = object()
 
-# Optimizers that evaluate the closure several times per step: the gate runs it once and cannot re-run it.
-_CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
+# Checkpoint key of the LR-schedule counts (see the module docstring).
+_SCHEDULE_KEY = "gradkit_lr_schedule"
 
 
 def handles_found_inf(optimizer: Optimizer) -> bool:
@@ -80,9 +101,39 @@ def gradkit_strategy_hint(strategy: object) -> str:
     return f"a subclass `class My{type(strategy).__name__}(GradKitStrategyMixin, {type(strategy).__name__})`"
 
 
+@dataclass
+class _ScheduleCount:
+    """Lightning's index for step-interval schedulers of one optimizer, without the batches of skipped steps.
+
+    Attributes:
+        epoch: the epoch counted.
+        seen: batches of the epoch up to its last optimizer step (Lightning's ``batch_idx + 1`` there).
+        applied: how many of them belong to applied steps.
+        last_applied: whether the last optimizer step was applied.
+    """
+
+    epoch: int = -1
+    seen: int = 0
+    applied: int = 0
+    last_applied: bool = False
+
+    def record(self, epoch: int, batches: int, applied: bool) -> None:
+        """Count an optimizer step taken after ``batches`` batches of ``epoch``."""
+        if epoch != self.epoch:
+            self.epoch, self.seen, self.applied = epoch, 0, 0
+        if applied:
+            self.applied += batches - self.seen
+        self.seen = batches
+        self.last_applied = applied
+
+    def due(self, frequency: int) -> bool:
+        """Whether a scheduler with this ``frequency`` steps after the last optimizer step."""
+        return self.last_applied and self.applied % frequency == 0
+
+
 class _SchedulerGate:
-    """Stands in for ``LightningModule.lr_scheduler_step`` while fitting: holds step-interval schedulers after a
-    skipped optimizer step. An instance attribute on the module, removed at teardown."""
+    """Stands in for ``LightningModule.lr_scheduler_step`` while fitting: steps gated schedulers only when due (see
+    the module docstring). An instance attribute on the module, removed at teardown."""
 
     def __init__(self, strategy: GradKitStrategyMixin, original: Callable[..., Any]) -> None:
         self.strategy = strategy
@@ -103,17 +154,18 @@ class GradKitStrategyMixin:
     nothing.
 
     On a skipped step the optimizer is not stepped (parameters and optimizer state, Adam moments and step counts
-    included, are bitwise unchanged), the gradients are cleared, step-interval LR schedulers do not advance, and
-    ``gradkit/skipped_steps`` counts it. ``trainer.global_step`` still counts the attempted step (as Lightning does
-    for a step the ``GradScaler`` skips).
+    included, are bitwise unchanged), the gradients are cleared, step-interval LR schedulers do not advance (one
+    with ``frequency=f`` counts only the batches of applied steps, so it steps once per ``f`` applied optimizer
+    steps without accumulation), and ``gradkit/skipped_steps`` counts it. ``trainer.global_step`` still counts the
+    attempted step (as Lightning does for a step the ``GradScaler`` skips). ``optimizer.step()`` returns what the
+    optimizer returned, in manual optimization too; after ``clip_gradients`` the gate uses the decision taken there.
+
+    Optimizers that evaluate the closure several times per step (``LBFGS``, SAM-style): the skip is decided on the
+    first evaluation; later evaluations run the real closure and are scaled and clipped, not decided again.
 
     Cost: one host read of the skip flag per optimizer step with an ordinary optimizer; none with a fused one
     (``Adam/AdamW/SGD/Adagrad(fused=True)``), whose kernel receives the flag as ``found_inf``. With a fused
     optimizer and a step-interval LR scheduler the flag is read when the scheduler is about to step.
-
-    Raises:
-        RuntimeError: at setup, when a callback may skip steps and an optimizer re-evaluates its closure
-            (``LBFGS``): such a step cannot be gated after the fact.
 
     Example::
 
@@ -126,33 +178,46 @@ class GradKitStrategyMixin:
     """
 
     _gradkit_gate_active: bool = False
+    _gradkit_restored: dict[int, tuple[int, int, int, bool]] | None = None
 
     # -- Lightning hooks -----------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # type: ignore[misc]
         self._gradkit_trainer = trainer
-        self._gradkit_records: dict[int, tuple[Tensor | None, bool | None]] = {}
+        self._gradkit_pending: dict[int, tuple[int, int, StepPlan | None]] = {}
+        self._gradkit_counts: dict[int, _ScheduleCount] = {}
+        self._gradkit_frequencies: dict[int, int] = {}
         self._gradkit_gate_active = needs_step_control(trainer) and trainer.state.fn == TrainerFn.FITTING
         if not self._gradkit_gate_active:
             return
-        for optimizer in self.optimizers:  # type: ignore[attr-defined]
-            if isinstance(optimizer, _CLOSURE_OPTIMIZERS):
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} evaluates the training closure several times per step, so a gradkit "
-                    "callback cannot decide to skip its step after the gradients are known. Use another optimizer, "
-                    "or remove the callbacks that skip steps (or give them `action='warn'`/`'raise'`)."
-                )
         module = trainer.lightning_module
         if module.automatic_optimization and "lr_scheduler_step" not in module.__dict__:
             module.lr_scheduler_step = _SchedulerGate(self, module.lr_scheduler_step)
+            for config in self._gradkit_gated_configs():
+                # Lightning then calls the gate after every optimizer step; the gate applies the frequency.
+                self._gradkit_frequencies[id(config)] = config.frequency
+                config.frequency = 1
 
     def teardown(self) -> None:
         module = getattr(self, "_gradkit_trainer", None)
         module = module.lightning_module if module is not None else None
         if module is not None and isinstance(module.__dict__.get("lr_scheduler_step"), _SchedulerGate):
             del module.lr_scheduler_step
+        for config in self.lr_scheduler_configs:  # type: ignore[attr-defined]
+            config.frequency = getattr(self, "_gradkit_frequencies", {}).pop(id(config), config.frequency)
         self._gradkit_gate_active = False
         super().teardown()  # type: ignore[misc]
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self._gradkit_gate_active and self._gradkit_frequencies:
+            checkpoint = {**checkpoint, _SCHEDULE_KEY: self._gradkit_schedule_state()}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+        # Adopted at the next optimizer step: Lightning may load before or after `setup`.
+        self._gradkit_restored = checkpoint.get(_SCHEDULE_KEY)
+        return checkpoint
 
     def optimizer_step(
         self,
@@ -164,7 +229,6 @@ class GradKitStrategyMixin:
         if not self._gradkit_gate_active:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         engine = _Engine.of(self._gradkit_trainer)
-        engine.last_plans.pop(id(optimizer), None)
         shadowed = optimizer.__dict__.get("step", _MISSING)
         optimizer.step = self._gradkit_gate(optimizer, optimizer.step, engine)  # type: ignore[method-assign]
         try:
@@ -174,11 +238,9 @@ class GradKitStrategyMixin:
                 del optimizer.step
             else:
                 optimizer.step = shadowed  # type: ignore[method-assign]
-        plan = engine.last_plans.get(id(optimizer))
-        skip = plan.skip if plan is not None else None
-        skip_host = plan.skip_known_on_host() if plan is not None else None
-        self._gradkit_records[id(optimizer)] = (skip, skip_host)
-        if skip_host:
+        plan = engine.step_plan(self._gradkit_trainer, optimizer)
+        self._gradkit_record(optimizer, plan)
+        if plan is not None and plan.skip_known_on_host():
             # Also when the GradScaler skipped on its own and never called the gate.
             optimizer.zero_grad(set_to_none=True)
         return output
@@ -186,51 +248,89 @@ class GradKitStrategyMixin:
     # -- the gate ------------------------------------------------------------------------------------------------
     def _gradkit_gate(self, optimizer: Optimizer, inner: Callable[..., Any], engine: _Engine) -> Callable[..., Any]:
         fused = handles_found_inf(optimizer)
+        trainer = self._gradkit_trainer
 
         def gated_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
             result = None
             if closure is not None:
                 with torch.enable_grad():
                     result = closure()
-
-            def cached() -> Any:
-                return result
-
-            plan: StepPlan | None = engine.last_plans.get(id(optimizer))
+                kwargs["closure"] = _later_evaluations(closure, result)
+            plan: StepPlan | None = engine.step_plan(trainer, optimizer)
             if plan is None or plan.skip is None:
-                inner(closure=cached, **kwargs)
-                return result
+                return inner(**kwargs)
             if fused:
-                _fused_step(optimizer, inner, cached, plan.skip, kwargs)
-            elif not plan.skip_on_host():
-                inner(closure=cached, **kwargs)
-            return result
+                return _fused_step(optimizer, inner, plan.skip, kwargs)
+            if plan.skip_on_host():
+                return result
+            return inner(**kwargs)
 
         return gated_step
 
     # -- LR schedulers -------------------------------------------------------------------------------------------
+    def _gradkit_gated_configs(self) -> list[LRSchedulerConfig]:
+        """The scheduler configs the gate holds: step interval, not ``ReduceLROnPlateau``."""
+        configs = self.lr_scheduler_configs  # type: ignore[attr-defined]
+        return [c for c in configs if c.interval == "step" and not c.reduce_on_plateau]
+
+    def _gradkit_record(self, optimizer: Optimizer, plan: StepPlan | None) -> None:
+        """Note an optimizer step for the schedule counts; its skip flag is read only when a scheduler needs it."""
+        if not self._gradkit_frequencies:
+            return
+        self._gradkit_settle()
+        trainer = self._gradkit_trainer
+        batches = trainer.fit_loop.epoch_loop.batch_idx + 1
+        self._gradkit_pending[id(optimizer)] = (trainer.current_epoch, batches, plan)
+
+    def _gradkit_settle(self) -> None:
+        """Fold the pending optimizer steps into the counts (a host read of a fused optimizer's skip flag)."""
+        if self._gradkit_restored is not None:
+            self._gradkit_counts = {i: _ScheduleCount(*values) for i, values in self._gradkit_restored.items()}
+            self._gradkit_restored = None
+        optimizers = self._gradkit_trainer.optimizers
+        for key, (epoch, batches, plan) in self._gradkit_pending.items():
+            index = next(i for i, opt in enumerate(optimizers) if id(opt) == key)
+            skipped = plan.skip_on_host() if plan is not None else False
+            self._gradkit_counts.setdefault(index, _ScheduleCount()).record(epoch, batches, not skipped)
+        self._gradkit_pending.clear()
+
+    def _gradkit_schedule_state(self) -> dict[int, tuple[int, int, int, bool]]:
+        """The counts, per optimizer index, as saved in checkpoints."""
+        self._gradkit_settle()
+        return {i: (c.epoch, c.seen, c.applied, c.last_applied) for i, c in self._gradkit_counts.items()}
+
     def _gradkit_hold(self, scheduler: Any) -> bool:
-        """Whether a step-interval scheduler must not advance because its optimizer's last step was skipped."""
-        config = next((c for c in self.lr_scheduler_configs if c.scheduler is scheduler), None)  # type: ignore[attr-defined]
-        if config is None or config.interval != "step" or config.reduce_on_plateau:
+        """Whether a gated scheduler must not step now (see the module docstring)."""
+        config = next((c for c in self._gradkit_gated_configs() if c.scheduler is scheduler), None)
+        if config is None or id(config) not in self._gradkit_frequencies:
             return False
+        self._gradkit_settle()
         optimizer = getattr(scheduler, "optimizer", None)
-        skip, skip_host = self._gradkit_records.pop(id(optimizer), (None, None))
-        if skip_host is not None:
-            return skip_host
-        # Fused optimizer: the flag was never needed on the host until now (the step is already queued).
-        return bool(skip) if skip is not None else False
+        index = next((i for i, opt in enumerate(self._gradkit_trainer.optimizers) if opt is optimizer), 0)
+        count = self._gradkit_counts.get(index)
+        return count is None or not count.due(self._gradkit_frequencies[id(config)])
 
 
-def _fused_step(
-    optimizer: Optimizer, inner: Callable[..., Any], closure: Callable[[], Any], skip: Tensor, kwargs: dict
-) -> None:
+def _later_evaluations(closure: Callable[[], Any], first: Any) -> Callable[[], Any]:
+    """The closure handed to the optimizer: its first call returns the evaluation the gate already ran (whose
+    gradients are in place); every later call runs the real closure again, for fresh gradients."""
+    calls = 0
+
+    def evaluate() -> Any:
+        nonlocal calls
+        calls += 1
+        return first if calls == 1 else closure()
+
+    return evaluate
+
+
+def _fused_step(optimizer: Optimizer, inner: Callable[..., Any], skip: Tensor, kwargs: dict[str, Any]) -> Any:
     """Step a fused optimizer with ``found_inf`` raised on a skip: its kernel leaves parameters and state alone."""
     existing = optimizer.__dict__.get("found_inf")  # set by GradScaler.step for the duration of the call
     flag = skip.to(torch.float32)
     optimizer.found_inf = flag if existing is None else torch.maximum(existing, flag.to(existing.device))  # type: ignore[attr-defined]
     try:
-        inner(closure=closure, **kwargs)
+        return inner(**kwargs)
     finally:
         if existing is None:
             del optimizer.found_inf  # type: ignore[attr-defined]

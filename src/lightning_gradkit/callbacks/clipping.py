@@ -38,6 +38,7 @@ from lightning_gradkit.clipping import (
     GradValuePolicy,
     ScalarClipPolicy,
     ZClipPolicy,
+    clip_to_threshold,
 )
 from lightning_gradkit.stats import _replication, clean_param_name, local_tensor, per_tensor_norms
 
@@ -117,6 +118,18 @@ class _GradClipCallback(GradKitCallback):
         count.add_(decision.clipped.to(count.dtype))
         self._steps[idx] = self._steps.get(idx, 0) + 1
 
+    def _decide_again(
+        self, plan: StepPlan, first: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> None:
+        # Every evaluation of a re-evaluating closure is clipped, as Lightning's `gradient_clip_val` clips each one;
+        # nothing is counted or logged again, and adaptive policies are fed once per step (see `_clip_again`).
+        if plan.grads:
+            self._clip_again(self._policy_for(plan.optimizer_idx), plan)
+
+    def _clip_again(self, policy: ClipPolicy, plan: StepPlan) -> None:
+        """Clip a later evaluation's gradients; stateless policies (the default here) simply decide again."""
+        self._clip(policy, plan)
+
     def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         idx = plan.optimizer_idx
         decision = self._last.get(idx)
@@ -194,6 +207,15 @@ class _ScalarClip(_GradClipCallback):
         coef, clipped, threshold = policy(pre)
         plan.clip_coef = coef
         return _Decision(pre=pre, post=lambda: pre * coef, coef=lambda: coef, clipped=clipped, threshold=threshold)
+
+    def _clip_again(self, policy: ClipPolicy, plan: StepPlan) -> None:
+        if isinstance(policy, GradNormPolicy):
+            self._clip(policy, plan)
+            return
+        # Adaptive: the threshold chosen on the step's first evaluation, without feeding the statistics again.
+        decision = self._last.get(plan.optimizer_idx)
+        if decision is not None and decision.threshold is not None:
+            plan.clip_coef = clip_to_threshold(plan.pre_clip_total(policy.norm_type), decision.threshold)
 
 
 class ClipGradNorm(_ScalarClip):

@@ -369,6 +369,13 @@ class NonFiniteGuard(_Guard):
             self._param_names = plan.primary.names
             self._advance_step(bad, firsts)
 
+    def _decide_again(
+        self, plan: StepPlan, first: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> None:
+        # A re-evaluated closure's loss belongs to no decision: the step was decided on its first evaluation.
+        self._loss_bad = None
+        self._losses = []
+
     def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
             if self._reads_on_host():
