@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -9,17 +10,26 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from clip_reference import AGCRef
 from helpers import MLPModule, column, count_syncs, loader, make_trainer, read_metrics
-from lightning_gradkit import AccumulationGuard, AdaptiveGradClip, GradNormMonitor, ManualAccumulator
+from lightning_gradkit import (
+    AccumulationGuard,
+    AdaptiveGradClip,
+    ClipGradNorm,
+    GradNormMonitor,
+    ManualAccumulator,
+    clip_gradients,
+)
 from lightning_gradkit.accumulation import (
     is_window_boundary,
     mean_window_scale,
     micro_batches_in_window,
     token_window_scale,
 )
+from lightning_gradkit.clipping import GradNormPolicy
 
 VOCAB, SEQ_LEN = 11, 7
 
@@ -428,6 +438,106 @@ def test_manual_accumulator_tokens_matches_reference(tmp_path: Path) -> None:
     torch.manual_seed(0)
     got = fitted_state(tmp_path, ManualTokenLM(2), token_loader(20, 4))
     assert max_diff(got, expected) < 1e-6
+
+
+class GradWrites(TorchDispatchMode):
+    """Counts, per gradient, the ATen operations that write into it in place, whatever the route (``mul_``,
+    ``_foreach_mul_``, ``clamp_``, ``copy_``...): every mutable argument of every op is checked."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.names = {
+            p.grad.untyped_storage().data_ptr(): n for n, p in module.named_parameters() if p.grad is not None
+        }
+        self.writes: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = kwargs.get(argument.name, args[i] if i < len(args) else None)
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in self.names:
+                    self.writes[self.names[t.untyped_storage().data_ptr()]] += 1
+        return func(*args, **kwargs)
+
+
+MAX_NORM = 0.05
+
+
+class ManualClipped(pl.LightningModule):
+    """Manual optimization: ``ManualAccumulator`` windows of 4; the window's gradients clipped by ``route``:
+    ``clip_gradients`` between the last backward and ``step``, an attached ``ClipGradNorm`` callback, or nothing."""
+
+    def __init__(self, base: pl.LightningModule, normalize: str, route: str) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.base = base
+        self.route = route
+        self.accumulator = ManualAccumulator(4, normalize=normalize)  # type: ignore[arg-type]
+        self.clip = GradNormPolicy(MAX_NORM)
+        self.grad_writes: list[Counter[str]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        if isinstance(self.base, TokenLM):
+            loss, n = self.base.token_losses(batch)
+            boundary = self.accumulator.backward(self, loss, batch_idx, num_tokens=n)
+        else:
+            boundary = self.accumulator.backward(self, nn.functional.mse_loss(self.base(batch[0]), batch[1]), batch_idx)
+        if boundary:
+            with GradWrites(self) as writes:
+                if self.route == "clip_gradients":
+                    clip_gradients(self, opt, self.clip)
+                self.accumulator.step(opt)
+            self.grad_writes.append(writes.writes)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.base.lr)
+
+
+def reference_window_mean_clipped(normalize: str, clip: bool) -> dict[str, Tensor]:
+    """Plain PyTorch: each window's gradient is the mean over its micro-batches (or its summed token loss over its
+    token count), then ``clip_grad_norm_``, then the step."""
+    torch.manual_seed(0)
+    model: Any = TokenLM() if normalize == "tokens" else MLPModule()
+    opt = torch.optim.SGD(model.parameters(), lr=model.lr)
+    batches = list(token_loader(40, 4) if normalize == "tokens" else loader(n=80))
+    for start in range(0, len(batches), 4):
+        part = batches[start : start + 4]
+        opt.zero_grad()
+        if normalize == "tokens":
+            big = [torch.cat(pieces) for pieces in zip(*part, strict=True)]
+            loss_sum, tokens = model.token_losses(big)
+            (loss_sum / tokens).backward()
+        else:
+            for x, y in part:
+                (nn.functional.mse_loss(model(x), y) / len(part)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+    return {f"base.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("route", ["clip_gradients", "callback", "none"])
+@pytest.mark.parametrize("normalize", ["mean", "tokens"])
+def test_manual_accumulator_clips_the_window_mean_and_writes_the_gradients_once(
+    tmp_path: Path, normalize: str, route: str
+) -> None:
+    """10 micro-batches, windows 4, 4, 2: the clip threshold applies to the window mean, not to its sum."""
+    torch.manual_seed(0)
+    base: Any = TokenLM() if normalize == "tokens" else MLPModule()
+    model = ManualClipped(base, normalize, route)
+    callbacks = [ClipGradNorm(MAX_NORM)] if route == "callback" else []
+    data = token_loader(40, 4) if normalize == "tokens" else loader(n=80)
+    got = fitted_state(tmp_path, model, data, callbacks=callbacks)
+    expected = reference_window_mean_clipped(normalize, clip=route != "none")
+    assert max_diff(got, expected) < 1e-6
+    if route != "none":  # clipping was active: the unclipped result is far away
+        assert max_diff(got, reference_window_mean_clipped(normalize, clip=False)) > 1e-3
+    names = [n for n, _ in model.named_parameters()]
+    assert model.grad_writes == [Counter(dict.fromkeys(names, 1))] * 3
 
 
 def test_manual_accumulator_needs_the_token_count(tmp_path: Path) -> None:

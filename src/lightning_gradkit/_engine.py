@@ -287,6 +287,7 @@ class _Engine:
         self._last_key: tuple[int, int, int] | None = None
         self.last_plans: dict[int, StepPlan] = {}
         self.skipped_steps: Tensor | None = None
+        self._pending_scales: list[tuple[GradKitCallback, Optimizer | None]] = []
 
     @classmethod
     def of(cls, trainer: pl.Trainer) -> _Engine:
@@ -301,6 +302,24 @@ class _Engine:
         self._last_key = None
         self.last_plans.clear()
         self.skipped_steps = None
+        self._pending_scales.clear()
+
+    def add_pending_scale(self, policy: GradKitCallback, optimizer: Optimizer | None) -> None:
+        """Fold ``policy`` (a ``Stage.SCALE`` policy outside ``trainer.callbacks``) into the next run for ``optimizer``
+        (any optimizer when ``None``), whoever starts that run: ``clip_gradients``, a callback's
+        ``on_before_optimizer_step`` or the policy's owner. Used once, then forgotten."""
+        self._pending_scales.append((policy, optimizer))
+
+    def discard_pending_scale(self, policy: GradKitCallback) -> None:
+        """Forget ``policy`` if no run has used it."""
+        self._pending_scales = [(p, o) for p, o in self._pending_scales if p is not policy]
+
+    def _with_pending_scales(self, cbs: list[GradKitCallback], optimizer: Optimizer) -> list[GradKitCallback]:
+        taken = [p for p, o in self._pending_scales if o is None or o is optimizer]
+        if not taken:
+            return cbs
+        self._pending_scales = [(p, o) for p, o in self._pending_scales if not (o is None or o is optimizer)]
+        return sorted([*cbs, *taken], key=lambda cb: cb._stage)
 
     @staticmethod
     def callbacks(trainer: pl.Trainer, extra: Sequence[GradKitCallback] = ()) -> list[GradKitCallback]:
@@ -337,6 +356,7 @@ class _Engine:
             return None
         self._last_key = key
         cbs = self.callbacks(trainer, extra)
+        cbs = self._with_pending_scales(cbs, optimizer)
         request = _StatsRequest()
         for cb in cbs:
             cb._stats_request(request)
