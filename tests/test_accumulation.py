@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -9,18 +11,21 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from clip_reference import AGCRef
-from helpers import MLPModule, column, count_syncs, loader, make_trainer, read_metrics
+from helpers import MLPModule, column, count_syncs, loader, make_trainer, read_metrics, regression_data
 from lightning_gradkit import (
     AccumulationGuard,
     AdaptiveGradClip,
     ClipGradNorm,
     GradNormMonitor,
     ManualAccumulator,
+    NonFiniteGuard,
+    SpikeGuard,
     clip_gradients,
 )
 from lightning_gradkit.accumulation import (
@@ -548,6 +553,162 @@ def test_manual_accumulator_needs_the_token_count(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="needs the micro-batch's token count"):
         make_trainer(tmp_path).fit(NoCount(2), token_loader(8, 4))
+
+
+# -- checkpoints saved inside a window ------------------------------------------------------------------------------
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader with Lightning's ``state_dict``/``load_state_dict`` interface: a resumed fit continues with the
+    batch after the checkpoint (a plain DataLoader would start the epoch's data over)."""
+
+    def __init__(self, dataset: Any, batch_size: int) -> None:
+        super().__init__(dataset, batch_size=batch_size)
+        self.yielded = 0
+        self.skip = 0
+
+    def __iter__(self) -> Any:
+        skip, self.skip = self.skip, 0
+        self.yielded = skip
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                self.yielded += 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["yielded"]
+
+
+class SaveAt(pl.Callback):
+    """``trainer.save_checkpoint`` at the end of one training batch of the first epoch."""
+
+    def __init__(self, batch_idx: int, path: Path) -> None:
+        self.batch_idx, self.path = batch_idx, path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.batch_idx and trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)
+
+
+class PoisonedMLP(MLPModule):
+    """Adam on the MLP; optionally a NaN loss at micro-batch ``nan_at`` of the first epoch."""
+
+    def __init__(self, nan_at: int | None = None) -> None:
+        super().__init__(optimizer="adam", lr=0.01)
+        self.nan_at = nan_at
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * math.nan if (batch_idx, self.current_epoch) == (self.nan_at, 0) else loss
+
+
+def resume_case(normalize: str, nan_at: int | None = None) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    if normalize == "tokens":
+        return TokenLM(), ResumableLoader(token_data(40), batch_size=4)
+    return PoisonedMLP(nan_at), ResumableLoader(regression_data(80), batch_size=8)
+
+
+def fit_interrupted(tmp_path: Path, normalize: str, callbacks: Any, **kwargs: Any) -> tuple[Any, Any, Path]:
+    """Two epochs of 10 micro-batches with N = 4, uninterrupted but saving after micro-batch 2 of the window of
+    optimizer step 1 (batch_idx 5); then a fresh fit resumed from that checkpoint. Returns both final states."""
+    ckpt = tmp_path / "mid_window.ckpt"
+    model, data = resume_case(normalize, kwargs.pop("nan_at", None))
+    run = dict(accumulate_grad_batches=4, max_epochs=2, **kwargs)
+    make_trainer(tmp_path, callbacks=[*callbacks(), SaveAt(5, ckpt)], **run).fit(model, data)
+    uninterrupted = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, data = resume_case(normalize)
+    make_trainer(tmp_path, callbacks=callbacks(), **run).fit(model, data, ckpt_path=ckpt)
+    return uninterrupted, {k: v.detach().clone() for k, v in model.state_dict().items()}, ckpt
+
+
+@pytest.mark.parametrize("normalize", ["mean", "tokens"])
+def test_checkpoint_inside_a_window_resumes_exactly_with_the_guard(tmp_path: Path, normalize: str) -> None:
+    spike_guards: list[SpikeGuard] = []
+
+    def callbacks() -> list[Any]:
+        spike_guards.append(SpikeGuard("loss", window=16, warmup_steps=16))  # records every window's mean loss
+        return [AccumulationGuard(normalize=normalize), spike_guards[-1]]
+
+    uninterrupted, resumed, ckpt = fit_interrupted(tmp_path, normalize, callbacks)
+    assert max_diff(resumed, uninterrupted) < 1e-6
+    # SpikeGuard saved the window's first losses too: the resumed run monitors the same window means.
+    recorded = [guard.state_dict()["stats"]["values"] for guard in spike_guards]
+    assert torch.allclose(recorded[0], recorded[1], rtol=1e-6, atol=0, equal_nan=True)
+    # The checkpoint holds the window: a CPU copy of the gradients of its 2 micro-batches, and the token count.
+    window = torch.load(ckpt, weights_only=False)["gradkit_accumulation_window"]
+    assert (window["micro_batch"], window["window"], window["step"]) == (2, 4, 1)
+    assert all(g is not None for g in window["state"]["grads"])
+
+
+@pytest.mark.parametrize("normalize", ["mean", "tokens"])
+def test_checkpoint_inside_a_window_without_the_guard_warns_at_save_and_resume(tmp_path: Path, normalize: str) -> None:
+    """Lightning alone loses the window's first micro-batches; a gradkit callback says so, naming the position."""
+    position = "after micro-batch 2 of 4, before optimizer step 1"
+    with pytest.warns(UserWarning) as record:
+        uninterrupted, resumed, _ = fit_interrupted(tmp_path, normalize, lambda: [GradNormMonitor()])
+    messages = [str(w.message) for w in record if "gradkit:" in str(w.message)]
+    assert len(messages) == 2
+    assert "checkpoint is saved inside a gradient-accumulation window" in messages[0] and position in messages[0]
+    assert "resuming from a checkpoint saved inside" in messages[1] and position in messages[1]
+    assert max_diff(resumed, uninterrupted) > 1e-3  # the divergence the warnings announce
+
+
+def test_model_checkpoint_after_a_mid_window_validation_resumes_exactly(tmp_path: Path) -> None:
+    """``val_check_interval=6`` with N = 4: ``ModelCheckpoint`` saves after micro-batch 2 of a window."""
+
+    class Validated(PoisonedMLP):
+        def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+            self.log("val_loss", nn.functional.mse_loss(self(batch[0]), batch[1]))
+
+    def fit(ckpt_path: Path | None) -> dict[str, Tensor]:
+        torch.manual_seed(0)
+        model = Validated()
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1, every_n_epochs=None)
+        trainer = make_trainer(
+            tmp_path,
+            accumulate_grad_batches=4,
+            max_epochs=1,
+            val_check_interval=6,
+            limit_val_batches=1,
+            enable_checkpointing=True,
+            callbacks=[AccumulationGuard(), checkpoints],
+        )
+        data = ResumableLoader(regression_data(80), batch_size=8)
+        trainer.fit(model, data, loader(n=8), ckpt_path=ckpt_path)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    uninterrupted = fit(None)
+    mid_window = tmp_path / "ckpts" / "epoch=0-step=1.ckpt"
+    assert torch.load(mid_window, weights_only=False)["gradkit_accumulation_window"]["micro_batch"] == 2
+    assert max_diff(fit(mid_window), uninterrupted) < 1e-6
+
+
+def test_nan_in_a_window_split_by_a_checkpoint_is_still_skipped_after_resume(tmp_path: Path) -> None:
+    """Micro-batch 4 (the first of the window of step 1) has a NaN loss; the checkpoint follows micro-batch 5. The
+    restored gradients carry the NaN, so the resumed run skips step 1 as the uninterrupted one does."""
+
+    def callbacks() -> list[Any]:
+        return [AccumulationGuard(), NonFiniteGuard(action="skip")]
+
+    with pytest.warns(UserWarning, match="NonFiniteGuard"):
+        uninterrupted, resumed, _ = fit_interrupted(tmp_path, "mean", callbacks, nan_at=4, strategy="gradkit")
+    assert all(torch.isfinite(v).all() for v in uninterrupted.values())
+    assert max_diff(resumed, uninterrupted) < 1e-6
+
+
+def test_checkpoint_size_grows_by_the_gradients_only_when_saved_inside_a_window(tmp_path: Path) -> None:
+    sizes = {}
+    for name, callbacks in (("guard", lambda: [AccumulationGuard()]), ("monitor", lambda: [GradNormMonitor()])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, _, ckpt = fit_interrupted(tmp_path / name, "mean", callbacks)
+        sizes[name] = ckpt.stat().st_size
+    grad_bytes = sum(p.numel() * p.element_size() for p in MLPModule().parameters())
+    assert grad_bytes <= sizes["guard"] - sizes["monitor"] <= grad_bytes + 4096
 
 
 # -- bad input and setup errors -------------------------------------------------------------------------------------

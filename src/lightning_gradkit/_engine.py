@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -39,6 +40,7 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
+from lightning_gradkit._window import note_window_on_load, note_window_on_save
 from lightning_gradkit.stats import (
     GradStats,
     ParamIndex,
@@ -560,6 +562,24 @@ class GradKitCallback(Callback):
 
     def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After the gradients are written: log on logging steps."""
+
+    # -- checkpoints inside an accumulation window ----------------------------------------------------------------
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if _first_gradkit_callback(trainer) is self:
+            note_window_on_save(trainer, checkpoint)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if _first_gradkit_callback(trainer) is self:
+            note_window_on_load(trainer, checkpoint)
+
+
+def _first_gradkit_callback(trainer: pl.Trainer) -> GradKitCallback | None:
+    """The gradkit callback that speaks for all of them where one message is enough."""
+    return next((cb for cb in trainer.callbacks if isinstance(cb, GradKitCallback)), None)
 
 
 def log_metrics(

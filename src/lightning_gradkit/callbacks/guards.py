@@ -680,7 +680,7 @@ class SpikeGuard(_Guard):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.monitor == "loss":
             loss = _unscaled_loss(trainer, loss).reshape(())
-            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum.to(loss.device) + loss
             self._loss_count += 1
 
     def _stats_request(self, request: Any) -> None:
@@ -785,12 +785,17 @@ class SpikeGuard(_Guard):
 
     # -- state -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "statistic": "window" if self.window else "ema",
             "stats": self._stats.state_dict(),
             "spikes": self._spikes,
             **self._skipped_state(),
         }
+        if self._loss_sum is not None:
+            # The losses of an accumulation window still open (a checkpoint saved mid-window): a resumed run then
+            # monitors the same window mean as an uninterrupted one.
+            state["window_loss"] = (self._loss_sum.detach().cpu(), self._loss_count)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         expected = "window" if self.window else "ema"
@@ -801,4 +806,6 @@ class SpikeGuard(_Guard):
             )
         self._stats.load_state_dict(state_dict["stats"])
         self._spikes = int(state_dict.get("spikes", 0))
+        if "window_loss" in state_dict:
+            self._loss_sum, self._loss_count = state_dict["window_loss"]
         self._restored_skips = float(state_dict.get("skipped_steps", 0.0))
