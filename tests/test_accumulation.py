@@ -545,6 +545,20 @@ def test_manual_accumulator_clips_the_window_mean_and_writes_the_gradients_once(
     assert model.grad_writes == [Counter(dict.fromkeys(names, 1))] * 3
 
 
+@pytest.mark.parametrize("route", ["clip_gradients", "callback", "none"])
+def test_manual_accumulator_makes_no_host_sync(tmp_path: Path, route: str) -> None:
+    torch.manual_seed(0)
+    model = ManualClipped(TokenLM(), "tokens", route)
+    with count_syncs() as counter:
+        for method in ("backward", "step"):
+            counter.watch(model.accumulator, method)
+        callbacks = [ClipGradNorm(MAX_NORM)] if route == "callback" else []
+        trainer = make_trainer(tmp_path, callbacks=callbacks, log_every_n_steps=1000)
+        trainer.fit(model, token_loader(40, 4))
+    assert trainer.global_step == 3
+    assert counter.total == 0, counter.counts
+
+
 def test_manual_accumulator_needs_the_token_count(tmp_path: Path) -> None:
     class NoCount(ManualTokenLM):
         def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
