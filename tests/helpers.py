@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -14,39 +14,46 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
-# Tensor methods that force a device-to-host synchronization on a GPU.
-SYNC_METHODS = ("item", "__bool__", "tolist", "cpu", "numpy", "nonzero", "__int__", "__float__")
+from lightning_gradkit.diagnostics import SYNC_CALLS, sync_kind
 
 
-class SyncCounter:
-    """Counts calls of the Tensor methods that would sync a GPU, while ``active`` (or inside watched methods)."""
+class SyncCounter(TorchFunctionMode):
+    """Counts host-device syncs while ``active`` (or inside watched methods), by the rule of gradkit's SyncAudit.
+
+    A :class:`~torch.overrides.TorchFunctionMode` sees every call into the PyTorch API; a call counts when
+    :func:`lightning_gradkit.diagnostics.sync_kind` recognises it as one whose result the host must read on an
+    accelerator: ``.item()``, ``bool()``/``int()``/``float()``/``__index__``, ``.tolist()``, ``.cpu()``,
+    ``.to("cpu")``, ``.numpy()``, ``torch.nonzero``, boolean-mask indexing, ``torch.equal``, ``torch.unique``, ...
+    Only the outermost call counts (``print(t)`` is one event). Counts are keyed by the called function's name
+    (``"item"``, ``"__bool__"``, ``"nonzero"``) or, for syncs recognised by their arguments, by the kind
+    (``"mask_index"``, ``"cpu"`` for ``.to("cpu")``).
+    """
 
     def __init__(self) -> None:
+        super().__init__()
         self.counts: Counter[str] = Counter()
         self.depth = 0
-        self._originals: dict[str, Callable[..., Any]] = {}
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def install(self) -> None:
-        for name in SYNC_METHODS:
-            original = getattr(torch.Tensor, name)
-            self._originals[name] = original
-
-            def wrapper(t: Tensor, *args: Any, __name: str = name, __orig: Callable = original, **kw: Any) -> Any:
-                if self.depth > 0:
-                    self.counts[__name] += 1
-                return __orig(t, *args, **kw)
-
-            setattr(torch.Tensor, name, wrapper)
-
-    def uninstall(self) -> None:
-        for name, original in self._originals.items():
-            setattr(torch.Tensor, name, original)
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.depth > 0:
+            kind = sync_kind(func, args, kwargs)
+            if kind is not None:
+                self.counts[func.__name__ if func in SYNC_CALLS else kind] += 1
+        return func(*args, **kwargs)
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -70,12 +77,9 @@ class SyncCounter:
 
 @contextmanager
 def count_syncs() -> Iterator[SyncCounter]:
-    counter = SyncCounter()
-    counter.install()
-    try:
+    """Record host syncs in this thread for the duration; nothing is counted outside ``active``/watched methods."""
+    with SyncCounter() as counter:
         yield counter
-    finally:
-        counter.uninstall()
 
 
 class MLPModule(pl.LightningModule):

@@ -2,24 +2,39 @@
 
 from __future__ import annotations
 
+import math
+import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from clip_reference import AGCRef
-from helpers import MLPModule, column, count_syncs, loader, make_trainer, read_metrics
-from lightning_gradkit import AccumulationGuard, AdaptiveGradClip, GradNormMonitor, ManualAccumulator
+from helpers import MLPModule, column, count_syncs, loader, make_trainer, read_metrics, regression_data
+from lightning_gradkit import (
+    AccumulationGuard,
+    AdaptiveGradClip,
+    ClipGradNorm,
+    GradNormMonitor,
+    ManualAccumulator,
+    NonFiniteGuard,
+    SpikeGuard,
+    clip_gradients,
+)
 from lightning_gradkit.accumulation import (
     is_window_boundary,
     mean_window_scale,
     micro_batches_in_window,
     token_window_scale,
 )
+from lightning_gradkit.clipping import GradNormPolicy
 
 VOCAB, SEQ_LEN = 11, 7
 
@@ -430,6 +445,120 @@ def test_manual_accumulator_tokens_matches_reference(tmp_path: Path) -> None:
     assert max_diff(got, expected) < 1e-6
 
 
+class GradWrites(TorchDispatchMode):
+    """Counts, per gradient, the ATen operations that write into it in place, whatever the route (``mul_``,
+    ``_foreach_mul_``, ``clamp_``, ``copy_``...): every mutable argument of every op is checked."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.names = {
+            p.grad.untyped_storage().data_ptr(): n for n, p in module.named_parameters() if p.grad is not None
+        }
+        self.writes: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = kwargs.get(argument.name, args[i] if i < len(args) else None)
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in self.names:
+                    self.writes[self.names[t.untyped_storage().data_ptr()]] += 1
+        return func(*args, **kwargs)
+
+
+MAX_NORM = 0.05
+
+
+class ManualClipped(pl.LightningModule):
+    """Manual optimization: ``ManualAccumulator`` windows of 4; the window's gradients clipped by ``route``:
+    ``clip_gradients`` between the last backward and ``step``, an attached ``ClipGradNorm`` callback, or nothing."""
+
+    def __init__(self, base: pl.LightningModule, normalize: str, route: str) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.base = base
+        self.route = route
+        self.accumulator = ManualAccumulator(4, normalize=normalize)  # type: ignore[arg-type]
+        self.clip = GradNormPolicy(MAX_NORM)
+        self.grad_writes: list[Counter[str]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        if isinstance(self.base, TokenLM):
+            loss, n = self.base.token_losses(batch)
+            boundary = self.accumulator.backward(self, loss, batch_idx, num_tokens=n)
+        else:
+            boundary = self.accumulator.backward(self, nn.functional.mse_loss(self.base(batch[0]), batch[1]), batch_idx)
+        if boundary:
+            with GradWrites(self) as writes:
+                if self.route == "clip_gradients":
+                    clip_gradients(self, opt, self.clip)
+                self.accumulator.step(opt)
+            self.grad_writes.append(writes.writes)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.base.lr)
+
+
+def reference_window_mean_clipped(normalize: str, clip: bool) -> dict[str, Tensor]:
+    """Plain PyTorch: each window's gradient is the mean over its micro-batches (or its summed token loss over its
+    token count), then ``clip_grad_norm_``, then the step."""
+    torch.manual_seed(0)
+    model: Any = TokenLM() if normalize == "tokens" else MLPModule()
+    opt = torch.optim.SGD(model.parameters(), lr=model.lr)
+    batches = list(token_loader(40, 4) if normalize == "tokens" else loader(n=80))
+    for start in range(0, len(batches), 4):
+        part = batches[start : start + 4]
+        opt.zero_grad()
+        if normalize == "tokens":
+            big = [torch.cat(pieces) for pieces in zip(*part, strict=True)]
+            loss_sum, tokens = model.token_losses(big)
+            (loss_sum / tokens).backward()
+        else:
+            for x, y in part:
+                (nn.functional.mse_loss(model(x), y) / len(part)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+    return {f"base.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("route", ["clip_gradients", "callback", "none"])
+@pytest.mark.parametrize("normalize", ["mean", "tokens"])
+def test_manual_accumulator_clips_the_window_mean_and_writes_the_gradients_once(
+    tmp_path: Path, normalize: str, route: str
+) -> None:
+    """10 micro-batches, windows 4, 4, 2: the clip threshold applies to the window mean, not to its sum."""
+    torch.manual_seed(0)
+    base: Any = TokenLM() if normalize == "tokens" else MLPModule()
+    model = ManualClipped(base, normalize, route)
+    callbacks = [ClipGradNorm(MAX_NORM)] if route == "callback" else []
+    data = token_loader(40, 4) if normalize == "tokens" else loader(n=80)
+    got = fitted_state(tmp_path, model, data, callbacks=callbacks)
+    expected = reference_window_mean_clipped(normalize, clip=route != "none")
+    assert max_diff(got, expected) < 1e-6
+    if route != "none":  # clipping was active: the unclipped result is far away
+        assert max_diff(got, reference_window_mean_clipped(normalize, clip=False)) > 1e-3
+    names = [n for n, _ in model.named_parameters()]
+    assert model.grad_writes == [Counter(dict.fromkeys(names, 1))] * 3
+
+
+@pytest.mark.parametrize("route", ["clip_gradients", "callback", "none"])
+def test_manual_accumulator_makes_no_host_sync(tmp_path: Path, route: str) -> None:
+    torch.manual_seed(0)
+    model = ManualClipped(TokenLM(), "tokens", route)
+    with count_syncs() as counter:
+        for method in ("backward", "step"):
+            counter.watch(model.accumulator, method)
+        callbacks = [ClipGradNorm(MAX_NORM)] if route == "callback" else []
+        trainer = make_trainer(tmp_path, callbacks=callbacks, log_every_n_steps=1000)
+        trainer.fit(model, token_loader(40, 4))
+    assert trainer.global_step == 3
+    assert counter.total == 0, counter.counts
+
+
 def test_manual_accumulator_needs_the_token_count(tmp_path: Path) -> None:
     class NoCount(ManualTokenLM):
         def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
@@ -438,6 +567,162 @@ def test_manual_accumulator_needs_the_token_count(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="needs the micro-batch's token count"):
         make_trainer(tmp_path).fit(NoCount(2), token_loader(8, 4))
+
+
+# -- checkpoints saved inside a window ------------------------------------------------------------------------------
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader with Lightning's ``state_dict``/``load_state_dict`` interface: a resumed fit continues with the
+    batch after the checkpoint (a plain DataLoader would start the epoch's data over)."""
+
+    def __init__(self, dataset: Any, batch_size: int) -> None:
+        super().__init__(dataset, batch_size=batch_size)
+        self.yielded = 0
+        self.skip = 0
+
+    def __iter__(self) -> Any:
+        skip, self.skip = self.skip, 0
+        self.yielded = skip
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                self.yielded += 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["yielded"]
+
+
+class SaveAt(pl.Callback):
+    """``trainer.save_checkpoint`` at the end of one training batch of the first epoch."""
+
+    def __init__(self, batch_idx: int, path: Path) -> None:
+        self.batch_idx, self.path = batch_idx, path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.batch_idx and trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)
+
+
+class PoisonedMLP(MLPModule):
+    """Adam on the MLP; optionally a NaN loss at micro-batch ``nan_at`` of the first epoch."""
+
+    def __init__(self, nan_at: int | None = None) -> None:
+        super().__init__(optimizer="adam", lr=0.01)
+        self.nan_at = nan_at
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * math.nan if (batch_idx, self.current_epoch) == (self.nan_at, 0) else loss
+
+
+def resume_case(normalize: str, nan_at: int | None = None) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    if normalize == "tokens":
+        return TokenLM(), ResumableLoader(token_data(40), batch_size=4)
+    return PoisonedMLP(nan_at), ResumableLoader(regression_data(80), batch_size=8)
+
+
+def fit_interrupted(tmp_path: Path, normalize: str, callbacks: Any, **kwargs: Any) -> tuple[Any, Any, Path]:
+    """Two epochs of 10 micro-batches with N = 4, uninterrupted but saving after micro-batch 2 of the window of
+    optimizer step 1 (batch_idx 5); then a fresh fit resumed from that checkpoint. Returns both final states."""
+    ckpt = tmp_path / "mid_window.ckpt"
+    model, data = resume_case(normalize, kwargs.pop("nan_at", None))
+    run = dict(accumulate_grad_batches=4, max_epochs=2, **kwargs)
+    make_trainer(tmp_path, callbacks=[*callbacks(), SaveAt(5, ckpt)], **run).fit(model, data)
+    uninterrupted = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, data = resume_case(normalize)
+    make_trainer(tmp_path, callbacks=callbacks(), **run).fit(model, data, ckpt_path=ckpt)
+    return uninterrupted, {k: v.detach().clone() for k, v in model.state_dict().items()}, ckpt
+
+
+@pytest.mark.parametrize("normalize", ["mean", "tokens"])
+def test_checkpoint_inside_a_window_resumes_exactly_with_the_guard(tmp_path: Path, normalize: str) -> None:
+    spike_guards: list[SpikeGuard] = []
+
+    def callbacks() -> list[Any]:
+        spike_guards.append(SpikeGuard("loss", window=16, warmup_steps=16))  # records every window's mean loss
+        return [AccumulationGuard(normalize=normalize), spike_guards[-1]]
+
+    uninterrupted, resumed, ckpt = fit_interrupted(tmp_path, normalize, callbacks)
+    assert max_diff(resumed, uninterrupted) < 1e-6
+    # SpikeGuard saved the window's first losses too: the resumed run monitors the same window means.
+    recorded = [guard.state_dict()["stats"]["values"] for guard in spike_guards]
+    assert torch.allclose(recorded[0], recorded[1], rtol=1e-6, atol=0, equal_nan=True)
+    # The checkpoint holds the window: a CPU copy of the gradients of its 2 micro-batches, and the token count.
+    window = torch.load(ckpt, weights_only=False)["gradkit_accumulation_window"]
+    assert (window["micro_batch"], window["window"], window["step"]) == (2, 4, 1)
+    assert all(g is not None for g in window["state"]["grads"])
+
+
+@pytest.mark.parametrize("normalize", ["mean", "tokens"])
+def test_checkpoint_inside_a_window_without_the_guard_warns_at_save_and_resume(tmp_path: Path, normalize: str) -> None:
+    """Lightning alone loses the window's first micro-batches; a gradkit callback says so, naming the position."""
+    position = "after micro-batch 2 of 4, before optimizer step 1"
+    with pytest.warns(UserWarning) as record:
+        uninterrupted, resumed, _ = fit_interrupted(tmp_path, normalize, lambda: [GradNormMonitor()])
+    messages = [str(w.message) for w in record if "gradkit:" in str(w.message)]
+    assert len(messages) == 2
+    assert "checkpoint is saved inside a gradient-accumulation window" in messages[0] and position in messages[0]
+    assert "resuming from a checkpoint saved inside" in messages[1] and position in messages[1]
+    assert max_diff(resumed, uninterrupted) > 1e-3  # the divergence the warnings announce
+
+
+def test_model_checkpoint_after_a_mid_window_validation_resumes_exactly(tmp_path: Path) -> None:
+    """``val_check_interval=6`` with N = 4: ``ModelCheckpoint`` saves after micro-batch 2 of a window."""
+
+    class Validated(PoisonedMLP):
+        def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+            self.log("val_loss", nn.functional.mse_loss(self(batch[0]), batch[1]))
+
+    def fit(ckpt_path: Path | None) -> dict[str, Tensor]:
+        torch.manual_seed(0)
+        model = Validated()
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1, every_n_epochs=None)
+        trainer = make_trainer(
+            tmp_path,
+            accumulate_grad_batches=4,
+            max_epochs=1,
+            val_check_interval=6,
+            limit_val_batches=1,
+            enable_checkpointing=True,
+            callbacks=[AccumulationGuard(), checkpoints],
+        )
+        data = ResumableLoader(regression_data(80), batch_size=8)
+        trainer.fit(model, data, loader(n=8), ckpt_path=ckpt_path)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    uninterrupted = fit(None)
+    mid_window = tmp_path / "ckpts" / "epoch=0-step=1.ckpt"
+    assert torch.load(mid_window, weights_only=False)["gradkit_accumulation_window"]["micro_batch"] == 2
+    assert max_diff(fit(mid_window), uninterrupted) < 1e-6
+
+
+def test_nan_in_a_window_split_by_a_checkpoint_is_still_skipped_after_resume(tmp_path: Path) -> None:
+    """Micro-batch 4 (the first of the window of step 1) has a NaN loss; the checkpoint follows micro-batch 5. The
+    restored gradients carry the NaN, so the resumed run skips step 1 as the uninterrupted one does."""
+
+    def callbacks() -> list[Any]:
+        return [AccumulationGuard(), NonFiniteGuard(action="skip")]
+
+    with pytest.warns(UserWarning, match="NonFiniteGuard"):
+        uninterrupted, resumed, _ = fit_interrupted(tmp_path, "mean", callbacks, nan_at=4, strategy="gradkit")
+    assert all(torch.isfinite(v).all() for v in uninterrupted.values())
+    assert max_diff(resumed, uninterrupted) < 1e-6
+
+
+def test_checkpoint_size_grows_by_the_gradients_only_when_saved_inside_a_window(tmp_path: Path) -> None:
+    sizes = {}
+    for name, callbacks in (("guard", lambda: [AccumulationGuard()]), ("monitor", lambda: [GradNormMonitor()])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, _, ckpt = fit_interrupted(tmp_path / name, "mean", callbacks)
+        sizes[name] = ckpt.stat().st_size
+    grad_bytes = sum(p.numel() * p.element_size() for p in MLPModule().parameters())
+    assert grad_bytes <= sizes["guard"] - sizes["monitor"] <= grad_bytes + 4096
 
 
 # -- bad input and setup errors -------------------------------------------------------------------------------------

@@ -11,10 +11,10 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor, nn
 
-from clip_reference import AGCRef, NormRef, ValueRef, ZClipRef, total_norm
+from clip_reference import AGCRef, AutoClipRef, NormRef, ValueRef, ZClipRef, total_norm
 from helpers import MLPModule, count_syncs, loader, make_trainer
 from lightning_gradkit import AdaptiveGradClip, ClipGradNorm, ClipGradValue, GradNormMonitor, ZClip, clip_gradients
-from lightning_gradkit.clipping import ClipPolicy, GradNormPolicy, ZClipPolicy
+from lightning_gradkit.clipping import AutoClipPolicy, ClipPolicy, GradNormPolicy, ZClipPolicy
 
 STEPS = 12
 
@@ -200,3 +200,87 @@ def test_policy_state_round_trips_exactly() -> None:
     clone = ZClipPolicy(warmup_steps=2)
     clone.load_state_dict(policy.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(policy(torch.tensor(3.0)), clone(torch.tensor(3.0)), strict=True))
+
+
+class TwoOptimizers(MLPModule):
+    """Manual optimization with one optimizer for the encoder and one for the head, one clipping policy for both."""
+
+    def __init__(self, policy: Any) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.policy = policy
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.encoder.parameters(), lr=0.1), torch.optim.SGD(self.head.parameters(), lr=0.1)]
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        opt_encoder, opt_head = self.optimizers()
+        opt_encoder.zero_grad()
+        opt_head.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self(batch[0]), batch[1]))
+        clip_gradients(self, opt_encoder, self.policy)
+        opt_encoder.step()
+        clip_gradients(self, opt_head, self.policy)
+        opt_head.step()
+
+
+def reference_two_optimizers(make_ref: Callable[[], Callable[[nn.Module], None]] | None, epochs: int = 1) -> dict:
+    """Plain loop: each optimizer's gradients clipped by its own, independent reference policy."""
+    torch.manual_seed(0)
+    model = MLPModule()
+    opts = [torch.optim.SGD(model.encoder.parameters(), lr=0.1), torch.optim.SGD(model.head.parameters(), lr=0.1)]
+    clips = [make_ref(), make_ref()] if make_ref is not None else [lambda m: None] * 2
+    for _ in range(epochs):
+        for x, y in loader(n=STEPS * 8, batch_size=8):
+            for opt in opts:
+                opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            for opt, clip, part in zip(opts, clips, (model.encoder, model.head), strict=True):
+                clip(part)
+                opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+TWO_OPTIMIZER_CASES: dict[str, tuple[Callable[[], Any], Callable[[], Callable[[nn.Module], None]]]] = {
+    "zclip-policy": (lambda: ZClipPolicy(alpha=0.9, z_threshold=0.5, warmup_steps=3), lambda: ZClipRef(0.9, 0.5, 3)),
+    "autoclip-policy": (lambda: AutoClipPolicy(percentile=30.0, history_size=50), lambda: AutoClipRef(30.0, 50)),
+    "zclip-callback": (lambda: ZClip(alpha=0.9, z_threshold=0.5, warmup_steps=3), lambda: ZClipRef(0.9, 0.5, 3)),
+}
+
+
+@pytest.mark.parametrize("case", list(TWO_OPTIMIZER_CASES))
+def test_one_policy_object_for_two_optimizers_keeps_one_state_per_optimizer(tmp_path: Path, case: str) -> None:
+    make_policy, make_ref = TWO_OPTIMIZER_CASES[case]
+    policy = make_policy()
+    torch.manual_seed(0)
+    model = TwoOptimizers(policy)
+    make_trainer(tmp_path).fit(model, loader(n=STEPS * 8, batch_size=8))
+    expected = reference_two_optimizers(make_ref)
+    unclipped = reference_two_optimizers(None)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
+    assert all(
+        not torch.allclose(expected[n], unclipped[n], rtol=0, atol=1e-5) for n in ("encoder.0.weight", "head.weight")
+    )
+
+
+def test_attached_callback_for_two_optimizers_resumes_both_states_from_a_checkpoint(tmp_path: Path) -> None:
+    def clipper() -> ZClip:
+        return ZClip(alpha=0.9, z_threshold=0.5, warmup_steps=3)
+
+    first = clipper()
+    torch.manual_seed(0)
+    model = TwoOptimizers(first)
+    trainer = make_trainer(tmp_path, callbacks=[first])
+    trainer.fit(model, loader(n=STEPS * 8, batch_size=8))
+    ckpt = tmp_path / "epoch1.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    resumed = clipper()
+    model = TwoOptimizers(resumed)
+    make_trainer(tmp_path, callbacks=[resumed], max_epochs=2).fit(
+        model, loader(n=STEPS * 8, batch_size=8), ckpt_path=ckpt
+    )
+    expected = reference_two_optimizers(lambda: ZClipRef(0.9, 0.5, 3), epochs=2)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=1e-6, msg=name)

@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor
 
-from helpers import column, loader, make_trainer, read_metrics
-from lightning_gradkit import NonFiniteGuard, SpikeGuard
+from helpers import MLPModule, column, loader, make_trainer, read_metrics
+from lightning_gradkit import ManualAccumulator, NonFiniteGuard, SpikeGuard
 from lightning_gradkit.running import RunningMoments, WindowMoments, ema_update, spike_decision, std_of
 from test_guards import FaultModule, events, state_equal
 
@@ -267,3 +267,49 @@ def test_load_state_dict_refuses_a_different_statistic() -> None:
     state = SpikeGuard(window=30).state_dict()
     with pytest.raises(ValueError, match="same arguments"):
         SpikeGuard().load_state_dict(state)
+
+
+# -- the monitored loss under gradient accumulation ----------------------------------------------------------------
+class RecordedLosses(MLPModule):
+    """Records every micro-batch loss as ``training_step`` computes it; ``constant`` makes each one exactly 1.0."""
+
+    def __init__(self, constant: bool = False, manual_window: int | None = None) -> None:
+        super().__init__()
+        self.constant = constant
+        self.losses: list[float] = []
+        self.accumulator = ManualAccumulator(manual_window) if manual_window else None
+        self.automatic_optimization = manual_window is None
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        if self.constant:
+            loss = loss * 0.0 + 1.0
+        self.losses.append(loss.item())
+        if self.accumulator is None:
+            return loss
+        if self.accumulator.backward(self, loss, batch_idx):
+            self.accumulator.step(self.optimizers())
+        return None
+
+
+def window_means(losses: list[float], window: int) -> list[float]:
+    return [sum(part) / len(part) for part in (losses[i : i + window] for i in range(0, len(losses), window))]
+
+
+@pytest.mark.parametrize(
+    ("constant", "precision", "manual"),
+    [(True, "32", False), (False, "32", False), (False, "16-mixed", False), (False, "32", True)],
+    ids=["constant-loss", "fp32", "16-mixed", "manual-accumulator"],
+)
+def test_loss_monitor_records_the_mean_of_each_window_including_the_short_last_one(
+    tmp_path: Path, constant: bool, precision: str, manual: bool
+) -> None:
+    guard = SpikeGuard("loss", window=16, warmup_steps=16)  # warming up all along: every value recorded unclamped
+    model = RecordedLosses(constant=constant, manual_window=4 if manual else None)
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if precision != "32" else None
+    accumulate = 1 if manual else 4
+    trainer = make_trainer(tmp_path, callbacks=[guard], accumulate_grad_batches=accumulate, plugins=plugins)
+    trainer.fit(model, loader(n=80))  # 10 batches: windows of 4, 4 and 2
+    recorded = guard.state_dict()["stats"]["values"][:3].tolist()
+    assert len(model.losses) == 10
+    assert recorded == pytest.approx(window_means(model.losses, 4), rel=1e-6)

@@ -38,6 +38,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -48,6 +49,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from lightning_gradkit._layout import verify_same_layout
+from lightning_gradkit._window import note_window_on_load, note_window_on_save
 from lightning_gradkit.stats import (
     GradStats,
     ParamIndex,
@@ -299,6 +301,7 @@ class _Engine:
         self.skipped_steps: Tensor | None = None
         self._layout_verified = False
         self.generation = 0
+        self._pending_scales: list[tuple[GradKitCallback, Optimizer | None]] = []
 
     @classmethod
     def of(cls, trainer: pl.Trainer) -> _Engine:
@@ -314,12 +317,30 @@ class _Engine:
         self.last_plans.clear()
         self.skipped_steps = None
         self._layout_verified = False
+        self._pending_scales.clear()
 
     def verify_layout(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Once per fit, before the first step: every rank must train the same parameters in the same order."""
         if not self._layout_verified:
             self._layout_verified = True
             verify_same_layout(trainer.optimizers, {id(p): n for n, p in pl_module.named_parameters()})
+
+    def add_pending_scale(self, policy: GradKitCallback, optimizer: Optimizer | None) -> None:
+        """Fold ``policy`` (a ``Stage.SCALE`` policy outside ``trainer.callbacks``) into the next run for ``optimizer``
+        (any optimizer when ``None``), whoever starts that run: ``clip_gradients``, a callback's
+        ``on_before_optimizer_step`` or the policy's owner. Used once, then forgotten."""
+        self._pending_scales.append((policy, optimizer))
+
+    def discard_pending_scale(self, policy: GradKitCallback) -> None:
+        """Forget ``policy`` if no run has used it."""
+        self._pending_scales = [(p, o) for p, o in self._pending_scales if p is not policy]
+
+    def _with_pending_scales(self, cbs: list[GradKitCallback], optimizer: Optimizer) -> list[GradKitCallback]:
+        taken = [p for p, o in self._pending_scales if o is None or o is optimizer]
+        if not taken:
+            return cbs
+        self._pending_scales = [(p, o) for p, o in self._pending_scales if not (o is None or o is optimizer)]
+        return sorted([*cbs, *taken], key=lambda cb: cb._stage)
 
     @staticmethod
     def callbacks(trainer: pl.Trainer, extra: Sequence[GradKitCallback] = ()) -> list[GradKitCallback]:
@@ -369,6 +390,7 @@ class _Engine:
                 return None  # the same gradients, or a backward that did not touch this optimizer's
             first = self.last_plans[id(optimizer)]
         cbs = self.callbacks(trainer, extra)
+        cbs = self._with_pending_scales(cbs, optimizer)
         request = _StatsRequest()
         for cb in cbs:
             cb._stats_request(request)
@@ -618,6 +640,24 @@ class GradKitCallback(Callback):
 
     def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After the gradients are written: log on logging steps."""
+
+    # -- checkpoints inside an accumulation window ----------------------------------------------------------------
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if _first_gradkit_callback(trainer) is self:
+            note_window_on_save(trainer, checkpoint)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if _first_gradkit_callback(trainer) is self:
+            note_window_on_load(trainer, checkpoint)
+
+
+def _first_gradkit_callback(trainer: pl.Trainer) -> GradKitCallback | None:
+    """The gradkit callback that speaks for all of them where one message is enough."""
+    return next((cb for cb in trainer.callbacks if isinstance(cb, GradKitCallback)), None)
 
 
 def log_metrics(

@@ -21,16 +21,17 @@ wires them into the Trainer, :class:`ManualAccumulator` into manual optimization
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
 from typing import Literal, get_args
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _Engine, world_size
 from lightning_gradkit.stats import local_tensor, per_tensor_norms
 
 Normalize = Literal["mean", "tokens"]
@@ -148,51 +149,65 @@ class TokenCount:
         self.device = None
 
 
-def scale_grads_(grads: list[Tensor], factor: float | Tensor) -> None:
-    """Multiply every gradient in place by ``factor``: one ``torch._foreach_mul_`` per (device, dtype) run."""
-    start = 0
-    for i in range(1, len(grads) + 1):
-        if i == len(grads) or (grads[i].device, grads[i].dtype) != (grads[start].device, grads[start].dtype):
-            run = grads[start:i]
-            f = factor.to(run[0].device, run[0].dtype) if isinstance(factor, Tensor) else factor
-            torch._foreach_mul_(run, f)
-            start = i
-
-
 def nonzero_grad_flags(grads: list[Tensor]) -> Tensor:
     """A bool device vector: which gradients hold a non-zero (or non-finite) value. No host synchronization."""
     return per_tensor_norms([local_tensor(g) for g in grads], 1.0) != 0
 
 
-def optimizer_grads(optimizers: Iterable[Optimizer]) -> list[Tensor]:
-    """The local gradients of every parameter the optimizers hold, skipping parameters without one."""
-    return [
-        local_tensor(p.grad)
-        for opt in optimizers
-        for group in opt.param_groups
-        for p in group["params"]
-        if p.grad is not None
-    ]
+class _WindowScale(GradKitCallback):
+    """The scale of one ended :class:`ManualAccumulator` window, as a ``Stage.SCALE`` policy of the engine.
 
+    Registered with the Trainer's engine at the window's last backward and folded into the next engine run for the
+    optimizer, so the window scale, any clipping (which then reads the norm of the window mean) and every other
+    policy reach the gradients in the engine's one multiply. The token count rides the engine's one collective.
+    """
 
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    _stage = Stage.SCALE
+
+    def __init__(self, normalize: str, micro_batches: int, tokens: Tensor | None) -> None:
+        self.normalize = normalize
+        self.micro_batches = micro_batches
+        self.tokens = tokens
+        self.applied = False
+        self._key = f"ManualAccumulator/tokens/{id(self)}"
+
+    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
+        return {} if self.tokens is None else {self._key: self.tokens}
+
+    def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.applied = True
+        device = plan.index.shard_weight.device
+        if self.normalize == "tokens":
+            plan.multiply_scale(token_window_scale(plan.reduced[self._key].to(device), world_size(), 1))
+        elif self.micro_batches > 1:
+            # A fill kernel, no host-to-device copy.
+            factor = mean_window_scale(1, self.micro_batches)
+            plan.multiply_scale(torch.full((), factor, dtype=torch.float32, device=device))
 
 
 class ManualAccumulator:
     r"""Exact gradient accumulation for manual optimization (``self.automatic_optimization = False``).
 
     Call :meth:`backward` once per micro-batch instead of ``self.manual_backward``; it returns ``True`` on the last
-    micro-batch of a window (the window is full or the epoch ends). Then call :meth:`step`: it scales the
-    accumulated gradients once so that they equal the window mean (``normalize="mean"``) or the summed per-token
-    loss divided by the token count of the whole window across all ranks (``normalize="tokens"``), steps the
-    optimizer (through Lightning, so precision plugins and gradkit callbacks see the scaled gradients) and frees
-    the gradients (``zero_grad(set_to_none=True)``), so a window never starts dirty.
+    micro-batch of a window (the window is full or the epoch ends). Then call :meth:`step`: the accumulated
+    gradients become the window mean (``normalize="mean"``) or the summed per-token loss divided by the token count
+    of the whole window across all ranks (``normalize="tokens"``), the optimizer steps (through Lightning, so
+    precision plugins and gradkit callbacks run) and the gradients are freed (``zero_grad(set_to_none=True)``), so
+    a window never starts dirty.
+
+    The window scale is a factor of the gradkit engine's plan, not a write of its own: whoever runs the engine for
+    the step (:func:`~lightning_gradkit.clip_gradients` called between the last backward and :meth:`step`, a
+    gradkit callback's ``on_before_optimizer_step``, or :meth:`step` itself when neither does) folds it into the
+    engine's single multiply of the gradients. Clipping therefore reads the norm of the window mean, as a plain
+    loop that averages and then calls ``clip_grad_norm_`` does, and the gradients are written once.
 
     Losses are passed undivided: the mean of each micro-batch (``"mean"``) or the SUM of its per-token losses
     (``"tokens"``). Under DDP, backward synchronization is skipped inside a window (``no_sync``) and happens on the
-    boundary micro-batch; in token mode the window's token count is summed over ranks with one all-reduce of a
-    scalar at the boundary. Nothing reads a device value on the host.
+    boundary micro-batch; in token mode the window's token count is summed over ranks in the engine's one
+    collective. Nothing reads a device value on the host.
+
+    With several optimizers, each accumulator serves the optimizer it first steps (the only one, if the module has
+    a single optimizer); until then, the window's scale goes to the first optimizer the engine processes.
 
     Args:
         window: micro-batches per optimizer step (the manual counterpart of ``accumulate_grad_batches``).
@@ -226,6 +241,9 @@ class ManualAccumulator:
         self.normalize = validate_normalize(normalize)
         self._micro_batches = 0
         self._tokens = TokenCount()
+        self._pending: _WindowScale | None = None
+        self._module: weakref.ref[pl.LightningModule] | None = None
+        self._optimizer: Optimizer | None = None
 
     def backward(
         self,
@@ -259,24 +277,43 @@ class ManualAccumulator:
                 module.manual_backward(loss)
         else:
             module.manual_backward(loss)
+        if boundary:
+            self._end_window(module)
         return boundary
 
-    def scale(self, optimizer: Optimizer) -> None:
-        """Scale the accumulated gradients of ``optimizer``'s parameters once (``step`` calls it)."""
-        grads = optimizer_grads([optimizer])
-        if self.normalize == "tokens":
-            device = grads[0].device if grads else torch.device("cpu")
-            tokens = self._tokens.total(device)
-            world = _world_size()
-            if world > 1:
-                dist.all_reduce(tokens, op=dist.ReduceOp.SUM)
-            factor: float | Tensor = token_window_scale(tokens, world, 1)
-        else:
-            factor = mean_window_scale(1, max(self._micro_batches, 1))
-        if grads and not (isinstance(factor, float) and factor == 1.0):
-            scale_grads_(grads, factor)
+    def _end_window(self, module: pl.LightningModule) -> None:
+        """Hand the window's scale to the engine, which applies it in the step's single multiply."""
+        tokens = self._tokens.total(module.device) if self.normalize == "tokens" else None
+        pending = _WindowScale(self.normalize, self._micro_batches, tokens)
+        optimizers = module.trainer.optimizers
+        target = self._optimizer if self._optimizer is not None else optimizers[0] if len(optimizers) == 1 else None
+        engine = _Engine.of(module.trainer)
+        if self._pending is not None:
+            engine.discard_pending_scale(self._pending)
+        engine.add_pending_scale(pending, target)
+        self._pending = pending
+        self._module = weakref.ref(module)
         self._micro_batches = 0
         self._tokens.reset()
+
+    def scale(self, optimizer: Optimizer) -> None:
+        """Apply the ended window's scale to ``optimizer``'s gradients now, unless the engine already did.
+
+        Runs the gradkit engine for ``optimizer`` (with the Trainer's gradkit callbacks, in one multiply);
+        :meth:`step` calls it when nothing else would run the engine before the optimizer steps.
+        """
+        pending, module = self._pending, self._module() if self._module is not None else None
+        if pending is None or pending.applied or module is None:
+            return
+        trainer = module.trainer
+        inner = getattr(optimizer, "optimizer", optimizer)
+        _Engine.of(trainer).run(trainer, module, inner)
+        if not pending.applied:
+            raise RuntimeError(
+                "ManualAccumulator: the gradkit engine already processed this step's gradients without the window "
+                "scale. Call `accumulator.step(optimizer)` right after the backward that ends the window, before "
+                "stepping any other optimizer."
+            )
 
     def step(self, optimizer: Optimizer) -> None:
         """Scale the window's gradients, step ``optimizer`` and free the gradients (``set_to_none=True``).
@@ -284,6 +321,18 @@ class ManualAccumulator:
         Pass the optimizer from ``self.optimizers()`` so Lightning's precision plugin and callbacks run.
         """
         inner = getattr(optimizer, "optimizer", optimizer)
-        self.scale(inner)
+        self._optimizer = inner
+        pending, module = self._pending, self._module() if self._module is not None else None
+        hooks_run_engine = (
+            isinstance(optimizer, LightningOptimizer)
+            and module is not None
+            and any(isinstance(cb, GradKitCallback) for cb in module.trainer.callbacks)
+        )
+        if not hooks_run_engine:
+            self.scale(inner)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if pending is not None and module is not None:
+            # Not used by a run (e.g. the engine ran for another optimizer): it must not leak into the next window.
+            _Engine.of(module.trainer).discard_pending_scale(pending)
+        self._pending = None

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, is_logging_step, world_size
+from lightning_gradkit._window import WindowPosition
 from lightning_gradkit.accumulation import (
     TOKENS_KEY,
     Normalize,
@@ -23,6 +24,7 @@ from lightning_gradkit.accumulation import (
     token_window_scale,
     validate_normalize,
 )
+from lightning_gradkit.stats import local_tensor
 
 OnDirty = Literal["warn", "raise"]
 _TOKENS_REDUCE_KEY = "accumulation/tokens"
@@ -72,6 +74,13 @@ class AccumulationGuard(GradKitCallback):
       step synchronizes. In manual optimization the window is the span between two optimizer steps; with several
       optimizers the check is skipped (a backward for one optimizer legitimately leaves gradients on the others).
     - A warning when an epoch has fewer batches than ``accumulate_grad_batches``.
+    - Checkpoints saved inside a window (``val_check_interval`` not a multiple of N with ``ModelCheckpoint``, or
+      ``trainer.save_checkpoint`` from a hook): Lightning saves neither the gradients accumulated so far nor the
+      token count, and resumes with the next micro-batch, so the resumed window would step with its remaining
+      micro-batches only. The callback saves them in the checkpoint (a CPU copy of the gradients, at mid-window
+      saves only) and puts them back before the next backward, so the resumed run equals an uninterrupted one.
+      Single process only: under DDP each rank holds its own partial sum, and a mid-window save warns instead (as
+      it does without this callback when another gradkit callback is attached).
 
     Manual optimization: Lightning does not accumulate there (``accumulate_grad_batches`` must be 1); use
     :class:`~lightning_gradkit.ManualAccumulator` for exact accumulation; ``check_clean`` works as above and
@@ -106,6 +115,7 @@ class AccumulationGuard(GradKitCallback):
     """
 
     _stage = Stage.SCALE
+    _restores_open_window = True
 
     def __init__(
         self,
@@ -136,6 +146,7 @@ class AccumulationGuard(GradKitCallback):
         self._previous_step_attr: Callable[..., Any] | None = None
         self._warned_short_epoch = False
         self._told_multi_optimizer = False
+        self._window_to_restore: dict[str, Any] | None = None
 
     # -- setup / teardown ---------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -243,6 +254,8 @@ class AccumulationGuard(GradKitCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._batch_idx = batch_idx
+        if self._window_to_restore is not None:
+            self._restore_window(trainer, pl_module, batch_idx)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if not (self.check_clean and self._expect_clean):
@@ -302,6 +315,51 @@ class AccumulationGuard(GradKitCallback):
                     raise RuntimeError(message)
                 rank_zero_warn(message)
                 return
+
+    # -- checkpoints inside a window -----------------------------------------------------------------------------
+    def _open_window_state(self, position: WindowPosition) -> dict[str, Any]:
+        """What a checkpoint saved inside the window needs for an exact resume (read on a save, never per step).
+
+        Lightning saves neither the gradients accumulated so far nor the token count: one CPU copy of the gradients
+        (the checkpoint grows by their size, at mid-window saves only) and the count are saved here.
+        """
+        grads = [None if p.grad is None else local_tensor(p.grad).detach().to("cpu", copy=True) for p in self._params]
+        tokens = None if self._tokens.device is None else self._tokens.device.detach().to("cpu", copy=True)
+        return {
+            "micro_batch": position.micro_batch,
+            "window": position.window,
+            "step": position.step,
+            "names": list(self._names),
+            "grads": grads,
+            "tokens_host": self._tokens.host,
+            "tokens_device": tokens,
+        }
+
+    def _resume_window(self, saved: dict[str, Any]) -> None:
+        """Restore ``saved`` (from :meth:`_open_window_state`) before the first backward after the resume."""
+        self._window_to_restore = saved
+
+    def _restore_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+        """Put the saved window back before the first backward after a resume, if training resumed where it was."""
+        saved, self._window_to_restore = self._window_to_restore, None
+        assert saved is not None
+        position = WindowPosition(saved["micro_batch"], saved["window"], saved["step"])
+        window = trainer.accumulate_grad_batches
+        here = (window, batch_idx % window, trainer.global_step)
+        if here != (position.window, position.micro_batch, position.step) or saved["names"] != self._names:
+            rank_zero_warn(
+                f"AccumulationGuard: the checkpoint holds an accumulation window ({position.describe()}) but training "
+                f"resumed at batch_idx {batch_idx}, optimizer step {trainer.global_step} with "
+                f"`accumulate_grad_batches={window}` (or other parameters): the window cannot be restored, so the "
+                "next optimizer step uses only the micro-batches after the checkpoint. Resume with the same settings."
+            )
+            return
+        for param, grad in zip(self._params, saved["grads"], strict=True):
+            param.grad = None if grad is None else grad.to(param.device)
+        self._tokens.host = saved["tokens_host"]
+        device = saved["tokens_device"]
+        self._tokens.device = None if device is None else device.to(pl_module.device)
+        self._expect_clean = False  # the window does not start here: its gradients are the restored ones
 
     # -- engine steps -------------------------------------------------------------------------------------------
     def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:

@@ -64,7 +64,9 @@ class _GradClipCallback(GradKitCallback):
 
     def __init__(self, policy: ClipPolicy) -> None:
         self.policy = policy
-        self._shared_policy = False
+        # The optimizer whose state `self.policy` carries: optimizer 0 for a callback (its checkpointed state is
+        # keyed by optimizer index), the first optimizer clipped for a policy given to `clip_gradients`.
+        self._policy_owner: int | None = 0
         self._policies: dict[int, ClipPolicy] = {}
         self._clipped: dict[int, Tensor] = {}
         self._steps: dict[int, int] = {}
@@ -162,10 +164,13 @@ class _GradClipCallback(GradKitCallback):
         return out
 
     def _policy_for(self, optimizer_idx: int) -> ClipPolicy:
+        """The policy holding ``optimizer_idx``'s state: ``self.policy`` for its owner, a fresh copy for the others."""
         policy = self._policies.get(optimizer_idx)
         if policy is None:
-            shared = self._shared_policy or optimizer_idx == 0
-            policy = self._policies[optimizer_idx] = self.policy if shared else self.policy.fresh()
+            if self._policy_owner is None:
+                self._policy_owner = optimizer_idx
+            owned = optimizer_idx == self._policy_owner
+            policy = self._policies[optimizer_idx] = self.policy if owned else self.policy.fresh()
         return policy
 
     def _clip(self, policy: ClipPolicy, plan: StepPlan) -> _Decision:
@@ -173,10 +178,11 @@ class _GradClipCallback(GradKitCallback):
 
     @classmethod
     def _around(cls, policy: ClipPolicy) -> _GradClipCallback:
-        """A callback that applies ``policy`` (its state shared with the caller) to any optimizer."""
+        """A callback that applies ``policy`` to any optimizer: ``policy`` itself carries the state of the first
+        optimizer it clips, every other optimizer gets a state of its own (statistics never mix across optimizers)."""
         callback = cls.__new__(cls)
         _GradClipCallback.__init__(callback, policy)
-        callback._shared_policy = True
+        callback._policy_owner = None
         return callback
 
 
@@ -678,7 +684,11 @@ def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, policy: _Gr
         optimizer: the optimizer about to step, as returned by ``self.optimizers()``.
         policy: one of the clipping callbacks (``ZClip(...)``; if it is also in the Trainer's ``callbacks``, its
             state is saved in checkpoints) or a policy from :mod:`lightning_gradkit.clipping`
-            (``GradNormPolicy(1.0)``). Keep the same object across steps: adaptive policies carry state.
+            (``GradNormPolicy(1.0)``). Keep the same object across steps: adaptive policies carry state. One object
+            may serve several optimizers: each optimizer keeps its own state, as with a callback. A callback keys
+            it by optimizer index (``policy`` itself is optimizer 0's) and, when it is in the Trainer's ``callbacks``,
+            saves all of them in checkpoints; a policy object carries the state of the first optimizer it clips,
+            and the other optimizers' states live in gradkit, unsaved.
 
     Returns:
         The total gradient norm before clipping, a device scalar.

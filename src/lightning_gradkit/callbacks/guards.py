@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _Engine, world_size
+from lightning_gradkit.accumulation import mean_window_scale
 from lightning_gradkit.events import EventLog, events_dir
 from lightning_gradkit.forensics import Finding, RNGState, capture_rng, replay_training_step
 from lightning_gradkit.running import RunningMoments, WindowMoments, spike_decision
@@ -674,6 +675,7 @@ class SpikeGuard(_Guard):
         self._stats: RunningMoments | WindowMoments = WindowMoments(window) if window else RunningMoments(self.alpha)
         self._device = torch.device("cpu")
         self._loss_sum: Tensor | None = None
+        self._loss_count = 0
         self._step: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
         self._spikes = 0
         self._key = f"{self.state_key}/loss_sum"
@@ -685,7 +687,8 @@ class SpikeGuard(_Guard):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.monitor == "loss":
             loss = _unscaled_loss(trainer, loss).reshape(())
-            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum.to(loss.device) + loss
+            self._loss_count += 1
 
     def _stats_request(self, request: Any) -> None:
         if self.monitor == "grad_norm":
@@ -697,7 +700,15 @@ class SpikeGuard(_Guard):
         value = self._loss_sum
         if value is None:
             value = torch.full((), float("nan"), device=pl_module.device)
+        else:
+            # Lightning divides each micro-batch loss by N before `on_before_backward` (automatic optimization
+            # only): the window's sum is k / N of its mean, too small for the short last window of an epoch.
+            divisor = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            factor = mean_window_scale(divisor, self._loss_count)
+            if factor != 1.0:
+                value = value * factor
         self._loss_sum = None
+        self._loss_count = 0
         return {self._key: value.reshape(1).to(pl_module.device)}
 
     def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -781,12 +792,17 @@ class SpikeGuard(_Guard):
 
     # -- state -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "statistic": "window" if self.window else "ema",
             "stats": self._stats.state_dict(),
             "spikes": self._spikes,
             **self._skipped_state(),
         }
+        if self._loss_sum is not None:
+            # The losses of an accumulation window still open (a checkpoint saved mid-window): a resumed run then
+            # monitors the same window mean as an uninterrupted one.
+            state["window_loss"] = (self._loss_sum.detach().cpu(), self._loss_count)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         expected = "window" if self.window else "ema"
@@ -797,4 +813,6 @@ class SpikeGuard(_Guard):
             )
         self._stats.load_state_dict(state_dict["stats"])
         self._spikes = int(state_dict.get("spikes", 0))
+        if "window_loss" in state_dict:
+            self._loss_sum, self._loss_count = state_dict["window_loss"]
         self._restored_skips = float(state_dict.get("skipped_steps", 0.0))
