@@ -223,3 +223,35 @@ def test_agc_clips_parameters_unfrozen_after_setup(tmp_path: Path) -> None:
             torch.testing.assert_close(post[name], expected, rtol=1e-5, atol=1e-9, msg=f"{name} at {step}")
             clipped_backbone |= name.startswith("backbone") and not torch.equal(expected, grad)
     assert clipped_backbone
+
+
+class BackboneZeroForgotten(BackboneModel):
+    """An ``optimizer_zero_grad`` written before the backbone was unfrozen: it zeroes the head only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dirty_at_window_start: list[list[str]] = []
+        self.backwards = 0
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        for p in self.head.parameters():
+            p.grad = None
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        # Windows of 2 micro-batches (4 per epoch): every other backward starts a window.
+        if self.backwards % 2 == 0:
+            names = [n for n, p in self.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0]
+            self.dirty_at_window_start.append(names)
+        self.backwards += 1
+
+
+def test_accumulation_guard_checks_that_unfrozen_parameters_start_windows_clean(tmp_path: Path) -> None:
+    model = BackboneZeroForgotten()
+    guard = AccumulationGuard(zero_early=False, on_dirty="warn")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _fit(tmp_path, model, [guard], accumulate_grad_batches=2, log_every_n_steps=50)
+    messages = [str(w.message) for w in record if "began with non-zero gradients" in str(w.message)]
+    dirty = next(names for names in model.dirty_at_window_start if names)
+    assert dirty == ["backbone.0.weight", "backbone.0.bias", "backbone.2.weight", "backbone.2.bias"]
+    assert len(messages) == 1 and f"in {len(dirty)} parameter(s): {', '.join(dirty)}." in messages[0]
