@@ -9,8 +9,9 @@ them; the others find the step already done. So results never depend on the orde
    the sharded norm contributions and those scalars together.
 3. ``_decide`` in stage order: ``SCALE`` (accumulation) -> ``GUARD`` (skip flags) -> ``CLIP`` (coefficient)
    -> ``OBSERVE``. Each reads :class:`StepPlan` and writes its decision to it; none reads the gradients.
-4. The engine writes the gradients once: a single ``torch._foreach_mul_`` with the product of all scales
-   (per-parameter factors, if any, are folded into that same pass), plus a clamp for value clipping.
+4. The engine writes the gradients once: one ``torch._foreach_mul_`` per (device, dtype) group with the product of
+   all scales, kept in fp32 (per-parameter factors, if any, are folded into that same pass), plus a clamp for value
+   clipping. Sparse gradients are written through their values.
 5. ``_observe``: logging, on logging steps only.
 
 Under 16-mixed AMP with an optimizer that unscales inside its own ``step`` (``fused=True``), Lightning does not
@@ -216,6 +217,7 @@ class StepPlan:
             uniform: list[Tensor] = []
             uniform_ids: list[int] = []
             own: list[Tensor] = []
+            own_sparse: list[bool] = []
             coefs: list[Tensor] = []
             for i, g, run in zip(self.present, self.grads, self.run_ids, strict=True):
                 coef = self.param_coefs.get(i)
@@ -224,16 +226,17 @@ class StepPlan:
                     uniform_ids.append(run)
                 else:
                     own.append(g)
+                    own_sparse.append(run < 0)
                     coefs.append(coef)
             if common is not None:
                 coefs = torch._foreach_mul(coefs, common)
             coefs = [c if c.dtype == g.dtype else c.to(g.dtype) for c, g in zip(coefs, own, strict=True)]
-            dense = [(g, c) for g, c in zip(own, coefs, strict=True) if not g.is_sparse]
+            dense = [(g, c) for g, c, sparse in zip(own, coefs, own_sparse, strict=True) if not sparse]
             if dense:
                 # Broadcasts unit-wise coefficients over each gradient.
                 torch._foreach_mul_([g for g, _ in dense], [c for _, c in dense])
-            for g, c in zip(own, coefs, strict=True):
-                if g.is_sparse:
+            for g, c, sparse in zip(own, coefs, own_sparse, strict=True):
+                if sparse:
                     _scale_sparse_(g, c)
         else:
             uniform, uniform_ids = self.grads, self.run_ids

@@ -371,7 +371,9 @@ class AdaptiveGradClip(_GradClipCallback):
     The unit-wise gradient norms are measured in the engine's single read of the gradients (the per-parameter norms
     of the shared statistics are derived from them); the weights are read once for their unit norms. Under FSDP2
     (``fully_shard``, dim-0 sharding) each rank clips its own rows; the norms of sharded 1-D parameters travel in
-    the step's single all-reduce. FSDP1 flattens parameters, which loses the units: not supported.
+    the step's single all-reduce. FSDP1 flattens parameters, which loses the units: not supported. A sparse gradient
+    (``nn.Embedding(sparse=True)``) is clipped row by row from the norms of its coalesced rows. Frozen parameters are
+    selected too, so a module unfrozen during the fit (``BackboneFinetuning``) is clipped from the step it joins.
 
     Logs the keys of :class:`ClipGradNorm` (2-norms; ``grad_clip/coef`` is post / pre), a step counting as clipped
     when any unit (on rank 0, under sharding) was rescaled.
