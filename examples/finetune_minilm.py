@@ -10,7 +10,11 @@ logging, ...). The data is built from the interpreter itself, the model ships in
         --trainer.accelerator gpu --trainer.precision bf16-mixed
 
 The run first measures the validation accuracy of the untrained classifier head (the baseline), fine-tunes, and
-prints both.
+prints both. To train the head alone first and unfreeze the encoder later (Lightning's ``BackboneFinetuning``; the
+gradkit callbacks cover the encoder from the step it joins the optimizer)::
+
+    python examples/finetune_minilm.py fit --config examples/configs/safe_finetune.yaml \
+        --model.unfreeze_encoder_at_epoch 1
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import BackboneFinetuning, Callback
 from lightning.pytorch.cli import LightningCLI
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -129,6 +134,11 @@ class DocstringDataModule(pl.LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.batch_size)
 
 
+def _keep_lr(epoch: int) -> float:
+    """``BackboneFinetuning``'s per-epoch lr factor: the encoder keeps its learning rate once unfrozen."""
+    return 1.0
+
+
 class MiniLMClassifier(pl.LightningModule):
     """all-MiniLM-L6-v2 with mean pooling and a linear head.
 
@@ -136,20 +146,50 @@ class MiniLMClassifier(pl.LightningModule):
         num_classes: number of labels.
         lr: AdamW learning rate of the encoder; the head uses 10x.
         freeze_embeddings: keep the token embeddings fixed (a common fine-tuning choice).
+        unfreeze_encoder_at_epoch: train the head alone until this epoch, then the encoder too (with learning rate
+            ``lr``), through Lightning's ``BackboneFinetuning``; ``None`` (default) trains both from the start.
     """
 
-    def __init__(self, num_classes: int = len(MODULES), lr: float = 5e-5, freeze_embeddings: bool = True) -> None:
+    def __init__(
+        self,
+        num_classes: int = len(MODULES),
+        lr: float = 5e-5,
+        freeze_embeddings: bool = True,
+        unfreeze_encoder_at_epoch: int | None = None,
+    ) -> None:
         super().__init__()
-        from transformers import AutoModel
-
         self.save_hyperparameters()
-        # The pooler is unused by mean pooling (GradNormMonitor reports it as receiving no gradient otherwise);
-        # from_pretrained returns the model in eval mode, so dropout is switched back on with train().
-        self.encoder = AutoModel.from_pretrained(model_dir(), add_pooling_layer=False).train()
+        self.encoder = self.build_encoder()
         if freeze_embeddings:
             self.encoder.embeddings.requires_grad_(False)
         self.head = nn.Linear(self.encoder.config.hidden_size, num_classes)
         self.val_acc = MulticlassAccuracy(num_classes=num_classes)
+
+    def build_encoder(self) -> nn.Module:
+        """The pretrained encoder: any module with ``embeddings``, ``config.hidden_size`` and a forward that returns
+        ``last_hidden_state``, as Hugging Face encoders do."""
+        from transformers import AutoModel
+
+        # The pooler is unused by mean pooling (GradNormMonitor reports it as receiving no gradient otherwise);
+        # from_pretrained returns the model in eval mode, so dropout is switched back on with train().
+        return AutoModel.from_pretrained(model_dir(), add_pooling_layer=False).train()
+
+    @property
+    def backbone(self) -> nn.Module:
+        """What ``BackboneFinetuning`` freezes and unfreezes: the encoder, but for frozen embeddings."""
+        keep_frozen = {"embeddings"} if self.hparams.freeze_embeddings else set()
+        return nn.ModuleList(m for name, m in self.encoder.named_children() if name not in keep_frozen)
+
+    def configure_callbacks(self) -> list[Callback]:
+        if self.hparams.unfreeze_encoder_at_epoch is None:
+            return []
+        return [
+            BackboneFinetuning(
+                unfreeze_backbone_at_epoch=self.hparams.unfreeze_encoder_at_epoch,
+                backbone_initial_lr=self.hparams.lr,
+                lambda_func=_keep_lr,
+            )
+        ]
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -172,13 +212,11 @@ class MiniLMClassifier(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         lr = self.hparams.lr
-        return torch.optim.AdamW(
-            [
-                {"params": [p for p in self.encoder.parameters() if p.requires_grad], "lr": lr},
-                {"params": self.head.parameters(), "lr": lr * 10},
-            ],
-            weight_decay=0.01,
-        )
+        # A frozen encoder (BackboneFinetuning freezes it at setup) joins later as a param group of its own.
+        encoder = [p for p in self.encoder.parameters() if p.requires_grad]
+        groups = [{"params": encoder, "lr": lr}] if encoder else []
+        groups.append({"params": self.head.parameters(), "lr": lr * 10})
+        return torch.optim.AdamW(groups, weight_decay=0.01)
 
 
 class FineTuneCLI(LightningCLI):

@@ -122,6 +122,74 @@ def test_bf16_parameters_are_clipped_like_the_reference(tmp_path: Path, case: st
         torch.testing.assert_close(a, b, rtol=0, atol=2e-2, msg=name)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_float64_parameters_are_clipped_like_the_reference(tmp_path: Path, case: str) -> None:
+    """Every clipper, and the monitor beside it, on a float64 model (``precision="64-true"``)."""
+    make_callback, make_ref = CASES[case]
+    torch.manual_seed(0)
+    model = MLPModule()
+    trainer = make_trainer(tmp_path, callbacks=[make_callback(), GradNormMonitor()], precision="64-true")
+    trainer.fit(model, loader(n=STEPS * 8, batch_size=8))
+
+    torch.manual_seed(0)
+    ref = MLPModule().double()
+    opt = ref.configure_optimizers()
+    clip = make_ref()
+    pre = []
+    for x, y in loader(n=STEPS * 8, batch_size=8):
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x.double()), y.double()).backward()
+        pre.append(total_norm(ref))
+        clip(ref)
+        opt.step()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+    assert column(read_metrics(trainer), "grad_norm/total") == pytest.approx(pre, rel=1e-5)
+
+
+class MixedDtypeMLP(MLPModule):
+    """A bf16 encoder and an fp32 head: the index orders the bf16 group first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder.to(torch.bfloat16)
+        self.pre: list[list[torch.Tensor]] = []
+        self.post: list[list[torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.encoder(x.to(torch.bfloat16))).float())
+
+    def on_after_backward(self) -> None:
+        self.pre.append([p.grad.clone() for p in self.parameters()])
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.post.append([p.grad.clone() for p in self.parameters()])
+
+
+def test_mixed_bf16_fp32_model_is_clipped_like_clip_grad_norm(tmp_path: Path) -> None:
+    """The fp32 head gets the fp32 coefficient (not a bf16-rounded one), the bf16 encoder the same coefficient."""
+    max_norm = 0.05
+    model = MixedDtypeMLP()
+    trainer = make_trainer(tmp_path, callbacks=[ClipGradNorm(max_norm)])
+    trainer.fit(model, loader(n=STEPS * 8, batch_size=8))
+    for step, (pre, post) in enumerate(zip(model.pre, model.post, strict=True)):
+        # torch's clip_grad_norm_ = get_total_norm + clip_grads_with_norm_; the total is taken in fp32 over the same
+        # gradients (get_total_norm would reduce the bf16 ones in bf16, a different rounding of the same norm).
+        params = [nn.Parameter(torch.zeros_like(g)) for g in pre]
+        for p, g in zip(params, pre, strict=True):
+            p.grad = g.clone()
+        total = torch.nn.utils.get_total_norm([g.float() for g in pre])
+        assert total > max_norm
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for got, p in zip(post, params, strict=True):
+            if got.dtype == torch.float32:
+                torch.testing.assert_close(got, p.grad, rtol=1e-6, atol=0, msg=f"step {step}")
+            else:
+                # One bf16 rounding of the same product.
+                torch.testing.assert_close(got, p.grad, rtol=2**-7, atol=0, msg=f"step {step}")
+
+
 class RecordingClipped(MLPModule):
     """Records the reference pre- and post-clip 2-norms in the module hook, which runs after every callback's."""
 

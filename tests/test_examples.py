@@ -5,10 +5,17 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from helpers import column, make_trainer, read_metrics
+from lightning_gradkit import ClipGradNorm, GradNormMonitor
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 CONFIGS = EXAMPLES / "configs"
@@ -105,3 +112,75 @@ def test_demo_skips_the_injected_nan_names_the_culprit_and_writes_the_report(
     assert at_3 and any(e.get("culprit") == "model.blocks.0.mlp" for e in at_3), events
     report = log_dir / "gradient_report.png"
     assert report.stat().st_size > 10_000
+
+
+class TinyEncoder(nn.Module):
+    """A stand-in for the pretrained encoder with its interface: ``embeddings``, ``config.hidden_size`` and a forward
+    returning ``last_hidden_state`` (the test runs without the ``examples`` extra)."""
+
+    def __init__(self, vocab: int = 30, hidden: int = 8) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(hidden_size=hidden)
+        self.embeddings = nn.Embedding(vocab, hidden)
+        self.encoder = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, hidden))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> SimpleNamespace:
+        return SimpleNamespace(last_hidden_state=self.encoder(self.embeddings(input_ids)))
+
+
+def test_minilm_unfreeze_option_trains_the_head_first_then_the_clipped_encoder(tmp_path: Path) -> None:
+    """``unfreeze_encoder_at_epoch=1``: epoch 0 leaves the encoder bitwise untouched, epoch 1 trains its layers (not
+    the frozen embeddings) and ClipGradNorm clips all stepped gradients, encoder included, to ``max_norm``."""
+    example = load_example("finetune_minilm.py")
+    max_norm, batches = 1e-3, 3
+
+    class TinyClassifier(example.MiniLMClassifier):
+        def build_encoder(self) -> nn.Module:
+            return TinyEncoder()
+
+        def on_after_backward(self) -> None:
+            self.pre.append([p.grad.clone() for p in self.parameters() if p.grad is not None])
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            self.post.append({n: p.grad.clone() for n, p in self.named_parameters() if p.grad is not None})
+
+    snapshots: list[dict[str, Tensor]] = []
+
+    class EpochSnapshots(Callback):
+        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            snapshots.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+
+    torch.manual_seed(0)
+    model = TinyClassifier(num_classes=3, lr=0.01, unfreeze_encoder_at_epoch=1)
+    model.pre, model.post = [], []
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randint(0, 30, (batches * 4, 6), generator=g),
+        torch.ones(batches * 4, 6, dtype=torch.long),
+        torch.randint(0, 3, (batches * 4,), generator=g),
+    )
+    trainer = make_trainer(
+        tmp_path,
+        max_epochs=2,
+        strategy="gradkit",
+        callbacks=[EpochSnapshots(), GradNormMonitor(), ClipGradNorm(max_norm)],
+    )
+    trainer.fit(model, DataLoader(data, batch_size=4))
+
+    layers = [n for n in initial if n.startswith("encoder.encoder.")]
+    embeddings = [n for n in initial if n.startswith("encoder.embeddings.")]
+    assert layers and embeddings
+    assert all(torch.equal(snapshots[0][n], initial[n]) for n in layers + embeddings)
+    assert not torch.equal(snapshots[0]["head.weight"], initial["head.weight"])
+    assert all(not torch.equal(snapshots[1][n], snapshots[0][n]) for n in layers)
+    assert all(torch.equal(snapshots[1][n], initial[n]) for n in embeddings)
+    groups = trainer.optimizers[0].param_groups
+    assert [g["lr"] for g in groups] == [0.1, 0.01]  # the head (10x lr), then the unfrozen layers at `lr`
+
+    # Every step clipped all the gradients the optimizer stepped, the unfrozen layers included.
+    assert all(set(layers) <= set(post) for post in model.post[batches:])
+    for post in model.post:
+        assert torch.nn.utils.get_total_norm(list(post.values())).item() == pytest.approx(max_norm, rel=1e-4)
+    logged = column(read_metrics(trainer), "grad_norm/total")
+    assert logged == pytest.approx([torch.nn.utils.get_total_norm(g).item() for g in model.pre], rel=1e-6)

@@ -9,8 +9,9 @@ them; the others find the step already done. So results never depend on the orde
    the sharded norm contributions and those scalars together.
 3. ``_decide`` in stage order: ``SCALE`` (accumulation) -> ``GUARD`` (skip flags) -> ``CLIP`` (coefficient)
    -> ``OBSERVE``. Each reads :class:`StepPlan` and writes its decision to it; none reads the gradients.
-4. The engine writes the gradients once: a single ``torch._foreach_mul_`` with the product of all scales
-   (per-parameter factors, if any, are folded into that same pass), plus a clamp for value clipping.
+4. The engine writes the gradients once: one ``torch._foreach_mul_`` per (device, dtype) group with the product of
+   all scales, kept in fp32 (per-parameter factors, if any, are folded into that same pass), plus a clamp for value
+   clipping. Sparse gradients are written through their values.
 5. ``_observe``: logging, on logging steps only.
 
 Under 16-mixed AMP with an optimizer that unscales inside its own ``step`` (``fused=True``), Lightning does not
@@ -60,6 +61,8 @@ from lightning_gradkit.stats import (
     per_tensor_norms,
     powered,
     resolve_partial_grads,
+    row_norms,
+    sparse_values,
     total_norm,
 )
 
@@ -101,6 +104,11 @@ class StepPlan:
     Policies write ``scale`` (via :meth:`multiply_scale`), ``clip_coef``, ``param_coefs``, ``clamp_value`` and
     skip flags (via :meth:`add_skip`); the engine applies them in one pass.
 
+    ``grads`` holds the gradients of the parameters at ``present`` (positions in ``index``), and ``run_ids`` the
+    (device, dtype) group of each (``ParamIndex.run_of``), ``-1`` for a sparse one. Sparse COO gradients are
+    coalesced by the engine's read (``p.grad`` is replaced by its coalesced version), so their values are the
+    gradient.
+
     ``loss_scale`` is set when the gradients are still multiplied by the AMP loss scale (fused optimizers under
     16-mixed); every norm in ``stats`` and ``unit_norms`` is already expressed without it, and ``clamp_value`` is
     meant in those unscaled units too.
@@ -125,6 +133,7 @@ class StepPlan:
     post_clip_total_fn: Callable[[], Tensor] | None = None
     loss_scale: Tensor | None = None
     unit_norms: UnitNorms | None = None
+    run_ids: list[int] = field(default_factory=list)
     _post_clip_total: Tensor | None = None
     _skip_host: bool | None = None
 
@@ -206,39 +215,97 @@ class StepPlan:
         return self.clip_coef is not None or bool(self.param_coefs) or self.clamp_value is not None
 
     def apply(self) -> None:
-        """Write the gradients once: multiply by the product of all factors, then clamp for value clipping."""
+        """Write the gradients once: multiply by the product of all factors, then clamp for value clipping.
+
+        The common factor (accumulation scale times clip coefficient) stays fp32 and multiplies each (device, dtype)
+        run of gradients as it is, as ``torch.nn.utils.clip_grad_norm_`` does: rounding it to a low-precision dtype
+        would move the clip by up to 0.4% (bf16). Per-parameter factors (AGC) are multiplied by it in fp32, then
+        cast to their own gradient's dtype. Sparse gradients are written through their values.
+        """
         common = self.scale
         if self.clip_coef is not None:
             common = self.clip_coef if common is None else common * self.clip_coef
         if self.param_coefs:
             uniform: list[Tensor] = []
+            uniform_ids: list[int] = []
             own: list[Tensor] = []
+            own_sparse: list[bool] = []
             coefs: list[Tensor] = []
-            for i, g in zip(self.present, self.grads, strict=True):
+            for i, g, run in zip(self.present, self.grads, self.run_ids, strict=True):
                 coef = self.param_coefs.get(i)
                 if coef is None:
                     uniform.append(g)
+                    uniform_ids.append(run)
                 else:
                     own.append(g)
-                    coefs.append(coef if coef.dtype == g.dtype else coef.to(g.dtype))
+                    own_sparse.append(run < 0)
+                    coefs.append(coef)
             if common is not None:
-                coefs = torch._foreach_mul(coefs, common.to(coefs[0].dtype))
-            torch._foreach_mul_(own, coefs)  # broadcasts unit-wise coefficients over each gradient
+                coefs = torch._foreach_mul(coefs, common)
+            coefs = [c if c.dtype == g.dtype else c.to(g.dtype) for c, g in zip(coefs, own, strict=True)]
+            dense = [(g, c) for g, c, sparse in zip(own, coefs, own_sparse, strict=True) if not sparse]
+            if dense:
+                # Broadcasts unit-wise coefficients over each gradient.
+                torch._foreach_mul_([g for g, _ in dense], [c for _, c in dense])
+            for g, c, sparse in zip(own, coefs, own_sparse, strict=True):
+                if sparse:
+                    _scale_sparse_(g, c)
         else:
-            uniform = self.grads
-        if common is not None and uniform:
-            torch._foreach_mul_(uniform, common.to(uniform[0].dtype))
+            uniform, uniform_ids = self.grads, self.run_ids
+        runs, sparse = _split_runs(uniform, uniform_ids)
+        if common is not None:
+            for run in runs:
+                torch._foreach_mul_(run, common.to(run[0].device))
+            for g in sparse:
+                _scale_sparse_(g, common)
         if self.clamp_value is not None and self.grads:
-            if self.loss_scale is None:
-                _clamp_(self.grads, self.clamp_value)
-            else:
-                # The gradients still carry the loss scale: so does the bound (a device scalar, no host sync). The
-                # scaler looks for overflows only inside `step`, after this: a clamp must not turn an Inf into a
-                # finite value, so a step with a non-finite gradient gets NaN bounds (all NaN, which it skips).
-                finite = next(iter(self.stats.values())).finite
-                bound = torch.where(finite, self.loss_scale * self.clamp_value, math.nan)
-                for g in self.grads:
-                    g.clamp_(min=-bound.to(g.dtype), max=bound.to(g.dtype))
+            self._clamp(self.clamp_value)
+
+    def _clamp(self, clamp_value: float) -> None:
+        """Value clipping: clamp every gradient element (the values of a sparse gradient) to the bound."""
+        runs, sparse = _split_runs(self.grads, self.run_ids)
+        runs += [[sparse_values(g)] for g in sparse]
+        if self.loss_scale is None:
+            for run in runs:
+                _clamp_(run, clamp_value)
+            return
+        # The gradients still carry the loss scale: so does the bound (a device scalar, no host sync). The scaler
+        # looks for overflows only inside `step`, after this: a clamp must not turn an Inf into a finite value, so a
+        # step with a non-finite gradient gets NaN bounds (all NaN, which it skips).
+        finite = next(iter(self.stats.values())).finite
+        bound = torch.where(finite, self.loss_scale * clamp_value, math.nan)
+        for run in runs:
+            # One cast of the bound per (device, dtype) run.
+            high = bound.to(run[0].device, run[0].dtype)
+            low = -high
+            for g in run:
+                g.clamp_(min=low, max=high)
+
+
+def _split_runs(grads: list[Tensor], run_ids: list[int]) -> tuple[list[list[Tensor]], list[Tensor]]:
+    """Dense gradients in runs that share device and dtype (one ``_foreach`` call each), and the sparse ones."""
+    runs: list[list[Tensor]] = []
+    sparse: list[Tensor] = []
+    last = -1
+    for g, run in zip(grads, run_ids, strict=True):
+        if run < 0:
+            sparse.append(g)
+        elif run == last:
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+            last = run
+    return runs, sparse
+
+
+def _scale_sparse_(grad: Tensor, factor: Tensor) -> None:
+    """Multiply a coalesced sparse COO gradient in place by a scalar or by one factor per row (dim 0)."""
+    values = grad._values()
+    if factor.numel() == 1:
+        values.mul_(factor.reshape(()).to(values.device))
+    else:
+        rows = factor.reshape(-1)[grad._indices()[0]]
+        values.mul_(rows.view(-1, *([1] * (values.ndim - 1))))
 
 
 @dataclass
@@ -295,7 +362,7 @@ class _Engine:
     _by_trainer: weakref.WeakKeyDictionary[pl.Trainer, _Engine] = weakref.WeakKeyDictionary()
 
     def __init__(self) -> None:
-        self._indexes: dict[tuple[int, int], ParamIndex] = {}
+        self._indexes: dict[tuple[int, int], tuple[tuple[int, ...], ParamIndex]] = {}
         self._runs: dict[int, _Run] = {}
         self.last_plans: dict[int, StepPlan] = {}
         self.skipped_steps: Tensor | None = None
@@ -350,14 +417,25 @@ class _Engine:
     def _index(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, depth: int
     ) -> ParamIndex:
+        """The index of the parameters ``optimizer`` steps now, rebuilt only when that list changed.
+
+        Parameters can join after the first step (a backbone unfrozen with ``requires_grad_(True)``, a param group
+        added with ``add_param_group``, as Lightning's ``BackboneFinetuning`` does) or leave it (frozen again). The
+        check every step is one tuple of ``id``s of the trainable parameters, compared with the one the index was
+        built from: a constant per tensor, with no tensor built. Ids of those parameters cannot be reused while the
+        index holds them.
+        """
         key = (id(optimizer), depth)
-        index = self._indexes.get(key)
-        if index is None:
-            names = {id(p): n for n, p in pl_module.named_parameters()}
-            first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-            device = first.device if first is not None else pl_module.device
-            flat = type(trainer.strategy).__name__.endswith("FSDPStrategy") and trainer.world_size > 1
-            index = self._indexes[key] = build_param_index(optimizer.param_groups, names, depth, device, flat)
+        signature = tuple([id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad])
+        cached = self._indexes.get(key)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        device = first.device if first is not None else pl_module.device
+        flat = type(trainer.strategy).__name__.endswith("FSDPStrategy") and trainer.world_size > 1
+        index = build_param_index(optimizer.param_groups, names, depth, device, flat)
+        self._indexes[key] = (signature, index)
         return index
 
     def step_plan(self, trainer: pl.Trainer, optimizer: Optimizer) -> StepPlan | None:
@@ -401,13 +479,24 @@ class _Engine:
         resolve_partial_grads([index.params[i] for i in index.replicated_dtensors])
         grads: list[Tensor] = []
         present: list[int] = []
+        run_ids: list[int] = []
         missing: list[str] = []
         for i, p in enumerate(index.params):
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 missing.append(index.names[i])
+                continue
+            if grad.is_sparse:
+                # A sparse gradient may hold one index several times (one entry per embedding lookup); its norms
+                # and value clamps need the sum. Replaced here, in the engine's one read, by the equal coalesced
+                # tensor, which every later step (and the optimizer) reads and writes in place.
+                if not grad.is_coalesced():
+                    grad = p.grad = grad.coalesce()
+                run_ids.append(-1)
             else:
-                grads.append(local_tensor(p.grad))
-                present.append(i)
+                run_ids.append(index.run_of[i])
+            grads.append(local_tensor(grad))
+            present.append(i)
 
         extras: dict[str, Tensor] = {}
         for cb in cbs:
@@ -448,6 +537,7 @@ class _Engine:
             logging_step=is_logging_step(trainer, None),
             loss_scale=loss_scale,
             unit_norms=unit_norms,
+            run_ids=run_ids,
         )
         if first is not None:
             plan.scale = first.scale
@@ -538,9 +628,7 @@ def _measure_units(index: ParamIndex, grads: list[Tensor], present: list[int], n
     slots = [j for j, i in enumerate(present) if grads[j].ndim > 1 and index.names[i] in names]
     if not slots:
         return None
-    units = [
-        torch.linalg.vector_norm(grads[j], 2.0, dim=tuple(range(1, grads[j].ndim)), dtype=torch.float32) for j in slots
-    ]
+    units = [row_norms(grads[j]) for j in slots]
     return UnitNorms(positions=slots, sizes=[u.numel() for u in units], flat=torch.cat(units))
 
 

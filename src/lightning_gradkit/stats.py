@@ -45,7 +45,17 @@ def local_tensor(t: Tensor) -> Tensor:
 
 
 def _same_group(a: Tensor, b: Tensor) -> bool:
-    return a.device == b.device and a.dtype == b.dtype
+    return a.device == b.device and a.dtype == b.dtype and a.layout == b.layout
+
+
+def sparse_values(t: Tensor) -> Tensor:
+    """The values of a sparse COO tensor after summing duplicate indices (``coalesce``), as a dense tensor.
+
+    Norms and value clamps of a sparse gradient are those of these values: an uncoalesced tensor may hold one
+    index several times (one entry per lookup of an ``nn.Embedding(sparse=True)`` row), and only their sum is the
+    gradient. Coalescing is free for a tensor that is already coalesced.
+    """
+    return t.coalesce()._values()
 
 
 def _run_norms(run: list[Tensor], norm_type: float) -> Tensor:
@@ -68,6 +78,8 @@ def _device_dtype_runs(tensors: Sequence[Tensor], norm_type: float) -> list[list
     for i in range(1, len(tensors) + 1):
         if i == len(tensors) or not _same_group(tensors[i], tensors[start]):
             run = list(tensors[start:i])
+            if run[0].is_sparse:
+                run = [sparse_values(t) for t in run]
             if math.isinf(norm_type):
                 # A rank's shard of a small parameter can be empty (FSDP); its inf-norm is 0, not an error.
                 run = [t if t.numel() else t.new_zeros(1) for t in run]
@@ -81,7 +93,8 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
 
     One ``torch._foreach_norm`` call per run of consecutive tensors that share device and dtype (callers keep
     parameters ordered by group, so this is one call per (device, dtype) group). Low-precision tensors are
-    reduced in fp32.
+    reduced in fp32. The norm of a sparse COO tensor is the norm of its coalesced values (see
+    :func:`sparse_values`).
 
     Example::
 
@@ -95,6 +108,28 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
     for run in _device_dtype_runs(tensors, norm_type):
         pieces.append(_run_norms(run, norm_type).to(out_device, torch.float32, non_blocking=True))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def row_norms(t: Tensor) -> Tensor:
+    """The 2-norm of every slice of ``t`` along dim 0 (an output unit, for AGC), as an fp32 vector of ``t.shape[0]``.
+
+    Low-precision tensors are reduced in fp32, float64 ones in float64 (then rounded to fp32), so every dtype works.
+    For a sparse COO tensor these are the norms of its coalesced rows (0 for a row it does not hold): the squares of
+    its values are summed per row index.
+
+    Example::
+
+        >>> row_norms(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))
+        tensor([5., 1.])
+    """
+    reduce_dtype = torch.float32 if t.dtype in (torch.float16, torch.bfloat16, torch.float32) else None
+    if not t.is_sparse:
+        return torch.linalg.vector_norm(t, 2.0, dim=tuple(range(1, t.ndim)), dtype=reduce_dtype).to(torch.float32)
+    t = t.coalesce()
+    values = t._values()
+    row_sq = torch.linalg.vector_norm(values.reshape(values.shape[0], -1), 2.0, dim=1, dtype=reduce_dtype).square()
+    sums = torch.zeros(t.shape[0], dtype=row_sq.dtype, device=row_sq.device).index_add_(0, t._indices()[0], row_sq)
+    return sums.sqrt().to(torch.float32)
 
 
 def powered(norms: Tensor, norm_type: float) -> Tensor:
@@ -148,11 +183,13 @@ def combine_sharded(local_norms: Tensor, shard_weight: Tensor, reduced_powers: T
     return torch.where(sharded, unpowered(reduced_powers, norm_type), local_norms)
 
 
-@dataclass
+@dataclass(eq=False)
 class ParamIndex:
-    """Static description of the parameters one optimizer steps, built once and reused every step.
+    """Static description of the parameters one optimizer steps, reused every step until that set changes.
 
-    Parameters are ordered so that gradients of the same (device, dtype) are adjacent.
+    Parameters are ordered so that gradients of the same (device, dtype) are adjacent; ``run_of[i]`` numbers the
+    (device, dtype) group of parameter ``i``. Compared and hashed by identity: caches derived from an index key on
+    the object itself (an ``id`` may be reused once the index is garbage collected).
     """
 
     params: list[torch.nn.Parameter]
@@ -165,6 +202,7 @@ class ParamIndex:
     any_sharded: bool
     depth: int
     replicated_dtensors: list[int] = field(default_factory=list)
+    run_of: list[int] = field(default_factory=list)
 
     @property
     def num_params(self) -> int:
@@ -269,6 +307,8 @@ def build_param_index(
     params = [e[4] for e in entries]
     groups = [e[2] for e in entries]
     names = [e[3] for e in entries]
+    run_ids: dict[tuple[str, str], int] = {}
+    run_of = [run_ids.setdefault((e[0], e[1]), len(run_ids)) for e in entries]
 
     module_names: list[str] = []
     module_index: Tensor | None = None
@@ -295,6 +335,7 @@ def build_param_index(
         any_sharded=any_sharded,
         depth=depth,
         replicated_dtensors=[i for i, p in enumerate(params) if _replicated_dtensor(p)],
+        run_of=run_of,
     )
 
 

@@ -225,11 +225,10 @@ class AccumulationGuard(GradKitCallback):
 
     # -- training hooks -----------------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        names = {id(p): n for n, p in pl_module.named_parameters()}
-        self._params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
-        self._names = [names.get(id(p), f"<param {i}>") for i, p in enumerate(self._params)]
-        self._tokens.reset()
         self._pending.clear()
+        self._params = []
+        self._refresh_params(trainer, pl_module)
+        self._tokens.reset()
         self._stepped = False
         self._expect_clean = True
 
@@ -268,10 +267,22 @@ class AccumulationGuard(GradKitCallback):
                     "AccumulationGuard: `check_clean` is skipped with several optimizers in manual optimization."
                 )
             return
+        self._refresh_params(trainer, pl_module)
         present = [i for i, p in enumerate(self._params) if p.grad is not None]
         if present:  # None gradients are clean: decided on the host
             flags = nonzero_grad_flags([self._params[i].grad for i in present])
             self._pending.append((trainer.global_step, present, flags))
+
+    def _refresh_params(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The parameters the window-start check reads: every one the optimizers hold, also those added during the
+        fit (``add_param_group``, as ``BackboneFinetuning`` does). Renamed only when that list changed."""
+        params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
+        if len(params) == len(self._params) and all(a is b for a, b in zip(params, self._params, strict=True)):
+            return
+        self._report_dirty()  # pending flags refer to positions in the old list
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        self._params = params
+        self._names = [names.get(id(p), f"<param {i}>") for i, p in enumerate(params)]
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer

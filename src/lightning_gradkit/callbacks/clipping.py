@@ -40,7 +40,14 @@ from lightning_gradkit.clipping import (
     ZClipPolicy,
     clip_to_threshold,
 )
-from lightning_gradkit.stats import _replication, clean_param_name, local_tensor, per_tensor_norms
+from lightning_gradkit.stats import (
+    ParamIndex,
+    _replication,
+    clean_param_name,
+    local_tensor,
+    per_tensor_norms,
+    row_norms,
+)
 
 
 @dataclass
@@ -393,7 +400,9 @@ class AdaptiveGradClip(_GradClipCallback):
     The unit-wise gradient norms are measured in the engine's single read of the gradients (the per-parameter norms
     of the shared statistics are derived from them); the weights are read once for their unit norms. Under FSDP2
     (``fully_shard``, dim-0 sharding) each rank clips its own rows; the norms of sharded 1-D parameters travel in
-    the step's single all-reduce. FSDP1 flattens parameters, which loses the units: not supported.
+    the step's single all-reduce. FSDP1 flattens parameters, which loses the units: not supported. A sparse gradient
+    (``nn.Embedding(sparse=True)``) is clipped row by row from the norms of its coalesced rows. Frozen parameters are
+    selected too, so a module unfrozen during the fit (``BackboneFinetuning``) is clipped from the step it joins.
 
     Logs the keys of :class:`ClipGradNorm` (2-norms; ``grad_clip/coef`` is post / pre), a step counting as clipped
     when any unit (on rank 0, under sharding) was rescaled.
@@ -440,6 +449,7 @@ class AdaptiveGradClip(_GradClipCallback):
         self._sharded_1d: list[tuple[str, Tensor, float]] = []
         self._sharded_1d_factors: Tensor | None = None
         self._cache: dict[tuple[Any, ...], Any] = {}
+        self._cache_index: ParamIndex | None = None
 
     @property
     def clip_factor(self) -> float:
@@ -458,6 +468,7 @@ class AdaptiveGradClip(_GradClipCallback):
         callback._sharded_1d = []
         callback._sharded_1d_factors = None
         callback._cache = {}
+        callback._cache_index = None
         return callback
 
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -471,6 +482,7 @@ class AdaptiveGradClip(_GradClipCallback):
         self._sharded_1d = []
         self._sharded_1d_factors = None
         self._cache = {}
+        self._cache_index = None
         for name, param in pl_module.named_parameters():
             name = clean_param_name(name)
             placements = getattr(param, "placements", None)
@@ -501,11 +513,19 @@ class AdaptiveGradClip(_GradClipCallback):
             self._sharded_1d_factors = torch.tensor(factors, device=weights[0].device)
         return {self._REDUCE_KEY: per_tensor_norms(weights, 2.0).pow(2) * self._sharded_1d_factors}
 
+    def _cached(self, plan: StepPlan, key: tuple[Any, ...]) -> Any:
+        """A value cached for the step's parameter index; the cache is emptied when the index is rebuilt (parameters
+        joined or left the optimizer)."""
+        if plan.index is not self._cache_index:
+            self._cache = {}
+            self._cache_index = plan.index
+        return self._cache.get(key)
+
     def _one_dim_positions(self, plan: StepPlan) -> tuple[list[int], Tensor | None, list[int]]:
         """Selected parameters with at most one dim that have a gradient, an index tensor of them, and for each the
         slot of its reduced weight norm (-1: not sharded). Cached: the set only changes when gradients go missing."""
-        key = (id(plan.index), tuple(plan.present))
-        cached = self._cache.get(key)
+        key = ("one_dim", tuple(plan.present))
+        cached = self._cached(plan, key)
         if cached is None:
             assert self._selected is not None
             index = plan.index
@@ -532,10 +552,7 @@ class AdaptiveGradClip(_GradClipCallback):
         weight_parts: list[Tensor] = []
         if units is not None:
             grad_parts.append(units.flat)
-            weight_parts.extend(
-                torch.linalg.vector_norm(w, 2.0, dim=tuple(range(1, w.ndim)), dtype=torch.float32)
-                for w in (local_tensor(index.params[i].detach()) for i in pos_nd)
-            )
+            weight_parts.extend(row_norms(local_tensor(index.params[i].detach())) for i in pos_nd)
         if pos_1d_tensor is not None:
             grad_parts.append(stats.param_norms[pos_1d_tensor])
             weight_parts.append(self._one_dim_weight_norms(plan, pos_1d, reduced_slots))
@@ -563,8 +580,8 @@ class AdaptiveGradClip(_GradClipCallback):
         """``(k, shape)`` for the coefficient pieces that need a view to broadcast over their gradient: unit-wise ones
         of parameters with more than one dim, and scalar parameters (cached per layout; other pieces, of shape
         ``(1,)``, broadcast as they are)."""
-        key = ("shapes", id(plan.index), tuple(pos_nd), tuple(pos_1d))
-        shapes = self._cache.get(key)
+        key = ("shapes", tuple(pos_nd), tuple(pos_1d))
+        shapes = self._cached(plan, key)
         if shapes is None:
             ndims = dict(zip(plan.present, (g.ndim for g in plan.grads), strict=True))
             shapes = [(k, (-1,) + (1,) * (ndims[i] - 1)) for k, i in enumerate(pos_nd)]
@@ -623,12 +640,15 @@ def _memo(fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
 
 
 def _select_parameters(pl_module: torch.nn.Module, exclude: list[str]) -> set[str]:
-    """Names (cleaned) of the trainable parameters not matched by any ``exclude`` pattern.
+    """Names (cleaned) of the parameters not matched by any ``exclude`` pattern, frozen ones included.
+
+    A frozen parameter may be unfrozen during the fit (``BackboneFinetuning``): it is then clipped like the others.
+    Only the parameters an optimizer steps are ever clipped, so selecting frozen ones costs nothing.
 
     Raises:
         ValueError: naming a pattern that matches no parameter.
     """
-    params = [clean_param_name(n) for n, p in pl_module.named_parameters() if p.requires_grad]
+    params = [clean_param_name(n) for n, _ in pl_module.named_parameters()]
     modules = [(clean_param_name(n), m) for n, m in pl_module.named_modules()]
     excluded: set[str] = set()
     for pattern in exclude:
@@ -648,8 +668,8 @@ def _select_parameters(pl_module: torch.nn.Module, exclude: list[str]) -> set[st
         if not matched:
             raise ValueError(
                 f"AdaptiveGradClip: `exclude` pattern {pattern!r} matches no trainable parameter of "
-                f"`{type(pl_module).__name__}`. Use a module class name (e.g. 'Linear') or 're:<regex>' over "
-                f"qualified names such as {params[:3]}."
+                f"`{type(pl_module).__name__}`, nor a frozen one. Use a module class name (e.g. 'Linear') or "
+                f"'re:<regex>' over qualified names such as {params[:3]}."
             )
         excluded |= matched
     return set(params) - excluded

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _StatsRequest, is_logging_step, log_metrics
 from lightning_gradkit.stats import (
+    ParamIndex,
     combine_sharded,
     grouped_norms,
     local_tensor,
@@ -47,8 +48,9 @@ class GradNormMonitor(GradKitCallback):
     - ``grad_norm/param_group_<i>``: per optimizer param group.
     - ``weight_norm/total`` and ``weight_norm/module/<name>``: with ``weight_norms=True``.
 
-    Trainable parameters that receive no gradient, or an all-zero gradient, are named in a one-time warning
-    (the classic "training under ``no_grad``" or "loss not connected" failures).
+    Trainable parameters that receive no gradient, or an all-zero gradient, are named in a warning, once each
+    (the classic "training under ``no_grad``" or "loss not connected" failures). The checks start again for the
+    parameters that join the optimizer during the fit (e.g. a backbone unfrozen by ``BackboneFinetuning``).
 
     Args:
         norm_type: the p of the norm, ``p >= 1`` or ``float("inf")``.
@@ -97,8 +99,12 @@ class GradNormMonitor(GradKitCallback):
         self.weight_norms = weight_norms
         self.report = report
         self.log_every_n_steps = log_every_n_steps
-        self._warned_missing = False
-        self._warned_zero = False
+        # The parameter index each check was done for (re-armed when parameters join or leave the optimizer), and
+        # the names already reported.
+        self._missing_checked: ParamIndex | None = None
+        self._zero_checked: ParamIndex | None = None
+        self._reported_missing: set[str] = set()
+        self._reported_zero: set[str] = set()
 
     @property
     def state_key(self) -> str:
@@ -137,19 +143,22 @@ class GradNormMonitor(GradKitCallback):
         return self.norm_type
 
     def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if plan.stats[self.norm_type].missing and not self._warned_missing:
-            self._warned_missing = True
-            missing = plan.stats[self.norm_type].missing
-            rank_zero_warn(
-                f"GradNormMonitor: {len(missing)} trainable parameter(s) received no gradient at step "
-                f"{trainer.global_step}: {_name_list(missing)}. They are not connected to the loss (or the forward "
-                "ran under `torch.no_grad`). Freeze them (`requires_grad_(False)`) if that is intended."
-            )
+        missing = plan.stats[self.norm_type].missing
+        if missing and plan.index is not self._missing_checked:
+            self._missing_checked = plan.index
+            missing = [n for n in missing if n not in self._reported_missing]
+            self._reported_missing.update(missing)
+            if missing:
+                rank_zero_warn(
+                    f"GradNormMonitor: {len(missing)} trainable parameter(s) received no gradient at step "
+                    f"{trainer.global_step}: {_name_list(missing)}. They are not connected to the loss (or the "
+                    "forward ran under `torch.no_grad`). Freeze them (`requires_grad_(False)`) if that is intended."
+                )
         if not is_logging_step(trainer, self.log_every_n_steps):
             return
         suffix = f"/opt{plan.optimizer_idx}" if len(trainer.optimizers) > 1 else ""
         log_metrics(trainer, pl_module, {k + suffix: v for k, v in self.metrics(plan).items()}, self.log_every_n_steps)
-        if not self._warned_zero:
+        if plan.index is not self._zero_checked:
             self._warn_zero_gradients(plan, trainer)
         if self.weight_norms:
             log_metrics(
@@ -178,9 +187,12 @@ class GradNormMonitor(GradKitCallback):
         present = torch.zeros(len(stats.names), dtype=torch.bool)
         present[plan.present] = True
         zero = ((stats.param_norms == 0).cpu() & present).nonzero().flatten().tolist()
-        if zero:
-            self._warned_zero = True
-            names = [stats.names[i] for i in zero]
+        if not zero:
+            return
+        self._zero_checked = plan.index
+        names = [stats.names[i] for i in zero if stats.names[i] not in self._reported_zero]
+        self._reported_zero.update(names)
+        if names:
             rank_zero_warn(
                 f"GradNormMonitor: {len(names)} trainable parameter(s) have an all-zero gradient at step "
                 f"{trainer.global_step}: {_name_list(names)}. Check that the loss depends on them."
