@@ -45,6 +45,7 @@ from lightning_gradkit.stats import (
     build_param_index,
     combine_sharded,
     derive_stats,
+    host_to_device,
     local_tensor,
     per_tensor_norms,
     powered,
@@ -477,9 +478,9 @@ def _param_norms(grads: list[Tensor], norm_type: float, units: UnitNorms | None)
 
 @functools.lru_cache(maxsize=64)
 def _positions_tensor(positions: tuple[int, ...], device: torch.device) -> Tensor:
-    """An index tensor of ``positions`` on ``device``, made once per layout: building it every step would be a
-    host-to-device copy, which synchronizes on CUDA."""
-    return torch.tensor(positions, dtype=torch.long, device=device)
+    """An index tensor of ``positions`` on ``device``, made once per layout and copied without a host sync (see
+    :func:`~lightning_gradkit.stats.host_to_device`)."""
+    return host_to_device(positions, torch.long, device)
 
 
 def _clamp_(tensors: list[Tensor], bound: float) -> None:
