@@ -42,7 +42,7 @@ def test_fault_matrix_on_gpu(tmp_path: Path, precision: str, kind: str, value: f
 def _no_sync(trainer: Any, method: Any) -> Any:
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if trainer.global_step == 0:  # the first step builds index tensors from host lists, once
+        if trainer.global_step == 0:  # step 0 is checked on its own in test_first_step_sync.py
             return method(*args, **kwargs)
         torch.cuda.set_sync_debug_mode("error")
         try:

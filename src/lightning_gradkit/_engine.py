@@ -6,7 +6,8 @@ them; the others find the step already done. So results never depend on the orde
 
 1. ``_reduce_request``: callbacks name per-rank scalars that need a cross-rank sum (window loss, token counts).
 2. The engine reads every gradient once into per-parameter norms, and performs at most ONE all-reduce carrying
-   the sharded norm contributions and those scalars together.
+   the sharded norm contributions and those scalars together (and, when a guard asks for it, each rank's flag of
+   non-finite local gradients: the finite flag, and so every skip decision, is then the same on every rank).
 3. ``_decide`` in stage order: ``SCALE`` (accumulation) -> ``GUARD`` (skip flags) -> ``CLIP`` (coefficient)
    -> ``OBSERVE``. Each reads :class:`StepPlan` and writes its decision to it; none reads the gradients.
 4. The engine writes the gradients once: one ``torch._foreach_mul_`` per (device, dtype) group with the product of
@@ -57,6 +58,7 @@ from lightning_gradkit.stats import (
     build_param_index,
     combine_sharded,
     derive_stats,
+    host_to_device,
     local_tensor,
     per_tensor_norms,
     powered,
@@ -313,6 +315,12 @@ class _StatsRequest:
     norm_types: set[float] = field(default_factory=set)
     depth: int = 0
     unit_norm_names: set[str] = field(default_factory=set)
+    # Make the finite flag global: every rank's local flag travels in the step's collective (see `_Engine.run`).
+    rank_flags: bool = False
+
+
+# Key in `StepPlan.reduced` of the per-rank flags: `[world_size]`, 1.0 where a rank's own gradients were non-finite.
+NONFINITE_GRAD_RANKS = "gradkit/nonfinite_grad_ranks"
 
 
 def reduce_param_norms(index: ParamIndex, local: Tensor, norm_type: float) -> Tensor:
@@ -522,8 +530,16 @@ class _Engine:
                 unit_norms.sizes,
                 unit_norms.flat if loss_scale is None else unit_norms.flat / loss_scale,
             )
+        if request.rank_flags and world_size() > 1:
+            # A rank's gradients can turn non-finite after the DDP all-reduce (a hook, `on_after_backward`, a faulty
+            # kernel): its flags then differ from the others'. Summed in the one collective, every rank sees them all.
+            extras[NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(local, index.shard_weight.device)
         norms_by_p, reduced = self._all_reduce(index, local, extras)
         stats = {p: derive_stats(index, norms_by_p[p], p, missing) for p in local}
+        if NONFINITE_GRAD_RANKS in reduced:
+            anywhere = reduced[NONFINITE_GRAD_RANKS].sum() > 0
+            for grad_stats in stats.values():
+                grad_stats.finite = grad_stats.finite & ~anywhere
         primary = next((cb._primary_norm_type() for cb in cbs if cb._primary_norm_type() is not None), None)
         plan = StepPlan(
             optimizer=optimizer,
@@ -617,6 +633,14 @@ def _grad_versions(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
     )
 
 
+def _local_nonfinite_flags(local: dict[float, Tensor], device: torch.device) -> Tensor:
+    """``[world_size]`` zeros, with this rank's entry 1.0 when any of its local per-parameter norms is NaN or Inf."""
+    bad = torch.stack([~torch.isfinite(norms).all() for norms in local.values()]).any()
+    flags = torch.zeros(world_size(), dtype=torch.float32, device=device)
+    flags[dist.get_rank()] = bad.to(torch.float32)
+    return flags
+
+
 def _measure_units(index: ParamIndex, grads: list[Tensor], present: list[int], names: set[str]) -> UnitNorms | None:
     """Unit-wise 2-norms (over all dims but the first) of the named gradients with more than one dimension.
 
@@ -650,9 +674,9 @@ def _param_norms(grads: list[Tensor], norm_type: float, units: UnitNorms | None)
 
 @functools.lru_cache(maxsize=64)
 def _positions_tensor(positions: tuple[int, ...], device: torch.device) -> Tensor:
-    """An index tensor of ``positions`` on ``device``, made once per layout: building it every step would be a
-    host-to-device copy, which synchronizes on CUDA."""
-    return torch.tensor(positions, dtype=torch.long, device=device)
+    """An index tensor of ``positions`` on ``device``, made once per layout and copied without a host sync (see
+    :func:`~lightning_gradkit.stats.host_to_device`)."""
+    return host_to_device(positions, torch.long, device)
 
 
 def _clamp_(tensors: list[Tensor], bound: float) -> None:

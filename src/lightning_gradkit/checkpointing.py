@@ -281,12 +281,57 @@ class _CheckpointedForward:
         # Nothing is saved without grad mode (validation, inference): skip the checkpoint's RNG bookkeeping.
         if _bypass_depth or not torch.is_grad_enabled():
             return fn(*args)
-        if self.mode == "selective":
-            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_selective_context_fn)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+        if torch.compiler.is_compiling():
+            # A compiled graph applies buffer mutations once (functionalized); `context_fn` must be dispatch modes.
+            if self.mode == "selective":
+                return checkpoint(
+                    fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_selective_context_fn
+                )
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+        context_fn = functools.partial(_eager_contexts, self.module, self.mode)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn)
 
     def __repr__(self) -> str:
         return f"<activation-checkpointed forward ({self.mode}) of {type(self.module).__name__}>"
+
+
+def _eager_contexts(
+    module: nn.Module, mode: CheckpointMode
+) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+    """The forward and recompute contexts of one eager checkpointed call (``checkpoint``'s ``context_fn``).
+
+    The backward recomputes the forward, and a forward that updates buffers (BatchNorm's ``running_mean``,
+    ``running_var`` and ``num_batches_tracked``) would update them a second time. The recompute context therefore
+    copies every buffer of the module tree before the recompute and puts the copies back after it (also when
+    ``checkpoint`` stops the recompute early). It is entered outside the selective-checkpointing dispatch mode, so
+    those copies are not ops of the checkpointed region. The recompute sees the buffers as the forward left them:
+    exact for BatchNorm in training mode, whose output uses the batch statistics only.
+    """
+    forward: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    recompute: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if mode == "selective":
+        forward, recompute = _selective_context_fn()
+    return forward, _buffers_restored(module, recompute)
+
+
+@contextlib.contextmanager
+def _buffers_restored(module: nn.Module, inner: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+    """Run the body inside ``inner``; restore every buffer of ``module``'s tree afterwards, in place and as the same
+    tensor object in its slot."""
+    saved = [
+        (owner, name, buf, buf.detach().clone())
+        for owner in module.modules()
+        for name, buf in owner._buffers.items()
+        if buf is not None
+    ]
+    try:
+        with inner:
+            yield
+    finally:
+        with torch.no_grad():
+            for owner, name, buf, copy in saved:
+                owner._buffers[name] = buf
+                buf.copy_(copy)
 
 
 def injected_mode(module: nn.Module) -> CheckpointMode | None:

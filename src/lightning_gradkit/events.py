@@ -5,6 +5,9 @@ the fields ``time``, ``step``, ``batch_idx``, ``rank``, ``what``, ``culprit``, `
 the caller adds). By default only global rank 0 writes (callers gather per-rank findings first); a log made with
 ``every_rank=True`` lets each rank append its own findings, each line written with one ``write`` on an ``O_APPEND``
 descriptor so lines never interleave.
+
+Writing an event never raises into training: when the file cannot be written (disk full, the path is a directory, a
+read-only directory) the log warns once per file and training goes on without it.
 """
 
 from __future__ import annotations
@@ -13,23 +16,40 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 EVENTS_FILENAME = "gradkit_events.jsonl"
+# Where the events go when the Trainer has no logger and no `default_root_dir` of its own: Lightning's default log
+# folder (its default logger writes there too), never the bare working directory.
+FALLBACK_DIRNAME = "lightning_logs"
+
+# Files whose write already failed once in this process: the warning is given once per file.
+_failed_paths: set[Path] = set()
 
 
 def events_dir(trainer: pl.Trainer) -> Path:
-    """The directory of the event file: the first logger's directory, else ``trainer.default_root_dir``.
+    """The directory of the event file.
+
+    The first logger's directory; without a logger ``trainer.default_root_dir``, unless that is only Lightning's
+    fallback (the current working directory, used when no ``default_root_dir`` is given): then
+    ``<cwd>/lightning_logs``, so that a run with ``logger=False`` does not drop files into a source tree.
 
     Must be called on every rank at the same point (``setup``): ``trainer.log_dir`` broadcasts rank 0's value.
     """
     directory = trainer.log_dir if trainer.loggers else None
-    return Path(directory if directory else trainer.default_root_dir)
+    if directory:
+        return Path(directory)
+    root = Path(trainer.default_root_dir)
+    if root.resolve() == Path.cwd().resolve():
+        return root / FALLBACK_DIRNAME
+    return root
 
 
 def jsonable(value: Any) -> Any:
@@ -82,7 +102,10 @@ class EventLog:
         values: Mapping[str, Any],
         **extra: Any,
     ) -> None:
-        """Append one event (a no-op on ranks other than 0, unless ``every_rank``)."""
+        """Append one event (a no-op on ranks other than 0, unless ``every_rank``).
+
+        Never raises: an event that cannot be encoded or written is dropped with a warning (once per file).
+        """
         if self.rank != 0 and not self.every_rank:
             return
         record = {
@@ -95,14 +118,36 @@ class EventLog:
             "values": values,
             **extra,
         }
-        line = json.dumps(jsonable(record), allow_nan=False) + "\n"
+        try:
+            self._append(json.dumps(jsonable(record), allow_nan=False) + "\n")
+        except (OSError, TypeError, ValueError) as err:
+            # A guard writes its event at the step it acts on: the event log must never be what stops training.
+            self._warn_failed(err)
+
+    def _append(self, line: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # One write() of the whole line on an O_APPEND descriptor: a reader never sees half an event.
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line.encode())
+            written = os.write(fd, line.encode())
         finally:
             os.close(fd)
+        if written != len(line.encode()):
+            raise OSError(f"wrote {written} of {len(line.encode())} bytes")
+
+    def _warn_failed(self, err: Exception) -> None:
+        if self.path in _failed_paths:
+            return
+        _failed_paths.add(self.path)
+        message = (
+            f"lightning_gradkit: could not write an event to {self.path} ({type(err).__name__}: {err}); training "
+            "goes on, and later events that fail to be written are dropped silently. Free disk space or make the "
+            "directory writable (it is the logger's directory, or `Trainer(default_root_dir=...)` without a logger)."
+        )
+        if self.every_rank:
+            warnings.warn(f"[rank {self.rank}] {message}", stacklevel=3)
+        else:
+            rank_zero_warn(message)
 
     def read(self) -> list[dict[str, Any]]:
         """All events written so far (empty when there is no file yet)."""

@@ -12,9 +12,11 @@ seen a non-finite loss or gradient, the batch is replayed ONE time with
 - optionally ``torch.autograd.detect_anomaly(check_nan=True)``, for this replay only.
 
 Everything the replay could change is restored afterwards: the RNG states (torch CPU and CUDA, Python's
-``random``, NumPy's global generator when NumPy is loaded), every module buffer (e.g. BatchNorm running stats) and
-every ``.grad``. The RNG state saved at the start of the bad batch can be set for the replay, so dropout masks
-repeat.
+``random``, NumPy's global generator when NumPy is loaded), every module buffer (e.g. BatchNorm running stats),
+every ``.grad``, and the state of every ``torchmetrics`` metric among the submodules (a metric updated in
+``training_step`` is not counted twice). The RNG state saved at the start of the bad batch can be set for the
+replay, so dropout masks repeat. Other Python side effects of the replayed code (a counter, a print, an append to a
+list) cannot be undone: they happen once more.
 
 :func:`find_nonfinite_origin` is plain PyTorch; :func:`replay_training_step` wires it to a LightningModule.
 """
@@ -126,13 +128,43 @@ def restore_rng(state: RNGState) -> None:
         np.random.set_state(state.numpy)
 
 
+# Attributes of a torchmetrics ``Metric`` besides its declared states that ``update``/``forward`` change.
+_METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache")
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return value
+
+
+def _metric_states(module: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """A copy of the state of every ``torchmetrics.Metric`` among ``module``'s submodules.
+
+    Metric states are plain attributes (not buffers): ``update`` adds to them in place or appends to lists.
+    """
+    torchmetrics = sys.modules.get("torchmetrics")
+    if torchmetrics is None:  # no metric can exist
+        return []
+    saved = []
+    for m in module.modules():
+        if isinstance(m, torchmetrics.Metric):
+            names = [*m._defaults, *(a for a in _METRIC_BOOKKEEPING if hasattr(m, a))]
+            saved.append((m, {name: _copied(getattr(m, name)) for name in names}))
+    return saved
+
+
 @contextmanager
 def preserved_state(module: nn.Module, replay_rng: RNGState | None = None) -> Iterator[None]:
-    """Run the body with ``replay_rng`` set (if given) and restore RNGs, buffers, ``.grad`` and train/eval modes."""
+    """Run the body with ``replay_rng`` set (if given) and restore RNGs, buffers, ``.grad``, train/eval modes and
+    the state of ``torchmetrics`` metrics."""
     rng = capture_rng(full=True)
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     grads = [(p, p.grad) for p in module.parameters()]
     modes = [(m, m.training) for m in module.modules()]
+    metrics = _metric_states(module)
     try:
         if replay_rng is not None:
             restore_rng(replay_rng)
@@ -146,6 +178,9 @@ def preserved_state(module: nn.Module, replay_rng: RNGState | None = None) -> It
             p.grad = g
         for m, training in modes:
             m.training = training
+        for metric, state in metrics:
+            for name, value in state.items():
+                setattr(metric, name, value)
 
 
 # -- the replay ---------------------------------------------------------------------------------------------------
@@ -273,7 +308,9 @@ def replay_training_step(
 
     Runs under the precision plugin's autocast, with ``self.log`` silenced, and with the ``GradScaler``'s scale on
     the loss. The LightningModule is called directly (not through the DDP wrapper): no collective is issued by
-    the replay itself. Parameters, buffers, gradients and RNG states are the same afterwards.
+    the replay itself, but ``training_step`` may issue its own (``self.all_gather``): then every rank must replay
+    the same micro-batches in the same order. Parameters, buffers, gradients, RNG states and ``torchmetrics``
+    states are the same afterwards; other side effects of ``training_step`` happen a second time.
 
     Args:
         trainer: the running Trainer.

@@ -44,6 +44,25 @@ def local_tensor(t: Tensor) -> Tensor:
     return local if local is not None else t
 
 
+def host_to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """A tensor of host ``values`` on ``device``, without making the host wait for the device.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable host memory: a blocking copy, which synchronizes
+    (and raises under ``torch.cuda.set_sync_debug_mode("error")``). Here the values go to pinned memory and the copy
+    is queued with ``non_blocking=True``; PyTorch's caching host allocator keeps the pinned buffer alive until the
+    copy has run. Other devices get an ordinary copy.
+
+    Example::
+
+        >>> host_to_device([0, 2], torch.long, "cpu")
+        tensor([0, 2])
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _same_group(a: Tensor, b: Tensor) -> bool:
     return a.device == b.device and a.dtype == b.dtype and a.layout == b.layout
 
@@ -316,7 +335,7 @@ def build_param_index(
         keys = [module_key(n, depth) for n in names]
         module_names = list(dict.fromkeys(keys))
         lookup = {k: i for i, k in enumerate(module_names)}
-        module_index = torch.tensor([lookup[k] for k in keys], dtype=torch.long, device=device)
+        module_index = host_to_device([lookup[k] for k in keys], torch.long, device)
 
     weights = []
     any_sharded = False
@@ -329,9 +348,9 @@ def build_param_index(
         names=names,
         module_names=module_names,
         module_index=module_index,
-        group_index=torch.tensor(groups, dtype=torch.long, device=device),
+        group_index=host_to_device(groups, torch.long, device),
         num_groups=len(param_groups),
-        shard_weight=torch.tensor(weights, dtype=torch.float32, device=device),
+        shard_weight=host_to_device(weights, torch.float32, device),
         any_sharded=any_sharded,
         depth=depth,
         replicated_dtensors=[i for i, p in enumerate(params) if _replicated_dtensor(p)],

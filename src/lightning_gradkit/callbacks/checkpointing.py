@@ -65,7 +65,10 @@ class ActivationCheckpointing(Callback):
       counter it increments) happen twice more. Rank 0 logs a one-screen summary. With ``memory_budget``, the plan
       is made here, on rank 0's batch, and broadcast. The summary cannot come at ``setup``: the model is not on its
       device yet and there is no batch.
-    - ``teardown``: the injections are removed; the model is returned as it was given.
+    - ``teardown``, or ``on_exception`` when ``fit`` fails: the injections are removed; the model is returned as it
+      was given.
+    - Buffers: the recompute during the backward does not update buffers a second time (BatchNorm's running
+      statistics and ``num_batches_tracked`` move once per forward, as without checkpointing).
 
     Args:
         targets: module class names (``"Block"``, ``"torch.nn.TransformerEncoderLayer"``; subclasses match too) or
@@ -260,11 +263,15 @@ class ActivationCheckpointing(Callback):
         self._end_offload()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._end_offload()
+        # Lightning does not call `teardown` when `fit` raises: the model must come back unpatched here too.
+        self._restore()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+        if stage == "fit":
+            self._restore()
+
+    def _restore(self) -> None:
+        """End offloading and remove every injection: the model is returned as it was given."""
         self._end_offload()
         for module in self._injected:
             remove(module)

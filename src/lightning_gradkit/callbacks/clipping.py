@@ -44,6 +44,7 @@ from lightning_gradkit.stats import (
     ParamIndex,
     _replication,
     clean_param_name,
+    host_to_device,
     local_tensor,
     per_tensor_norms,
     row_norms,
@@ -510,7 +511,7 @@ class AdaptiveGradClip(_GradClipCallback):
         weights = [local_tensor(p.detach()) for _, p, _ in self._sharded_1d]
         if self._sharded_1d_factors is None:
             factors = [w for _, _, w in self._sharded_1d]
-            self._sharded_1d_factors = torch.tensor(factors, device=weights[0].device)
+            self._sharded_1d_factors = host_to_device(factors, torch.float32, weights[0].device)
         return {self._REDUCE_KEY: per_tensor_norms(weights, 2.0).pow(2) * self._sharded_1d_factors}
 
     def _cached(self, plan: StepPlan, key: tuple[Any, ...]) -> Any:
@@ -531,7 +532,7 @@ class AdaptiveGradClip(_GradClipCallback):
             index = plan.index
             slots = {name: k for k, (name, _, _) in enumerate(self._sharded_1d)}
             positions = [i for i in plan.present if index.params[i].ndim <= 1 and index.names[i] in self._selected]
-            tensor = torch.tensor(positions, device=index.shard_weight.device) if positions else None
+            tensor = host_to_device(positions, torch.long, index.shard_weight.device) if positions else None
             cached = self._cache[key] = (positions, tensor, [slots.get(index.names[i], -1) for i in positions])
         return cached
 
@@ -614,7 +615,7 @@ class AdaptiveGradClip(_GradClipCallback):
         clipped_mask = torch.zeros(index.num_params, dtype=torch.bool, device=device)
         if pos_nd:
             per_param = torch.stack([s.sum() for s in sq_nd.split(sizes[: len(pos_nd)])])
-            nd_tensor = torch.tensor(pos_nd, device=device)
+            nd_tensor = host_to_device(pos_nd, torch.long, device)
             weight = index.shard_weight[nd_tensor]
             sq_global = sq_global + (per_param * (weight == 0)).sum()
             sharded = (per_param * weight).sum()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -28,7 +28,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _Engine, world_size
+from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _Engine, _StatsRequest, world_size
 from lightning_gradkit.accumulation import mean_window_scale
 from lightning_gradkit.events import EventLog, events_dir
 from lightning_gradkit.forensics import Finding, RNGState, capture_rng, replay_training_step
@@ -87,7 +87,8 @@ class _Ledger:
     """Device-side record of the steps flagged between two host reads: recording never synchronizes.
 
     Keeps the number of flagged steps, the first and last flagged step, the longest run of consecutive flagged
-    steps, and named values captured at the first flagged step.
+    steps with its first and last step (a run that goes on across reads keeps its start), and named values captured
+    at the first flagged step.
     """
 
     def __init__(self) -> None:
@@ -98,14 +99,20 @@ class _Ledger:
         f = flag.reshape(()).bool()
         if not self.t:
             zero = torch.zeros((), dtype=torch.float32, device=f.device)
-            self.t = {"count": zero, "first": zero - 1, "last": zero - 1, "run": zero, "max_run": zero}
+            none = zero - 1
+            self.t = {"count": zero, "first": none, "last": none, "run": zero, "run_first": none, "max_run": zero}
+            self.t.update(max_run_first=none, max_run_last=none)
         t = self.t
         new_first = f & (t["count"] == 0)
         t["count"] = t["count"] + f
         t["first"] = torch.where(new_first, step, t["first"])
         t["last"] = torch.where(f, step, t["last"])
+        t["run_first"] = torch.where(f & (t["run"] == 0), step, t["run_first"])
         t["run"] = torch.where(f, t["run"] + 1, 0.0)
+        longest = f & (t["run"] >= t["max_run"])
         t["max_run"] = torch.maximum(t["max_run"], t["run"])
+        t["max_run_first"] = torch.where(longest, t["run_first"], t["max_run_first"])
+        t["max_run_last"] = torch.where(longest, step, t["max_run_last"])
         for key, value in firsts.items():
             value = value.detach().to(f.device, torch.float32)
             previous = self.firsts.get(key, torch.zeros_like(value))
@@ -125,7 +132,10 @@ class _Ledger:
             offset += n
         self.t["count"] = torch.zeros_like(self.t["count"])
         self.t["first"] = torch.full_like(self.t["first"], -1.0)
+        # The next period's longest run starts as the run still going on (with its start, possibly before).
         self.t["max_run"] = self.t["run"].clone()
+        self.t["max_run_first"] = self.t["run_first"].clone()
+        self.t["max_run_last"] = torch.where(self.t["run"] > 0, self.t["last"], -1.0)
         return out if out["count"] > 0 else None
 
 
@@ -230,8 +240,9 @@ class NonFiniteGuard(_Guard):
 
     Every optimizer step the guard checks the loss of each micro-batch (in ``on_before_backward``, on device) and
     the gradients (the finite flag of the step's shared gradient statistics, after unscaling and the DDP
-    all-reduce). A loss that is non-finite on one rank only flags the step on every rank: the per-rank flags
-    travel in the engine's single collective.
+    all-reduce). A loss that is non-finite on one rank only flags the step on every rank, and so do gradients that
+    turn non-finite on one rank after the all-reduce (a gradient hook, ``on_after_backward``): the per-rank flags
+    travel in the engine's single collective, so every rank takes the same decision.
 
     ``action``:
 
@@ -244,13 +255,30 @@ class NonFiniteGuard(_Guard):
     - ``"raise"``: raise before the optimizer steps (one host read of the flag per step; any strategy).
     - ``"warn"``: let the update happen, count the flagged steps on device and report them on logging steps.
 
-    Forensics: on the first detection (not on every step), the batch is replayed once with module hooks (see
-    :mod:`lightning_gradkit.forensics`) to name the first module whose output or gradient became non-finite; RNG
-    states, buffers and gradients are restored so the replay changes nothing. The replay needs the detection at
-    the bad step, so it runs with ``action="raise"`` and with ``action="skip"`` and an ordinary optimizer, on
-    single-device and DDP strategies. Otherwise (and in addition) events name the parameters whose gradients were
-    non-finite. Every event is one JSON line in ``gradkit_events.jsonl`` in the logger's directory (written by
-    rank 0, gathered from all ranks); warnings and errors name that file.
+    Forensics: on the first detection (not on every step), the micro-batches of the bad step are replayed once with
+    module hooks (see :mod:`lightning_gradkit.forensics`) to name the first module whose output or gradient became
+    non-finite. The replay needs the detection at the bad step, so it runs with ``action="raise"`` and with
+    ``action="skip"`` and an ordinary optimizer, on single-device and DDP strategies.
+
+    - What the replay restores: RNG states, buffers, gradients, and the state of every ``torchmetrics`` metric of
+      the LightningModule (a metric updated in ``training_step`` is not counted twice); ``self.log`` does nothing.
+    - What it cannot restore: ``training_step`` runs again, so its other Python side effects (a counter it
+      increments, a print, a list it appends to) happen once more per replayed micro-batch.
+    - Collectives: every rank replays every micro-batch of the step, in order, also after it has found its
+      culprit, so a collective inside ``training_step`` (``self.all_gather``, a contrastive loss, a metric synced
+      on step) pairs up across ranks as in training. ``detect_anomaly`` applies to single-process runs only: it
+      raises inside the backward on the ranks that see the NaN only, which would leave a collective of the backward
+      (``all_gather(..., sync_grads=True)``) unpaired.
+
+    Events: each is one JSON line in ``gradkit_events.jsonl`` in the logger's directory (written by rank 0,
+    gathered from all ranks); the console line, the event and the error say the same. ``step`` is the optimizer
+    step, ``batch_idx`` the micro-batch where the non-finite value was first seen (the replay's, else the first
+    micro-batch with a non-finite loss, else the step's last micro-batch), ``batches`` the micro-batches of the
+    step. ``culprit`` has one meaning in every mode: where the first non-finite value was localized, by the replay
+    when one ran and reproduced it (a module name, ``"<batch>"``, ``"<loss>"`` or a parameter), otherwise the first
+    parameter (in the optimizer's order) whose gradient was non-finite on some rank; ``culprit_source`` says which
+    (``"replay"`` or ``"gradients"``). ``action="warn"`` and fused optimizers never replay (the flag is read on
+    logging steps only), so their culprit always comes from the gradients.
 
     With the fp16 ``GradScaler``, non-finite gradients under a finite loss are the scaler's routine overflow: they
     are skipped, recorded as ``"fp16_overflow"`` events and counted toward ``max_consecutive``, without a warning
@@ -266,8 +294,10 @@ class NonFiniteGuard(_Guard):
         check_loss: check each micro-batch loss.
         check_grads: check the gradients (one finite flag from the step's shared norms: no extra pass).
         max_consecutive: stop after this many flagged steps in a row (``>= 1``).
-        forensics: replay the first bad batch to name the culprit module.
-        detect_anomaly: run that single replay under ``torch.autograd.detect_anomaly(check_nan=True)`` as well.
+        forensics: replay the first bad step's micro-batches to name the culprit module (``training_step`` runs
+            again: see "Forensics" above).
+        detect_anomaly: run that single replay under ``torch.autograd.detect_anomaly(check_nan=True)`` as well
+            (single-process runs only).
         check_validation: report non-finite validation losses.
         stop_on_nonfinite_validation: stop training on a non-finite validation loss.
 
@@ -306,6 +336,7 @@ class NonFiniteGuard(_Guard):
         self._loss_bad: Tensor | None = None
         self._losses: list[Tensor] = []
         self._batches: list[tuple[Any, int, RNGState]] = []
+        self._window: list[int] = []
         self._flags: tuple[Tensor, Tensor | None, Tensor | None] | None = None
         self._consecutive: list[int] = []
         self._first_finding: dict[str, Any] | None = None
@@ -321,11 +352,18 @@ class NonFiniteGuard(_Guard):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        if stage == "fit" and self.forensics and self.detect_anomaly and trainer.world_size > 1:
+            rank_zero_warn(
+                "NonFiniteGuard(detect_anomaly=True): anomaly mode is not used for the replay in a multi-process run "
+                "(it raises inside the backward on the ranks that see the NaN only, leaving the other ranks waiting "
+                "in a collective of the backward). The replay still names the culprit module."
+            )
 
     # -- per micro-batch ---------------------------------------------------------------------------------------
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._window.append(batch_idx)
         if self.forensics and not self._forensics_done and self._reads_on_host():
             # A reference (no copy) and the torch RNG state, so the replay repeats this batch's dropout masks.
             self._batches.append((batch, batch_idx, capture_rng(full=False)))
@@ -339,6 +377,10 @@ class NonFiniteGuard(_Guard):
         self._losses.append(loss)
 
     # -- engine steps ------------------------------------------------------------------------------------------
+    def _stats_request(self, request: _StatsRequest) -> None:
+        if self.check_grads:
+            request.rank_flags = True
+
     def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
         if not self.check_loss:
             return {}
@@ -387,6 +429,7 @@ class NonFiniteGuard(_Guard):
             self._loss_bad = None
             self._losses = []
             self._batches = []
+            self._window = []
 
     # -- acting at the step (host knows) -----------------------------------------------------------------------
     def _act_at_step(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -401,7 +444,6 @@ class NonFiniteGuard(_Guard):
         grads_nonfinite = bool(grads_bad) if grads_bad is not None else False
         stats = plan.primary
         nonfinite = (~torch.isfinite(stats.param_norms)).cpu()
-        params = [stats.names[i] for i in nonfinite.nonzero().flatten().tolist()]
         overflow = self._scaler and grads_nonfinite and not bad_ranks
         finding: Finding | None = None
         if self.forensics and not self._forensics_done and not overflow:
@@ -414,16 +456,25 @@ class NonFiniteGuard(_Guard):
                 for t in self._losses
                 for v in _unscaled_loss(trainer, t).reshape(-1).tolist()
             ],
+            "params": nonfinite.nonzero().flatten().tolist(),
             "finding": None
             if finding is None
             else {"culprit": finding.culprit, "phase": finding.phase, **finding.detail},
             "described": None if finding is None else finding.describe(),
         }
         per_rank = _gather(local)
-        culprit, described = self._culprit(per_rank, bad_ranks, params)
+        # Gradients can differ between ranks (a rank's own hook after the all-reduce): report every rank's.
+        positions = sorted({i for r in per_rank for i in r["params"]})
+        params = [stats.names[i] for i in positions]
+        grad_ranks = [r["rank"] for r in per_rank if r["params"]]
+        no_replay = "forensics=False" if not self.forensics else "the replay runs at the first detection only"
+        culprit = _culprit(per_rank, bad_ranks, params, no_replay)
+        window = list(self._window) or [trainer.fit_loop.epoch_loop.batch_idx]
+        batch = culprit.batch if culprit.batch is not None else _first_bad_batch(per_rank, window)
         what = "fp16_overflow" if overflow else _what(bool(bad_ranks), grads_nonfinite)
         values = {
             "loss_nonfinite_ranks": bad_ranks,
+            "grad_nonfinite_ranks": grad_ranks,
             "losses": {str(r["rank"]): r["losses"] for r in per_rank},
             "nonfinite_param_grads": params[:50],
             "grad_norm": float(stats.total),
@@ -432,14 +483,23 @@ class NonFiniteGuard(_Guard):
         findings = [dict(r["finding"], rank=r["rank"]) for r in per_rank if r["finding"] is not None]
         if findings:
             values["forensics"] = findings
-        self._write(trainer, rank=bad_ranks or None, what=what, culprit=culprit, values=values)
-        summary = self._summary(step, what, bad_ranks, params, described)
+        self._write(
+            trainer,
+            batch_idx=batch,
+            batches=[window[0], window[-1]],
+            rank=bad_ranks or None,
+            what=what,
+            culprit=culprit.name,
+            culprit_source=culprit.source,
+            values=values,
+        )
+        summary = _summary(step, batch, window, what, bad_ranks, grad_ranks, params, culprit)
         if finding is not None and self._first_finding is None:
-            self._first_finding = {"step": step, "culprit": culprit, "described": described}
+            self._first_finding = {"step": step, "culprit": culprit.name, "described": culprit.text}
         if self.action == "raise":
             raise RuntimeError(f"NonFiniteGuard: {summary} Events: {self.events_path}.")
         if len(self._consecutive) >= self.max_consecutive:
-            self._stop(trainer, self._consecutive[0], step, summary)
+            self._stop(trainer, len(self._consecutive), self._consecutive[0], step, summary)
         if not overflow:
             rank_zero_warn(
                 f"NonFiniteGuard: {summary} The optimizer step was {'skipped' if self.action == 'skip' else 'applied'}."
@@ -447,53 +507,44 @@ class NonFiniteGuard(_Guard):
             )
 
     def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Finding:
+        """Replay the step's micro-batches; the first one that reproduces a non-finite value names the culprit.
+
+        Collective-safe: every rank replays every micro-batch, in order, whatever it found before, so the
+        collectives that ``training_step`` issues pair up across ranks as they did in training.
+        """
         self._forensics_done = True
         reason = _replay_available(trainer, pl_module)
         if reason is not None:
             return Finding(None, "unavailable", {"reason": reason})
-        finding = Finding(None, "not_reproduced")
+        anomaly = self.detect_anomaly and world_size() == 1
+        first: Finding | None = None
+        failure: str | None = None
         for batch, batch_idx, rng in self._batches:
             try:
-                finding = replay_training_step(trainer, pl_module, batch, batch_idx, rng, anomaly=self.detect_anomaly)
+                finding = replay_training_step(trainer, pl_module, batch, batch_idx, rng, anomaly=anomaly)
             except Exception as err:  # forensics must never be what stops a run
-                return Finding(None, "unavailable", {"reason": f"the replay failed: {type(err).__name__}: {err}"})
-            if finding.culprit is not None:
+                failure = failure or f"the replay of batch {batch_idx} failed: {type(err).__name__}: {err}"
+                continue
+            if first is None and finding.culprit is not None:
                 finding.detail["batch_idx"] = batch_idx
-                break
-        return finding
+                first = finding
+        if first is not None:
+            return first
+        if failure is not None:
+            return Finding(None, "unavailable", {"reason": failure})
+        return Finding(None, "not_reproduced")
 
-    @staticmethod
-    def _culprit(per_rank: list[dict[str, Any]], bad_ranks: list[int], params: list[str]) -> tuple[str | None, str]:
-        """The culprit to report: a replay's finding (ranks with a bad loss first), else the first bad parameter."""
-        ordered = sorted(per_rank, key=lambda r: (r["rank"] not in bad_ranks, r["rank"]))
-        for r in ordered:
-            f = r["finding"]
-            if f is not None and f.get("culprit") is not None:
-                return f["culprit"], f"{r['described']} (rank {r['rank']})"
-        if params:
-            return params[0], f"non-finite gradient in {_names(params)}"
-        return None, "culprit not found"
-
-    def _summary(self, step: int, what: str, bad_ranks: list[int], params: list[str], described: str) -> str:
-        parts = [f"non-finite values at step {step}:"]
-        if bad_ranks:
-            parts.append(f"loss on rank(s) {bad_ranks};")
-        if params:
-            parts.append(f"gradients of {_names(params)};")
-        parts.append(f"{described}.")
-        return " ".join(parts) if what != "fp16_overflow" else f"fp16 gradient overflow at step {step}."
-
-    def _stop(self, trainer: pl.Trainer, first: int, last: int, summary: str) -> None:
+    def _stop(self, trainer: pl.Trainer, count: int, first: int, last: int, summary: str) -> None:
         first_found = ""
-        if self._first_finding is not None:
+        if self._first_finding is not None and self._first_finding["step"] != last:
             f = self._first_finding
             first_found = f" The first detection (step {f['step']}) found: {f['described']}."
         applied = (
             "" if self.action == "skip" else f" Those updates were applied: use a checkpoint from before step {first}."
         )
         raise RuntimeError(
-            f"NonFiniteGuard: {self.max_consecutive} consecutive optimizer steps had non-finite values (steps "
-            f"{first}-{last}); giving up. Last one: {summary}{first_found}{applied} {_last_checkpoint(trainer)}. "
+            f"NonFiniteGuard: {count} consecutive optimizer steps had non-finite values (steps {first}-{last}); "
+            f"giving up. Last one: {summary}{first_found}{applied} {_last_checkpoint(trainer)}. "
             f"Events: {self.events_path}."
         )
 
@@ -513,20 +564,30 @@ class NonFiniteGuard(_Guard):
         what = _what(bool(bad_ranks), grads)
         if self._scaler and grads and not bad_ranks:
             what = "fp16_overflow"
-        values = {"flagged_steps": count, "first_step": first, "last_step": last, "longest_run": int(record["max_run"])}
-        self._write(trainer, rank=bad_ranks or None, what=what, culprit=param, values=values, first_step=first)
+        run, run_first, run_last = int(record["max_run"]), int(record["max_run_first"]), int(record["max_run_last"])
+        values = {"flagged_steps": count, "first_step": first, "last_step": last, "longest_run": run}
+        culprit = _Culprit(param, "gradients" if param is not None else None, "", None)
+        self._write(
+            trainer,
+            rank=bad_ranks or None,
+            what=what,
+            culprit=culprit.name,
+            culprit_source=culprit.source,
+            values=values,
+            first_step=first,
+        )
         detail = []
         if bad_ranks:
-            detail.append(f"loss on rank(s) {bad_ranks}")
+            detail.append(f"loss non-finite on rank(s) {bad_ranks}")
         if param is not None:
-            detail.append(f"gradient of `{param}`")
+            detail.append(f"culprit `{param}`: the first parameter with a non-finite gradient (no replay in this mode)")
         verb = "skipped" if self.action == "skip" else "applied"
         summary = (
             f"{count} optimizer step(s) with non-finite values between steps {first} and {last} (updates {verb}); "
-            f"at step {first}: {', '.join(detail) or 'non-finite values'}."
+            f"at step {first}: {'; '.join(detail) or 'non-finite values'}."
         )
-        if record["max_run"] >= self.max_consecutive:
-            self._stop(trainer, first, last, summary)
+        if run >= self.max_consecutive:
+            self._stop(trainer, run, run_first, run_last, summary)
         if what != "fp16_overflow":
             rank_zero_warn(f"NonFiniteGuard: {summary} Events: {self.events_path}.")
 
@@ -603,6 +664,81 @@ def _what(loss: bool, grads: bool) -> str:
     if loss and grads:
         return "nonfinite_loss_and_grads"
     return "nonfinite_loss" if loss else "nonfinite_grads"
+
+
+class _Culprit(NamedTuple):
+    """Where the first non-finite value was localized, and how (the one meaning of ``culprit`` in every mode).
+
+    Attributes:
+        name: a module name, ``"<batch>"``, ``"<loss>"`` or a parameter name; ``None`` when not localized.
+        source: ``"replay"`` (a forensic replay reproduced it) or ``"gradients"`` (the first parameter, in the
+            optimizer's order, whose gradient was non-finite); ``None`` with ``name``.
+        text: one sentence for the console and errors.
+        batch: the micro-batch whose replay found it (``None`` unless ``source == "replay"``).
+    """
+
+    name: str | None
+    source: str | None
+    text: str
+    batch: int | None
+
+
+def _culprit(
+    per_rank: list[dict[str, Any]], bad_ranks: list[int], params: list[str], no_replay: str = "no replay"
+) -> _Culprit:
+    """The replay's finding (ranks with a bad loss first), else the first parameter with a non-finite gradient.
+
+    ``no_replay`` says why no replay ran at this step (for the message)."""
+    ordered = sorted(per_rank, key=lambda r: (r["rank"] not in bad_ranks, r["rank"]))
+    for r in ordered:
+        f = r["finding"]
+        if f is not None and f.get("culprit") is not None:
+            batch = f.get("batch_idx")
+            text = f"{r['described']} (replay of batch {batch} on rank {r['rank']})"
+            return _Culprit(f["culprit"], "replay", text, batch)
+    replays = [r["finding"] for r in per_rank if r["finding"] is not None]
+    why = no_replay
+    if replays:
+        phases = {f["phase"] for f in replays}
+        why = "the replay stayed finite" if phases == {"not_reproduced"} else replays[0].get("reason", "no replay")
+    if params:
+        return _Culprit(params[0], "gradients", f"the first parameter with a non-finite gradient ({why})", None)
+    return _Culprit(None, None, f"not localized ({why})", None)
+
+
+def _first_bad_batch(per_rank: list[dict[str, Any]], window: list[int]) -> int:
+    """The first micro-batch of the step whose loss was non-finite on some rank, else the step's last one."""
+    firsts = [
+        next((k for k, v in enumerate(r["losses"]) if not math.isfinite(v)), None) for r in per_rank if r["losses"]
+    ]
+    found = [k for k in firsts if k is not None and k < len(window)]
+    return window[min(found)] if found else window[-1]
+
+
+def _summary(
+    step: int,
+    batch: int,
+    window: list[int],
+    what: str,
+    bad_ranks: list[int],
+    grad_ranks: list[int],
+    params: list[str],
+    culprit: _Culprit,
+) -> str:
+    """The console line of a flagged step; errors and the event say the same."""
+    if what == "fp16_overflow":
+        return f"fp16 gradient overflow at step {step}."
+    where = f"batch {batch}" + (f" (the step's batches {window[0]}-{window[-1]})" if len(window) > 1 else "")
+    parts = [f"non-finite values at step {step}: {where};"]
+    if bad_ranks:
+        parts.append(f"loss non-finite on rank(s) {bad_ranks};")
+    if params:
+        parts.append(f"non-finite gradients on rank(s) {grad_ranks} in {_names(params)};")
+    if culprit.name is not None:
+        parts.append(f"culprit `{culprit.name}`: {culprit.text}.")
+    else:
+        parts.append(f"culprit {culprit.text}.")
+    return " ".join(parts)
 
 
 class SpikeGuard(_Guard):
