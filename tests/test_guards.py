@@ -228,10 +228,10 @@ def test_fused_adam_skips_on_device_with_zero_host_syncs(tmp_path: Path) -> None
         assert counter.total == 0, counter.counts
     assert state_equal(model.snapshots[2], model.snapshots[3])
     assert not state_equal(model.snapshots[3], model.snapshots[4])
-    # Reported at the end of training from the device-side count: no replay, the parameter is named instead.
+    # Reported at the end of training from the device-side count: no replay, the non-finite loss is named.
     (event,) = events(trainer)
     assert event["what"] == "nonfinite_loss_and_grads" and event["values"]["flagged_steps"] == 1
-    assert event["first_step"] == 2 and event["culprit"] == "encoder.0.weight"
+    assert event["first_step"] == 2 and event["culprit"] == "<loss>" and event["culprit_source"] == "loss"
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])

@@ -274,11 +274,13 @@ class NonFiniteGuard(_Guard):
     gathered from all ranks); the console line, the event and the error say the same. ``step`` is the optimizer
     step, ``batch_idx`` the micro-batch where the non-finite value was first seen (the replay's, else the first
     micro-batch with a non-finite loss, else the step's last micro-batch), ``batches`` the micro-batches of the
-    step. ``culprit`` has one meaning in every mode: where the first non-finite value was localized, by the replay
-    when one ran and reproduced it (a module name, ``"<batch>"``, ``"<loss>"`` or a parameter), otherwise the first
-    parameter (in the optimizer's order) whose gradient was non-finite on some rank; ``culprit_source`` says which
-    (``"replay"`` or ``"gradients"``). ``action="warn"`` and fused optimizers never replay (the flag is read on
-    logging steps only), so their culprit always comes from the gradients.
+    step. ``culprit`` has one meaning in every mode: the earliest point of the step's computation where a
+    non-finite value was seen. A replay, when one ran and reproduced it, localizes it (a module name, ``"<batch>"``,
+    ``"<loss>"`` or a parameter); without one, a non-finite loss on some rank gives ``"<loss>"`` (the value was
+    already non-finite there; a replay would name the module), and otherwise the culprit is the first parameter (in
+    the optimizer's order) whose gradient was non-finite on some rank. ``culprit_source`` says which (``"replay"``,
+    ``"loss"`` or ``"gradients"``). ``action="warn"`` and fused optimizers never replay (the flag is read on logging
+    steps only), so their culprit comes from the loss or the gradients.
 
     With the fp16 ``GradScaler``, non-finite gradients under a finite loss are the scaler's routine overflow: they
     are skipped, recorded as ``"fp16_overflow"`` events and counted toward ``max_consecutive``, without a warning
@@ -566,7 +568,10 @@ class NonFiniteGuard(_Guard):
             what = "fp16_overflow"
         run, run_first, run_last = int(record["max_run"]), int(record["max_run_first"]), int(record["max_run_last"])
         values = {"flagged_steps": count, "first_step": first, "last_step": last, "longest_run": run}
-        culprit = _Culprit(param, "gradients" if param is not None else None, "", None)
+        if bad_ranks:
+            culprit = _Culprit("<loss>", "loss", "", None)
+        else:
+            culprit = _Culprit(param, "gradients" if param is not None else None, "", None)
         self._write(
             trainer,
             rank=bad_ranks or None,
@@ -579,7 +584,9 @@ class NonFiniteGuard(_Guard):
         detail = []
         if bad_ranks:
             detail.append(f"loss non-finite on rank(s) {bad_ranks}")
-        if param is not None:
+        if bad_ranks:
+            detail.append("culprit `<loss>`: the loss was already non-finite (no replay in this mode)")
+        elif param is not None:
             detail.append(f"culprit `{param}`: the first parameter with a non-finite gradient (no replay in this mode)")
         verb = "skipped" if self.action == "skip" else "applied"
         summary = (
@@ -671,8 +678,9 @@ class _Culprit(NamedTuple):
 
     Attributes:
         name: a module name, ``"<batch>"``, ``"<loss>"`` or a parameter name; ``None`` when not localized.
-        source: ``"replay"`` (a forensic replay reproduced it) or ``"gradients"`` (the first parameter, in the
-            optimizer's order, whose gradient was non-finite); ``None`` with ``name``.
+        source: ``"replay"`` (a forensic replay reproduced it), ``"loss"`` (no replay; the loss was non-finite) or
+            ``"gradients"`` (no replay, finite losses; the first parameter, in the optimizer's order, whose gradient
+            was non-finite); ``None`` with ``name``.
         text: one sentence for the console and errors.
         batch: the micro-batch whose replay found it (``None`` unless ``source == "replay"``).
     """
@@ -701,6 +709,8 @@ def _culprit(
     if replays:
         phases = {f["phase"] for f in replays}
         why = "the replay stayed finite" if phases == {"not_reproduced"} else replays[0].get("reason", "no replay")
+    if bad_ranks:
+        return _Culprit("<loss>", "loss", f"the loss was already non-finite on rank(s) {bad_ranks} ({why})", None)
     if params:
         return _Culprit(params[0], "gradients", f"the first parameter with a non-finite gradient ({why})", None)
     return _Culprit(None, None, f"not localized ({why})", None)
