@@ -136,6 +136,7 @@ class StepPlan:
     loss_scale: Tensor | None = None
     unit_norms: UnitNorms | None = None
     run_ids: list[int] = field(default_factory=list)
+    run_bounds: list[tuple[int, int]] | None = None
     _post_clip_total: Tensor | None = None
     _skip_host: bool | None = None
 
@@ -252,9 +253,9 @@ class StepPlan:
             for g, c, sparse in zip(own, coefs, own_sparse, strict=True):
                 if sparse:
                     _scale_sparse_(g, c)
+            runs, sparse = _split_runs(uniform, uniform_ids)
         else:
-            uniform, uniform_ids = self.grads, self.run_ids
-        runs, sparse = _split_runs(uniform, uniform_ids)
+            runs, sparse = self._dense_runs()
         if common is not None:
             for run in runs:
                 torch._foreach_mul_(run, common.to(run[0].device))
@@ -263,9 +264,15 @@ class StepPlan:
         if self.clamp_value is not None and self.grads:
             self._clamp(self.clamp_value)
 
+    def _dense_runs(self) -> tuple[list[list[Tensor]], list[Tensor]]:
+        """All gradients as runs sharing device and dtype, and the sparse ones."""
+        if self.run_bounds is not None:
+            return [self.grads[start:stop] for start, stop in self.run_bounds], []
+        return _split_runs(self.grads, self.run_ids)
+
     def _clamp(self, clamp_value: float) -> None:
         """Value clipping: clamp every gradient element (the values of a sparse gradient) to the bound."""
-        runs, sparse = _split_runs(self.grads, self.run_ids)
+        runs, sparse = self._dense_runs()
         runs += [[sparse_values(g)] for g in sparse]
         if self.loss_scale is None:
             for run in runs:
@@ -472,7 +479,9 @@ class _Engine:
         previous = self._runs.get(id(optimizer))
         first: StepPlan | None = None
         if previous is not None and previous.step == step:
-            if previous.generation == self.generation or previous.versions == _grad_versions(optimizer):
+            if previous.generation == self.generation or (
+                previous.versions is not None and previous.versions == _grad_versions(optimizer)
+            ):
                 return None  # the same gradients, or a backward that did not touch this optimizer's
             first = self.last_plans[id(optimizer)]
         cbs = self.callbacks(trainer, extra)
@@ -485,26 +494,8 @@ class _Engine:
 
         index = self._index(trainer, pl_module, optimizer, request.depth)
         resolve_partial_grads([index.params[i] for i in index.replicated_dtensors])
-        grads: list[Tensor] = []
-        present: list[int] = []
-        run_ids: list[int] = []
-        missing: list[str] = []
-        for i, p in enumerate(index.params):
-            grad = p.grad
-            if grad is None:
-                missing.append(index.names[i])
-                continue
-            if grad.is_sparse:
-                # A sparse gradient may hold one index several times (one entry per embedding lookup); its norms
-                # and value clamps need the sum. Replaced here, in the engine's one read, by the equal coalesced
-                # tensor, which every later step (and the optimizer) reads and writes in place.
-                if not grad.is_coalesced():
-                    grad = p.grad = grad.coalesce()
-                run_ids.append(-1)
-            else:
-                run_ids.append(index.run_of[i])
-            grads.append(local_tensor(grad))
-            present.append(i)
+        grads, present, run_ids, bounds = _read_grads(index)
+        missing = [index.names[i] for i in _absent(index, present)]
 
         extras: dict[str, Tensor] = {}
         for cb in cbs:
@@ -514,7 +505,7 @@ class _Engine:
         unit_norms = _measure_units(index, grads, present, request.unit_norm_names)
         local: dict[float, Tensor] = {}
         for p in sorted(request.norm_types):
-            norms = _param_norms(grads, p, unit_norms if p == 2.0 else None).to(index.shard_weight.device)
+            norms = _param_norms(grads, p, unit_norms if p == 2.0 else None, bounds).to(index.shard_weight.device)
             if loss_scale is not None:
                 norms = norms / loss_scale
             if len(present) != index.num_params:
@@ -554,18 +545,19 @@ class _Engine:
             loss_scale=loss_scale,
             unit_norms=unit_norms,
             run_ids=run_ids,
+            run_bounds=bounds,
         )
         if first is not None:
             plan.scale = first.scale
             for cb in cbs:
                 cb._decide_again(plan, first, trainer, pl_module)
             plan.apply()
-            self._runs[id(optimizer)] = _Run(step, self.generation, _grad_versions(optimizer))
+            self._runs[id(optimizer)] = _Run(step, self.generation, _versions_if_shared(trainer, optimizer))
             return plan
         for cb in cbs:
             cb._decide(plan, trainer, pl_module)
         plan.apply()
-        self._runs[id(optimizer)] = _Run(step, self.generation, _grad_versions(optimizer))
+        self._runs[id(optimizer)] = _Run(step, self.generation, _versions_if_shared(trainer, optimizer))
         if plan.skip is not None:
             count = plan.skip.to(torch.float32)
             self.skipped_steps = count if self.skipped_steps is None else self.skipped_steps + count
@@ -617,12 +609,20 @@ class _Run:
 
     step: tuple[int, int]
     generation: int
-    versions: tuple[tuple[int, int], ...]
+    versions: tuple[tuple[int, int], ...] | None
 
 
 def _step_key(trainer: pl.Trainer) -> tuple[int, int]:
     """One optimizer step of one optimizer: ``global_step`` counts every attempted step (manual optimization too)."""
     return trainer.global_step, trainer.fit_loop.total_batch_idx
+
+
+def _versions_if_shared(trainer: pl.Trainer, optimizer: Optimizer) -> tuple[tuple[int, int], ...] | None:
+    """The gradient versions of ``optimizer`` when the Trainer has several optimizers, else ``None``.
+
+    With one optimizer every backward within its step writes its gradients, so the generation alone tells a new
+    evaluation; reading the versions of every gradient would cost a host call per tensor every step."""
+    return _grad_versions(optimizer) if len(trainer.optimizers) > 1 else None
 
 
 def _grad_versions(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
@@ -656,10 +656,51 @@ def _measure_units(index: ParamIndex, grads: list[Tensor], present: list[int], n
     return UnitNorms(positions=slots, sizes=[u.numel() for u in units], flat=torch.cat(units))
 
 
-def _param_norms(grads: list[Tensor], norm_type: float, units: UnitNorms | None) -> Tensor:
-    """Per-gradient norms; the 2-norms of gradients measured unit-wise are derived from their unit norms."""
+def _read_grads(index: ParamIndex) -> tuple[list[Tensor], list[int], list[int], list[tuple[int, int]] | None]:
+    """The step's gradients: ``(grads, present, run_ids, bounds)``.
+
+    ``grads`` are the local tensors of the parameters at positions ``present`` of the index, ``run_ids`` their
+    (device, dtype) group (-1 for a sparse gradient) and ``bounds`` the ``(start, stop)`` of the dense runs when
+    every parameter has a dense gradient (the common step: then nothing here looks at a gradient twice), else
+    ``None``. A sparse gradient may hold one index several times (one entry per embedding lookup); its norms and
+    value clamps need the sum, so it is replaced here, in the engine's one read, by the equal coalesced tensor,
+    which every later step (and the optimizer) reads and writes in place.
+    """
+    raw = [p.grad for p in index.params]
+    if any(g is None for g in raw):
+        present = [i for i, g in enumerate(raw) if g is not None]
+        raw = [raw[i] for i in present]
+    else:
+        present = index.all_positions
+    sparse = [j for j, g in enumerate(raw) if g.is_sparse]
+    for j in sparse:
+        if not raw[j].is_coalesced():
+            raw[j] = index.params[present[j]].grad = raw[j].coalesce()
+    grads = [local_tensor(g) for g in raw] if index.any_dtensor else raw
+    if len(present) == index.num_params and not sparse:
+        return grads, present, index.run_of, index.run_bounds
+    run_ids = [index.run_of[i] for i in present]
+    for j in sparse:
+        run_ids[j] = -1
+    return grads, present, run_ids, None
+
+
+def _absent(index: ParamIndex, present: list[int]) -> list[int]:
+    """Positions of the index whose parameter has no gradient at this step."""
+    if len(present) == index.num_params:
+        return []
+    have = set(present)
+    return [i for i in range(index.num_params) if i not in have]
+
+
+def _param_norms(
+    grads: list[Tensor], norm_type: float, units: UnitNorms | None, bounds: list[tuple[int, int]] | None = None
+) -> Tensor:
+    """Per-gradient norms; the 2-norms of gradients measured unit-wise are derived from their unit norms.
+
+    ``bounds``: the dense runs of ``grads`` when known (see :func:`_read_grads`)."""
     if units is None:
-        return per_tensor_norms(grads, norm_type)
+        return per_tensor_norms(grads, norm_type, bounds)
     slots = set(units.positions)
     rest = [j for j in range(len(grads)) if j not in slots]
     device = units.flat.device

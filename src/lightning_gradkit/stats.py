@@ -12,6 +12,7 @@ the Trainer.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -107,7 +108,26 @@ def _device_dtype_runs(tensors: Sequence[Tensor], norm_type: float) -> list[list
     return runs
 
 
-def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
+def run_bounds(run_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each stretch of equal consecutive ids.
+
+    Example::
+
+        >>> run_bounds([0, 0, 1, 1, 1, 2])
+        [(0, 2), (2, 5), (5, 6)]
+    """
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(run_ids) + 1):
+        if i == len(run_ids) or run_ids[i] != run_ids[start]:
+            bounds.append((start, i))
+            start = i
+    return bounds
+
+
+def per_tensor_norms(
+    tensors: Sequence[Tensor], norm_type: float, bounds: Sequence[tuple[int, int]] | None = None
+) -> Tensor:
     """The p-norm of each tensor, as one fp32 vector on the first tensor's device.
 
     One ``torch._foreach_norm`` call per run of consecutive tensors that share device and dtype (callers keep
@@ -119,12 +139,21 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
 
         >>> per_tensor_norms([torch.ones(4), torch.full((3,), 2.0)], 2.0)
         tensor([2.0000, 3.4641])
+
+    ``bounds``, when the caller knows them, are the ``(start, stop)`` of the runs of dense tensors sharing device
+    and dtype (:attr:`ParamIndex.run_bounds`): the tensors are then not inspected one by one.
     """
     if len(tensors) == 0:
         return torch.zeros(0)
     out_device = tensors[0].device
     pieces: list[Tensor] = []
-    for run in _device_dtype_runs(tensors, norm_type):
+    if bounds is None:
+        runs = _device_dtype_runs(tensors, norm_type)
+    else:
+        runs = [list(tensors[start:stop]) for start, stop in bounds]
+        if math.isinf(norm_type):
+            runs = [[t if t.numel() else t.new_zeros(1) for t in run] for run in runs]
+    for run in runs:
         pieces.append(_run_norms(run, norm_type).to(out_device, torch.float32, non_blocking=True))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
@@ -222,6 +251,17 @@ class ParamIndex:
     depth: int
     replicated_dtensors: list[int] = field(default_factory=list)
     run_of: list[int] = field(default_factory=list)
+    any_dtensor: bool = False
+
+    @functools.cached_property
+    def run_bounds(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each (device, dtype) group in parameter order: the ``_foreach`` runs of a step in
+        which every parameter has a dense gradient, known without looking at the gradients."""
+        return run_bounds(self.run_of)
+
+    @functools.cached_property
+    def all_positions(self) -> list[int]:
+        return list(range(len(self.params)))
 
     @property
     def num_params(self) -> int:
@@ -355,6 +395,7 @@ def build_param_index(
         depth=depth,
         replicated_dtensors=[i for i, p in enumerate(params) if _replicated_dtensor(p)],
         run_of=run_of,
+        any_dtensor=any(hasattr(p, "_local_tensor") for p in params),
     )
 
 
