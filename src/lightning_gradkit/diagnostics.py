@@ -930,12 +930,6 @@ def steady_growth(values: Sequence[float], min_growth: float, min_r2: float = 0.
     return sxy / sxx
 
 
-def check_int(name: str, value: object, minimum: int, meaning: str = "") -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an integer (not a bool) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}{meaning}, got {value!r}.")
-
-
 # -- events ------------------------------------------------------------------------------------------------------
 
 

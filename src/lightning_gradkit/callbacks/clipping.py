@@ -30,6 +30,7 @@ from lightning_gradkit._engine import (
     log_metrics,
     world_size,
 )
+from lightning_gradkit._validation import check_strings
 from lightning_gradkit.clipping import (
     AdaptiveGradClipPolicy,
     AutoClipPolicy,
@@ -295,8 +296,9 @@ class AutoClip(_ScalarClip):
         history_size: number of past norms kept, >= 1; 10000 by default.
 
     Raises:
-        ValueError: at construction, if ``percentile`` is outside ``(0, 100]`` or ``history_size`` < 1; at setup, if
-            another clipping callback or ``Trainer(gradient_clip_val=...)`` is also present.
+        ValueError: at construction, if ``percentile`` is outside ``(0, 100]`` or ``history_size`` is not an
+            integer in ``[1, 10_000_000]``; at setup, if another clipping callback or
+            ``Trainer(gradient_clip_val=...)`` is also present.
 
     Example::
 
@@ -394,7 +396,7 @@ class AdaptiveGradClip(_GradClipCallback):
 
     def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, exclude: list[str] | None = None) -> None:
         super().__init__(AdaptiveGradClipPolicy(clip_factor, eps))
-        self.exclude = list(exclude or [])
+        self.exclude = check_strings("exclude", exclude, hint="Name module classes or give `re:<regex>` patterns.")
         for pattern in self.exclude:
             if pattern.startswith("re:"):
                 try:
