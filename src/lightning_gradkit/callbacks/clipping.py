@@ -333,7 +333,9 @@ class ZClip(_ScalarClip):
         alpha: EMA smoothing factor in ``(0, 1)``.
         z_threshold: z-score above which the norm is clipped, > 0.
         warmup_steps: number of finite norms that initialise the statistics, >= 1.
-        max_norm: optional absolute ceiling on the total norm, > 0; ``None`` (default) for none.
+        max_norm: optional absolute ceiling on the total norm, > 0; ``None`` (default) for none. The reference
+            implementation defaults to ``max_grad_norm=1.0``, which also clips every step whose norm exceeds 1
+            (during warm-up too): pass ``max_norm=1.0`` to match it.
 
     Raises:
         ValueError: at construction, for ``alpha`` outside ``(0, 1)``, ``z_threshold`` or ``max_norm`` <= 0, or
@@ -376,7 +378,8 @@ class AdaptiveGradClip(_GradClipCallback):
         eps: floor of the unit weight norm, > 0.
         exclude: parameters left unclipped: module class names (``"Linear"``, matching subclasses and everything
             inside such modules) or ``"re:<regex>"`` searched in qualified parameter and module names
-            (``"re:^head\."``, ``"re:lm_head"``).
+            (``"re:^head\."``, ``"re:lm_head"``); one string is one pattern. Default: none, so the final layer is
+            clipped too, unlike the paper and timm's training script: name it here.
 
     Raises:
         ValueError: at construction, for non-positive ``clip_factor`` or ``eps`` or an invalid regex; at setup, for an
