@@ -292,7 +292,9 @@ def build_figure(data: RunData):
         )
         ax_heat.text(0.5, 0.5, reason, ha="center", va="center", transform=ax_heat.transAxes)
         ax_heat.set_yticks([])
-    ax_heat.set_title("Per-module gradient norm (log10), modules in model order", fontsize=10)
+    in_model_order = set(modules) <= set(data.module_order)
+    order = "modules in model order" if in_model_order else "modules by name (numbers as numbers)"
+    ax_heat.set_title(f"Per-module gradient norm (log10), {order}", fontsize=10)
     ax_heat.tick_params(labelbottom=False)
 
     _draw_totals(ax_total, data)
@@ -347,11 +349,11 @@ def _draw_heatmap(fig, ax, data: RunData, modules: list[str], steps: list[int], 
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, -0.02), fontsize=7, frameon=False)
 
 
-def _clipped_share(fraction: dict[int, float]) -> float:
-    """The share of all optimizer steps clipped, from fractions logged per logging interval (ending at each step)."""
+def _clipped_count(fraction: dict[int, float]) -> tuple[int, int]:
+    """``(clipped, steps)`` from fractions logged per logging interval (each covers the steps since the previous)."""
     steps = sorted(fraction)
     lengths = [steps[0] + 1] + [b - a for a, b in itertools.pairwise(steps)]
-    return sum(fraction[s] * n for s, n in zip(steps, lengths, strict=True)) / sum(lengths)
+    return round(sum(fraction[s] * n for s, n in zip(steps, lengths, strict=True))), sum(lengths)
 
 
 def _draw_totals(ax, data: RunData) -> None:
@@ -362,8 +364,8 @@ def _draw_totals(ax, data: RunData) -> None:
     clipped = [s for s, v in post.items() if s in pre and v < pre[s] * (1 - 1e-6)]
     any_clipped = any(v > 0 for v in fraction.values())
     if fraction:
-        share = _clipped_share(fraction)
-        parts.append(f"{share:.0%} of steps clipped" if share > 0 else "no step clipped")
+        count, steps = _clipped_count(fraction)
+        parts.append(f"{count} of {steps} steps clipped" if any_clipped else "no step clipped")
     elif post:
         parts.append(f"{len(clipped)} of {len(post)} logged steps clipped" if clipped else "no step clipped")
     if pre:

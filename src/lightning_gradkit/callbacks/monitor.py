@@ -6,7 +6,7 @@ import importlib.util
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -26,7 +26,6 @@ from lightning_gradkit._engine import (
 )
 from lightning_gradkit._validation import check_bool, check_int
 from lightning_gradkit.events import EVENTS_FILENAME, events_dir
-from lightning_gradkit.report import RunData
 from lightning_gradkit.stats import (
     ParamIndex,
     clean_param_name,
@@ -39,6 +38,9 @@ from lightning_gradkit.stats import (
     total_norm,
     validate_norm_type,
 )
+
+if TYPE_CHECKING:
+    from lightning_gradkit.report import RunData
 
 _MAX_NAMES = 10
 
@@ -286,6 +288,9 @@ class GradNormMonitor(GradKitCallback):
         """With ``report=True``, on global rank 0: the values logged so far (what the report draws), else None."""
         if self._record is None:
             return None
+        # Imported here: `python -m lightning_gradkit.report` must not find the module imported by the package.
+        from lightning_gradkit.report import RunData
+
         events = RunData.read_events(self._report_dir / EVENTS_FILENAME) if self._report_dir is not None else []
         return self._record.run_data(events)
 
@@ -536,6 +541,8 @@ class _Record:
             self._stride *= 2
 
     def run_data(self, events: list[dict]) -> RunData:
+        from lightning_gradkit.report import RunData
+
         data = RunData(events=events, module_order=self.module_order)
         for step, values in zip(self.steps, self.values, strict=True):
             for key, value in values.items():
