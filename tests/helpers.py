@@ -74,6 +74,22 @@ class SyncCounter(TorchFunctionMode):
 
         setattr(obj, method, counted)
 
+    def watch_per_call(self, obj: Any, method: str) -> list[int]:
+        """Count syncs only while ``obj.method`` runs; the returned list gets the count of each call."""
+        original = getattr(obj, method)
+        per_call: list[int] = []
+
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            before = self.total
+            with self.active():
+                result = original(*args, **kwargs)
+            per_call.append(self.total - before)
+            return result
+
+        setattr(obj, method, counted)
+        return per_call
+
 
 @contextmanager
 def count_syncs() -> Iterator[SyncCounter]:

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _Engine, world_size
+from lightning_gradkit._validation import check_choice, check_int
 from lightning_gradkit.stats import local_tensor, per_tensor_norms
 
 Normalize = Literal["mean", "tokens"]
@@ -46,13 +47,13 @@ def validate_normalize(normalize: str) -> str:
     Raises:
         ValueError: if ``normalize`` is not ``"mean"`` or ``"tokens"``.
     """
-    allowed = get_args(Normalize)
-    if normalize not in allowed:
-        raise ValueError(
-            f"`normalize` must be one of {list(allowed)}, got {normalize!r}. Use 'mean' to average the micro-batches "
-            "of each window, 'tokens' to divide the summed per-token loss by the window's global token count."
-        )
-    return normalize
+    return check_choice(
+        "normalize",
+        normalize,
+        get_args(Normalize),
+        hint="Use 'mean' to average the micro-batches of each window, 'tokens' to divide the summed per-token loss by "
+        "the window's global token count.",
+    )
 
 
 def micro_batches_in_window(batch_idx: int, window: int) -> int:
@@ -235,9 +236,7 @@ class ManualAccumulator:
     """
 
     def __init__(self, window: int, normalize: Normalize = "mean") -> None:
-        if window < 1:
-            raise ValueError(f"`window` must be a positive integer (micro-batches per step), got {window!r}.")
-        self.window = window
+        self.window = check_int("window", window, 1, hint="It is the number of micro-batches per optimizer step.")
         self.normalize = validate_normalize(normalize)
         self._micro_batches = 0
         self._tokens = TokenCount()

@@ -51,6 +51,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from lightning_gradkit._validation import check_int, check_strings
+
 CheckpointMode = Literal["full", "selective"]
 MODES: tuple[str, ...] = ("full", "selective")
 
@@ -134,13 +136,13 @@ def parse_targets(targets: Sequence[str]) -> tuple[_Target, ...]:
     Raises:
         ValueError: if ``targets`` is empty, holds a non-string or an invalid regex.
     """
-    if isinstance(targets, str):
-        targets = [targets]
-    if not targets or not all(isinstance(t, str) and t.strip() for t in targets):
-        raise ValueError(
-            f"`targets` must be a non-empty list of module class names (e.g. 'Block', "
-            f"'torch.nn.TransformerEncoderLayer') or 're:' regexes over qualified module names, got {targets!r}."
-        )
+    targets = check_strings(
+        "targets",
+        targets,
+        allow_empty=False,
+        hint="Give module class names (e.g. 'Block', 'torch.nn.TransformerEncoderLayer') or 're:' regexes over "
+        "qualified module names.",
+    )
     return tuple(_Target.parse(t.strip()) for t in targets)
 
 
@@ -466,8 +468,7 @@ def inject_activation_checkpointing(
 
 
 def validate_every_n(every_n: int) -> None:
-    if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
-        raise ValueError(f"`every_n` must be an integer >= 1 (1 checkpoints every match), got {every_n!r}.")
+    check_int("every_n", every_n, 1, hint="1 checkpoints every match.")
 
 
 def no_match_message(root: nn.Module, targets: Sequence[str]) -> str:

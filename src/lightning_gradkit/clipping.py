@@ -24,15 +24,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_gradkit._validation import check_float, check_int
+
+#: Maximum ``AutoClip`` history: 10 million norms are 40 MB of device memory, far beyond any percentile's need.
+MAX_HISTORY = 10_000_000
+
 #: Added to the total norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does.
 NORM_EPS = 1e-6
 
 
 def _positive(name: str, value: float) -> float:
-    value = float(value)
-    if not value > 0 or math.isinf(value):
-        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
-    return value
+    return check_float(name, value, above=0.0)
 
 
 # -- pure functions ------------------------------------------------------------------------------------------------
@@ -250,17 +252,17 @@ class AutoClipPolicy(ScalarClipPolicy):
         history_size: number of past norms kept (10000 by default), >= 1.
 
     Raises:
-        ValueError: if ``percentile`` is outside ``(0, 100]`` or ``history_size`` < 1.
+        ValueError: if ``percentile`` is outside ``(0, 100]`` or ``history_size`` is not an integer in
+            ``[1, 10_000_000]``.
     """
 
     def __init__(self, percentile: float = 10.0, history_size: int = 10000) -> None:
-        percentile = float(percentile)
-        if not 0.0 < percentile <= 100.0:
-            raise ValueError(f"`percentile` must be in (0, 100], got {percentile!r}. The paper recommends 10.")
-        if int(history_size) != history_size or history_size < 1:
-            raise ValueError(f"`history_size` must be a positive integer, got {history_size!r}.")
-        self.percentile = percentile
-        self.history_size = int(history_size)
+        self.percentile = check_float(
+            "percentile", percentile, above=0.0, maximum=100.0, hint="The paper recommends 10 (in (0, 100])."
+        )
+        self.history_size = check_int(
+            "history_size", history_size, 1, MAX_HISTORY, hint="It is a device buffer of that many floats."
+        )
         self.history: Tensor | None = None
         self.count: Tensor | None = None
 
@@ -343,14 +345,9 @@ class ZClipPolicy(ScalarClipPolicy):
     def __init__(
         self, alpha: float = 0.97, z_threshold: float = 2.5, warmup_steps: int = 25, max_norm: float | None = None
     ) -> None:
-        alpha = float(alpha)
-        if not 0.0 < alpha < 1.0:
-            raise ValueError(f"`alpha` must be in (0, 1), got {alpha!r}. The paper uses 0.97.")
-        if int(warmup_steps) != warmup_steps or warmup_steps < 1:
-            raise ValueError(f"`warmup_steps` must be a positive integer, got {warmup_steps!r}. The paper uses 25.")
-        self.alpha = alpha
+        self.alpha = check_float("alpha", alpha, above=0.0, below=1.0, hint="The paper uses 0.97.")
         self.z_threshold = _positive("z_threshold", z_threshold)
-        self.warmup_steps = int(warmup_steps)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 1, hint="The paper uses 25.")
         self.max_norm = None if max_norm is None else _positive("max_norm", max_norm)
         self.mean: Tensor | None = None
         self.var: Tensor | None = None

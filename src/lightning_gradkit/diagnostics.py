@@ -730,60 +730,99 @@ def object_graph_tensors(
     return walker.found
 
 
-def gc_graph_tensors(
-    select: Callable[[Tensor], bool], exclude: set[int], max_named: int = 5
-) -> list[tuple[str, Tensor]]:
+def gc_graph_tensors(select: Callable[[Tensor], bool], exclude: set[int]) -> list[tuple[str, Tensor]]:
     """Every live tensor with a ``grad_fn`` that ``select`` accepts and not in ``exclude`` (ids), by a GC scan.
 
-    The first ``max_named`` get a best-effort location from their referrers (``gc.get_referrers`` scans every
-    object, so it is kept to a few); the others are named ``<gc>``.
+    Each is named by where it is held: ``<module>.<name>[i]``, ``<module>.<Class>.<attr>[i]`` for a class attribute,
+    ``<Type>.<attr>[key]``, ``<local 'x' in f (file)>``, or ``<gc>`` when no container or frame holds it. Naming costs
+    three passes over the live objects (``gc.get_referrers`` of all found tensors at once, then of their containers,
+    then of the dicts that hold those), however many tensors were found. Objects are tested by ``type()``, never by
+    attribute access: some objects warn when touched (``torch.distributed.reduce_op`` warns that it is deprecated).
     """
     objects = gc.get_objects()
-    held = [t for t in objects if isinstance(t, Tensor) and t.grad_fn is not None and id(t) not in exclude]
+    held = [t for t in objects if issubclass(type(t), Tensor) and t.grad_fn is not None and id(t) not in exclude]
     del objects
-    found = [("<gc>", t) for t in held if select(t)]
+    found = [t for t in held if select(t)]
     del held
-    named = [(_locate(t, found), t) for _, t in found[:max_named]]
-    return named + found[max_named:]
+    names = _name_tensors(found) if found else {}
+    return [(names.get(id(t), "<gc>"), t) for t in found]
 
 
-def _locate(tensor: Tensor, found: list[tuple[str, Tensor]]) -> str:
-    """``<owner>.<name>[i]`` for a tensor held in a container, from one or two levels of referrers."""
-    ignore = {id(found)} | {id(pair) for pair in found}
-    for ref in gc.get_referrers(tensor):
-        if id(ref) in ignore:
+def _entries(container: object) -> list[tuple[object, object]]:
+    if issubclass(type(container), dict):
+        return list(container.items())  # type: ignore[attr-defined]
+    if issubclass(type(container), (list, tuple, deque)):
+        return list(enumerate(container))  # type: ignore[arg-type]
+    return []
+
+
+def _name_tensors(found: list[Tensor]) -> dict[int, str]:
+    """``id(tensor) -> path`` for the found tensors that a container or a frame (outside this file) holds."""
+    wanted = {id(t) for t in found}
+    ours = {id(found)}
+    containers: list[object] = []
+    frames: list[types.FrameType] = []
+    for ref in gc.get_referrers(*found):
+        if id(ref) in ours:
             continue
-        if isinstance(ref, types.FrameType):
-            if os.path.realpath(ref.f_code.co_filename) == _THIS_FILE:
-                continue
-            name = next((k for k, v in ref.f_locals.items() if v is tensor), "?")
-            return f"<local {name!r} in {ref.f_code.co_name} ({_short_path(ref.f_code.co_filename)})>"
-        if isinstance(ref, (list, tuple, deque)):
-            index = next((i for i, v in enumerate(ref) if v is tensor), None)
-            if index is not None:
-                return f"{_owner(ref, ignore | {id(ref)})}[{index}]"
-        if isinstance(ref, dict):
-            key = next((k for k, v in ref.items() if v is tensor), None)
-            if key is not None:
-                return f"{_owner(ref, ignore | {id(ref)})}[{key!r}]"
-    return "<gc>"
+        if type(ref) is types.FrameType:
+            if os.path.realpath(ref.f_code.co_filename) != _THIS_FILE:
+                frames.append(ref)
+        elif issubclass(type(ref), (list, tuple, deque, dict)):
+            containers.append(ref)
+    owners = _owners(containers, ours | {id(containers), id(frames)})
+    names: dict[int, str] = {}
+    for container in containers:
+        for key, value in _entries(container):
+            if id(value) in wanted:
+                names.setdefault(id(value), f"{owners[id(container)]}[{key!r}]")
+    for frame in frames:
+        for key, value in frame.f_locals.items():
+            if id(value) in wanted:
+                where = f"{frame.f_code.co_name} ({_short_path(frame.f_code.co_filename)})"
+                names.setdefault(id(value), f"<local {key!r} in {where}>")
+    return names
 
 
-def _owner(container: object, ignore: set[int]) -> str:
-    for ref in gc.get_referrers(container):
-        if id(ref) in ignore or not isinstance(ref, dict):
-            continue
-        key = next((k for k, v in ref.items() if v is container), None)
-        if key is None:
-            continue
-        module_name = ref.get("__name__")
-        if isinstance(module_name, str) and getattr(sys.modules.get(module_name), "__dict__", None) is ref:
-            return f"{module_name}.{key}"
-        owners = [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
-        if owners:
-            return f"<{type(owners[0]).__name__}>.{key}"
-        return f"<dict>[{key!r}]"
-    return f"<{type(container).__name__}>"
+def _owners(containers: list[object], ignore: set[int]) -> dict[int, str]:
+    """``id(container) -> name`` from the dict that holds each container and the object that holds that dict."""
+    result = {id(c): f"<{type(c).__name__}>" for c in containers}
+    if not containers:
+        return result
+    ids = set(result)
+    holders: dict[int, tuple[dict, object]] = {}  # id(container) -> (the dict holding it, its key there)
+    for ref in gc.get_referrers(*containers):
+        if type(ref) is dict and id(ref) not in ignore and id(ref) not in ids:
+            for key, value in ref.items():
+                if id(value) in ids:
+                    holders.setdefault(id(value), (ref, key))
+    modules = {id(vars(m)): name for name, m in list(sys.modules.items()) if type(m) is types.ModuleType}
+    dicts = {id(d): d for d, _ in holders.values()}
+    dict_owner: dict[int, str] = {}
+    for owner in gc.get_referrers(*dicts.values()) if dicts else []:
+        if issubclass(type(owner), type):
+            # A class attribute: the class holds its namespace dict behind a mappingproxy.
+            for d, key in holders.values():
+                if owner.__dict__.get(key) is d.get(key):
+                    dict_owner.setdefault(id(d), f"{owner.__module__}.{owner.__qualname__}")
+        elif id(_instance_dict(owner)) in dicts:
+            dict_owner.setdefault(id(_instance_dict(owner)), f"<{type(owner).__name__}>")
+    for container_id, (d, key) in holders.items():
+        if id(d) in modules:
+            result[container_id] = f"{modules[id(d)]}.{key}"
+        elif id(d) in dict_owner:
+            result[container_id] = f"{dict_owner[id(d)]}.{key}"
+        else:
+            result[container_id] = f"<dict>[{key!r}]"
+    return result
+
+
+def _instance_dict(obj: object) -> object:
+    """``obj.__dict__`` without running the object's own ``__getattribute__`` (which may warn or fail)."""
+    try:
+        return object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return None
 
 
 @dataclass
@@ -928,12 +967,6 @@ def steady_growth(values: Sequence[float], min_growth: float, min_r2: float = 0.
     if syy == 0 or sxy <= 0 or sxy * sxy / (sxx * syy) < min_r2:
         return None
     return sxy / sxx
-
-
-def check_int(name: str, value: object, minimum: int, meaning: str = "") -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an integer (not a bool) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}{meaning}, got {value!r}.")
 
 
 # -- events ------------------------------------------------------------------------------------------------------

@@ -1,13 +1,20 @@
-"""The gradient report: one PNG from a run's logged metrics and its ``gradkit_events.jsonl``.
+"""The gradient report: one PNG of a run's gradient norms, clipping, skipped steps and events.
 
     python -m lightning_gradkit.report LOG_DIR [--out FILE]
 
-``LOG_DIR`` is a ``CSVLogger`` run directory (it holds ``metrics.csv``). The figure shows:
+``LOG_DIR`` is a run directory: a ``CSVLogger``'s (it holds ``metrics.csv``) or a ``TensorBoardLogger``'s (it holds
+``events.out.tfevents.*``, read when tensorboard is installed), with the ``gradkit_events.jsonl`` that gradkit's
+guards write there. ``GradNormMonitor(report=True)`` renders the same figure at the end of ``fit`` from the values
+it logged, whatever the logger. The figure shows:
 
-1. a heatmap of per-module gradient norms (``grad_norm/module/*``, log10) over optimizer steps;
-2. the total gradient norm before and after clipping, with markers for clipped steps;
-3. every event of ``gradkit_events.jsonl`` (skipped steps, spikes, non-finite values, leaks, ...) as a marker
-   at its step, labelled with what happened.
+1. a heatmap of per-module gradient norms (``grad_norm/module/*``, log10) over optimizer steps, one row per module
+   in model order (from the monitor or a TensorBoard file; from ``metrics.csv``, whose columns ``CSVLogger``
+   sorts, in name order with numbers compared as numbers: ``blocks.2`` before ``blocks.10``);
+2. below it, on the same step axis, the total gradient norm before and after clipping with the clipped steps marked
+   (or "no step clipped"), the fraction of steps clipped (``grad_clip/clipped_fraction``) and the number of
+   skipped steps (``gradkit/skipped_steps``) where the run logged them;
+3. every event of ``gradkit_events.jsonl`` (skipped steps, spikes, non-finite values, leaks, ...) as a line at its
+   step, labelled with what happened.
 
 matplotlib is an optional dependency: ``pip install lightning_gradkit[report]``.
 """
@@ -15,12 +22,17 @@ matplotlib is an optional dependency: ``pip install lightning_gradkit[report]``.
 from __future__ import annotations
 
 import argparse
+import bisect
 import csv
+import importlib.util
+import itertools
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lightning_gradkit.events import EVENTS_FILENAME as EVENTS_FILE
 
@@ -28,45 +40,119 @@ REPORT_FILE = "gradient_report.png"
 _MODULE_PREFIX = "grad_norm/module/"
 _TOTAL = "grad_norm/total"
 _POST = "grad_norm/total_post_clip"
+_CLIP_FRACTION = "grad_clip/clipped_fraction"
+_SKIPPED = "gradkit/skipped_steps"
+_TB_GLOB = "events.out.tfevents.*"
+
+# Figure geometry, in inches: panel heights stay fixed whatever the number of modules (the figure grows instead).
+_WIDTH = 12.0
+_ROW_HEIGHT = 0.2
+_MAX_HEAT_HEIGHT = 11.0
+_MIN_HEAT_HEIGHT = 1.4
+_LABEL_HEIGHT = 0.12  # below this many inches per row, only every k-th module name is written
+_TOTAL_HEIGHT = 2.6
+_MAX_COLUMNS = 2000  # heatmap columns; longer runs show the logged step nearest each column
+
+
+def _natural_key(name: str) -> list[Any]:
+    """``blocks.2`` before ``blocks.10``: digit runs compare as numbers (they sit at odd positions of the split)."""
+    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name))]
 
 
 @dataclass
 class RunData:
-    """Per-step series read from ``metrics.csv`` and the events of ``gradkit_events.jsonl``."""
+    """Per-step series of a run and its events.
+
+    Attributes:
+        series: metric name -> {optimizer step: value}.
+        events: the records of ``gradkit_events.jsonl``.
+        module_order: the modules (names after ``grad_norm/module/``) in model order, when the source knows it.
+    """
 
     series: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
     events: list[dict] = field(default_factory=list)
+    module_order: list[str] = field(default_factory=list)
 
     @property
     def modules(self) -> list[str]:
-        return [k[len(_MODULE_PREFIX) :] for k in self.series if k.startswith(_MODULE_PREFIX)]
+        """The logged modules: in ``module_order`` where it lists them, the others after them in natural order."""
+        logged = {k[len(_MODULE_PREFIX) :] for k in self.series if k.startswith(_MODULE_PREFIX)}
+        known = [m for m in self.module_order if m in logged]
+        return known + sorted(logged.difference(known), key=_natural_key)
+
+    @property
+    def has_grad_norms(self) -> bool:
+        return any(k.startswith("grad_norm/") for k in self.series)
+
+    @staticmethod
+    def read_events(path: Path) -> list[dict]:
+        """The events of a ``gradkit_events.jsonl`` file (none when it does not exist)."""
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _read_csv(path: Path, data: RunData) -> None:
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            step = row.get("step")
+            if step in (None, ""):
+                continue
+            for key, value in row.items():
+                if key != "step" and value not in (None, ""):
+                    data.series[key][int(float(step))] = float(value)
+
+
+def _read_tensorboard(log_dir: Path, data: RunData) -> None:
+    """Scalars of the TensorBoard event files in ``log_dir``; tags keep the order they were first logged in."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    for path in sorted(log_dir.glob(_TB_GLOB)):
+        accumulator = EventAccumulator(str(path), size_guidance={SCALARS: 0})
+        accumulator.Reload()
+        tags = accumulator.Tags()[SCALARS]
+        for tag in tags:
+            for event in accumulator.Scalars(tag):
+                data.series[tag][int(event.step)] = float(event.value)
+        data.module_order += [t[len(_MODULE_PREFIX) :] for t in tags if t.startswith(_MODULE_PREFIX)]
 
 
 def load_run(log_dir: str | Path) -> RunData:
-    """Read a run directory.
+    """Read a run directory: ``metrics.csv``, TensorBoard event files, ``gradkit_events.jsonl``.
 
     Raises:
-        FileNotFoundError: if ``log_dir`` has neither ``metrics.csv`` nor ``gradkit_events.jsonl``.
+        FileNotFoundError: if ``log_dir`` is not a directory or holds none of these files (the message names the
+            run directories below it, if any).
+        ModuleNotFoundError: if the directory holds only TensorBoard files and tensorboard is not installed.
     """
     log_dir = Path(log_dir)
-    metrics, events = log_dir / "metrics.csv", log_dir / EVENTS_FILE
-    if not metrics.exists() and not events.exists():
+    if not log_dir.is_dir():
         raise FileNotFoundError(
-            f"{log_dir} has no metrics.csv and no {EVENTS_FILE}. Pass the directory of a run logged with "
-            "`CSVLogger` (its `log_dir`, e.g. lightning_logs/version_0)."
+            f"{log_dir} is not a directory. Pass the directory of a run logged with `CSVLogger` or `TensorBoardLogger` "
+            "(its `log_dir`, e.g. lightning_logs/version_0)."
+        )
+    metrics, events = log_dir / "metrics.csv", log_dir / EVENTS_FILE
+    tb_files = sorted(log_dir.glob(_TB_GLOB))
+    if not metrics.exists() and not events.exists() and not tb_files:
+        runs = sorted({p.parent for pattern in ("*/metrics.csv", f"*/{_TB_GLOB}") for p in log_dir.glob(pattern)})
+        hint = f" It has run directories below it: {', '.join(str(r) for r in runs[-3:])}." if runs else ""
+        raise FileNotFoundError(
+            f"{log_dir} has no metrics.csv, no TensorBoard event file and no {EVENTS_FILE}. Pass the directory of a "
+            f"run logged with `CSVLogger` or `TensorBoardLogger` (its `log_dir`, e.g. lightning_logs/version_0).{hint}"
         )
     data = RunData()
     if metrics.exists():
-        with metrics.open() as f:
-            for row in csv.DictReader(f):
-                step = row.get("step")
-                if step in (None, ""):
-                    continue
-                for key, value in row.items():
-                    if key != "step" and value not in (None, ""):
-                        data.series[key][int(float(step))] = float(value)
-    if events.exists():
-        data.events = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+        _read_csv(metrics, data)
+    if tb_files:
+        if importlib.util.find_spec("tensorboard") is None:
+            if not metrics.exists():
+                raise ModuleNotFoundError(
+                    f"{log_dir} holds TensorBoard event files; reading them needs tensorboard: "
+                    "`pip install tensorboard`."
+                )
+        else:
+            _read_tensorboard(log_dir, data)
+    data.events = RunData.read_events(events)
     return data
 
 
@@ -78,11 +164,13 @@ def render(log_dir: str | Path, out: str | Path | None = None) -> Path:
     """Render the report of the run in ``log_dir`` to a PNG and return its path.
 
     Args:
-        log_dir: a ``CSVLogger`` run directory.
+        log_dir: a run directory of a ``CSVLogger`` or a ``TensorBoardLogger``.
         out: where to write the PNG; defaults to ``log_dir/gradient_report.png``.
 
     Raises:
-        ModuleNotFoundError: if matplotlib is not installed (the ``report`` extra).
+        FileNotFoundError: if ``log_dir`` holds no run (see :func:`load_run`).
+        ModuleNotFoundError: if matplotlib is not installed (the ``report`` extra), or tensorboard for a
+            TensorBoard-only run.
         ValueError: if the run logged no gradient norm and no event (nothing to draw).
 
     Example::
@@ -90,14 +178,23 @@ def render(log_dir: str | Path, out: str | Path | None = None) -> Path:
         >>> render("lightning_logs/version_0")  # doctest: +SKIP
         PosixPath('lightning_logs/version_0/gradient_report.png')
     """
-    data = load_run(log_dir)
-    if not data.modules and _TOTAL not in data.series and not data.events:
+    out = Path(out) if out is not None else Path(log_dir) / REPORT_FILE
+    return render_data(load_run(log_dir), out, source=str(log_dir))
+
+
+def render_data(data: RunData, out: str | Path, source: str = "the run") -> Path:
+    """Render ``data`` to a PNG at ``out`` and return its path.
+
+    Raises:
+        ValueError: if ``data`` holds no gradient norm and no event.
+    """
+    if not data.has_grad_norms and not data.events:
         raise ValueError(
-            f"{log_dir} has no `grad_norm/*` metric and no event. Add `GradNormMonitor(depth=...)` to the Trainer "
-            "callbacks (with a CSVLogger) to record what the report draws."
+            f"{source} has no `grad_norm/*` metric and no event. Add `GradNormMonitor()` to the Trainer callbacks to "
+            "record what the report draws (`GradNormMonitor(report=True)` draws it at the end of fit)."
         )
     fig = build_figure(data)
-    out = Path(out) if out is not None else Path(log_dir) / REPORT_FILE
+    out = Path(out)
     fig.savefig(out, dpi=110)
     _pyplot().close(fig)
     return out
@@ -116,72 +213,237 @@ def _pyplot():
     return plt
 
 
+def step_lattice(steps: list[int], max_columns: int = _MAX_COLUMNS) -> tuple[list[int], list[int]]:
+    """Evenly spaced heatmap columns over ``steps`` and, for each, the index of the nearest logged step.
+
+    Logged steps are not evenly spaced (the first and last step of a run join the logging period), and ``imshow``
+    draws evenly spaced columns: one column per step (or per ``width`` steps in a long run) puts every value at its
+    own step, the same x as in the panel below.
+
+    Example::
+
+        >>> step_lattice([0, 4, 9])
+        ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 0, 1, 1, 1, 1, 2, 2, 2])
+    """
+    first, last = steps[0], steps[-1]
+    width = max(1, math.ceil((last - first + 1) / max_columns))
+    columns = list(range(first, last + 1, width))
+    nearest = []
+    for x in columns:
+        i = bisect.bisect_left(steps, x)
+        if i == len(steps) or (i > 0 and x - steps[i - 1] <= steps[i] - x):
+            i -= 1
+        nearest.append(i)
+    return columns, nearest
+
+
+@dataclass
+class _Layout:
+    """Axes rectangles in inches, so both panels get the same x extent whatever their labels."""
+
+    rows: int
+    label_chars: int
+
+    @property
+    def heat_height(self) -> float:
+        return min(max(self.rows * _ROW_HEIGHT, _MIN_HEAT_HEIGHT), _MAX_HEAT_HEIGHT)
+
+    @property
+    def left(self) -> float:
+        return max(1.0, 0.3 + 0.062 * self.label_chars)
+
+    right = 1.25
+    top = 0.45
+    gap = 0.55
+    bottom = 1.35
+
+    @property
+    def height(self) -> float:
+        return self.top + self.heat_height + self.gap + _TOTAL_HEIGHT + self.bottom
+
+    def rect(self, y_from_top: float, h: float, fig_w: float = _WIDTH) -> list[float]:
+        width = fig_w - self.left - self.right
+        return [self.left / fig_w, 1 - (y_from_top + h) / self.height, width / fig_w, h / self.height]
+
+
 def build_figure(data: RunData):
-    """The report's matplotlib figure: module heatmap on top, total norms and events below."""
+    """The report's matplotlib figure: module heatmap on top, total norms, clipping, skips and events below.
+
+    Both panels span the same x range at the same horizontal position (the colour bar sits in the right margin),
+    so a step in the heatmap lies straight above the same step below.
+    """
     plt = _pyplot()
     modules = data.modules
-    fig, (ax_heat, ax_total) = plt.subplots(
-        2, 1, figsize=(12, 3 + 0.28 * max(len(modules), 4)), sharex=True, height_ratios=[max(len(modules), 3), 3]
-    )
-    steps = sorted({s for k, v in data.series.items() if k.startswith("grad_norm") for s in v})
-    if modules and steps:
-        grid = [[_log10(data.series[_MODULE_PREFIX + m].get(s, math.nan)) for s in steps] for m in modules]
-        extent = (steps[0] - 0.5, steps[-1] + 0.5, len(modules) - 0.5, -0.5)
-        image = ax_heat.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent)
-        ax_heat.set_yticks(range(len(modules)), modules, fontsize=7)
-        fig.colorbar(image, ax=ax_heat, label="log10 gradient norm", pad=0.01)
-        # Logged but non-finite (NaN/Inf) cells in red; cells with nothing logged stay blank.
-        bad = [
-            (s, row)
-            for row, m in enumerate(modules)
-            for s, v in data.series[_MODULE_PREFIX + m].items()
-            if not math.isfinite(v)
-        ]
-        if bad:
-            ax_heat.scatter([b[0] for b in bad], [b[1] for b in bad], marker="s", color="red", label="non-finite")
-            ax_heat.legend(loc="upper right", fontsize=7)
-    else:
-        ax_heat.text(0.5, 0.5, "no per-module norms logged (GradNormMonitor(depth=...))", ha="center")
-    ax_heat.set_title("Per-module gradient norm")
+    layout = _Layout(rows=max(len(modules), 1), label_chars=max((len(m) for m in modules), default=10))
+    fig = plt.figure(figsize=(_WIDTH, layout.height))
+    ax_heat = fig.add_axes(layout.rect(layout.top, layout.heat_height))
+    ax_total = fig.add_axes(layout.rect(layout.top + layout.heat_height + layout.gap, _TOTAL_HEIGHT), sharex=ax_heat)
 
-    if _TOTAL in data.series:
-        pre = data.series[_TOTAL]
-        ax_total.plot(list(pre), list(pre.values()), label="total (pre-clip)", color="tab:blue", lw=1)
-        if _POST in data.series:
-            post = data.series[_POST]
-            ax_total.plot(list(post), list(post.values()), label="total (post-clip)", color="tab:green", lw=1)
-            clipped = [s for s, v in post.items() if s in pre and v < pre[s] * (1 - 1e-6)]
-            ax_total.scatter(clipped, [post[s] for s in clipped], s=12, color="tab:green", label="clipped", zorder=3)
-        if any(v > 0 for v in pre.values()):
-            ax_total.set_yscale("log")
+    steps = sorted({s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v})
+    event_steps = [int(e["step"]) for e in data.events if isinstance(e.get("step"), (int, float))]
+    span = steps + event_steps
+    if modules and steps:
+        _draw_heatmap(fig, ax_heat, data, modules, steps, layout)
+    else:
+        reason = (
+            "no per-module norms logged: GradNormMonitor(depth=0)?"
+            if data.has_grad_norms
+            else "no `grad_norm/*` metric in this run: add GradNormMonitor() to the Trainer callbacks"
+        )
+        ax_heat.text(0.5, 0.5, reason, ha="center", va="center", transform=ax_heat.transAxes)
+        ax_heat.set_yticks([])
+    in_model_order = set(modules) <= set(data.module_order)
+    order = "modules in model order" if in_model_order else "modules by name (numbers as numbers)"
+    ax_heat.set_title(f"Per-module gradient norm (log10), {order}", fontsize=10)
+    ax_heat.tick_params(labelbottom=False)
+
+    _draw_totals(ax_total, data)
     _draw_events(ax_total, data.events)
+    if span:
+        ax_total.set_xlim(min(span) - 0.5, max(span) + 0.5)
     ax_total.set_xlabel("optimizer step")
     ax_total.set_ylabel("gradient norm")
-    ax_total.set_title("Total gradient norm and events")
-    if ax_total.get_legend_handles_labels()[0]:
-        ax_total.legend(loc="upper right", fontsize=7)
-    fig.tight_layout()
+    handles, labels = ax_total.get_legend_handles_labels()
+    for twin in [a for a in fig.axes if a not in (ax_heat, ax_total) and a.get_label() == "clip fraction"]:
+        more_handles, more_labels = twin.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    if handles:
+        # Below the panel: a legend inside the axes would cover the data.
+        ax_total.legend(
+            handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=min(len(handles), 4), fontsize=8
+        )
     return fig
+
+
+def _draw_heatmap(fig, ax, data: RunData, modules: list[str], steps: list[int], layout: _Layout) -> None:
+    columns, nearest = step_lattice(steps)
+    width = columns[1] - columns[0] if len(columns) > 1 else 1
+    grid = []
+    for m in modules:
+        values = data.series[_MODULE_PREFIX + m]
+        logged = [_log10(values.get(s, math.nan)) for s in steps]
+        grid.append([logged[i] for i in nearest])
+    extent = (columns[0] - width / 2, columns[-1] + width / 2, len(modules) - 0.5, -0.5)
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent)
+    every = max(1, math.ceil(_LABEL_HEIGHT * len(modules) / layout.heat_height))
+    shown = range(0, len(modules), every)
+    ax.set_yticks(list(shown), [modules[i] for i in shown], fontsize=7)
+    bar = fig.add_axes(
+        [
+            (_WIDTH - layout.right + 0.12) / _WIDTH,
+            1 - (layout.top + layout.heat_height) / layout.height,
+            0.15 / _WIDTH,
+            layout.heat_height / layout.height,
+        ]
+    )
+    fig.colorbar(image, cax=bar, label="log10 gradient norm")
+    # Logged but non-finite (NaN/Inf) cells in red; cells with nothing logged stay blank.
+    bad = [
+        (s, row)
+        for row, m in enumerate(modules)
+        for s, v in data.series[_MODULE_PREFIX + m].items()
+        if not math.isfinite(v)
+    ]
+    if bad:
+        ax.scatter([b[0] for b in bad], [b[1] for b in bad], marker="s", color="red", s=14, label="non-finite")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, -0.02), fontsize=7, frameon=False)
+
+
+def _clipped_count(fraction: dict[int, float]) -> tuple[int, int]:
+    """``(clipped, steps)`` from fractions logged per logging interval (each covers the steps since the previous)."""
+    steps = sorted(fraction)
+    lengths = [steps[0] + 1] + [b - a for a, b in itertools.pairwise(steps)]
+    return round(sum(fraction[s] * n for s, n in zip(steps, lengths, strict=True))), sum(lengths)
+
+
+def _draw_totals(ax, data: RunData) -> None:
+    parts = ["Total gradient norm"]
+    pre = data.series.get(_TOTAL, {})
+    post = data.series.get(_POST, {})
+    fraction = data.series.get(_CLIP_FRACTION, {})
+    clipped = [s for s, v in post.items() if s in pre and v < pre[s] * (1 - 1e-6)]
+    any_clipped = any(v > 0 for v in fraction.values())
+    if fraction:
+        count, steps = _clipped_count(fraction)
+        parts.append(f"{count} of {steps} steps clipped" if any_clipped else "no step clipped")
+    elif post:
+        parts.append(f"{len(clipped)} of {len(post)} logged steps clipped" if clipped else "no step clipped")
+    if pre:
+        label = "total"
+        if clipped:
+            label = "total (pre-clip)"
+        elif any_clipped:
+            label = "total (no logged step clipped)"
+        elif post or fraction:
+            label = "total (no step clipped)"
+        ax.plot(list(pre), list(pre.values()), label=label, color="tab:blue", lw=1)
+        if clipped:
+            # Dashed: where a logged step was not clipped, the pre-clip line shows through.
+            ax.plot(list(post), list(post.values()), label="total (post-clip)", color="tab:green", lw=1, ls="--")
+            ax.scatter(clipped, [post[s] for s in clipped], s=12, color="tab:green", label="clipped", zorder=3)
+        finite = [v for v in pre.values() if v > 0 and math.isfinite(v)]
+        if finite and max(finite) > 10 * min(finite):
+            ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "no `grad_norm/total` logged", ha="center", va="center", transform=ax.transAxes)
+    skipped = data.series.get(_SKIPPED, {})
+    if skipped:
+        parts.append(f"{int(max(skipped.values()))} step(s) skipped")
+    if fraction:
+        twin = ax.twinx()
+        twin.set_label("clip fraction")
+        # A fraction logged at step s covers the steps since the previous log: it is drawn over (previous, s].
+        twin.step(list(fraction), list(fraction.values()), where="pre", color="tab:gray", lw=0.8, alpha=0.7)
+        twin.fill_between(list(fraction), list(fraction.values()), step="pre", color="tab:gray", alpha=0.15)
+        twin.plot([], [], color="tab:gray", label="fraction of steps clipped (right axis)")
+        twin.set_ylim(0, 1.05)
+        twin.set_ylabel("clipped fraction", fontsize=8)
+    if data.events:
+        parts.append("events")
+    ax.set_title(", ".join(parts), fontsize=10)
 
 
 _EVENT_COLORS = ("tab:red", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 
+def _event_kind(event: dict) -> str:
+    kind = str(event.get("what", "event"))
+    return f"{kind} (step skipped)" if event.get("action") == "skip" else kind
+
+
 def _draw_events(ax, events: list[dict]) -> None:
-    kinds = sorted({str(e.get("what", "event")) for e in events})
+    kinds = sorted({_event_kind(e) for e in events})
     for i, kind in enumerate(kinds):
-        steps = [e["step"] for e in events if str(e.get("what", "event")) == kind and "step" in e]
+        steps = [e["step"] for e in events if _event_kind(e) == kind and "step" in e]
         color = _EVENT_COLORS[i % len(_EVENT_COLORS)]
         for j, step in enumerate(steps):
             ax.axvline(step, color=color, ls="--", lw=1, alpha=0.8, label=f"event: {kind}" if j == 0 else None)
 
 
+_CLI_DESCRIPTION = """\
+Render the gradient report of a run to a PNG: a heatmap of per-module gradient norms over optimizer steps, the
+total norm before and after clipping (clipped steps marked, the clipped fraction and skipped steps where logged)
+and the events that gradkit's guards wrote (gradkit_events.jsonl), on one step axis.
+
+LOG_DIR is the directory of one run: a CSVLogger's (metrics.csv) or a TensorBoardLogger's (events.out.tfevents.*,
+needs tensorboard), e.g. lightning_logs/version_0. The run must have used GradNormMonitor, which logs the
+grad_norm/* metrics drawn here."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_gradkit.report", description=__doc__.splitlines()[0])
-    parser.add_argument("log_dir", help="a CSVLogger run directory (holds metrics.csv)")
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_gradkit.report",
+        description=_CLI_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("log_dir", metavar="LOG_DIR", help="the run directory (see above)")
     parser.add_argument("--out", default=None, help=f"output PNG (default: LOG_DIR/{REPORT_FILE})")
     args = parser.parse_args(argv)
-    print(render(args.log_dir, args.out))
+    try:
+        path = render(args.log_dir, args.out)
+    except (FileNotFoundError, ModuleNotFoundError, ValueError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    print(path)
 
 
 if __name__ == "__main__":

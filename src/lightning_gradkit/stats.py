@@ -21,19 +21,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_gradkit._validation import check_float
+
 
 def validate_norm_type(norm_type: float, argument: str = "norm_type") -> float:
     """Return ``norm_type`` as a float, or raise if it is not a p-norm order (``p >= 1`` or ``inf``).
 
     Raises:
-        ValueError: if ``norm_type`` is below 1, NaN or ``-inf``.
+        ValueError: if ``norm_type`` is not a number, or is below 1, NaN or ``-inf``.
     """
-    p = float(norm_type)
-    if math.isnan(p) or p < 1.0:
-        raise ValueError(
-            f"`{argument}` must be >= 1 or float('inf'), got {norm_type!r}. Use 2.0 for the Euclidean norm."
-        )
-    return p
+    return check_float(argument, norm_type, minimum=1.0, allow_inf=True, hint="Use 2.0 for the Euclidean norm.")
 
 
 def local_tensor(t: Tensor) -> Tensor:

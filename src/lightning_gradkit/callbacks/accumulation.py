@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, is_logging_step, world_size
+from lightning_gradkit._validation import check_bool, check_choice
 from lightning_gradkit._window import WindowPosition
 from lightning_gradkit.accumulation import (
     TOKENS_KEY,
@@ -126,13 +127,11 @@ class AccumulationGuard(GradKitCallback):
         tokens_key: str = TOKENS_KEY,
     ) -> None:
         self.normalize = validate_normalize(normalize)
-        if on_dirty not in get_args(OnDirty):
-            raise ValueError(f"`on_dirty` must be one of {list(get_args(OnDirty))}, got {on_dirty!r}.")
-        if not tokens_key:
+        self.on_dirty = check_choice("on_dirty", on_dirty, get_args(OnDirty))
+        if not isinstance(tokens_key, str) or not tokens_key:
             raise ValueError(f"`tokens_key` must name the key of the token count, got {tokens_key!r}.")
-        self.zero_early = zero_early
-        self.check_clean = check_clean
-        self.on_dirty = on_dirty
+        self.zero_early = check_bool("zero_early", zero_early)
+        self.check_clean = check_bool("check_clean", check_clean)
         self.tokens_key = tokens_key
         self._tokens = TokenCount()
         self._batch_idx = 0

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
+from lightning_gradkit._validation import check_bool, check_choice
 from lightning_gradkit.checkpointing import (
     MODES,
     ActivationProfile,
@@ -118,8 +119,9 @@ class ActivationCheckpointing(Callback):
     ) -> None:
         self._targets = parse_targets(targets)
         validate_every_n(every_n)
-        if mode not in MODES:
-            raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
+        check_choice("mode", mode, MODES)
+        check_bool("offload", offload)
+        check_bool("measure", measure)
         validate_memory_budget(memory_budget)
         if memory_budget is not None and every_n != 1:
             raise ValueError(

@@ -30,6 +30,7 @@ from lightning_gradkit._engine import (
     log_metrics,
     world_size,
 )
+from lightning_gradkit._validation import check_strings
 from lightning_gradkit.clipping import (
     AdaptiveGradClipPolicy,
     AutoClipPolicy,
@@ -332,8 +333,9 @@ class AutoClip(_ScalarClip):
         history_size: number of past norms kept, >= 1; 10000 by default.
 
     Raises:
-        ValueError: at construction, if ``percentile`` is outside ``(0, 100]`` or ``history_size`` < 1; at setup, if
-            another clipping callback or ``Trainer(gradient_clip_val=...)`` is also present.
+        ValueError: at construction, if ``percentile`` is outside ``(0, 100]`` or ``history_size`` is not an
+            integer in ``[1, 10_000_000]``; at setup, if another clipping callback or
+            ``Trainer(gradient_clip_val=...)`` is also present.
 
     Example::
 
@@ -368,7 +370,9 @@ class ZClip(_ScalarClip):
         alpha: EMA smoothing factor in ``(0, 1)``.
         z_threshold: z-score above which the norm is clipped, > 0.
         warmup_steps: number of finite norms that initialise the statistics, >= 1.
-        max_norm: optional absolute ceiling on the total norm, > 0; ``None`` (default) for none.
+        max_norm: optional absolute ceiling on the total norm, > 0; ``None`` (default) for none. The reference
+            implementation defaults to ``max_grad_norm=1.0``, which also clips every step whose norm exceeds 1
+            (during warm-up too): pass ``max_norm=1.0`` to match it.
 
     Raises:
         ValueError: at construction, for ``alpha`` outside ``(0, 1)``, ``z_threshold`` or ``max_norm`` <= 0, or
@@ -413,7 +417,8 @@ class AdaptiveGradClip(_GradClipCallback):
         eps: floor of the unit weight norm, > 0.
         exclude: parameters left unclipped: module class names (``"Linear"``, matching subclasses and everything
             inside such modules) or ``"re:<regex>"`` searched in qualified parameter and module names
-            (``"re:^head\."``, ``"re:lm_head"``).
+            (``"re:^head\."``, ``"re:lm_head"``); one string is one pattern. Default: none, so the final layer is
+            clipped too, unlike the paper and timm's training script: name it here.
 
     Raises:
         ValueError: at construction, for non-positive ``clip_factor`` or ``eps`` or an invalid regex; at setup, for an
@@ -433,7 +438,7 @@ class AdaptiveGradClip(_GradClipCallback):
 
     def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, exclude: list[str] | None = None) -> None:
         super().__init__(AdaptiveGradClipPolicy(clip_factor, eps))
-        self.exclude = list(exclude or [])
+        self.exclude = check_strings("exclude", exclude, hint="Name module classes or give `re:<regex>` patterns.")
         for pattern in self.exclude:
             if pattern.startswith("re:"):
                 try:

@@ -12,13 +12,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_gradkit._validation import check_bool, check_choice, check_int
 from lightning_gradkit.diagnostics import (
     GraphFootprint,
     GraphTensor,
     OlderGraph,
     _write_event,
     autograd_sequence_marker,
-    check_int,
     gc_graph_tensors,
     graph_footprint,
     module_graph_tensors,
@@ -144,14 +144,12 @@ class GraphLeakGuard(Callback):
         gc_scan: bool = False,
         trend_window: int = 10,
     ) -> None:
-        check_int("check_every_n_steps", check_every_n_steps, 1)
-        if action not in _ACTIONS:
-            raise ValueError(f"`action` must be one of {_ACTIONS}, got {action!r}.")
-        check_int("trend_window", trend_window, 3, " (the number of checks a trend is fitted over)")
-        self.check_every_n_steps = check_every_n_steps
-        self.action = action
-        self.gc_scan = gc_scan
-        self.trend_window = trend_window
+        self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)
+        self.action = check_choice("action", action, _ACTIONS)
+        self.gc_scan = check_bool("gc_scan", gc_scan)
+        self.trend_window = check_int(
+            "trend_window", trend_window, 3, hint="It is the number of checks a trend is fitted over."
+        )
         self.reports: list[LeakReport] = []
         self.memory_trend: float | None = None
         self._marker: int | None = None

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _Engine, _StatsRequest, world_size
+from lightning_gradkit._validation import check_bool, check_choice, check_float, check_int
 from lightning_gradkit.accumulation import mean_window_scale
 from lightning_gradkit.events import EventLog, events_dir
 from lightning_gradkit.forensics import Finding, RNGState, capture_rng, replay_training_step
@@ -40,21 +41,15 @@ _MAX_NAMES = 10
 
 # -- argument checks ----------------------------------------------------------------------------------------------
 def _choice(argument: str, value: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"`{argument}` must be one of {', '.join(map(repr, allowed))}, got {value!r}.")
-    return value
+    return check_choice(argument, value, allowed)
 
 
 def _positive_int(argument: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{argument}` must be an integer >= {minimum}, got {value!r}.")
-    return value
+    return check_int(argument, value, minimum)
 
 
 def _positive_float(argument: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{argument}` must be a finite number > 0, got {value!r}.")
-    return float(value)
+    return check_float(argument, value, above=0.0)
 
 
 def _names(names: list[str]) -> str:
@@ -304,7 +299,8 @@ class NonFiniteGuard(_Guard):
         stop_on_nonfinite_validation: stop training on a non-finite validation loss.
 
     Raises:
-        ValueError: on an unknown ``action`` or ``max_consecutive < 1``.
+        ValueError: on an unknown ``action``, ``max_consecutive < 1``, a non-bool flag, or with both
+            ``check_loss`` and ``check_grads`` false.
         RuntimeError: at setup, for ``action="skip"`` on a strategy that cannot skip steps (the message names the
             GradKit strategy to use); during training, for ``action="raise"`` on a non-finite step and after
             ``max_consecutive`` flagged steps in a row.
@@ -328,13 +324,18 @@ class NonFiniteGuard(_Guard):
         stop_on_nonfinite_validation: bool = False,
     ) -> None:
         super().__init__(_choice("action", action, ("skip", "raise", "warn")))
-        self.check_loss = check_loss
-        self.check_grads = check_grads
+        self.check_loss = check_bool("check_loss", check_loss)
+        self.check_grads = check_bool("check_grads", check_grads)
+        if not (check_loss or check_grads):
+            raise ValueError(
+                "`check_loss=False` and `check_grads=False` leave the guard nothing to check. Set one of them to True "
+                "(both by default), or remove the NonFiniteGuard."
+            )
         self.max_consecutive = _positive_int("max_consecutive", max_consecutive)
-        self.forensics = forensics
-        self.detect_anomaly = detect_anomaly
-        self.check_validation = check_validation
-        self.stop_on_nonfinite_validation = stop_on_nonfinite_validation
+        self.forensics = check_bool("forensics", forensics)
+        self.detect_anomaly = check_bool("detect_anomaly", detect_anomaly)
+        self.check_validation = check_bool("check_validation", check_validation)
+        self.stop_on_nonfinite_validation = check_bool("stop_on_nonfinite_validation", stop_on_nonfinite_validation)
         self._loss_bad: Tensor | None = None
         self._losses: list[Tensor] = []
         self._batches: list[tuple[Any, int, RNGState]] = []
@@ -806,9 +807,7 @@ class SpikeGuard(_Guard):
         super().__init__(_choice("action", action, ("warn", "skip", "raise")))
         self.monitor = _choice("monitor", monitor, ("loss", "grad_norm"))
         self.z_threshold = _positive_float("z_threshold", z_threshold)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha < 1.0:
-            raise ValueError(f"`alpha` must be in (0, 1) (e.g. 0.97), got {alpha!r}.")
-        self.alpha = float(alpha)
+        self.alpha = check_float("alpha", alpha, above=0.0, below=1.0, hint="A typical value is 0.97.")
         self.warmup_steps = _positive_int("warmup_steps", warmup_steps, minimum=2)
         if window is not None:
             _positive_int("window", window)

@@ -2,33 +2,173 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import Tensor
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
 
-from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _StatsRequest, is_logging_step, log_metrics
+from lightning_gradkit._engine import (
+    GradKitCallback,
+    Stage,
+    StepPlan,
+    _Engine,
+    _StatsRequest,
+    is_logging_step,
+    log_metrics,
+)
+from lightning_gradkit._validation import check_bool, check_int
+from lightning_gradkit.events import EVENTS_FILENAME, events_dir
 from lightning_gradkit.stats import (
     ParamIndex,
+    clean_param_name,
     combine_sharded,
     grouped_norms,
     local_tensor,
+    module_key,
     per_tensor_norms,
     powered,
     total_norm,
     validate_norm_type,
 )
 
+if TYPE_CHECKING:
+    from lightning_gradkit.report import RunData
+
 _MAX_NAMES = 10
+
+#: Keys shown in Lightning's progress bar with ``prog_bar=True`` (short: the bar is one line).
+PROG_BAR_KEYS = ("grad_norm", "clipped", "skipped")
 
 
 def _name_list(names: list[str]) -> str:
     shown = ", ".join(names[:_MAX_NAMES])
     return shown + (f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else "")
+
+
+# -- per-module grouping (pure functions of names and module classes) ---------------------------------------------
+def repeated_blocks(modules: Iterable[tuple[str, nn.Module]]) -> list[str]:
+    """Qualified names of the repeated blocks of a model, in registration order.
+
+    A repeated block is a child of a ``ModuleList`` or ``Sequential`` whose children (two or more) all have the same
+    class: the layers of a transformer (``model.blocks.3``, ``encoder.encoder.layer.3``), the stages of a ResNet.
+    Only the outermost ones count: the experts inside a repeated layer are part of that layer's row.
+
+    Args:
+        modules: ``(qualified name, module)`` pairs in registration order, as ``named_modules()`` yields them.
+
+    Example::
+
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+        >>> repeated_blocks(net.named_modules())
+        ['1.0', '1.1']
+    """
+    blocks: list[str] = []
+    for name, module in modules:
+        if any(name.startswith(b + ".") for b in blocks):
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.named_children())
+            if len(children) >= 2 and len({type(child) for _, child in children}) == 1:
+                blocks.extend(f"{name}.{child}" if name else child for child, _ in children)
+    return blocks
+
+
+def auto_module_keys(param_names: Sequence[str], blocks: Sequence[str]) -> list[str]:
+    """The row (module) of every parameter for ``depth="auto"``.
+
+    A parameter inside a repeated block belongs to that block. Any other parameter belongs to the shortest prefix of
+    its owner's name that holds no block: the other top-level modules (``head``), or, beside the blocks, their
+    siblings (``model.wte``, ``encoder.embeddings``). A wrapper that holds the whole model (``self.model``) is looked
+    through.
+
+    Example::
+
+        >>> auto_module_keys(["model.wte.weight", "model.blocks.0.fc.weight", "head.bias"], ["model.blocks.0"])
+        ['model.wte', 'model.blocks.0', 'head']
+    """
+    owners = [name.split(".")[:-1] for name in param_names]
+    ancestors = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
+    # Look through the components every parameter shares (a LightningModule that wraps its model in `self.model`).
+    common = owners[0] if owners else []
+    for owner in owners[1:]:
+        shared = 0
+        while shared < min(len(common), len(owner)) and common[shared] == owner[shared]:
+            shared += 1
+        common = common[:shared]
+    ancestors.update(".".join(common[:i]) for i in range(1, len(common) + 1))
+    block_set = set(blocks)
+    keys = []
+    for owner in owners:
+        key = "<root>"
+        for i in range(1, len(owner) + 1):
+            key = ".".join(owner[:i])
+            if key in block_set or key not in ancestors:
+                break
+        keys.append(key)
+    return keys
+
+
+def module_rows(keys: Sequence[str], names: Sequence[str], model_order: Sequence[str]) -> tuple[list[str], list[int]]:
+    """Rows in model order and the row of every parameter.
+
+    Args:
+        keys: the row key of every parameter, aligned with ``names``.
+        names: the parameter names, in the optimizer's (grouped by device and dtype) order.
+        model_order: the parameter names in registration order (``named_parameters()``).
+
+    Returns:
+        ``(rows, index)``: the distinct keys, ordered by their first parameter in ``model_order`` (parameters it does
+        not list come last), and for every parameter the position of its key in ``rows``.
+    """
+    rank = {name: i for i, name in enumerate(model_order)}
+    first: dict[str, int] = {}
+    for key, name in zip(keys, names, strict=True):
+        first[key] = min(first.get(key, len(rank)), rank.get(name, len(rank)))
+    rows = sorted(dict.fromkeys(keys), key=lambda k: first[k])
+    lookup = {k: i for i, k in enumerate(rows)}
+    return rows, [lookup[k] for k in keys]
+
+
+def _is_last_step(trainer: pl.Trainer) -> bool:
+    """Whether the optimizer step under way is the last of ``fit``, as far as ``max_steps``/``max_epochs`` say.
+
+    Called in ``on_before_optimizer_step``, before ``global_step`` counts this step. A stop that Lightning decides
+    after the step (early stopping, ``max_time``) is not foreseen.
+    """
+    if trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps:
+        return True
+    max_epochs = trainer.max_epochs
+    if max_epochs is None or max_epochs == -1 or trainer.current_epoch + 1 < max_epochs:
+        return False
+    return trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+
+
+def _clipped_flag(plan: StepPlan) -> Tensor | None:
+    """Whether a clipping callback scaled this step's gradients down (a bool device scalar), or None without one."""
+    flags = []
+    if plan.clip_coef is not None:
+        flags.append(plan.clip_coef.reshape(()) < 1)
+    if plan.param_coefs:
+        coefs = list(plan.param_coefs.values())
+        flags.append(torch.cat([c.reshape(-1).to(coefs[0].device) for c in coefs]).min() < 1)
+    if plan.clamp_value is not None and math.inf in plan.stats:
+        flags.append(plan.pre_clip_total(math.inf) > plan.clamp_value)
+    return torch.stack([f.to(flags[0].device) for f in flags]).any() if flags else None
+
+
+def _to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """All values in one device-to-host transfer (logging steps only)."""
+    first = next(iter(metrics.values()))
+    values = torch.stack([v.detach().reshape(()).to(first.device, torch.float32) for v in metrics.values()]).tolist()
+    return dict(zip(metrics, values, strict=True))
 
 
 class GradNormMonitor(GradKitCallback):
@@ -40,11 +180,17 @@ class GradNormMonitor(GradKitCallback):
     ``pl_module.log`` on logging steps only, so any Lightning logger receives them and non-logging steps cost no
     host-device synchronization. With accumulation, the norms are measured once per optimizer step, at the boundary.
 
+    Logging steps are every ``log_every_n_steps`` optimizer steps, plus the first optimizer step of each ``fit`` and
+    the last one (when ``max_steps`` or ``max_epochs`` ends the run), so a run shorter than the period still shows
+    its norms; a warning at train start says when the run has fewer optimizer steps than the period. The first and
+    last steps go straight to ``trainer.loggers`` (one host transfer), since Lightning flushes ``self.log`` values
+    on its own period only.
+
     Logged keys (``/opt{i}`` is appended when the Trainer has several optimizers):
 
     - ``grad_norm/total``: the total norm of the gradients the optimizer receives, before clipping.
     - ``grad_norm/total_post_clip``: the same after a gradkit clipping callback acted (when one is present).
-    - ``grad_norm/module/<name>``: per module, the qualified module name cut at ``depth`` components.
+    - ``grad_norm/module/<name>``: per module (see ``depth``).
     - ``grad_norm/param_group_<i>``: per optimizer param group.
     - ``weight_norm/total`` and ``weight_norm/module/<name>``: with ``weight_norms=True``.
 
@@ -54,25 +200,34 @@ class GradNormMonitor(GradKitCallback):
 
     Args:
         norm_type: the p of the norm, ``p >= 1`` or ``float("inf")``.
-        depth: module-tree depth of the per-module norms: 1 groups by top-level children, 2 by their children,
-            and so on. 0 turns per-module logging off.
+        depth: module-tree depth of the per-module norms. ``"auto"`` (default): one module per repeated block (each
+            child of a ``ModuleList``/``Sequential`` of same-class modules, e.g. ``encoder.encoder.layer.3``) plus the
+            other top-level modules (``head``; beside the blocks, their siblings such as ``model.wte``). An integer
+            ``d`` cuts qualified module names at ``d`` components (1 groups by top-level children, 2 by their
+            children, and so on); 0 turns per-module logging off.
         param_groups: also log one norm per optimizer param group.
         weight_norms: also log the weight norms (total and, with ``depth``, per module) on logging steps.
-        report: at the end of ``fit``, render the gradient report (``lightning_gradkit.report``) into the logger's
-            directory. Needs a ``CSVLogger`` and matplotlib (``pip install lightning_gradkit[report]``).
+        report: at the end of ``fit``, render the gradient report (``lightning_gradkit.report``) to
+            ``gradient_report.png`` in the log directory. The monitor keeps the values it logs (rank 0, on logging
+            steps), so any logger, or none, will do. Needs matplotlib (``pip install lightning_gradkit[report]``).
         log_every_n_steps: how often to log, in optimizer steps; defaults to the Trainer's
             ``log_every_n_steps``. With a period of its own the values go straight to ``trainer.loggers``
             (Lightning's ``self.log`` would re-send stale values on its own logging steps).
+        prog_bar: show the total norm (``grad_norm``), the fraction of optimizer steps clipped since the previous
+            logging step (``clipped``, with a clipping callback) and the number of skipped steps (``skipped``, with
+            a guard that skips) in Lightning's progress bar, updated on logging steps.
 
     Raises:
-        ValueError: if ``norm_type`` < 1, ``depth`` < 0 or ``log_every_n_steps`` <= 0.
+        ValueError: if ``norm_type`` < 1, ``depth`` is neither ``"auto"`` nor an integer >= 0, or
+            ``log_every_n_steps`` is not a positive integer; at setup, if the Trainer has another GradNormMonitor.
+        ModuleNotFoundError: with ``report=True``, if matplotlib is not installed.
         RuntimeError: at fit start, if the model has no trainable parameter.
 
     Example::
 
         >>> from lightning.pytorch import Trainer
         >>> from lightning_gradkit import GradNormMonitor
-        >>> trainer = Trainer(callbacks=[GradNormMonitor(depth=2, param_groups=True)])
+        >>> trainer = Trainer(callbacks=[GradNormMonitor(param_groups=True, report=True)])
     """
 
     _stage = Stage.OBSERVE
@@ -80,24 +235,38 @@ class GradNormMonitor(GradKitCallback):
     def __init__(
         self,
         norm_type: float = 2.0,
-        depth: int = 0,
+        depth: int | Literal["auto"] = "auto",
         param_groups: bool = False,
         weight_norms: bool = False,
         report: bool = False,
         log_every_n_steps: int | None = None,
+        prog_bar: bool = False,
     ) -> None:
         self.norm_type = validate_norm_type(norm_type)
-        if depth < 0:
-            raise ValueError(f"`depth` must be >= 0 (0 disables per-module norms), got {depth!r}.")
-        if log_every_n_steps is not None and log_every_n_steps <= 0:
-            raise ValueError(
-                f"`log_every_n_steps` must be a positive integer, got {log_every_n_steps!r}. "
-                "Leave it as None to follow the Trainer's `log_every_n_steps`."
+        if not (isinstance(depth, str) and depth == "auto"):
+            depth = check_int(
+                "depth",
+                depth,
+                0,
+                hint="Use 'auto' for one row per repeated block, an integer to cut module names at that many "
+                "components, 0 to turn per-module norms off.",
             )
-        self.depth = depth
-        self.param_groups = param_groups
-        self.weight_norms = weight_norms
-        self.report = report
+        self.depth: int | Literal["auto"] = depth
+        self.param_groups = check_bool("param_groups", param_groups)
+        self.weight_norms = check_bool("weight_norms", weight_norms)
+        self.report = check_bool("report", report)
+        if report and importlib.util.find_spec("matplotlib") is None:
+            raise ModuleNotFoundError(
+                "GradNormMonitor(report=True) draws the report with matplotlib, which is not installed: "
+                "`pip install lightning_gradkit[report]`, or leave `report=False`."
+            )
+        if log_every_n_steps is not None:
+            check_int(
+                "log_every_n_steps",
+                log_every_n_steps,
+                1,
+                hint="Leave it as None to follow the Trainer's `log_every_n_steps`.",
+            )
         self.log_every_n_steps = log_every_n_steps
         # The parameter index each check was done for (re-armed when parameters join or leave the optimizer), and
         # the names already reported.
@@ -105,10 +274,43 @@ class GradNormMonitor(GradKitCallback):
         self._zero_checked: ParamIndex | None = None
         self._reported_missing: set[str] = set()
         self._reported_zero: set[str] = set()
+        self.prog_bar = check_bool("prog_bar", prog_bar)
+        self._first_pending = True
+        self._model_order: list[str] = []
+        self._blocks: list[str] = []
+        self._rows: dict[int, tuple[ParamIndex, list[str], Tensor]] = {}
+        self._clipped: dict[int, Tensor] = {}
+        self._steps_since_log: dict[int, int] = {}
+        self._record: _Record | None = None
+        self._report_dir: Path | None = None
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(norm_type=self.norm_type, depth=self.depth)
+
+    @property
+    def report_data(self) -> RunData | None:
+        """With ``report=True``, on global rank 0: the values logged so far (what the report draws), else None."""
+        if self._record is None:
+            return None
+        # Imported here: `python -m lightning_gradkit.report` must not find the module imported by the package.
+        from lightning_gradkit.report import RunData
+
+        events = RunData.read_events(self._report_dir / EVENTS_FILENAME) if self._report_dir is not None else []
+        return self._record.run_data(events)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        monitors = [cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor)]
+        if len(monitors) > 1:
+            raise ValueError(
+                f"The Trainer has {len(monitors)} GradNormMonitor callbacks: each would log the same `grad_norm/*` "
+                "keys. Keep exactly one and give it every option you need (`depth`, `param_groups`, `weight_norms`, "
+                "`report`, `prog_bar`)."
+            )
+        if self.report:
+            # `trainer.log_dir` broadcasts rank 0's directory: every rank asks at the same point.
+            self._report_dir = events_dir(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -118,26 +320,43 @@ class GradNormMonitor(GradKitCallback):
                 "`requires_grad=True`), so there is no gradient to measure. Unfreeze some parameters or remove the "
                 "callback."
             )
+        # Names as the engine cleans them (no FSDP / checkpoint-wrapper / compile components), in registration order.
+        self._model_order = [clean_param_name(n) for n, _ in pl_module.named_parameters()]
+        self._blocks = repeated_blocks((clean_param_name(n), m) for n, m in pl_module.named_modules())
+        self._rows.clear()
+        self._clipped.clear()
+        self._steps_since_log.clear()
+        self._first_pending = True
+        self._record = _Record() if self.report and trainer.is_global_zero else None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        period = trainer.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
+        try:
+            total = trainer.estimated_stepping_batches
+        except MisconfigurationException:  # an accumulation schedule: no single estimate
+            return
+        if period and math.isfinite(total) and 0 < total < period:
+            rank_zero_warn(
+                f"GradNormMonitor: this run has {int(total)} optimizer step(s), fewer than the logging period of "
+                f"{period} (`log_every_n_steps`, counted in optimizer steps): gradient norms are logged on the first "
+                "and the last step only. Lower `Trainer(log_every_n_steps=...)` or "
+                "`GradNormMonitor(log_every_n_steps=...)` to see more."
+            )
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.report or not trainer.is_global_zero:
+        if self._record is None or self._report_dir is None:
             return
-        if not isinstance(trainer.logger, CSVLogger):
-            rank_zero_warn("GradNormMonitor(report=True) needs a CSVLogger (the report reads its metrics.csv).")
-            return
-        from lightning_gradkit.report import render
+        from lightning_gradkit.report import REPORT_FILE, render_data
 
-        trainer.logger.save()
         try:
-            path = render(trainer.logger.log_dir)
-        except ValueError as err:  # nothing logged yet (e.g. a run shorter than the logging period)
+            path = render_data(self.report_data, self._report_dir / REPORT_FILE, source="GradNormMonitor")
+        except ValueError as err:  # nothing logged (a run stopped before its first optimizer step)
             rank_zero_warn(f"GradNormMonitor: no gradient report written: {err}")
             return
         rank_zero_info(f"GradNormMonitor: gradient report written to {path}")
 
     def _stats_request(self, request: _StatsRequest) -> None:
         request.norm_types.add(self.norm_type)
-        request.depth = max(request.depth, self.depth)
 
     def _primary_norm_type(self) -> float | None:
         return self.norm_type
@@ -154,18 +373,78 @@ class GradNormMonitor(GradKitCallback):
                     f"{trainer.global_step}: {_name_list(missing)}. They are not connected to the loss (or the "
                     "forward ran under `torch.no_grad`). Freeze them (`requires_grad_(False)`) if that is intended."
                 )
-        if not is_logging_step(trainer, self.log_every_n_steps):
+        idx = plan.optimizer_idx
+        if self._record is not None or self.prog_bar:
+            self._count_clipped(plan)
+        on_period = is_logging_step(trainer, self.log_every_n_steps)
+        period = trainer.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
+        extra = not on_period and period != 0 and (self._first_pending or _is_last_step(trainer))
+        if not (on_period or extra):
             return
-        suffix = f"/opt{plan.optimizer_idx}" if len(trainer.optimizers) > 1 else ""
-        log_metrics(trainer, pl_module, {k + suffix: v for k, v in self.metrics(plan).items()}, self.log_every_n_steps)
+        self._first_pending = False
+        suffix = f"/opt{idx}" if len(trainer.optimizers) > 1 else ""
+        metrics = {k + suffix: v for k, v in self.metrics(plan).items()}
+        if self.weight_norms:
+            metrics.update({k + suffix: v for k, v in self._weight_metrics(plan).items()})
+        host: dict[str, float] | None = None
+        if on_period:
+            log_metrics(trainer, pl_module, metrics, self.log_every_n_steps)
+        else:
+            host = _to_host(metrics)
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            for logger in trainer.loggers:
+                logger.log_metrics(host, step=step)
         if plan.index is not self._zero_checked:
             self._warn_zero_gradients(plan, trainer)
-        if self.weight_norms:
-            log_metrics(
-                trainer,
-                pl_module,
-                {k + suffix: v for k, v in self._weight_metrics(plan).items()},
-                self.log_every_n_steps,
+        if self._record is not None or self.prog_bar:
+            self._note(plan, trainer, pl_module, metrics, host, suffix)
+
+    def _count_clipped(self, plan: StepPlan) -> None:
+        """Count clipped steps on device between logging steps (for the report and the progress bar)."""
+        flag = _clipped_flag(plan)
+        if flag is None:
+            return
+        idx = plan.optimizer_idx
+        count = self._clipped.get(idx)
+        self._clipped[idx] = flag.to(torch.float32) if count is None else count + flag
+        self._steps_since_log[idx] = self._steps_since_log.get(idx, 0) + 1
+
+    def _note(
+        self,
+        plan: StepPlan,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        metrics: dict[str, Tensor],
+        host: dict[str, float] | None,
+        suffix: str,
+    ) -> None:
+        """Keep the logged values for the report and show them in the progress bar (one more host transfer)."""
+        idx = plan.optimizer_idx
+        extra: dict[str, Tensor] = {}
+        clipped = self._clipped.pop(idx, None)
+        if clipped is not None:
+            extra["grad_clip/clipped_fraction" + suffix] = clipped / self._steps_since_log.pop(idx)
+        skipped = _Engine.of(trainer).skipped_steps
+        if skipped is not None:
+            extra["gradkit/skipped_steps"] = skipped
+        values = {**(host or _to_host(metrics)), **(_to_host(extra) if extra else {})}
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        if self._record is not None:
+            self._record.add(step, values, self._rows[idx][1] if idx in self._rows else [], suffix)
+        if self.prog_bar:
+            shown = {
+                "grad_norm": values.get("grad_norm/total" + suffix),
+                "clipped": values.get("grad_clip/clipped_fraction" + suffix),
+                "skipped": values.get("gradkit/skipped_steps"),
+            }
+            # CPU tensors: the progress bar reads them every batch, which must not synchronize the device.
+            pl_module.log_dict(
+                {k + suffix: torch.tensor(v) for k, v in shown.items() if v is not None},
+                prog_bar=True,
+                logger=False,
+                on_step=True,
+                on_epoch=False,
+                batch_size=1,
             )
 
     def metrics(self, plan: StepPlan) -> dict[str, Tensor]:
@@ -174,22 +453,46 @@ class GradNormMonitor(GradKitCallback):
         out = {"grad_norm/total": plan.scaled(stats.total)}
         if plan.clipped and self.norm_type == plan.primary_norm_type:
             out["grad_norm/total_post_clip"] = plan.post_clip_total()
-        if self.depth and stats.module_norms is not None:
-            out.update(self._module_metrics("grad_norm", plan.scaled(stats.module_norms), stats.module_names))
+        rows = self._module_rows(plan)
+        if rows is not None:
+            names, index = rows
+            module_norms = grouped_norms(stats.param_norms, index, len(names), self.norm_type)
+            out.update(self._module_metrics("grad_norm", plan.scaled(module_norms), names))
         if self.param_groups:
             scaled_groups = plan.scaled(stats.group_norms)
             for i in range(stats.group_norms.numel()):
                 out[f"grad_norm/param_group_{i}"] = scaled_groups[i]
         return out
 
+    def _module_rows(self, plan: StepPlan) -> tuple[list[str], Tensor] | None:
+        """The per-module rows of this optimizer's parameters, in model order, built once per parameter layout.
+
+        Module norms are grouped here, from the per-parameter norms, on logging steps only: the engine need not
+        group every step.
+        """
+        if self.depth == 0:
+            return None
+        cached = self._rows.get(plan.optimizer_idx)
+        if cached is not None and cached[0] is plan.index:
+            return cached[1], cached[2]
+        names = plan.index.names
+        if self.depth == "auto":
+            keys = auto_module_keys(names, self._blocks)
+        else:
+            keys = [module_key(n, self.depth) for n in names]
+        rows, positions = module_rows(keys, names, self._model_order)
+        index = torch.tensor(positions, dtype=torch.long, device=plan.index.shard_weight.device)
+        self._rows[plan.optimizer_idx] = (plan.index, rows, index)
+        return rows, index
+
     def _warn_zero_gradients(self, plan: StepPlan, trainer: pl.Trainer) -> None:
         stats = plan.stats[self.norm_type]
         present = torch.zeros(len(stats.names), dtype=torch.bool)
         present[plan.present] = True
         zero = ((stats.param_norms == 0).cpu() & present).nonzero().flatten().tolist()
+        self._zero_checked = plan.index
         if not zero:
             return
-        self._zero_checked = plan.index
         names = [stats.names[i] for i in zero if stats.names[i] not in self._reported_zero]
         self._reported_zero.update(names)
         if names:
@@ -208,25 +511,52 @@ class GradNormMonitor(GradKitCallback):
             dist.all_reduce(contrib, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM)
             norms = combine_sharded(norms, index.shard_weight, contrib, p)
         out = {"weight_norm/total": total_norm(norms, p)}
-        if index.module_index is not None and self.depth:
-            module_norms = grouped_norms(norms, index.module_index, len(index.module_names), p)
-            out.update(self._module_metrics("weight_norm", module_norms, index.module_names))
+        rows = self._module_rows(plan)
+        if rows is not None:
+            names, row_index = rows
+            out.update(self._module_metrics("weight_norm", grouped_norms(norms, row_index, len(names), p), names))
         return out
 
-    def _module_metrics(self, prefix: str, norms: Tensor, names: list[str]) -> dict[str, Tensor]:
-        """Per-module metrics at this monitor's depth (another callback may have asked the engine for a deeper one)."""
-        regroup = _modules_at_depth(names, self.depth)
-        if regroup is not None:
-            names, index = regroup
-            norms = grouped_norms(norms, index.to(norms.device), len(names), self.norm_type)
+    @staticmethod
+    def _module_metrics(prefix: str, norms: Tensor, names: list[str]) -> dict[str, Tensor]:
         return {f"{prefix}/module/{name}": norms[i] for i, name in enumerate(names)}
 
 
-def _modules_at_depth(module_names: list[str], depth: int) -> tuple[list[str], Tensor] | None:
-    """Map module names grouped at a deeper level to ``depth`` components; ``None`` when already at ``depth``."""
-    cut = [".".join(n.split(".")[:depth]) if n != "<root>" else n for n in module_names]
-    if cut == module_names:
-        return None
-    names = list(dict.fromkeys(cut))
-    lookup = {n: i for i, n in enumerate(names)}
-    return names, torch.tensor([lookup[n] for n in cut], dtype=torch.long)
+class _Record:
+    """The values the monitor logged, kept on the host for the report (rank 0, ``report=True``).
+
+    Past ``max_steps`` logged steps every other one is dropped (and from then on only every other one kept), so a
+    long run at a short logging period keeps a bounded record: the figure cannot show more columns anyway.
+    """
+
+    def __init__(self, max_steps: int = 4096) -> None:
+        self.max_steps = max_steps
+        self.steps: list[int] = []
+        self.values: list[dict[str, float]] = []
+        self.module_order: list[str] = []
+        self._stride = 1
+        self._seen = 0
+
+    def add(self, step: int, values: dict[str, float], modules: list[str], suffix: str) -> None:
+        if not self.module_order:
+            self.module_order = [name + suffix for name in modules]
+        self._seen += 1
+        if (self._seen - 1) % self._stride:
+            return
+        if self.steps and self.steps[-1] == step:  # a second optimizer logged at the same step
+            self.values[-1].update(values)
+            return
+        self.steps.append(step)
+        self.values.append(values)
+        if len(self.steps) > self.max_steps:
+            self.steps, self.values = self.steps[::2], self.values[::2]
+            self._stride *= 2
+
+    def run_data(self, events: list[dict]) -> RunData:
+        from lightning_gradkit.report import RunData
+
+        data = RunData(events=events, module_order=self.module_order)
+        for step, values in zip(self.steps, self.values, strict=True):
+            for key, value in values.items():
+                data.series[key][step] = value
+        return data

@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_gradkit._validation import check_choice, check_int, check_strings
 from lightning_gradkit.diagnostics import (
     HostSyncRecorder,
     SourceClassifier,
@@ -15,7 +16,6 @@ from lightning_gradkit.diagnostics import (
     SyncSite,
     SyncTable,
     _write_event,
-    check_int,
     format_sync_table,
     package_dirs,
     site_row,
@@ -100,16 +100,15 @@ class SyncAudit(Callback):
     ) -> None:
         check_int("every_n_steps", every_n_steps, 1)
         check_int("top_k", top_k, 1)
-        if mode not in _MODES:
-            raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}.")
+        check_choice("mode", mode, _MODES)
         if max_syncs_per_step is not None:
-            check_int("max_syncs_per_step", max_syncs_per_step, 0, " (or None)")
+            check_int("max_syncs_per_step", max_syncs_per_step, 0, hint="None sets no budget.")
         if mode == "raise" and max_syncs_per_step is None:
             raise ValueError(
                 "`mode='raise'` needs `max_syncs_per_step`, the number of host syncs per step your code may make "
                 "(e.g. `max_syncs_per_step=0`)."
             )
-        skip_packages = list(skip_packages or [])
+        skip_packages = check_strings("skip_packages", skip_packages, hint="Give top-level package names.")
         missing = [name for name in skip_packages if not package_dirs([name])]
         if missing:
             raise ValueError(

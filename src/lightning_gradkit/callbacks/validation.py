@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_gradkit._validation import check_bool, check_choice
 from lightning_gradkit.events import EventLog, events_dir
 
 Fallback = Literal["no_grad", "raise"]
@@ -181,19 +182,17 @@ class InferenceModeValidation(pl.Callback):
         check_finite: bool = True,
         on_inference_tensors: OnInferenceTensors = "clone",
     ) -> None:
-        if fallback not in get_args(Fallback):
-            raise ValueError(
-                f"`fallback` must be one of {list(get_args(Fallback))}, got {fallback!r}: 'no_grad' validates under "
-                "`torch.no_grad` where inference mode is unsafe (FSDP, gloo, XLA), 'raise' stops there."
-            )
-        if on_inference_tensors not in get_args(OnInferenceTensors):
-            raise ValueError(
-                f"`on_inference_tensors` must be one of {list(get_args(OnInferenceTensors))}, got "
-                f"{on_inference_tensors!r}."
-            )
-        self.fallback = fallback
-        self.check_finite = check_finite
-        self.on_inference_tensors = on_inference_tensors
+        self.fallback = check_choice(
+            "fallback",
+            fallback,
+            get_args(Fallback),
+            hint="'no_grad' validates under `torch.no_grad` where inference mode is unsafe (FSDP, gloo, XLA), 'raise' "
+            "stops there.",
+        )
+        self.check_finite = check_bool("check_finite", check_finite)
+        self.on_inference_tensors = check_choice(
+            "on_inference_tensors", on_inference_tensors, get_args(OnInferenceTensors)
+        )
         self._loop: Any = None
         self._previous_mode = False
         self._enabled = False

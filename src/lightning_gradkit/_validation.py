@@ -1,0 +1,151 @@
+"""Argument checks shared by every constructor: one style of error for every callback.
+
+Each check returns the value in its canonical type (``int``, ``float``, ``bool``, ``list[str]``) or raises
+``ValueError`` naming the argument, the value received and what is accepted. ``bool`` is never accepted as a number
+(``True`` is an ``int`` to Python, never a step count to a user), ``None`` and strings are refused with the same
+message instead of the bare ``int()``/``float()`` error, and NaN never passes a range check (every comparison with
+NaN is false, so ``value <= 0`` alone lets it through).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+
+def _fail(name: str, expected: str, value: object, hint: str = "") -> ValueError:
+    return ValueError(f"`{name}` must be {expected}, got {value!r}.{' ' + hint if hint else ''}")
+
+
+def check_int(name: str, value: object, minimum: int = 1, maximum: int | None = None, hint: str = "") -> int:
+    """Return ``value`` as an ``int`` if it is an integer (not a bool) in ``[minimum, maximum]``.
+
+    Args:
+        name: the argument's name, as the user wrote it.
+        value: what the user passed.
+        minimum: the smallest accepted value.
+        maximum: the largest accepted value, or ``None`` for no bound.
+        hint: a sentence appended to the error (what the argument means, a typical value).
+
+    Raises:
+        ValueError: if ``value`` is not an integer (a bool, a float such as ``2.5``, ``nan`` or ``inf``, ``None``,
+            a string) or lies outside the range.
+
+    Example::
+
+        >>> check_int("window", 4)
+        4
+        >>> check_int("window", True)
+        Traceback (most recent call last):
+        ...
+        ValueError: `window` must be an integer >= 1, got True.
+    """
+    expected = f"an integer >= {minimum}" + (f" and <= {maximum:_}" if maximum is not None else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _fail(name, expected, value, hint)
+    if value < minimum or (maximum is not None and value > maximum):
+        raise _fail(name, expected, value, hint)
+    return int(value)
+
+
+def check_float(
+    name: str,
+    value: object,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    allow_inf: bool = False,
+    hint: str = "",
+) -> float:
+    """Return ``value`` as a ``float`` if it is a real number (not a bool, not NaN) in the given range.
+
+    Args:
+        name: the argument's name.
+        value: what the user passed.
+        minimum: inclusive lower bound.
+        maximum: inclusive upper bound.
+        above: exclusive lower bound.
+        below: exclusive upper bound.
+        allow_inf: accept ``float("inf")`` (still subject to the bounds).
+        hint: a sentence appended to the error.
+
+    Raises:
+        ValueError: if ``value`` is not a number, is NaN, is infinite without ``allow_inf``, or is out of range.
+
+    Example::
+
+        >>> check_float("alpha", 0.97, above=0.0, below=1.0)
+        0.97
+    """
+    parts = [
+        f">= {minimum}" if minimum is not None else "",
+        f"> {above}" if above is not None else "",
+        f"<= {maximum}" if maximum is not None else "",
+        f"< {below}" if below is not None else "",
+    ]
+    bounds = " and ".join(p for p in parts if p)
+    expected = ("a number" if allow_inf else "a finite number") + (f" {bounds}" if bounds else "")
+    if allow_inf:
+        expected += " (float('inf') allowed)"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(name, expected, value, hint)
+    number = float(value)
+    if math.isnan(number) or (math.isinf(number) and not allow_inf):
+        raise _fail(name, expected, value, hint)
+    if (
+        (minimum is not None and number < minimum)
+        or (maximum is not None and number > maximum)
+        or (above is not None and not number > above)
+        or (below is not None and not number < below)
+    ):
+        raise _fail(name, expected, value, hint)
+    return number
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Return ``value`` if it is a ``bool``; strings such as ``"no"`` are refused rather than read as true.
+
+    Raises:
+        ValueError: if ``value`` is not ``True`` or ``False``.
+    """
+    if not isinstance(value, bool):
+        raise _fail(name, "True or False", value)
+    return value
+
+
+def check_choice(name: str, value: object, allowed: Sequence[str], hint: str = "") -> str:
+    """Return ``value`` if it is one of ``allowed``.
+
+    Raises:
+        ValueError: naming the allowed values, if ``value`` is not one of them.
+    """
+    if not isinstance(value, str) or value not in allowed:
+        raise _fail(name, f"one of {list(allowed)}", value, hint)
+    return value
+
+
+def check_strings(name: str, value: object, allow_empty: bool = True, hint: str = "") -> list[str]:
+    """Return ``value`` as a list of non-empty strings; a single string is one entry, not a list of letters.
+
+    Raises:
+        ValueError: if ``value`` is neither a string nor a sequence of non-empty strings (or is empty while
+            ``allow_empty`` is false).
+
+    Example::
+
+        >>> check_strings("exclude", "Linear")
+        ['Linear']
+    """
+    if value is None and allow_empty:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    expected = "a string or a list of non-empty strings" + ("" if allow_empty else " (at least one)")
+    if not isinstance(value, Sequence) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise _fail(name, expected, value, hint)
+    if not value and not allow_empty:
+        raise _fail(name, expected, value, hint)
+    return list(value)

@@ -1,0 +1,116 @@
+"""Bad constructor arguments fail at construction, with a ValueError that names the argument and the value.
+
+Every case here used to slip through or fail late: a bare ``float()``/``int()`` error, an ``OverflowError``, an
+``AttributeError``, a failure at step 0, a 4 TB allocation, or silent acceptance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import MLPModule, loader, make_trainer
+from lightning_gradkit import (
+    AccumulationGuard,
+    ActivationCheckpointing,
+    AdaptiveGradClip,
+    AutoClip,
+    ClipGradNorm,
+    ClipGradValue,
+    GradNormMonitor,
+    GraphLeakGuard,
+    InferenceModeValidation,
+    ManualAccumulator,
+    NonFiniteGuard,
+    SpikeGuard,
+    SyncAudit,
+    ZClip,
+)
+from lightning_gradkit._validation import check_float, check_int, check_strings
+
+BAD = [
+    # None or a non-numeric string for a number
+    (lambda: ClipGradNorm(None), "max_norm", "None"),  # type: ignore[arg-type]
+    (lambda: ClipGradNorm("one"), "max_norm", "'one'"),  # type: ignore[arg-type]
+    (lambda: ClipGradNorm(1.0, norm_type=None), "norm_type", "None"),  # type: ignore[arg-type]
+    (lambda: GradNormMonitor(norm_type="l2"), "norm_type", "'l2'"),  # type: ignore[arg-type]
+    (lambda: ClipGradValue("0.5"), "clip_value", "'0.5'"),  # type: ignore[arg-type]
+    (lambda: AdaptiveGradClip(clip_factor=None), "clip_factor", "None"),  # type: ignore[arg-type]
+    (lambda: ZClip(alpha="0.9"), "alpha", "'0.9'"),  # type: ignore[arg-type]
+    (lambda: SpikeGuard(alpha=None), "alpha", "None"),  # type: ignore[arg-type]
+    (lambda: SpikeGuard(z_threshold="6"), "z_threshold", "'6'"),  # type: ignore[arg-type]
+    (lambda: AutoClip(percentile=None), "percentile", "None"),  # type: ignore[arg-type]
+    # infinities where an integer is needed (used to raise OverflowError)
+    (lambda: ZClip(warmup_steps=math.inf), "warmup_steps", "inf"),  # type: ignore[arg-type]
+    (lambda: AutoClip(history_size=math.inf), "history_size", "inf"),  # type: ignore[arg-type]
+    # a list entry that is not a string (used to raise AttributeError)
+    (lambda: AdaptiveGradClip(exclude=[3]), "exclude", "[3]"),  # type: ignore[list-item]
+    (lambda: SyncAudit(skip_packages=[3]), "skip_packages", "[3]"),  # type: ignore[list-item]
+    (lambda: ActivationCheckpointing(targets=3), "targets", "3"),  # type: ignore[arg-type]
+    # accepted, then failed at step 0
+    (lambda: GradNormMonitor(depth=1.5), "depth", "1.5"),  # type: ignore[arg-type]
+    (lambda: GradNormMonitor(depth="deep"), "depth", "'deep'"),  # type: ignore[arg-type]
+    (lambda: AutoClip(history_size=10**12), "history_size", "1000000000000"),
+    # accepted and silently wrong
+    (lambda: GradNormMonitor(log_every_n_steps=math.nan), "log_every_n_steps", "nan"),  # type: ignore[arg-type]
+    (lambda: ManualAccumulator(window=math.nan), "window", "nan"),  # type: ignore[arg-type]
+    (lambda: ManualAccumulator(window=2.5), "window", "2.5"),  # type: ignore[arg-type]
+    (lambda: ManualAccumulator(window=True), "window", "True"),
+    (lambda: NonFiniteGuard(check_loss="no"), "check_loss", "'no'"),  # type: ignore[arg-type]
+    (lambda: NonFiniteGuard(forensics="yes"), "forensics", "'yes'"),  # type: ignore[arg-type]
+    (lambda: NonFiniteGuard(check_loss=False, check_grads=False), "check_grads=False", "nothing to check"),
+    (lambda: AccumulationGuard(zero_early="false"), "zero_early", "'false'"),  # type: ignore[arg-type]
+    (lambda: InferenceModeValidation(check_finite=None), "check_finite", "None"),  # type: ignore[arg-type]
+    (lambda: GraphLeakGuard(gc_scan="true"), "gc_scan", "'true'"),  # type: ignore[arg-type]
+    (lambda: ActivationCheckpointing(["Linear"], offload="no"), "offload", "'no'"),  # type: ignore[arg-type]
+    (lambda: SpikeGuard(warmup_steps=True), "warmup_steps", "True"),
+    (lambda: ClipGradNorm(True), "max_norm", "True"),  # True is an int to Python, never a norm to a user
+]
+
+
+@pytest.mark.parametrize(("factory", "argument", "value"), BAD)
+def test_bad_argument_raises_value_error_naming_argument_and_value(
+    factory: Callable[[], object], argument: str, value: str
+) -> None:
+    with pytest.raises(ValueError, match=f"`{argument}`") as info:
+        factory()
+    assert value in str(info.value)
+
+
+def test_one_string_is_one_pattern_not_a_list_of_letters() -> None:
+    assert AdaptiveGradClip(exclude="Linear").exclude == ["Linear"]
+    assert AdaptiveGradClip(exclude="re:^head\\.").exclude == ["re:^head\\."]
+    assert AdaptiveGradClip().exclude == []
+
+
+def test_exclude_given_as_one_string_leaves_that_class_unclipped(tmp_path: Path) -> None:
+    """`exclude="Linear"` on an all-Linear model leaves every gradient as plain Lightning computes it."""
+    torch.manual_seed(0)
+    reference = MLPModule()
+    model = MLPModule()
+    model.load_state_dict(reference.state_dict())
+    make_trainer(tmp_path / "a", max_steps=3).fit(reference, loader())
+    # A tiny clip factor would clip every unit of a non-excluded parameter.
+    callback = AdaptiveGradClip(clip_factor=1e-6, exclude="Linear")
+    make_trainer(tmp_path / "b", max_steps=3, callbacks=[callback]).fit(model, loader())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_valid_values_keep_their_type() -> None:
+    assert check_int("n", 3) == 3 and type(check_int("n", 3)) is int
+    assert check_float("x", 2) == 2.0 and type(check_float("x", 2)) is float
+    assert check_float("p", math.inf, minimum=1.0, allow_inf=True) == math.inf
+    assert check_strings("t", ("a", "b")) == ["a", "b"]
+    assert ZClip(warmup_steps=10).policy.warmup_steps == 10
+    assert AutoClip(history_size=10_000_000).policy.history_size == 10_000_000
+
+
+def test_two_monitors_fail_at_setup(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, callbacks=[GradNormMonitor(), GradNormMonitor(norm_type=1.0)])
+    with pytest.raises(ValueError, match=r"2 GradNormMonitor callbacks.*Keep exactly one"):
+        trainer.fit(MLPModule(), loader())
