@@ -31,6 +31,7 @@ from lightning_gradkit.stats import (
     clean_param_name,
     combine_sharded,
     grouped_norms,
+    host_to_device,
     local_tensor,
     module_key,
     per_tensor_norms,
@@ -481,7 +482,7 @@ class GradNormMonitor(GradKitCallback):
         else:
             keys = [module_key(n, self.depth) for n in names]
         rows, positions = module_rows(keys, names, self._model_order)
-        index = torch.tensor(positions, dtype=torch.long, device=plan.index.shard_weight.device)
+        index = host_to_device(positions, torch.long, plan.index.shard_weight.device)
         self._rows[plan.optimizer_idx] = (plan.index, rows, index)
         return rows, index
 
