@@ -21,11 +21,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from guards_script import record
 from torch import Tensor
 
 from helpers import distributed_trainer, rank_loader
 from lightning_gradkit import GradKitDDPStrategy, NonFiniteGuard
-from test_guards import NAN, Fault, FaultModule, events, plain, state_equal
+from test_guards import NAN, Fault, FaultModule
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -61,15 +62,6 @@ def fit(out: Path, name: str, model: FaultModule, guard: NonFiniteGuard, **kwarg
         warnings.simplefilter("ignore")
         trainer.fit(model, rank_loader(trainer.global_rank, n=64))
     return trainer
-
-
-def record(trainer: pl.Trainer, model: FaultModule, before: int, after: int) -> dict[str, Any]:
-    return {
-        "unchanged": state_equal(model.snapshots[before], model.snapshots[after]),
-        "params": {n: plain(p).reshape(-1).tolist() for n, p in model.named_parameters()},
-        "events": events(trainer.default_root_dir) if trainer.global_rank == 0 else None,
-        "global_step": trainer.global_step,
-    }
 
 
 def main() -> None:

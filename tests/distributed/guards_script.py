@@ -61,10 +61,14 @@ def fit(
     return trainer, model
 
 
-def record(trainer: pl.Trainer, model: FaultModule, k: int) -> dict[str, Any]:
+def record(trainer: pl.Trainer, model: FaultModule, k: int, after: int | None = None) -> dict[str, Any]:
+    """Whether the step between the snapshots at batches ``k`` and ``after`` (``k + 1``) left the state unchanged,
+    whether the next one changed it, the final parameters, the events (rank 0) and the step count."""
+    after = k + 1 if after is None else after
+    following = model.snapshots.get(after + 1)
     return {
-        "unchanged": state_equal(model.snapshots[k], model.snapshots[k + 1]),
-        "later_changed": not state_equal(model.snapshots[k + 1], model.snapshots[k + 2]),
+        "unchanged": state_equal(model.snapshots[k], model.snapshots[after]),
+        "later_changed": following is not None and not state_equal(model.snapshots[after], following),
         "params": {n: plain(p).reshape(-1).tolist() for n, p in model.named_parameters()},
         "events": events(trainer.default_root_dir) if trainer.global_rank == 0 else None,
         "global_step": trainer.global_step,
