@@ -89,11 +89,11 @@ class SpikeRollback(GradKitCallback):
     hyperparameters), the LR schedulers' ``state_dict``, the torch/CUDA/Python/NumPy RNG states, the
     ``state_dict`` of the other stateful gradkit callbacks (e.g. the statistics of ``ZClip``, ``AutoClip``,
     ``SpikeGuard``; restored whole, so their counters rewind too, while the events they wrote stay) and this
-    callback's own statistics. Other callbacks' states are not part of it. A snapshot is only taken after a step that applied its
-    update and was not flagged (else at the next such step). On a GPU the host buffers are pinned, allocated once,
-    and filled with ``non_blocking`` copies: the step does not wait for them. Under FSDP2 every rank copies its own
-    shards. Host memory: ``keep`` x (trained parameters + optimizer state + buffers) per rank, e.g. about 6x the
-    fp32 parameter bytes with Adam and ``keep=2``.
+    callback's own statistics. Other callbacks' states are not part of it. A snapshot is only taken after a step
+    that applied its update and was not flagged (else at the next such step). On a GPU the host buffers are pinned,
+    allocated once, and filled with ``non_blocking`` copies: the step does not wait for them. Under FSDP2 every
+    rank copies its own shards. Host memory: ``keep`` x (trained parameters + optimizer state + buffers) per rank,
+    e.g. about 6x the fp32 parameter bytes with Adam and ``keep=2``.
 
     **Trigger.** Each optimizer step the monitored value (the loss averaged over the accumulation window and the
     ranks, or the total gradient 2-norm) gets a z-score against NaN-masked running statistics on device, exactly
