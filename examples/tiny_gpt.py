@@ -3,6 +3,8 @@
     python examples/tiny_gpt.py fit --config examples/configs/demo.yaml            # the `make demo` run
     python examples/tiny_gpt.py fit --config examples/configs/demo.yaml --inject-nan-at 40
     python examples/tiny_gpt.py fit --config examples/configs/demo.yaml --model.lr 0.3   # provoke spikes
+    python examples/tiny_gpt.py fit --config examples/configs/demo.yaml --inject-spike-at 200 \
+        --trainer.callbacks+=lightning_gradkit.SpikeRollback --trainer.callbacks.z_threshold=3.0
     python examples/tiny_gpt.py fit --help                                          # every option, documented
 
 Everything the run does to the gradient path comes from callbacks listed in the YAML (or added on the command
@@ -14,7 +16,7 @@ from __future__ import annotations
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_gradkit  # noqa: F401  (registers the "gradkit*" strategy names)
-from lightning_gradkit.demos import FaultInjector, StdlibTextDataModule, TinyGPTModule
+from lightning_gradkit.demos import FaultInjector, SpikeInjector, StdlibTextDataModule, TinyGPTModule
 
 
 class TinyGPTCLI(LightningCLI):
@@ -23,12 +25,24 @@ class TinyGPTCLI(LightningCLI):
             "--inject-nan-at", type=int | None, default=None, help="optimizer step whose batch gets a NaN activation"
         )
         parser.add_argument("--inject-into", type=str, default="model.blocks.1.mlp", help="module that gets the NaN")
+        parser.add_argument(
+            "--inject-spike-at",
+            type=int | None,
+            default=None,
+            help="optimizer step from which the learning rate is multiplied: a loss spike that persists",
+        )
+        parser.add_argument("--inject-spike-steps", type=int, default=4, help="optimizer steps the raised rate lasts")
+        parser.add_argument("--inject-spike-factor", type=float, default=100.0, help="learning-rate multiplier")
         parser.link_arguments("model.block_size", "data.block_size")
 
     def before_fit(self) -> None:
         config = self.config[self.subcommand]
         if config.inject_nan_at is not None:
             self.trainer.callbacks.append(FaultInjector(config.inject_nan_at, config.inject_into))
+        if config.inject_spike_at is not None:
+            # First: it puts the learning rate back before a SpikeRollback snapshot reads the optimizer.
+            injector = SpikeInjector(config.inject_spike_at, config.inject_spike_steps, config.inject_spike_factor)
+            self.trainer.callbacks.insert(0, injector)
 
 
 def main(args: list[str] | None = None) -> TinyGPTCLI:

@@ -102,6 +102,7 @@ CALLBACK_ARGS = {
     "ZClip": ["--trainer.callbacks.z_threshold=3.0"],
     "NonFiniteGuard": ["--trainer.callbacks.action=warn"],
     "SpikeGuard": ["--trainer.callbacks.monitor=grad_norm"],
+    "SpikeRollback": ["--trainer.callbacks.skip_batches=10"],
     "ActivationCheckpointing": ["--trainer.callbacks.targets=[Block]"],
     "InferenceModeValidation": [],
     "AccumulationGuard": ["--trainer.callbacks.normalize=mean"],

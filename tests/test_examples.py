@@ -184,3 +184,21 @@ def test_minilm_unfreeze_option_trains_the_head_first_then_the_clipped_encoder(t
         assert torch.nn.utils.get_total_norm(list(post.values())).item() == pytest.approx(max_norm, rel=1e-4)
     logged = column(read_metrics(trainer), "grad_norm/total")
     assert logged == pytest.approx([torch.nn.utils.get_total_norm(g).item() for g in model.pre], rel=1e-6)
+
+
+def test_inject_spike_at_makes_a_spike_that_rollback_cures_and_skipping_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    demo = load_example("rollback_demo.py")
+    quick = ["--data.max_bytes=60000"]
+    fault = ["--inject-spike-at=60"]
+    skip_losses, skip_events = demo.train(tmp_path / "skip", 100, [*fault, *demo.GUARDS, *quick])
+    losses, found = demo.train(tmp_path / "rollback", 100, [*fault, *demo.GUARDS, *demo.ROLLBACK, *quick])
+    assert not [e for e in skip_events if e["what"] == "rollback"]
+    (event,) = [e for e in found if e["what"] == "rollback"]
+    assert event["to_step"] <= 60 < event["from_step"]  # the snapshot is from before the raised learning rate
+    assert skip_losses[:60] == losses[:60]  # same run until the fault
+    before = sum(losses[50:60]) / 10
+    tail, skip_tail = sum(losses[-10:]) / 10, sum(skip_losses[-10:]) / 10
+    assert tail < before + 0.2 < skip_tail  # back on track after the rollback; still damaged with skipping only

@@ -19,6 +19,7 @@ from lightning_gradkit.callbacks.clipping import (
 from lightning_gradkit.callbacks.graph_leak import GraphLeakGuard
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
+from lightning_gradkit.callbacks.rollback import SpikeRollback
 from lightning_gradkit.callbacks.sync_audit import SyncAudit
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
 from lightning_gradkit.checkpointing import inject_activation_checkpointing
@@ -55,6 +56,7 @@ __all__ = [
     "ManualAccumulator",
     "NonFiniteGuard",
     "SpikeGuard",
+    "SpikeRollback",
     "SyncAudit",
     "ZClip",
     "clip_gradients",

@@ -237,3 +237,64 @@ class FaultInjector(pl.Callback):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+class SpikeInjector(pl.Callback):
+    """Multiply the learning rate by ``factor`` for ``steps`` optimizer steps from ``step``: a spike that persists.
+
+    The updates of those steps are taken while the loss still looks normal; the loss spikes only afterwards, once
+    the model is damaged, and stays high. Skipping the spiking steps cannot undo updates that were already applied;
+    rolling back to a snapshot from before ``step`` can (see :class:`~lightning_gradkit.SpikeRollback`). A stand-in,
+    for demos and tests, for the instabilities that make large runs diverge.
+
+    Put it first in the ``callbacks`` list: its ``on_train_batch_end`` puts the learning rate back before another
+    callback (a snapshot) reads the optimizer's hyperparameters.
+
+    Args:
+        step: the first optimizer step (``trainer.global_step``) with the raised learning rate.
+        steps: how many optimizer steps it lasts (>= 1).
+        factor: the multiplier (> 0).
+
+    Raises:
+        ValueError: if ``step`` < 0, ``steps`` < 1 or ``factor`` <= 0.
+    """
+
+    def __init__(self, step: int, steps: int = 3, factor: float = 30.0) -> None:
+        if step < 0:
+            raise ValueError(f"`step` must be >= 0, got {step!r}.")
+        if steps < 1:
+            raise ValueError(f"`steps` must be >= 1, got {steps!r}.")
+        if not factor > 0:
+            raise ValueError(f"`factor` must be > 0, got {factor!r}.")
+        self.step = step
+        self.steps = steps
+        self.factor = factor
+        self._saved: list[list[float]] | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        if self.step <= trainer.global_step < self.step + self.steps and self._saved is None:
+            self._saved = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
+            for opt in trainer.optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = group["lr"] * self.factor
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, idx: int) -> None:
+        if self._saved is not None:
+            for opt, lrs in zip(trainer.optimizers, self._saved, strict=True):
+                for group, lr in zip(opt.param_groups, lrs, strict=True):
+                    group["lr"] = lr
+            self._saved = None
+
+
+class LossRecorder(pl.Callback):
+    """Keep the training loss of every batch (``losses[i]`` is batch ``i`` of the run), for plots and tests.
+
+    Reads each loss to the host: one synchronization per batch on a GPU, so for demos only.
+    """
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))

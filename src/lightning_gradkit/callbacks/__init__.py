@@ -13,6 +13,7 @@ from lightning_gradkit.callbacks.clipping import (
 from lightning_gradkit.callbacks.graph_leak import GraphLeakGuard
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
+from lightning_gradkit.callbacks.rollback import SpikeRollback
 from lightning_gradkit.callbacks.sync_audit import SyncAudit
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
 
@@ -28,6 +29,7 @@ __all__ = [
     "InferenceModeValidation",
     "NonFiniteGuard",
     "SpikeGuard",
+    "SpikeRollback",
     "SyncAudit",
     "ZClip",
     "clip_gradients",

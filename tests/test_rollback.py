@@ -1,0 +1,364 @@
+"""SpikeRollback with Lightning's real Trainer: a rollback restores the snapshot bitwise (parameters, buffers,
+optimizer and scheduler state, RNG, other callbacks' statistics), the run afterwards equals a plain PyTorch loop
+that never saw the rewound and stepped-over batches, a checkpoint taken after a rollback resumes exactly, and bad
+arguments or a missing GradKit strategy fail with a clear message.
+
+Spikes come from the data, chosen by index: the targets of some batches are multiplied by a large factor (or set
+to NaN), so a reference loop can leave exactly those batches out.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from helpers import count_syncs, make_trainer, regression_data
+from lightning_gradkit import NonFiniteGuard, SpikeGuard, SpikeRollback, ZClip
+from lightning_gradkit.snapshot import HostSnapshot
+from test_guards import events
+
+BATCH = 8
+
+
+def spiky_loader(n_batches: int, bad: dict[int, float]) -> DataLoader:
+    """Regression batches of 8 in order; the targets of batch ``i`` in ``bad`` are multiplied by ``bad[i]``."""
+    x, y = regression_data(n_batches * BATCH).tensors
+    y = y.clone()
+    for i, factor in bad.items():
+        y[i * BATCH : (i + 1) * BATCH] *= factor
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+
+
+class Net(nn.Module):
+    """A small MLP with a BatchNorm (buffers that a forward changes) and a Dropout (draws from the RNG)."""
+
+    def __init__(self, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 1)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x)
+
+
+def make_optimizer(
+    net: nn.Module, fused: bool = False
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    opt = torch.optim.Adam(net.parameters(), lr=0.01, fused=fused or None)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+
+
+class RollbackModule(pl.LightningModule):
+    """The Net with Adam and a per-step StepLR; records the full state at the end of every batch, keyed by
+    ``trainer.global_step`` (this hook runs after every callback's ``on_train_batch_end``)."""
+
+    def __init__(self, dropout: float = 0.1, fused: bool = False) -> None:
+        super().__init__()
+        self.net = Net(dropout)
+        self.fused = fused
+        self.states: dict[int, dict[str, Any]] = {}
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        opt, sched = make_optimizer(self, self.fused)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        trainer = self.trainer
+        self.states[trainer.global_step] = {
+            "params": {n: p.detach().clone() for n, p in self.named_parameters()},
+            "buffers": {n: b.detach().clone() for n, b in self.named_buffers()},
+            "optimizer": copy.deepcopy(trainer.optimizers[0].state_dict()),
+            "scheduler": copy.deepcopy(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
+            "rng": torch.get_rng_state(),
+            # The statistics of the other stateful gradkit callbacks (their counters are bookkeeping).
+            "callbacks": {
+                type(cb).__name__: copy.deepcopy(cb.state_dict()["stats" if isinstance(cb, SpikeGuard) else "policies"])
+                for cb in trainer.callbacks
+                if isinstance(cb, (ZClip, SpikeGuard))
+            },
+        }
+
+
+def assert_bitwise(a: Any, b: Any, where: str = "") -> None:
+    """Nested dicts/lists of tensors and plain values: tensors bitwise equal (dtype included), the rest equal."""
+    if isinstance(a, Tensor):
+        assert isinstance(b, Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_bitwise(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bitwise(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), where
+
+
+def reference_run(n_batches: int, bad: dict[int, float], kept: list[int], fused: bool = False) -> Net:
+    """Plain PyTorch: the same Net, Adam and per-step StepLR, trained on the batches ``kept`` only, in order."""
+    torch.manual_seed(0)
+    net = Net()
+    opt, sched = make_optimizer(net, fused)
+    batches = list(spiky_loader(n_batches, bad))
+    for i in kept:
+        x, y = batches[i]
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        sched.step()
+    return net
+
+
+def fit(
+    tmp_path: Path,
+    rollback: SpikeRollback,
+    n_batches: int,
+    bad: dict[int, float],
+    extra: list[Any] | None = None,
+    fused: bool = False,
+    **kwargs: Any,
+) -> tuple[RollbackModule, Any, list[str]]:
+    torch.manual_seed(0)
+    model = RollbackModule(fused=fused)
+    kwargs.setdefault("strategy", "gradkit")
+    trainer = make_trainer(tmp_path, callbacks=[*(extra or []), rollback], **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, spiky_loader(n_batches, bad))
+    return model, trainer, [str(w.message) for w in caught if "SpikeRollback" in str(w.message)]
+
+
+def rollback_events(trainer: Any) -> list[dict[str, Any]]:
+    return [e for e in events(trainer) if e["what"].startswith("rollback")]
+
+
+def make_rollback(**kwargs: Any) -> SpikeRollback:
+    args: dict[str, Any] = dict(z_threshold=4.0, alpha=0.9, warmup_steps=4, patience=2, snapshot_every_n_steps=4)
+    args.update(kwargs)
+    return SpikeRollback("loss", **args)
+
+
+# -- the restore is exact --------------------------------------------------------------------------------------
+def test_rollback_restores_params_buffers_optimizer_scheduler_rng_and_callback_states_bitwise(tmp_path: Path) -> None:
+    # Batches 9 and 10 spike: with patience 2 the rollback fires at step 10 and restores the snapshot of step 8.
+    extra = [ZClip(warmup_steps=3), SpikeGuard("loss", z_threshold=4.0, warmup_steps=3, action="warn")]
+    model, trainer, warned = fit(tmp_path, make_rollback(), 16, {9: 50.0, 10: 50.0}, extra=extra)
+    (event,) = rollback_events(trainer)
+    assert (event["step"], event["from_step"], event["to_step"], event["spike_start"]) == (10, 11, 8, 9)
+    assert event["rewound_steps"] == 3 and event["values"]["reason"] == "spike" and event["values"]["z"] > 4.0
+    restored, snapshot = model.states[11], model.states[8]
+    assert_bitwise(restored, snapshot)
+    assert restored["optimizer"]["state"][0]["step"] == 8  # Adam's step count is back too
+    assert not torch.equal(model.states[10]["params"]["net.body.0.weight"], snapshot["params"]["net.body.0.weight"])
+    assert len(warned) == 1 and "rolled back from step 11 to the snapshot of step 8" in warned[0]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused_adam"])
+def test_run_after_rollback_equals_a_plain_loop_that_never_saw_the_skipped_batches(tmp_path: Path, fused: bool) -> None:
+    # A fused Adam skips on device (`found_inf`); the reference loop uses the same Adam implementation (the BatchNorm
+    # makes the first bias's gradient ~0, which Adam amplifies: fused and for-loop Adam drift apart there).
+    n, bad = 24, {9: 50.0, 10: 50.0}
+    model, trainer, _ = fit(tmp_path, make_rollback(skip_batches=3), n, bad, fused=fused)
+    (event,) = rollback_events(trainer)
+    assert (event["from_step"], event["to_step"], event["skip_batches"], event["batches_skipped"]) == (11, 8, 3, 6)
+    # Rewound: batches 8, 9, 10 (the snapshot is from before batch 8); stepped over: 11, 12, 13. The reference
+    # draws the dropout masks of the kept batches only: the rollback and each stepped-over batch restore the RNG.
+    kept = [*range(8), *range(14, n)]
+    expected = reference_run(n, bad, kept, fused)
+    for (name, p), ref in zip(model.net.named_parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=1e-6, msg=name)
+    for (name, b), ref in zip(model.net.named_buffers(), expected.buffers(), strict=True):
+        torch.testing.assert_close(b, ref, rtol=0, atol=1e-6, msg=name)  # BatchNorm never saw a skipped batch
+    opt = trainer.optimizers[0]
+    assert opt.state_dict()["state"][0]["step"] == len(kept)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5 ** (len(kept) // 5))
+    assert trainer.global_step == n  # attempted steps: the rewound and the stepped-over ones count
+
+
+def test_the_reference_comparison_would_catch_a_rollback_that_kept_the_rewound_batches(tmp_path: Path) -> None:
+    """The reference leaving out batches 8-13 differs from one leaving out 11-13 only: the test above has teeth."""
+    n, bad = 24, {9: 50.0, 10: 50.0}
+    a = reference_run(n, bad, [*range(8), *range(14, n)])
+    b = reference_run(n, bad, [*range(11), *range(14, n)])
+    assert (a.body[0].weight - b.body[0].weight).abs().max() > 1e-3
+
+
+# -- triggers, snapshot choice and budget ------------------------------------------------------------------------
+def test_nonfinite_loss_that_skipping_does_not_cure_triggers_a_rollback(tmp_path: Path) -> None:
+    # Batch 3: one NaN, which NonFiniteGuard skips (no rollback); batches 6 and 7: NaN twice in a row.
+    bad = {3: math.nan, 6: math.nan, 7: math.nan}
+    model, trainer, _ = fit(tmp_path, make_rollback(), 12, bad, extra=[NonFiniteGuard(action="skip")])
+    (event,) = rollback_events(trainer)
+    assert event["values"]["reason"] == "nonfinite" and event["values"]["nonfinite_consecutive"] == 2
+    # The snapshot due after step 4 waited for a clean step (batch 3 was non-finite): it holds step 5.
+    assert (event["step"], event["to_step"]) == (7, 5)
+    assert_bitwise(model.states[8]["params"], model.states[5]["params"])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_second_rollback_never_restores_the_same_snapshot_twice_in_a_row(tmp_path: Path) -> None:
+    # Batches 9-12 spike: the first rollback fires at step 10 (to the snapshot of step 8); batches 11 and 12 spike
+    # again before a new snapshot could be taken, so the second one (step 12) takes the older snapshot, step 4.
+    bad = {9: 50.0, 10: 50.0, 11: 50.0, 12: 50.0}
+    model, trainer, warned = fit(tmp_path, make_rollback(), 16, bad)
+    first, second = rollback_events(trainer)
+    assert (first["step"], first["to_step"], second["step"], second["to_step"]) == (10, 8, 12, 4)
+    assert_bitwise(model.states[13]["params"], model.states[4]["params"])
+    assert len(warned) == 2
+
+
+def test_with_one_snapshot_kept_a_second_rollback_to_it_stops_with_a_clear_error(tmp_path: Path) -> None:
+    bad = {9: 50.0, 10: 50.0, 11: 50.0, 12: 50.0}
+    with pytest.raises(RuntimeError, match="no snapshot is left to restore") as info:
+        fit(tmp_path, make_rollback(keep=1), 16, bad)
+    assert "Raise `keep`" in str(info.value) and "gradkit_events.jsonl" in str(info.value)
+
+
+def test_max_rollbacks_budget_then_a_clear_error_before_the_bad_step_is_applied(tmp_path: Path) -> None:
+    bad = {9: 50.0, 10: 50.0, 11: 50.0, 12: 50.0}
+    torch.manual_seed(0)
+    model = RollbackModule()
+    trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[make_rollback(max_rollbacks=1)])
+    with pytest.raises(RuntimeError, match=r"budget of `max_rollbacks=1` is spent"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, spiky_loader(16, bad))
+    stopped = rollback_events(trainer)[-1]
+    assert stopped["what"] == "rollback_stopped" and stopped["step"] == 12
+    # The step that fired (12) was not applied: the parameters are those recorded after step 11.
+    for name, p in model.named_parameters():
+        assert torch.equal(p, model.states[12]["params"][name]), name
+
+
+def test_ordinary_optimizer_costs_one_shared_host_read_per_step_and_one_per_due_snapshot(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    trainer = make_trainer(
+        tmp_path, strategy="gradkit", callbacks=[make_rollback(snapshot_every_n_steps=4)], log_every_n_steps=1000
+    )
+    with count_syncs() as counter:
+        counter.watch(trainer.strategy, "optimizer_step")
+        trainer.fit(RollbackModule(), spiky_loader(8, {}))
+    # The strategy reads the skip flag once per step anyway (8 steps); the flag of the step is read when a snapshot
+    # is due (after steps 4 and 8). Adam's own `.item()` calls happen outside the gate (capturable=False).
+    assert counter.counts["__bool__"] == 8 + 2, counter.counts
+
+
+# -- resume --------------------------------------------------------------------------------------------------------
+def test_checkpoint_after_a_rollback_resumes_exactly(tmp_path: Path) -> None:
+    """12 batches per epoch; batches 7 and 8 spike in both epochs. The rollback of epoch 1 (step 8, to the snapshot
+    of step 4) steps over 5 batches: 3 in epoch 1, 2 in epoch 2, after the checkpoint taken at the epoch's end.
+    No dropout: Lightning does not restore the global RNG on resume, whatever the callbacks do."""
+    n, bad = 12, {7: 50.0, 8: 50.0}
+
+    def run(root: Path, epochs: int, ckpt: Path | None = None) -> tuple[RollbackModule, SpikeRollback, Any]:
+        torch.manual_seed(0)
+        model, callback = RollbackModule(dropout=0.0), make_rollback(skip_batches=5)
+        trainer = make_trainer(root, strategy="gradkit", callbacks=[callback], max_epochs=epochs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, spiky_loader(n, bad), ckpt_path=ckpt)
+        return model, callback, trainer
+
+    straight, cb_straight, t_straight = run(tmp_path / "a", 2)
+    _, cb_first, t_first = run(tmp_path / "b", 1)
+    assert cb_first.state_dict()["skip_left"] == 2
+    ckpt = tmp_path / "epoch1.ckpt"
+    t_first.save_checkpoint(ckpt)
+    resumed, cb_resumed, t_resumed = run(tmp_path / "c", 2, ckpt)
+
+    assert [e["to_step"] for e in rollback_events(t_straight)] == [4, 16]
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    for (name, a), b in zip(straight.named_buffers(), resumed.buffers(), strict=True):
+        assert torch.equal(a, b), name
+    assert_bitwise(t_straight.optimizers[0].state_dict(), t_resumed.optimizers[0].state_dict())
+    sa, sb = cb_straight.state_dict(), cb_resumed.state_dict()
+    assert sa["rollbacks"] == sb["rollbacks"] == 2 and sa["history"] == sb["history"]
+    assert_bitwise(sa["stats"], sb["stats"])
+
+    # Without the callback's state the resumed run would not step over batches 12-13: the comparison has teeth.
+    state = torch.load(ckpt, weights_only=False)
+    state["callbacks"] = {}
+    torch.save(state, tmp_path / "stateless.ckpt")
+    fresh, _, _ = run(tmp_path / "d", 2, tmp_path / "stateless.ckpt")
+    assert not torch.equal(fresh.net.body[0].weight, straight.net.body[0].weight)
+
+
+# -- bad input -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("snapshot_every_n_steps", 0),
+        ("snapshot_every_n_steps", 2.0),
+        ("snapshot_every_n_steps", True),
+        ("snapshot_every_n_steps", math.nan),
+        ("snapshot_every_n_steps", math.inf),
+        ("keep", 0),
+        ("keep", "2"),
+        ("skip_batches", -1),
+        ("patience", 0),
+        ("nonfinite_patience", 0),
+        ("max_rollbacks", -1),
+        ("warmup_steps", 1),
+        ("z_threshold", math.nan),
+        ("z_threshold", 0.0),
+        ("alpha", 1.0),
+        ("monitor", "accuracy"),
+    ],
+)
+def test_bad_argument_names_the_argument_and_the_value(argument: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"`{argument}`") as info:
+        SpikeRollback(**{argument: value})
+    assert repr(value) in str(info.value)
+
+
+def test_without_a_gradkit_strategy_setup_names_the_strategy_to_use(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, callbacks=[SpikeRollback()])
+    with pytest.raises(RuntimeError, match=r'needs a GradKit strategy.*strategy="gradkit"'):
+        trainer.fit(RollbackModule(), spiky_loader(2, {}))
+
+
+def test_manual_optimization_is_refused_at_setup(tmp_path: Path) -> None:
+    class Manual(RollbackModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[SpikeRollback()])
+    with pytest.raises(RuntimeError, match="automatic optimization"):
+        trainer.fit(Manual(), spiky_loader(2, {}))
+
+
+# -- the snapshot on a GPU -----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_snapshot_uses_pinned_buffers_and_restores_bitwise() -> None:
+    net = Net().cuda()
+    opt, _ = make_optimizer(net)
+    net(torch.randn(8, 8, device="cuda")).sum().backward()
+    opt.step()
+    params, buffers = list(net.parameters()), list(net.buffers())
+    saved = copy.deepcopy((net.state_dict(), opt.state_dict()))
+    snap = HostSnapshot()
+    snap.capture(params, buffers, [opt])
+    assert all(t.is_pinned() for t in snap._host if t.numel())
+    for _ in range(3):  # queued right after the non-blocking copies: must not change what was captured
+        opt.zero_grad()
+        net(torch.randn(8, 8, device="cuda")).sum().backward()
+        opt.step()
+    snap.restore(params, buffers, [opt])
+    assert_bitwise(net.state_dict(), saved[0])
+    assert_bitwise(opt.state_dict(), saved[1])
