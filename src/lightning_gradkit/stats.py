@@ -431,12 +431,10 @@ class GradStats:
         names: ``[P]`` qualified parameter names, aligned with ``param_norms``.
         module_norms: ``[M]`` norms per module at the chosen depth (``None`` when depth is 0).
         module_names: ``[M]`` the module names.
-        group_norms: ``[G]`` norms per optimizer param group.
+        group_norms: ``[G]`` norms per optimizer param group (derived when first read: few steps need it).
         total: scalar total norm, equal to ``torch.nn.utils.get_total_norm`` over all gradients.
         finite: scalar bool, False when any gradient element is NaN or Inf.
         missing: names of trainable parameters that had no gradient at this step.
-        scale: scalar factor the gradients will be multiplied by before clipping (accumulation); derived norms
-            below account for it, the raw ones above do not.
     """
 
     norm_type: float
@@ -444,10 +442,19 @@ class GradStats:
     names: list[str]
     module_norms: Tensor | None
     module_names: list[str]
-    group_norms: Tensor
     total: Tensor
     finite: Tensor
     missing: list[str] = field(default_factory=list)
+    group_index: Tensor | None = field(default=None, repr=False)
+    num_groups: int = 0
+    _group_norms: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def group_norms(self) -> Tensor:
+        if self._group_norms is None:
+            assert self.group_index is not None
+            self._group_norms = grouped_norms(self.param_norms, self.group_index, self.num_groups, self.norm_type)
+        return self._group_norms
 
 
 def derive_stats(index: ParamIndex, param_norms: Tensor, norm_type: float, missing: list[str]) -> GradStats:
@@ -462,8 +469,9 @@ def derive_stats(index: ParamIndex, param_norms: Tensor, norm_type: float, missi
         names=index.names,
         module_norms=module_norms,
         module_names=index.module_names,
-        group_norms=grouped_norms(param_norms, index.group_index, index.num_groups, norm_type),
         total=total,
         finite=torch.isfinite(total),
         missing=missing,
+        group_index=index.group_index,
+        num_groups=index.num_groups,
     )
