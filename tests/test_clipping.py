@@ -446,6 +446,24 @@ def test_two_clipping_callbacks_fail_at_setup(tmp_path: Path) -> None:
         trainer.fit(MLPModule(), loader())
 
 
+@pytest.mark.parametrize("kind", [ClipGradNorm, AutoClip])
+def test_two_clipping_callbacks_of_one_class_fail_at_setup_with_our_message(tmp_path: Path, kind: type) -> None:
+    """Lightning's own check at ``Trainer(...)`` would reject two callbacks with one state key, generically."""
+    twins = [kind(1.0), kind(1.0)] if kind is ClipGradNorm else [kind(), kind()]
+    trainer = make_trainer(tmp_path, callbacks=twins)
+    with pytest.raises(ValueError, match=rf"2 gradient-clipping callbacks \({kind.__name__}, {kind.__name__}\).*Keep"):
+        trainer.fit(MLPModule(), loader())
+
+
+def test_clipping_state_is_saved_under_the_class_name(tmp_path: Path) -> None:
+    """The key checkpoints have always used: a checkpoint written before or after this version loads either way."""
+    trainer = make_trainer(tmp_path, callbacks=[ClipGradNorm(1.0)], enable_checkpointing=True, max_steps=2)
+    trainer.fit(MLPModule(), loader())
+    path = tmp_path / "two_steps.ckpt"
+    trainer.save_checkpoint(path)
+    assert "ClipGradNorm" in torch.load(path, weights_only=False)["callbacks"]
+
+
 def test_trainer_gradient_clip_val_with_a_clipping_callback_fails_at_setup(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, callbacks=[AutoClip()], gradient_clip_val=1.0)
     with pytest.raises(ValueError, match="Use one"):

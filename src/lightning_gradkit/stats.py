@@ -169,7 +169,8 @@ def row_norms(t: Tensor) -> Tensor:
     """
     reduce_dtype = torch.float32 if t.dtype in (torch.float16, torch.bfloat16, torch.float32) else None
     if not t.is_sparse:
-        return torch.linalg.vector_norm(t, 2.0, dim=tuple(range(1, t.ndim)), dtype=reduce_dtype).to(torch.float32)
+        norms = torch.linalg.vector_norm(t, 2.0, dim=tuple(range(1, t.ndim)), dtype=reduce_dtype)
+        return norms if norms.dtype == torch.float32 else norms.to(torch.float32)  # a `.to` per tensor costs a call
     t = t.coalesce()
     values = t._values()
     row_sq = torch.linalg.vector_norm(values.reshape(values.shape[0], -1), 2.0, dim=1, dtype=reduce_dtype).square()

@@ -76,6 +76,7 @@ class _GradClipCallback(GradKitCallback):
         # The optimizer whose state `self.policy` carries: optimizer 0 for a callback (its checkpointed state is
         # keyed by optimizer index), the first optimizer clipped for a policy given to `clip_gradients`.
         self._policy_owner: int | None = 0
+        self._set_up = False
         self._policies: dict[int, ClipPolicy] = {}
         self._clipped: dict[int, Tensor] = {}
         self._steps: dict[int, int] = {}
@@ -83,7 +84,21 @@ class _GradClipCallback(GradKitCallback):
         self._prepared_for: weakref.ref[pl.Trainer] | None = None
 
     # -- Lightning hooks --------------------------------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        """The class name, as Lightning's default, once a Trainer has set this callback up (checkpoints are written
+        and read after ``setup``).
+
+        Before that, the key is unique to the instance: ``Trainer(...)`` rejects stateful callbacks that share a key
+        with a generic message, before any hook runs, so two clipping callbacks would never reach the ``setup``
+        check that says why only one may clip.
+        """
+        if self._set_up:
+            return type(self).__qualname__
+        return f"{type(self).__qualname__}@{id(self):x}"
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._set_up = True
         super().setup(trainer, pl_module, stage)
         _check_single_clipper(trainer)
 
