@@ -255,3 +255,32 @@ def test_accumulation_guard_checks_that_unfrozen_parameters_start_windows_clean(
     dirty = next(names for names in model.dirty_at_window_start if names)
     assert dirty == ["backbone.0.weight", "backbone.0.bias", "backbone.2.weight", "backbone.2.bias"]
     assert len(messages) == 1 and f"in {len(dirty)} parameter(s): {', '.join(dirty)}." in messages[0]
+
+
+class RefreezingModel(BackboneModel):
+    """Every parameter in the optimizer; the backbone trains in epoch 0 and is frozen again for epoch 1."""
+
+    def __init__(self) -> None:
+        super().__init__("requires_grad")
+
+    def on_train_epoch_start(self) -> None:
+        self.backbone.requires_grad_(self.current_epoch == 0)
+
+
+def test_parameters_frozen_again_leave_the_index_without_a_missing_gradient_warning(tmp_path: Path) -> None:
+    """A trained parameter frozen mid-fit has no gradient from then on: the index drops it instead of reporting it
+    as a trainable parameter that received none, and clipping and the logged norm cover the head alone."""
+    max_norm = 0.01
+    model = RefreezingModel()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(tmp_path, model, [GradNormMonitor(), ClipGradNorm(max_norm)])
+    assert not [w for w in caught if "received no gradient" in str(w.message)]
+    assert all("backbone.0.weight" in g for g in model.pre[:BATCHES])
+    assert all(not any(n.startswith("backbone") for n in g) for g in model.pre[BATCHES:])
+    for pre, post in zip(model.pre, model.post, strict=True):
+        expected = _clip_grad_norm_reference(pre, max_norm)
+        for name in expected:
+            torch.testing.assert_close(post[name], expected[name], rtol=1e-5, atol=1e-9, msg=name)
+    logged = column(read_metrics(trainer), "grad_norm/total")
+    assert logged[-1] == pytest.approx(torch.nn.utils.get_total_norm(list(model.pre[-1].values())).item(), rel=1e-5)

@@ -377,7 +377,7 @@ class _Engine:
     _by_trainer: weakref.WeakKeyDictionary[pl.Trainer, _Engine] = weakref.WeakKeyDictionary()
 
     def __init__(self) -> None:
-        self._indexes: dict[tuple[int, int], tuple[tuple[int, ...], ParamIndex]] = {}
+        self._indexes: dict[tuple[int, int], _CachedIndex] = {}
         self._runs: dict[int, _Run] = {}
         self.last_plans: dict[int, StepPlan] = {}
         self.skipped_steps: Tensor | None = None
@@ -432,26 +432,30 @@ class _Engine:
     def _index(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, depth: int
     ) -> ParamIndex:
-        """The index of the parameters ``optimizer`` steps now, rebuilt only when that list changed.
+        """The index of the parameters ``optimizer`` steps now, rebuilt only when that set changed.
 
         Parameters can join after the first step (a backbone unfrozen with ``requires_grad_(True)``, a param group
         added with ``add_param_group``, as Lightning's ``BackboneFinetuning`` does) or leave it (frozen again). The
-        check every step is one tuple of ``id``s of the trainable parameters, compared with the one the index was
-        built from: a constant per tensor, with no tensor built. Ids of those parameters cannot be reused while the
-        index holds them.
+        check every step looks at the param groups (identity and length of each list) and at the ``requires_grad``
+        of the parameters that were frozen: nothing per trained tensor. A trained parameter frozen again shows as a
+        missing gradient, and :meth:`run` then calls :meth:`_forget_index`.
         """
         key = (id(optimizer), depth)
-        signature = tuple([id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad])
+        groups = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
         cached = self._indexes.get(key)
-        if cached is not None and cached[0] == signature:
-            return cached[1]
+        if cached is not None and cached.groups == groups and not any(p.requires_grad for p in cached.frozen):
+            return cached.index
         names = {id(p): n for n, p in pl_module.named_parameters()}
         first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         device = first.device if first is not None else pl_module.device
         flat = type(trainer.strategy).__name__.endswith("FSDPStrategy") and trainer.world_size > 1
         index = build_param_index(optimizer.param_groups, names, depth, device, flat)
-        self._indexes[key] = (signature, index)
+        frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
+        self._indexes[key] = _CachedIndex(groups, frozen, index)
         return index
+
+    def _forget_index(self, optimizer: Optimizer, depth: int) -> None:
+        self._indexes.pop((id(optimizer), depth), None)
 
     def step_plan(self, trainer: pl.Trainer, optimizer: Optimizer) -> StepPlan | None:
         """The plan decided for ``optimizer``'s current step (its first evaluation), ``None`` if none ran yet."""
@@ -495,7 +499,14 @@ class _Engine:
         index = self._index(trainer, pl_module, optimizer, request.depth)
         resolve_partial_grads([index.params[i] for i in index.replicated_dtensors])
         grads, present, run_ids, bounds = _read_grads(index)
-        missing = [index.names[i] for i in _absent(index, present)]
+        absent = _absent(index, present)
+        if any(not index.params[i].requires_grad for i in absent):  # frozen since the index was built
+            self._forget_index(optimizer, request.depth)
+            index = self._index(trainer, pl_module, optimizer, request.depth)
+            resolve_partial_grads([index.params[i] for i in index.replicated_dtensors])
+            grads, present, run_ids, bounds = _read_grads(index)
+            absent = _absent(index, present)
+        missing = [index.names[i] for i in absent]
 
         extras: dict[str, Tensor] = {}
         for cb in cbs:
@@ -601,6 +612,16 @@ class _Engine:
             dist.all_reduce(contrib, op=dist.ReduceOp.MAX)
             result[math.inf] = combine_sharded(local[math.inf], index.shard_weight, contrib, math.inf)
         return result, reduced_extras
+
+
+@dataclass(frozen=True)
+class _CachedIndex:
+    """A parameter index with what tells when it is stale: the param groups it was built from (identity and
+    length of each ``params`` list) and the parameters that were frozen then."""
+
+    groups: tuple[tuple[int, int], ...]
+    frozen: list[Tensor]
+    index: ParamIndex
 
 
 @dataclass(frozen=True)
