@@ -65,6 +65,41 @@ def _unscaled_loss(trainer: pl.Trainer, loss: Tensor) -> Tensor:
     return loss if scale is None else loss / scale.to(loss.device)
 
 
+class _WindowLoss:
+    """The mean loss of an accumulation window, summed on device from ``on_before_backward`` (no host sync).
+
+    Used by every callback that monitors the loss per optimizer step (``SpikeGuard``, ``SpikeRollback``): the
+    loss as ``training_step`` returned it (without the fp16 scale), averaged over the micro-batches actually in the
+    window, the short last window of an epoch included.
+    """
+
+    def __init__(self) -> None:
+        self.sum: Tensor | None = None
+        self.count = 0
+
+    def add(self, trainer: pl.Trainer, loss: Tensor) -> None:
+        loss = _unscaled_loss(trainer, loss).reshape(())
+        self.sum = loss if self.sum is None else self.sum.to(loss.device) + loss
+        self.count += 1
+
+    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Tensor:
+        """The window's mean loss on this rank, shape ``(1,)`` (NaN for a window without a loss); starts a new one.
+
+        Lightning divides each micro-batch loss by N before ``on_before_backward`` (automatic optimization only):
+        the window's sum is then k / N of its mean, too small for the short last window of an epoch.
+        """
+        value = self.sum
+        if value is None:
+            value = torch.full((), math.nan, device=pl_module.device)
+        else:
+            divisor = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            factor = mean_window_scale(divisor, self.count)
+            if factor != 1.0:
+                value = value * factor
+        self.sum, self.count = None, 0
+        return value.reshape(1).to(pl_module.device)
+
+
 def _rank() -> int:
     return dist.get_rank() if world_size() > 1 else 0
 
@@ -819,8 +854,7 @@ class SpikeGuard(_Guard):
         self.window = window
         self._stats: RunningMoments | WindowMoments = WindowMoments(window) if window else RunningMoments(self.alpha)
         self._device = torch.device("cpu")
-        self._loss_sum: Tensor | None = None
-        self._loss_count = 0
+        self._window_loss = _WindowLoss()
         self._step: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
         self._spikes = 0
         self._key = f"{self.state_key}/loss_sum"
@@ -831,9 +865,7 @@ class SpikeGuard(_Guard):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.monitor == "loss":
-            loss = _unscaled_loss(trainer, loss).reshape(())
-            self._loss_sum = loss if self._loss_sum is None else self._loss_sum.to(loss.device) + loss
-            self._loss_count += 1
+            self._window_loss.add(trainer, loss)
 
     def _stats_request(self, request: Any) -> None:
         if self.monitor == "grad_norm":
@@ -842,19 +874,7 @@ class SpikeGuard(_Guard):
     def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
         if self.monitor != "loss":
             return {}
-        value = self._loss_sum
-        if value is None:
-            value = torch.full((), float("nan"), device=pl_module.device)
-        else:
-            # Lightning divides each micro-batch loss by N before `on_before_backward` (automatic optimization
-            # only): the window's sum is k / N of its mean, too small for the short last window of an epoch.
-            divisor = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            factor = mean_window_scale(divisor, self._loss_count)
-            if factor != 1.0:
-                value = value * factor
-        self._loss_sum = None
-        self._loss_count = 0
-        return {self._key: value.reshape(1).to(pl_module.device)}
+        return {self._key: self._window_loss.take(trainer, pl_module)}
 
     def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor == "loss":
@@ -943,10 +963,10 @@ class SpikeGuard(_Guard):
             "spikes": self._spikes,
             **self._skipped_state(),
         }
-        if self._loss_sum is not None:
+        if self._window_loss.sum is not None:
             # The losses of an accumulation window still open (a checkpoint saved mid-window): a resumed run then
             # monitors the same window mean as an uninterrupted one.
-            state["window_loss"] = (self._loss_sum.detach().cpu(), self._loss_count)
+            state["window_loss"] = (self._window_loss.sum.detach().cpu(), self._window_loss.count)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -959,5 +979,5 @@ class SpikeGuard(_Guard):
         self._stats.load_state_dict(state_dict["stats"])
         self._spikes = int(state_dict.get("spikes", 0))
         if "window_loss" in state_dict:
-            self._loss_sum, self._loss_count = state_dict["window_loss"]
+            self._window_loss.sum, self._window_loss.count = state_dict["window_loss"]
         self._restored_skips = float(state_dict.get("skipped_steps", 0.0))

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _StatsRequest, world_size
+from lightning_gradkit.callbacks.guards import _WindowLoss
 from lightning_gradkit.events import EventLog, events_dir
 from lightning_gradkit.forensics import RNGState, capture_rng, restore_rng
 from lightning_gradkit.running import RunningMoments, spike_decision
@@ -39,14 +40,6 @@ def _positive(argument: str, value: float, fix: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"`{argument}` must be a finite number > 0, got {value!r}. {fix}")
     return float(value)
-
-
-def _unscaled_loss(trainer: pl.Trainer, loss: Tensor) -> Tensor:
-    """The loss without the fp16 ``GradScaler``'s scale (``on_before_backward`` sees it multiplied)."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    scale = getattr(scaler, "_scale", None) if scaler is not None else None
-    loss = loss.detach().float().reshape(())
-    return loss if scale is None else loss / scale.to(loss.device)
 
 
 @dataclass
@@ -210,7 +203,7 @@ class SpikeRollback(GradKitCallback):
         self._stats = RunningMoments(self.alpha)
         self._ring: list[_Slot] = []
         self._events: EventLog | None = None
-        self._loss_sum: Tensor | None = None
+        self._window_loss = _WindowLoss()
         self._key = f"{self.state_key}/loss_sum"
         self._trigger: _Trigger | None = None
         self._pending: dict[str, Any] | None = None
@@ -287,8 +280,7 @@ class SpikeRollback(GradKitCallback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.monitor == "loss":
-            loss = _unscaled_loss(trainer, loss)
-            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            self._window_loss.add(trainer, loss)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -318,11 +310,7 @@ class SpikeRollback(GradKitCallback):
     def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
         if self.monitor != "loss":
             return {}
-        value = self._loss_sum
-        if value is None:
-            value = torch.full((), math.nan, device=pl_module.device)
-        self._loss_sum = None
-        return {self._key: value.reshape(1).to(pl_module.device)}
+        return {self._key: self._window_loss.take(trainer, pl_module)}
 
     def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = plan.primary.total.device
