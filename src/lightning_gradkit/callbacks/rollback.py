@@ -9,7 +9,6 @@ from snapshots in host memory, on every rank alike.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,25 +20,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _StatsRequest, world_size
+from lightning_gradkit._validation import check_choice, check_float, check_int
 from lightning_gradkit.callbacks.guards import _WindowLoss
 from lightning_gradkit.events import EventLog, events_dir
 from lightning_gradkit.forensics import RNGState, capture_rng, restore_rng
 from lightning_gradkit.running import RunningMoments, spike_decision
 from lightning_gradkit.snapshot import HostSnapshot, trained_parameters
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
-
-
-# -- argument checks ----------------------------------------------------------------------------------------------
-def _integer(argument: str, value: int, minimum: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{argument}` must be an integer >= {minimum}, got {value!r}. {fix}")
-    return value
-
-
-def _positive(argument: str, value: float, fix: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{argument}` must be a finite number > 0, got {value!r}. {fix}")
-    return float(value)
 
 
 @dataclass
@@ -180,25 +167,23 @@ class SpikeRollback(GradKitCallback):
         skip_batches: int = 0,
         max_rollbacks: int = 5,
     ) -> None:
-        if monitor not in ("loss", "grad_norm"):
-            raise ValueError(f"`monitor` must be 'loss' or 'grad_norm', got {monitor!r}.")
-        self.monitor = monitor
-        self.z_threshold = _positive("z_threshold", z_threshold, "E.g. `z_threshold=6.0` (SpikeGuard's default).")
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha < 1.0:
-            raise ValueError(f"`alpha` must be in (0, 1), got {alpha!r}. E.g. `alpha=0.97`.")
-        self.alpha = float(alpha)
-        self.warmup_steps = _integer("warmup_steps", warmup_steps, 2, "E.g. `warmup_steps=25`.")
-        self.patience = _integer("patience", patience, 1, "Use 1 to roll back at the first spiking step.")
-        self.nonfinite_patience = _integer(
-            "nonfinite_patience", nonfinite_patience, 1, "Use 1 to roll back at the first non-finite step."
+        self.monitor = check_choice("monitor", monitor, ("loss", "grad_norm"))
+        self.z_threshold = check_float(
+            "z_threshold", z_threshold, above=0.0, hint="E.g. `z_threshold=6.0` (SpikeGuard's default)."
         )
-        self.snapshot_every_n_steps = _integer(
-            "snapshot_every_n_steps", snapshot_every_n_steps, 1, "E.g. `snapshot_every_n_steps=100`."
+        self.alpha = check_float("alpha", alpha, above=0.0, below=1.0, hint="E.g. `alpha=0.97`.")
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 2, hint="E.g. `warmup_steps=25`.")
+        self.patience = check_int("patience", patience, 1, hint="Use 1 to roll back at the first spiking step.")
+        self.nonfinite_patience = check_int(
+            "nonfinite_patience", nonfinite_patience, 1, hint="Use 1 to roll back at the first non-finite step."
         )
-        self.keep = _integer("keep", keep, 1, "Keep at least one snapshot, e.g. `keep=2`.")
-        self.skip_batches = _integer("skip_batches", skip_batches, 0, "Use 0 to resume on the next batch.")
-        self.max_rollbacks = _integer(
-            "max_rollbacks", max_rollbacks, 0, "Use 0 to stop training at the first persistent spike."
+        self.snapshot_every_n_steps = check_int(
+            "snapshot_every_n_steps", snapshot_every_n_steps, 1, hint="E.g. `snapshot_every_n_steps=100`."
+        )
+        self.keep = check_int("keep", keep, 1, hint="Keep at least one snapshot, e.g. `keep=2`.")
+        self.skip_batches = check_int("skip_batches", skip_batches, 0, hint="Use 0 to resume on the next batch.")
+        self.max_rollbacks = check_int(
+            "max_rollbacks", max_rollbacks, 0, hint="Use 0 to stop training at the first persistent spike."
         )
         self._stats = RunningMoments(self.alpha)
         self._ring: list[_Slot] = []
