@@ -100,6 +100,38 @@ class _WindowLoss:
         return value.reshape(1).to(pl_module.device)
 
 
+class _WatchesLossOrGradNorm(GradKitCallback):
+    """The value ``SpikeGuard`` and ``SpikeRollback`` watch each optimizer step, identical on every rank.
+
+    ``monitor="loss"``: the window's mean loss (:class:`_WindowLoss`) averaged over ranks through the engine's one
+    collective; ``"grad_norm"``: the total 2-norm of the gradients the optimizer would step with. Subclasses set
+    ``monitor``, ``_key`` (unique in the collective) and ``_window_loss``.
+    """
+
+    monitor: str
+    _key: str
+    _window_loss: _WindowLoss
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self.monitor == "loss":
+            self._window_loss.add(trainer, loss)
+
+    def _stats_request(self, request: _StatsRequest) -> None:
+        if self.monitor == "grad_norm":
+            request.norm_types.add(2.0)
+
+    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
+        if self.monitor != "loss":
+            return {}
+        return {self._key: self._window_loss.take(trainer, pl_module)}
+
+    def _watched_value(self, plan: StepPlan) -> Tensor:
+        if self.monitor == "loss":
+            x = plan.reduced[self._key].reshape(()).to(plan.primary.total.device)
+            return x / world_size() if world_size() > 1 else x
+        return plan.scaled(plan.stats[2.0].total)
+
+
 def _rank() -> int:
     return dist.get_rank() if world_size() > 1 else 0
 
@@ -787,7 +819,7 @@ def _summary(
     return " ".join(parts)
 
 
-class SpikeGuard(_Guard):
+class SpikeGuard(_WatchesLossOrGradNorm, _Guard):
     r"""Detect loss or gradient-norm spikes with a running z-score on device: warn, skip the step, or raise.
 
     Each optimizer step, the monitored value ``x`` (the loss averaged over the accumulation window and over ranks,
@@ -863,26 +895,8 @@ class SpikeGuard(_Guard):
     def state_key(self) -> str:
         return self._generate_state_key(monitor=self.monitor, window=self.window, alpha=self.alpha)
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self.monitor == "loss":
-            self._window_loss.add(trainer, loss)
-
-    def _stats_request(self, request: Any) -> None:
-        if self.monitor == "grad_norm":
-            request.norm_types.add(2.0)
-
-    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
-        if self.monitor != "loss":
-            return {}
-        return {self._key: self._window_loss.take(trainer, pl_module)}
-
     def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.monitor == "loss":
-            x = plan.reduced[self._key].reshape(())
-            if world_size() > 1:
-                x = x / world_size()
-        else:
-            x = plan.scaled(plan.stats[2.0].total)
+        x = self._watched_value(plan)
         if self._device != x.device:
             self._stats.to(x.device)
             self._device = x.device

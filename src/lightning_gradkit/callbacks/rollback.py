@@ -19,9 +19,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _StatsRequest, world_size
+from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan
 from lightning_gradkit._validation import check_choice, check_float, check_int
-from lightning_gradkit.callbacks.guards import _WindowLoss
+from lightning_gradkit.callbacks.guards import _WatchesLossOrGradNorm, _WindowLoss
 from lightning_gradkit.events import EventLog, events_dir
 from lightning_gradkit.forensics import RNGState, capture_rng, restore_rng
 from lightning_gradkit.running import RunningMoments, spike_decision
@@ -60,7 +60,7 @@ class _Trigger:
     std: Tensor
 
 
-class SpikeRollback(GradKitCallback):
+class SpikeRollback(_WatchesLossOrGradNorm):
     r"""When a loss or gradient-norm spike persists, restore the newest good snapshot and step over the bad data.
 
     **Snapshots.** After every ``snapshot_every_n_steps`` optimizer steps (``trainer.global_step`` a multiple of
@@ -263,10 +263,6 @@ class SpikeRollback(GradKitCallback):
             if self._skip_left > 0:
                 self._anchor = slot
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self.monitor == "loss":
-            self._window_loss.add(trainer, loss)
-
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -288,15 +284,6 @@ class SpikeRollback(GradKitCallback):
     def _needs_step_control(self) -> bool:
         return True
 
-    def _stats_request(self, request: _StatsRequest) -> None:
-        if self.monitor == "grad_norm":
-            request.norm_types.add(2.0)
-
-    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
-        if self.monitor != "loss":
-            return {}
-        return {self._key: self._window_loss.take(trainer, pl_module)}
-
     def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = plan.primary.total.device
         if self._skip_left > 0:
@@ -304,12 +291,7 @@ class SpikeRollback(GradKitCallback):
             plan.add_skip("rollback", torch.ones((), dtype=torch.bool, device=device))
             self._trigger = None
             return
-        if self.monitor == "loss":
-            x = plan.reduced[self._key].reshape(()).to(device)
-            if world_size() > 1:
-                x = x / world_size()
-        else:
-            x = plan.scaled(plan.stats[2.0].total)
+        x = self._watched_value(plan)
         mean, var, count = self._stats.moments()
         spike, z, record, std = spike_decision(x, mean, var, count, self.z_threshold, self.warmup_steps)
         self._stats.update(record)
