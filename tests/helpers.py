@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import csv
 import functools
 from collections import Counter
@@ -18,6 +19,20 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradkit.diagnostics import SYNC_CALLS, sync_kind
+
+
+def _destroy_process_groups() -> None:
+    """Destroy the process groups a distributed test script leaves behind, while the interpreter is still whole.
+
+    A gloo process group left to the interpreter's finalization can abort the process ("terminate called without
+    an active exception", exit code -6) at random, after every result was written; destroying it at exit is what
+    PyTorch's documentation asks of every script.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+atexit.register(_destroy_process_groups)
 
 
 class SyncCounter(TorchFunctionMode):
