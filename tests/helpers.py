@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradkit.diagnostics import SYNC_CALLS, sync_kind
+from lightning_gradkit.diagnostics.host_sync import SYNC_CALLS, sync_kind
 
 
 def _destroy_process_groups() -> None:
@@ -39,7 +39,7 @@ class SyncCounter(TorchFunctionMode):
     """Counts host-device syncs while ``active`` (or inside watched methods), by the rule of gradkit's SyncAudit.
 
     A :class:`~torch.overrides.TorchFunctionMode` sees every call into the PyTorch API; a call counts when
-    :func:`lightning_gradkit.diagnostics.sync_kind` recognises it as one whose result the host must read on an
+    :func:`lightning_gradkit.diagnostics.host_sync.sync_kind` recognises it as one whose result the host must read on an
     accelerator: ``.item()``, ``bool()``/``int()``/``float()``/``__index__``, ``.tolist()``, ``.cpu()``,
     ``.to("cpu")``, ``.numpy()``, ``torch.nonzero``, boolean-mask indexing, ``torch.equal``, ``torch.unique``, ...
     Only the outermost call counts (``print(t)`` is one event). Counts are keyed by the called function's name

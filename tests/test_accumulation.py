@@ -28,13 +28,13 @@ from lightning_gradkit import (
     SpikeGuard,
     clip_gradients,
 )
-from lightning_gradkit.accumulation import (
+from lightning_gradkit.core.accumulate import (
     is_window_boundary,
     mean_window_scale,
     micro_batches_in_window,
     token_window_scale,
 )
-from lightning_gradkit.clipping import GradNormPolicy
+from lightning_gradkit.core.clip import GradNormPolicy
 
 VOCAB, SEQ_LEN = 11, 7
 

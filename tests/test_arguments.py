@@ -30,7 +30,7 @@ from lightning_gradkit import (
     SyncAudit,
     ZClip,
 )
-from lightning_gradkit._validation import check_float, check_int, check_strings
+from lightning_gradkit._arguments import check_float, check_int, check_strings
 
 BAD = [
     # None or a non-numeric string for a number

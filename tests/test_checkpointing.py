@@ -16,14 +16,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_gradkit import ActivationCheckpointing, inject_activation_checkpointing
-from lightning_gradkit.checkpointing import (
+from lightning_gradkit.activation_checkpointing.injection import (
     bypass_checkpointing,
     injected_mode,
-    measure_saved_activations,
-    plan_checkpointing,
     remove,
     select_modules,
 )
+from lightning_gradkit.activation_checkpointing.planner import measure_saved_activations, plan_checkpointing
 from lightning_gradkit.demos import Block, GPTConfig, TinyGPT
 
 CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.1)

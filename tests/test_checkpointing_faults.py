@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from helpers import loader, make_trainer
 from lightning_gradkit import ActivationCheckpointing, NonFiniteGuard
-from lightning_gradkit.checkpointing import injected_mode
+from lightning_gradkit.activation_checkpointing.injection import injected_mode
 
 
 class NormBlock(nn.Module):
@@ -79,7 +79,7 @@ def test_batchnorm_buffers_after_training_equal_those_without_checkpointing(
 
 def test_recompute_runs_on_the_buffers_the_forward_left_and_leaves_them_unchanged() -> None:
     """Plain PyTorch: one checkpointed BatchNorm forward and backward against the same without checkpointing."""
-    from lightning_gradkit.checkpointing import inject
+    from lightning_gradkit.activation_checkpointing.injection import inject
 
     torch.manual_seed(0)
     reference = NormBlock(4)

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from helpers import make_trainer
 from lightning_gradkit import ActivationCheckpointing, inject_activation_checkpointing
-from lightning_gradkit.checkpointing import injected_mode
+from lightning_gradkit.activation_checkpointing.injection import injected_mode
 from lightning_gradkit.demos import Block, ByteDataset, GPTConfig, TinyGPT, TinyGPTModule, stdlib_text
 
 pytestmark = pytest.mark.gpu

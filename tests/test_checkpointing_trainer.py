@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from helpers import make_trainer, read_metrics
 from lightning_gradkit import ActivationCheckpointing, inject_activation_checkpointing
-from lightning_gradkit.checkpointing import injected_mode
+from lightning_gradkit.activation_checkpointing.injection import injected_mode
 from lightning_gradkit.demos import ByteDataset, GPTConfig, TinyGPT, TinyGPTModule, stdlib_text
 from test_checkpointing import live_activation_bytes
 

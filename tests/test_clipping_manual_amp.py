@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from clip_reference import AGCRef, AutoClipRef, NormRef, ValueRef, ZClipRef, total_norm
 from helpers import MLPModule, count_syncs, loader, make_trainer
 from lightning_gradkit import AdaptiveGradClip, ClipGradNorm, ClipGradValue, GradNormMonitor, ZClip, clip_gradients
-from lightning_gradkit.clipping import AutoClipPolicy, ClipPolicy, GradNormPolicy, ZClipPolicy
+from lightning_gradkit.core.clip import AutoClipPolicy, ClipPolicy, GradNormPolicy, ZClipPolicy
 
 STEPS = 12
 

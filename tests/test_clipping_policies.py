@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from clip_reference import AGCRef
-from lightning_gradkit.clipping import (
+from lightning_gradkit.core.clip import (
     AutoClipPolicy,
     ZClipPolicy,
     agc_coefficients,

@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import AdaptiveGradClip, GradNormMonitor
-from lightning_gradkit.stats import host_to_device
+from lightning_gradkit.core.norms import host_to_device
 
 
 class _DeviceFactoryCalls(TorchFunctionMode):

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import GraphLeakGuard
-from lightning_gradkit.diagnostics import (
+from lightning_gradkit.diagnostics.autograd_graph import (
     OlderGraph,
     autograd_sequence_marker,
     graph_footprint,

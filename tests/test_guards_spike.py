@@ -15,7 +15,7 @@ from torch import Tensor
 
 from helpers import MLPModule, column, loader, make_trainer, read_metrics
 from lightning_gradkit import ManualAccumulator, NonFiniteGuard, SpikeGuard
-from lightning_gradkit.running import RunningMoments, WindowMoments, ema_update, spike_decision, std_of
+from lightning_gradkit.core.running import RunningMoments, WindowMoments, ema_update, spike_decision, std_of
 from test_guards import FaultModule, events, state_equal
 
 NAN = float("nan")

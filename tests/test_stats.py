@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gradkit.stats import (
+from lightning_gradkit.core.norms import (
     build_param_index,
     clean_param_name,
     derive_stats,

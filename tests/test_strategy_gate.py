@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import ClipGradNorm, NonFiniteGuard, SpikeGuard, ZClip, clip_gradients
-from lightning_gradkit.clipping import GradNormPolicy
+from lightning_gradkit.core.clip import GradNormPolicy
 from test_guards import FaultModule, state_equal
 
 NAN = float("nan")

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import SyncAudit
-from lightning_gradkit.diagnostics import LIBRARY, USER, HostSyncRecorder, SourceClassifier
+from lightning_gradkit.diagnostics.host_sync import HostSyncRecorder
+from lightning_gradkit.diagnostics.sources import LIBRARY, USER, SourceClassifier
 
 THIS_FILE = os.path.realpath(__file__)
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from helpers import count_syncs
-from lightning_gradkit.diagnostics import SYNC_CALLS
+from lightning_gradkit.diagnostics.host_sync import SYNC_CALLS
 
 # One call per kind of host sync, with the key the counter files it under.
 SYNCING: dict[str, tuple[Callable[[Tensor], Any], str]] = {

@@ -5,9 +5,9 @@ once"). Importing the package registers the strategy names ``"gradkit"``, ``"gra
 ``"gradkit_ddp_spawn"``, ``"gradkit_fsdp"`` and ``"gradkit_model_parallel"`` with Lightning.
 """
 
-from lightning_gradkit.accumulation import ManualAccumulator
-from lightning_gradkit.callbacks.accumulation import AccumulationGuard
-from lightning_gradkit.callbacks.checkpointing import ActivationCheckpointing
+from lightning_gradkit.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_gradkit.activation_checkpointing.injection import inject_activation_checkpointing
+from lightning_gradkit.callbacks.accumulation import AccumulationGuard, ManualAccumulator
 from lightning_gradkit.callbacks.clipping import (
     AdaptiveGradClip,
     AutoClip,
@@ -16,14 +16,13 @@ from lightning_gradkit.callbacks.clipping import (
     ZClip,
     clip_gradients,
 )
-from lightning_gradkit.callbacks.graph_leak import GraphLeakGuard
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
 from lightning_gradkit.callbacks.rollback import SpikeRollback
-from lightning_gradkit.callbacks.sync_audit import SyncAudit
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
-from lightning_gradkit.checkpointing import inject_activation_checkpointing
-from lightning_gradkit.stats import GradStats
+from lightning_gradkit.core.norms import GradStats
+from lightning_gradkit.diagnostics.graph_leak import GraphLeakGuard
+from lightning_gradkit.diagnostics.sync_audit import SyncAudit
 from lightning_gradkit.strategy import (
     GradKitDDPStrategy,
     GradKitFSDPStrategy,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_gradkit.stats import clean_param_name
+from lightning_gradkit.core.norms import clean_param_name
 
 
 def describe_parameter(param: torch.nn.Parameter, name: str) -> str:

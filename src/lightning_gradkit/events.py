@@ -154,3 +154,17 @@ class EventLog:
         if not self.path.exists():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+def write_rank_event(directory: str | Path, trainer: pl.Trainer, what: str, batch_idx: int, **details: Any) -> None:
+    """Append one event for this rank's findings to ``<directory>/gradkit_events.jsonl``."""
+    log = EventLog(Path(directory), rank=trainer.global_rank, every_rank=True)
+    log.write(
+        step=trainer.global_step,
+        batch_idx=batch_idx,
+        rank=trainer.global_rank,
+        what=what,
+        culprit=None,
+        values={},
+        **details,
+    )

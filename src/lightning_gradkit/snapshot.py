@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit.stats import local_tensor
+from lightning_gradkit.core.norms import local_tensor
 
 
 @dataclass

@@ -67,7 +67,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit._engine import GradKitCallback, StepPlan, _Engine
+from lightning_gradkit.engine import GradKitCallback, StepPlan, _Engine
 
 _MISSING = object()
 

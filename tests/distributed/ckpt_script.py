@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Subset
 
 from helpers import distributed_trainer
 from lightning_gradkit import ActivationCheckpointing
-from lightning_gradkit.checkpointing import injected_mode
+from lightning_gradkit.activation_checkpointing.injection import injected_mode
 from lightning_gradkit.demos import ByteDataset, GPTConfig, TinyGPT, TinyGPTModule, stdlib_text
 
 MODEL = dict(n_layer=3, n_head=2, n_embd=32, block_size=32, dropout=0.1, lr=1e-2)

@@ -27,7 +27,7 @@ from lightning_gradkit import (
     GradNormMonitor,
     NonFiniteGuard,
 )
-from lightning_gradkit._engine import _Engine
+from lightning_gradkit.engine import _Engine
 from test_scale_distributed import DEPTH, MAX_NORM, TPBlocks
 
 DATA_PARALLEL, TENSOR_PARALLEL = 2, 2

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Subset
 
 from helpers import MLPModule, ShardedMLP, distributed_trainer
 from lightning_gradkit import GradKitDDPStrategy, GradKitModelParallelStrategy, SpikeRollback
-from lightning_gradkit.stats import local_tensor
+from lightning_gradkit.core.norms import local_tensor
 from test_guards import events
 from test_rollback_distributed import N_BATCHES, spiky_global_data
 

@@ -3,7 +3,7 @@
 Every clipping callback decides at the optimizer-step boundary (``on_before_optimizer_step``: after the AMP unscale,
 the DDP all-reduce and the accumulation window) from the norms the engine measured once, writes a coefficient into
 the step's plan, and the engine multiplies the gradients once, with no host sync. The algorithms themselves live in
-:mod:`lightning_gradkit.clipping`.
+:mod:`lightning_gradkit.core.clip`.
 """
 
 from __future__ import annotations
@@ -21,17 +21,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit._engine import (
-    GradKitCallback,
-    Stage,
-    StepPlan,
-    _Engine,
-    _StatsRequest,
-    log_metrics,
-    world_size,
-)
-from lightning_gradkit._validation import check_strings
-from lightning_gradkit.clipping import (
+from lightning_gradkit._arguments import check_strings
+from lightning_gradkit.core.clip import (
     AdaptiveGradClipPolicy,
     AutoClipPolicy,
     ClipPolicy,
@@ -41,7 +32,7 @@ from lightning_gradkit.clipping import (
     ZClipPolicy,
     clip_to_threshold,
 )
-from lightning_gradkit.stats import (
+from lightning_gradkit.core.norms import (
     ParamIndex,
     _replication,
     clean_param_name,
@@ -49,6 +40,15 @@ from lightning_gradkit.stats import (
     local_tensor,
     per_tensor_norms,
     row_norms,
+)
+from lightning_gradkit.engine import (
+    GradKitCallback,
+    Stage,
+    StepPlan,
+    _Engine,
+    _StatsRequest,
+    log_metrics,
+    world_size,
 )
 
 
@@ -724,7 +724,7 @@ def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, policy: _Gr
         module: the LightningModule (``self``).
         optimizer: the optimizer about to step, as returned by ``self.optimizers()``.
         policy: one of the clipping callbacks (``ZClip(...)``; if it is also in the Trainer's ``callbacks``, its
-            state is saved in checkpoints) or a policy from :mod:`lightning_gradkit.clipping`
+            state is saved in checkpoints) or a policy from :mod:`lightning_gradkit.core.clip`
             (``GradNormPolicy(1.0)``). Keep the same object across steps: adaptive policies carry state. One object
             may serve several optimizers: each optimizer keeps its own state, as with a callback. A callback keys
             it by optimizer index (``policy`` itself is optimizer 0's) and, when it is in the Trainer's ``callbacks``,
@@ -767,7 +767,7 @@ def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, policy: _Gr
             clipper = _WRAPPERS[policy] = _POLICY_CALLBACKS[type(policy)]._around(policy)
     else:
         raise ValueError(
-            f"`policy` must be a gradkit clipping callback or a policy from `lightning_gradkit.clipping`, got "
+            f"`policy` must be a gradkit clipping callback or a policy from `lightning_gradkit.core.clip`, got "
             f"{type(policy).__name__}."
         )
     attached = [cb for cb in trainer.callbacks if isinstance(cb, _GradClipCallback)]

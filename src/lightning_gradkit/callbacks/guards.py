@@ -28,12 +28,12 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan, _Engine, _StatsRequest, world_size
-from lightning_gradkit._validation import check_bool, check_choice, check_float, check_int
-from lightning_gradkit.accumulation import mean_window_scale
+from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int
+from lightning_gradkit.core.accumulate import mean_window_scale
+from lightning_gradkit.core.running import RunningMoments, WindowMoments, spike_decision
+from lightning_gradkit.engine import GradKitCallback, Stage, StepPlan, _Engine, _StatsRequest, world_size
 from lightning_gradkit.events import EventLog, events_dir
 from lightning_gradkit.forensics import Finding, RNGState, capture_rng, replay_training_step
-from lightning_gradkit.running import RunningMoments, WindowMoments, spike_decision
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint, handles_found_inf
 
 _MAX_NAMES = 10

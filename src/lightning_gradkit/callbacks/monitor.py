@@ -15,18 +15,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
-from lightning_gradkit._engine import (
-    GradKitCallback,
-    Stage,
-    StepPlan,
-    _Engine,
-    _StatsRequest,
-    is_logging_step,
-    log_metrics,
-)
-from lightning_gradkit._validation import check_bool, check_int
-from lightning_gradkit.events import EVENTS_FILENAME, events_dir
-from lightning_gradkit.stats import (
+from lightning_gradkit._arguments import check_bool, check_int
+from lightning_gradkit.core.norms import (
     ParamIndex,
     clean_param_name,
     combine_sharded,
@@ -39,6 +29,16 @@ from lightning_gradkit.stats import (
     total_norm,
     validate_norm_type,
 )
+from lightning_gradkit.engine import (
+    GradKitCallback,
+    Stage,
+    StepPlan,
+    _Engine,
+    _StatsRequest,
+    is_logging_step,
+    log_metrics,
+)
+from lightning_gradkit.events import EVENTS_FILENAME, events_dir
 
 if TYPE_CHECKING:
     from lightning_gradkit.report import RunData
@@ -175,7 +175,7 @@ def _to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
 class GradNormMonitor(GradKitCallback):
     r"""Log gradient norms (total, per module, per param group) and optionally weight norms.
 
-    The norms come from the step's shared :class:`~lightning_gradkit.stats.GradStats`: one
+    The norms come from the step's shared :class:`~lightning_gradkit.core.norms.GradStats`: one
     ``torch._foreach_norm`` pass over all gradients at the optimizer-step boundary (after AMP unscaling and the DDP
     all-reduce; correct global values under FSDP1/FSDP2 through one all-reduce). Values are logged with
     ``pl_module.log`` on logging steps only, so any Lightning logger receives them and non-logging steps cost no

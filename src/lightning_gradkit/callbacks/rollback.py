@@ -19,12 +19,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_gradkit._engine import GradKitCallback, Stage, StepPlan
-from lightning_gradkit._validation import check_choice, check_float, check_int
+from lightning_gradkit._arguments import check_choice, check_float, check_int
 from lightning_gradkit.callbacks.guards import _WatchesLossOrGradNorm, _WindowLoss
+from lightning_gradkit.core.running import RunningMoments, spike_decision
+from lightning_gradkit.engine import GradKitCallback, Stage, StepPlan
 from lightning_gradkit.events import EventLog, events_dir
 from lightning_gradkit.forensics import RNGState, capture_rng, restore_rng
-from lightning_gradkit.running import RunningMoments, spike_decision
 from lightning_gradkit.snapshot import HostSnapshot, trained_parameters
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
 

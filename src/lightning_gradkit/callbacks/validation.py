@@ -14,7 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_gradkit._validation import check_bool, check_choice
+from lightning_gradkit._arguments import check_bool, check_choice
 from lightning_gradkit.events import EventLog, events_dir
 
 Fallback = Literal["no_grad", "raise"]

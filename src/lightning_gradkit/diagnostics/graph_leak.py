@@ -12,12 +12,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_gradkit._validation import check_bool, check_choice, check_int
-from lightning_gradkit.diagnostics import (
+from lightning_gradkit._arguments import check_bool, check_choice, check_int
+from lightning_gradkit.diagnostics.autograd_graph import (
     GraphFootprint,
     GraphTensor,
     OlderGraph,
-    _write_event,
     autograd_sequence_marker,
     gc_graph_tensors,
     graph_footprint,
@@ -27,7 +26,7 @@ from lightning_gradkit.diagnostics import (
     steady_growth,
     storage_keys,
 )
-from lightning_gradkit.events import events_dir
+from lightning_gradkit.events import events_dir, write_rank_event
 
 _ACTIONS = ("warn", "raise")
 _MAX_LISTED = 5
@@ -92,14 +91,15 @@ class GraphLeakGuard(Callback):
     - anywhere in the process with ``gc_scan=True`` (slower: it visits every Python object), named by the
       container or frame holding them where it can tell.
 
-    "Earlier" uses autograd's creation order of graph nodes (see :class:`~lightning_gradkit.diagnostics.OlderGraph`,
-    dated by an :func:`~lightning_gradkit.diagnostics.autograd_sequence_marker` taken when the checked step starts).
+    "Earlier" uses autograd's creation order of graph nodes (see
+    :class:`~lightning_gradkit.diagnostics.autograd_graph.OlderGraph`, dated by an
+    :func:`~lightning_gradkit.diagnostics.autograd_graph.autograd_sequence_marker` taken when the checked step starts).
     So ``history.append(loss)`` (old graphs kept) and ``total = total + loss`` (a new node each step, linked to all
     the old ones) are leaks, while a graph made in the current step and replaced in the next
     (``self.last_logits = logits``, weights recomputed in every forward) is not. Parameters and buffers are never
     reported. The report gives the number of distinct graphs held, their nodes and the memory they pin: the
     tensors' own storage plus the saved tensors their graphs still hold (see
-    :class:`~lightning_gradkit.diagnostics.GraphFootprint`; parameters and buffers excluded).
+    :class:`~lightning_gradkit.diagnostics.autograd_graph.GraphFootprint`; parameters and buffers excluded).
 
     On the same checks it also reports:
 
@@ -198,7 +198,7 @@ class GraphLeakGuard(Callback):
             self.reports.append(report)
             if self._events_dir is not None:
                 fp = report.footprint
-                _write_event(
+                write_rank_event(
                     self._events_dir,
                     trainer,
                     "graph_leak",
@@ -271,7 +271,7 @@ class GraphLeakGuard(Callback):
                 continue
             self._warned.add(key)
             if self._events_dir is not None:
-                _write_event(
+                write_rank_event(
                     self._events_dir,
                     trainer,
                     "output_graph",
@@ -300,7 +300,7 @@ class GraphLeakGuard(Callback):
         self.memory_trend = slope
         per_step = slope / self.check_every_n_steps
         if self._events_dir is not None:
-            _write_event(
+            write_rank_event(
                 self._events_dir,
                 trainer,
                 "memory_trend",

@@ -8,19 +8,17 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_gradkit._validation import check_choice, check_int, check_strings
-from lightning_gradkit.diagnostics import (
+from lightning_gradkit._arguments import check_choice, check_int, check_strings
+from lightning_gradkit.diagnostics.host_sync import (
     HostSyncRecorder,
-    SourceClassifier,
     StepSyncs,
     SyncSite,
     SyncTable,
-    _write_event,
     format_sync_table,
-    package_dirs,
     site_row,
 )
-from lightning_gradkit.events import events_dir
+from lightning_gradkit.diagnostics.sources import SourceClassifier, package_dirs
+from lightning_gradkit.events import events_dir, write_rank_event
 
 _MODES = ("warn", "raise")
 _HOOK = "on_train_batch_end"
@@ -240,7 +238,7 @@ class SyncAudit(Callback):
         rows = [site_row(k, t, 1, step.seconds) for k, t in step.user.items()]
         rows.sort(key=lambda r: (-r.syncs, r.filename, r.lineno))
         if self._events_dir is not None and step.user_total:
-            _write_event(
+            write_rank_event(
                 self._events_dir,
                 trainer,
                 "host_sync",

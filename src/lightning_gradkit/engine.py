@@ -52,7 +52,7 @@ from torch.optim import Optimizer
 
 from lightning_gradkit._layout import verify_same_layout
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
-from lightning_gradkit.stats import (
+from lightning_gradkit.core.norms import (
     GradStats,
     ParamIndex,
     build_param_index,
@@ -737,7 +737,7 @@ def _param_norms(
 @functools.lru_cache(maxsize=64)
 def _positions_tensor(positions: tuple[int, ...], device: torch.device) -> Tensor:
     """An index tensor of ``positions`` on ``device``, made once per layout and copied without a host sync (see
-    :func:`~lightning_gradkit.stats.host_to_device`)."""
+    :func:`~lightning_gradkit.core.norms.host_to_device`)."""
     return host_to_device(positions, torch.long, device)
 
 

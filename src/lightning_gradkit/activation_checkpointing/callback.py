@@ -15,26 +15,28 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
-from lightning_gradkit._validation import check_bool, check_choice
-from lightning_gradkit.checkpointing import (
+from lightning_gradkit._arguments import check_bool, check_choice
+from lightning_gradkit.activation_checkpointing.injection import (
     MODES,
-    ActivationProfile,
     _ancestry,
-    budget_bytes,
     bypass_checkpointing,
     checkpointed_elsewhere,
-    format_bytes,
-    format_summary,
     inject,
-    measure_saved_activations,
     no_match_message,
     parse_targets,
-    plan_checkpointing,
-    preserved_state,
     remove,
     select_modules,
     user_class,
     validate_every_n,
+)
+from lightning_gradkit.activation_checkpointing.planner import (
+    ActivationProfile,
+    budget_bytes,
+    format_bytes,
+    format_summary,
+    measure_saved_activations,
+    plan_checkpointing,
+    preserved_state,
     validate_memory_budget,
 )
 

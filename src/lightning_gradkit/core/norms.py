@@ -6,8 +6,8 @@ total norms, the finite flag) is derived from that vector with small device ops,
 gradients again. When gradients are sharded (DTensor under FSDP2, flat shards under FSDP1) the local p-th powers
 of all parameters travel in a single all-reduce.
 
-The functions here are pure tensor math with no Lightning in them; the engine (``_engine.py``) wires them to
-the Trainer.
+The functions here are pure tensor math with no Lightning in them; the engine (:mod:`lightning_gradkit.engine`)
+wires them to the Trainer.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradkit._validation import check_float
+from lightning_gradkit._arguments import check_float
 
 
 def validate_norm_type(norm_type: float, argument: str = "norm_type") -> float:

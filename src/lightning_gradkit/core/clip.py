@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradkit._validation import check_float, check_int
+from lightning_gradkit._arguments import check_float, check_int
 
 #: Maximum ``AutoClip`` history: 10 million norms are 40 MB of device memory, far beyond any percentile's need.
 MAX_HISTORY = 10_000_000
@@ -172,7 +172,7 @@ class GradNormPolicy(ScalarClipPolicy):
     """
 
     def __init__(self, max_norm: float, norm_type: float = 2.0) -> None:
-        from lightning_gradkit.stats import validate_norm_type
+        from lightning_gradkit.core.norms import validate_norm_type
 
         self.max_norm = _positive("max_norm", max_norm)
         self.norm_type = validate_norm_type(norm_type)

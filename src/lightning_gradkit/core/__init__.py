@@ -1,0 +1,1 @@
+"""Pure tensor code with no Lightning in it (a test enforces it)."""
