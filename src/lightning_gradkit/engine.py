@@ -26,7 +26,7 @@ The strategy mixin (``strategy.py``) reads ``StepPlan.skip`` to step the optimiz
 Once per set of gradients: the pipeline runs at the first call for an optimizer step, whoever makes it
 (``on_before_optimizer_step``, :func:`~lightning_gradkit.clip_gradients`), and later calls for the same step find it
 done. An optimizer that evaluates its closure again inside ``step`` (``LBFGS``, SAM, line searches) produces new
-gradients within the same step: every backward advances ``_Engine.generation``, and a call that sees a new generation
+gradients within the same step: every backward advances ``Engine.generation``, and a call that sees a new generation
 and changed gradients of its optimizer is such an evaluation. It gets the step's accumulation scale and each
 callback's ``_decide_again`` (clipping of the fresh gradients), never a second decision: the skip, the guards'
 statistics and the logs belong to the first evaluation.
@@ -83,7 +83,7 @@ class UnitNorms:
     """Unit-wise 2-norms of some gradients (AGC): one norm per slice along dim 0, i.e. per output unit.
 
     Measured in the engine's single read of the gradients, for the parameters a callback named in
-    ``_StatsRequest.unit_norm_names`` whose gradient has more than one dimension; the per-parameter norms in
+    ``StatsRequest.unit_norm_names`` whose gradient has more than one dimension; the per-parameter norms in
     ``StepPlan.stats`` are derived from them, so those gradients are read once. Values are local to the rank (a
     sharded gradient holds whole rows under FSDP2's dim-0 sharding) and already divided by ``StepPlan.loss_scale``,
     but not multiplied by ``StepPlan.scale``.
@@ -318,11 +318,11 @@ def _scale_sparse_(grad: Tensor, factor: Tensor) -> None:
 
 
 @dataclass
-class _StatsRequest:
+class StatsRequest:
     norm_types: set[float] = field(default_factory=set)
     depth: int = 0
     unit_norm_names: set[str] = field(default_factory=set)
-    # Make the finite flag global: every rank's local flag travels in the step's collective (see `_Engine.run`).
+    # Make the finite flag global: every rank's local flag travels in the step's collective (see `Engine.run`).
     rank_flags: bool = False
 
 
@@ -371,10 +371,10 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-class _Engine:
+class Engine:
     """One per Trainer; shared by all gradkit callbacks of that Trainer."""
 
-    _by_trainer: weakref.WeakKeyDictionary[pl.Trainer, _Engine] = weakref.WeakKeyDictionary()
+    _by_trainer: weakref.WeakKeyDictionary[pl.Trainer, Engine] = weakref.WeakKeyDictionary()
 
     def __init__(self) -> None:
         self._indexes: dict[tuple[int, int], _CachedIndex] = {}
@@ -386,7 +386,7 @@ class _Engine:
         self._pending_scales: list[tuple[GradKitCallback, Optimizer | None]] = []
 
     @classmethod
-    def of(cls, trainer: pl.Trainer) -> _Engine:
+    def of(cls, trainer: pl.Trainer) -> Engine:
         engine = cls._by_trainer.get(trainer)
         if engine is None:
             engine = cls._by_trainer[trainer] = cls()
@@ -490,7 +490,7 @@ class _Engine:
             first = self.last_plans[id(optimizer)]
         cbs = self.callbacks(trainer, extra)
         cbs = self._with_pending_scales(cbs, optimizer)
-        request = _StatsRequest()
+        request = StatsRequest()
         for cb in cbs:
             cb._stats_request(request)
         if not request.norm_types:
@@ -770,27 +770,27 @@ class GradKitCallback(Callback):
     _stage: Stage = Stage.OBSERVE
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._engine = _Engine.of(trainer)
+        self._engine = Engine.of(trainer)
         self._engine.reset()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _Engine.of(trainer).verify_layout(trainer, pl_module)
+        Engine.of(trainer).verify_layout(trainer, pl_module)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning calls it after every backward (`manual_backward` and closure re-evaluations included).
-        _Engine.of(trainer).generation += 1
+        Engine.of(trainer).generation += 1
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        _Engine.of(trainer).run(trainer, pl_module, optimizer)
+        Engine.of(trainer).run(trainer, pl_module, optimizer)
 
     # -- engine steps -------------------------------------------------------------------------------------------
     def _needs_step_control(self) -> bool:
         """Whether this callback may ask the strategy to skip an optimizer step (needs a GradKit strategy)."""
         return False
 
-    def _stats_request(self, request: _StatsRequest) -> None:
+    def _stats_request(self, request: StatsRequest) -> None:
         """Add the norm types and module depth this callback reads."""
 
     def _primary_norm_type(self) -> float | None:

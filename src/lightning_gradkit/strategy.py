@@ -13,7 +13,7 @@ A Lightning callback cannot cancel an optimizer step: ``on_before_optimizer_step
 
 The gate reads the engine's decision ``StepPlan.skip`` (a device flag, identical on every rank because it is
 derived from all-reduced gradients and from per-rank flags summed in the engine's one collective), and only the
-plan of the current step's gradients (``_Engine.step_plan``): whoever ran the engine first for them
+plan of the current step's gradients (``Engine.step_plan``): whoever ran the engine first for them
 (``on_before_optimizer_step``, or ``clip_gradients`` in manual optimization), never a plan of an earlier step.
 
 - ordinary optimizer: one host read of the flag, the only synchronization the design allows; on a skip the
@@ -67,7 +67,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit.engine import GradKitCallback, StepPlan, _Engine
+from lightning_gradkit.engine import Engine, GradKitCallback, StepPlan
 
 _MISSING = object()
 
@@ -228,7 +228,7 @@ class GradKitStrategyMixin:
     ) -> Any:
         if not self._gradkit_gate_active:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        engine = _Engine.of(self._gradkit_trainer)
+        engine = Engine.of(self._gradkit_trainer)
         shadowed = optimizer.__dict__.get("step", _MISSING)
         optimizer.step = self._gradkit_gate(optimizer, optimizer.step, engine)  # type: ignore[method-assign]
         try:
@@ -246,7 +246,7 @@ class GradKitStrategyMixin:
         return output
 
     # -- the gate ------------------------------------------------------------------------------------------------
-    def _gradkit_gate(self, optimizer: Optimizer, inner: Callable[..., Any], engine: _Engine) -> Callable[..., Any]:
+    def _gradkit_gate(self, optimizer: Optimizer, inner: Callable[..., Any], engine: Engine) -> Callable[..., Any]:
         fused = handles_found_inf(optimizer)
         trainer = self._gradkit_trainer
 

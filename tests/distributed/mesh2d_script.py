@@ -27,7 +27,7 @@ from lightning_gradkit import (
     GradNormMonitor,
     NonFiniteGuard,
 )
-from lightning_gradkit.engine import _Engine
+from lightning_gradkit.engine import Engine
 from test_scale_distributed import DEPTH, MAX_NORM, TPBlocks
 
 DATA_PARALLEL, TENSOR_PARALLEL = 2, 2
@@ -50,7 +50,7 @@ class Record(pl.Callback):
         self.steps: list[dict[str, Any]] = []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, opt: Optimizer) -> None:
-        plan = _Engine.of(trainer).last_plans[id(opt)]
+        plan = Engine.of(trainer).last_plans[id(opt)]
         self.steps.append(
             {
                 "skip": bool(plan.skip) if plan.skip is not None else False,
@@ -97,7 +97,7 @@ def main() -> None:
     out: dict[str, Any] = {}
 
     collectives = CollectiveCounter()
-    collectives.watch(_Engine, "run")
+    collectives.watch(Engine, "run")
     record = Record()
     trainer, model = fit([GradNormMonitor(depth=DEPTH), ClipGradNorm(MAX_NORM), record], n=24)
     out["clip"] = {"steps": record.steps, "params": full_params(model), "all_reduces": collectives.calls}
@@ -105,7 +105,7 @@ def main() -> None:
     record = Record()
     callbacks = [PoisonOneShard(), NonFiniteGuard(action="skip"), AccumulationGuard(), ClipGradNorm(MAX_NORM), record]
     trainer, model = fit(callbacks, n=40, accumulate=2)
-    skipped = _Engine.of(trainer).skipped_steps
+    skipped = Engine.of(trainer).skipped_steps
     out["guard"] = {
         "steps": [{k: v for k, v in s.items() if k != "logged"} for s in record.steps],
         "params": full_params(model),

@@ -18,10 +18,10 @@ from torch.utils._pytree import tree_leaves
 from lightning_gradkit._arguments import check_bool, check_choice
 from lightning_gradkit.activation_checkpointing.injection import (
     MODES,
-    _ancestry,
     bypass_checkpointing,
     checkpointed_elsewhere,
     inject,
+    module_ancestry,
     no_match_message,
     parse_targets,
     remove,
@@ -165,7 +165,7 @@ class ActivationCheckpointing(Callback):
         return self._inject(module, select_modules(module, self._targets, self.every_n))
 
     def _inject(self, root: nn.Module, selected: list[tuple[str, nn.Module]]) -> list[str]:
-        ancestry = _ancestry(root)
+        ancestry = module_ancestry(root)
         names, skipped = [], []
         for name, module in selected:
             if any(module is m for m in self._injected):
@@ -188,7 +188,7 @@ class ActivationCheckpointing(Callback):
     def _reconcile(self, root: nn.Module) -> None:
         """Make the injections match the selection on the final model (after ``configure_model`` and wrapping)."""
         present = {id(m) for m in root.modules()}
-        ancestry = _ancestry(root)
+        ancestry = module_ancestry(root)
         kept = []
         for module in self._injected:
             who = checkpointed_elsewhere(root, module, own=False, ancestry=ancestry) if id(module) in present else None

@@ -355,7 +355,7 @@ def checkpointed_by(module: nn.Module, parent: nn.Module | None = None, own: boo
     return None
 
 
-def _ancestry(root: nn.Module) -> dict[int, list[nn.Module]]:
+def module_ancestry(root: nn.Module) -> dict[int, list[nn.Module]]:
     """For every submodule (by id), its ancestors from the parent up to ``root``."""
     parents: dict[int, list[nn.Module]] = {id(root): []}
     for _, module in root.named_modules():
@@ -370,8 +370,8 @@ def checkpointed_elsewhere(
     """Whether ``module`` or one of its ancestors within ``root`` is already checkpointed, and by whom.
 
     With ``own=False`` an injection of this package on ``module`` itself does not count (ancestors always do).
-    ``ancestry`` is ``_ancestry(root)``, computed once when checking many modules."""
-    chain = (ancestry if ancestry is not None else _ancestry(root)).get(id(module), [])
+    ``ancestry`` is ``module_ancestry(root)``, computed once when checking many modules."""
+    chain = (ancestry if ancestry is not None else module_ancestry(root)).get(id(module), [])
     for depth, (m, parent) in enumerate(zip([module, *chain], [*chain, None], strict=True)):
         who = checkpointed_by(m, parent, own=own or depth > 0)
         if who is not None:
@@ -442,7 +442,7 @@ def inject_activation_checkpointing(
     if not selected:
         raise ValueError(no_match_message(module, [t.text for t in parsed]))
     injected, skipped = [], []
-    ancestry = _ancestry(module)
+    ancestry = module_ancestry(module)
     for name, sub in selected:
         who = checkpointed_elsewhere(module, sub, ancestry=ancestry)
         if who is not None:

@@ -35,7 +35,7 @@ from lightning_gradkit.core.accumulate import (
     validate_normalize,
 )
 from lightning_gradkit.core.norms import local_tensor
-from lightning_gradkit.engine import GradKitCallback, Stage, StepPlan, _Engine, is_logging_step, world_size
+from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan, is_logging_step, world_size
 
 OnDirty = Literal["warn", "raise"]
 _TOKENS_REDUCE_KEY = "accumulation/tokens"
@@ -540,7 +540,7 @@ class ManualAccumulator:
         pending = _WindowScale(self.normalize, self._micro_batches, tokens)
         optimizers = module.trainer.optimizers
         target = self._optimizer if self._optimizer is not None else optimizers[0] if len(optimizers) == 1 else None
-        engine = _Engine.of(module.trainer)
+        engine = Engine.of(module.trainer)
         if self._pending is not None:
             engine.discard_pending_scale(self._pending)
         engine.add_pending_scale(pending, target)
@@ -560,7 +560,7 @@ class ManualAccumulator:
             return
         trainer = module.trainer
         inner = getattr(optimizer, "optimizer", optimizer)
-        _Engine.of(trainer).run(trainer, module, inner)
+        Engine.of(trainer).run(trainer, module, inner)
         if not pending.applied:
             raise RuntimeError(
                 "ManualAccumulator: the gradkit engine already processed this step's gradients without the window "
@@ -587,5 +587,5 @@ class ManualAccumulator:
         optimizer.zero_grad(set_to_none=True)
         if pending is not None and module is not None:
             # Not used by a run (e.g. the engine ran for another optimizer): it must not leak into the next window.
-            _Engine.of(module.trainer).discard_pending_scale(pending)
+            Engine.of(module.trainer).discard_pending_scale(pending)
         self._pending = None

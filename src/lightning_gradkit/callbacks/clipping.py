@@ -34,19 +34,19 @@ from lightning_gradkit.core.clip import (
 )
 from lightning_gradkit.core.norms import (
     ParamIndex,
-    _replication,
     clean_param_name,
     host_to_device,
     local_tensor,
     per_tensor_norms,
+    replication,
     row_norms,
 )
 from lightning_gradkit.engine import (
+    Engine,
     GradKitCallback,
     Stage,
+    StatsRequest,
     StepPlan,
-    _Engine,
-    _StatsRequest,
     log_metrics,
     world_size,
 )
@@ -129,7 +129,7 @@ class _GradClipCallback(GradKitCallback):
             self._prepare(trainer, pl_module)
             self._prepared_for = weakref.ref(trainer)
 
-    def _stats_request(self, request: _StatsRequest) -> None:
+    def _stats_request(self, request: StatsRequest) -> None:
         request.norm_types.add(self.policy.norm_type)
 
     def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -517,9 +517,9 @@ class AdaptiveGradClip(_GradClipCallback):
                     "along dim 0 only (FSDP2's default)."
                 )
             if param.ndim <= 1 and sharded_dims:
-                self._sharded_1d.append((name, param, 1.0 / _replication(param)))
+                self._sharded_1d.append((name, param, 1.0 / replication(param)))
 
-    def _stats_request(self, request: _StatsRequest) -> None:
+    def _stats_request(self, request: StatsRequest) -> None:
         request.norm_types.add(2.0)
         if self._selected is not None:
             request.unit_norm_names |= self._selected
@@ -777,7 +777,7 @@ def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, policy: _Gr
             f"another policy ({type(policy).__name__}) would clip twice. Pass that callback as `policy` instead."
         )
     raw = getattr(optimizer, "_optimizer", optimizer)
-    engine = _Engine.of(trainer)
+    engine = Engine.of(trainer)
     if not attached:
         clipper._prepare_once(trainer, module)
     plan = engine.run(trainer, module, raw, extra=() if attached else (clipper,))

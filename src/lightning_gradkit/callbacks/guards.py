@@ -31,7 +31,7 @@ from torch import Tensor
 from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int
 from lightning_gradkit.core.accumulate import mean_window_scale
 from lightning_gradkit.core.running import RunningMoments, WindowMoments, spike_decision
-from lightning_gradkit.engine import GradKitCallback, Stage, StepPlan, _Engine, _StatsRequest, world_size
+from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan, world_size
 from lightning_gradkit.events import EventLog, events_dir
 from lightning_gradkit.forensics import Finding, RNGState, capture_rng, replay_training_step
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint, handles_found_inf
@@ -65,7 +65,7 @@ def _unscaled_loss(trainer: pl.Trainer, loss: Tensor) -> Tensor:
     return loss if scale is None else loss / scale.to(loss.device)
 
 
-class _WindowLoss:
+class WindowLoss:
     """The mean loss of an accumulation window, summed on device from ``on_before_backward`` (no host sync).
 
     Used by every callback that monitors the loss per optimizer step (``SpikeGuard``, ``SpikeRollback``): the
@@ -100,23 +100,23 @@ class _WindowLoss:
         return value.reshape(1).to(pl_module.device)
 
 
-class _WatchesLossOrGradNorm(GradKitCallback):
+class WatchesLossOrGradNorm(GradKitCallback):
     """The value ``SpikeGuard`` and ``SpikeRollback`` watch each optimizer step, identical on every rank.
 
-    ``monitor="loss"``: the window's mean loss (:class:`_WindowLoss`) averaged over ranks through the engine's one
+    ``monitor="loss"``: the window's mean loss (:class:`WindowLoss`) averaged over ranks through the engine's one
     collective; ``"grad_norm"``: the total 2-norm of the gradients the optimizer would step with. Subclasses set
     ``monitor``, ``_key`` (unique in the collective) and ``_window_loss``.
     """
 
     monitor: str
     _key: str
-    _window_loss: _WindowLoss
+    _window_loss: WindowLoss
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.monitor == "loss":
             self._window_loss.add(trainer, loss)
 
-    def _stats_request(self, request: _StatsRequest) -> None:
+    def _stats_request(self, request: StatsRequest) -> None:
         if self.monitor == "grad_norm":
             request.norm_types.add(2.0)
 
@@ -232,7 +232,7 @@ class _Guard(GradKitCallback):
         self._fused = any(handles_found_inf(opt) for opt in trainer.optimizers)
         self._dev_step = torch.tensor(float(trainer.global_step), device=pl_module.device)
         if self._restored_skips is not None:
-            engine = _Engine.of(trainer)
+            engine = Engine.of(trainer)
             engine.skipped_steps = torch.tensor(self._restored_skips, device=pl_module.device)
             self._restored_skips = None
 
@@ -276,7 +276,7 @@ class _Guard(GradKitCallback):
 
     def _skipped_state(self) -> dict[str, float]:
         """The engine's count of skipped steps, saved by every guard (all hold the same value)."""
-        count = _Engine.of(self._trainer_ref).skipped_steps if self._trainer_ref is not None else None
+        count = Engine.of(self._trainer_ref).skipped_steps if self._trainer_ref is not None else None
         return {"skipped_steps": float(count) if count is not None else 0.0}
 
 
@@ -447,7 +447,7 @@ class NonFiniteGuard(_Guard):
         self._losses.append(loss)
 
     # -- engine steps ------------------------------------------------------------------------------------------
-    def _stats_request(self, request: _StatsRequest) -> None:
+    def _stats_request(self, request: StatsRequest) -> None:
         if self.check_grads:
             request.rank_flags = True
 
@@ -819,7 +819,7 @@ def _summary(
     return " ".join(parts)
 
 
-class SpikeGuard(_WatchesLossOrGradNorm, _Guard):
+class SpikeGuard(WatchesLossOrGradNorm, _Guard):
     r"""Detect loss or gradient-norm spikes with a running z-score on device: warn, skip the step, or raise.
 
     Each optimizer step, the monitored value ``x`` (the loss averaged over the accumulation window and over ranks,
@@ -886,7 +886,7 @@ class SpikeGuard(_WatchesLossOrGradNorm, _Guard):
         self.window = window
         self._stats: RunningMoments | WindowMoments = WindowMoments(window) if window else RunningMoments(self.alpha)
         self._device = torch.device("cpu")
-        self._window_loss = _WindowLoss()
+        self._window_loss = WindowLoss()
         self._step: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
         self._spikes = 0
         self._key = f"{self.state_key}/loss_sum"

@@ -30,11 +30,11 @@ from lightning_gradkit.core.norms import (
     validate_norm_type,
 )
 from lightning_gradkit.engine import (
+    Engine,
     GradKitCallback,
     Stage,
+    StatsRequest,
     StepPlan,
-    _Engine,
-    _StatsRequest,
     is_logging_step,
     log_metrics,
 )
@@ -356,7 +356,7 @@ class GradNormMonitor(GradKitCallback):
             return
         rank_zero_info(f"GradNormMonitor: gradient report written to {path}")
 
-    def _stats_request(self, request: _StatsRequest) -> None:
+    def _stats_request(self, request: StatsRequest) -> None:
         request.norm_types.add(self.norm_type)
 
     def _primary_norm_type(self) -> float | None:
@@ -425,7 +425,7 @@ class GradNormMonitor(GradKitCallback):
         clipped = self._clipped.pop(idx, None)
         if clipped is not None:
             extra["grad_clip/clipped_fraction" + suffix] = clipped / self._steps_since_log.pop(idx)
-        skipped = _Engine.of(trainer).skipped_steps
+        skipped = Engine.of(trainer).skipped_steps
         if skipped is not None:
             extra["gradkit/skipped_steps"] = skipped
         values = {**(host or _to_host(metrics)), **(_to_host(extra) if extra else {})}

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_gradkit._arguments import check_choice, check_float, check_int
-from lightning_gradkit.callbacks.guards import _WatchesLossOrGradNorm, _WindowLoss
+from lightning_gradkit.callbacks.guards import WatchesLossOrGradNorm, WindowLoss
 from lightning_gradkit.core.running import RunningMoments, spike_decision
 from lightning_gradkit.engine import GradKitCallback, Stage, StepPlan
 from lightning_gradkit.events import EventLog, events_dir
@@ -60,7 +60,7 @@ class _Trigger:
     std: Tensor
 
 
-class SpikeRollback(_WatchesLossOrGradNorm):
+class SpikeRollback(WatchesLossOrGradNorm):
     r"""When a loss or gradient-norm spike persists, restore the newest good snapshot and step over the bad data.
 
     **Snapshots.** After every ``snapshot_every_n_steps`` optimizer steps (``trainer.global_step`` a multiple of
@@ -188,7 +188,7 @@ class SpikeRollback(_WatchesLossOrGradNorm):
         self._stats = RunningMoments(self.alpha)
         self._ring: list[_Slot] = []
         self._events: EventLog | None = None
-        self._window_loss = _WindowLoss()
+        self._window_loss = WindowLoss()
         self._key = f"{self.state_key}/loss_sum"
         self._trigger: _Trigger | None = None
         self._pending: dict[str, Any] | None = None

@@ -297,7 +297,7 @@ def clean_param_name(name: str) -> str:
     return ".".join(parts)
 
 
-def _replication(param: Tensor, world: int | None = None) -> int:
+def replication(param: Tensor, world: int | None = None) -> int:
     """How many ranks of the whole world hold the same piece of a DTensor parameter (1 for a fully sharded one).
 
     The engine sums every rank's contribution over the WORLD group, so each distinct piece must be counted once
@@ -380,7 +380,7 @@ def build_param_index(
     for p in params:
         sharded = flat_sharded or hasattr(p, "placements")
         any_sharded |= sharded
-        weights.append(1.0 / _replication(p) if sharded else 0.0)
+        weights.append(1.0 / replication(p) if sharded else 0.0)
     return ParamIndex(
         params=params,
         names=names,
