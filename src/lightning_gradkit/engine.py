@@ -130,8 +130,6 @@ class StepPlan:
     param_coefs: dict[int, Tensor] = field(default_factory=dict)
     clamp_value: float | None = None
     skip: Tensor | None = None
-    skip_reasons: dict[str, Tensor] = field(default_factory=dict)
-    post_clip_param_norms: Tensor | None = None
     post_clip_total_fn: Callable[[], Tensor] | None = None
     loss_scale: Tensor | None = None
     unit_norms: UnitNorms | None = None
@@ -157,9 +155,8 @@ class StepPlan:
         """Fold a factor for every gradient (e.g. accumulation normalization) into the single multiply."""
         self.scale = factor if self.scale is None else self.scale * factor
 
-    def add_skip(self, reason: str, flag: Tensor) -> None:
+    def add_skip(self, flag: Tensor) -> None:
         """Ask the strategy not to step the optimizer when ``flag`` (a bool device scalar) is true."""
-        self.skip_reasons[reason] = flag
         self.skip = flag if self.skip is None else self.skip | flag
 
     def skip_on_host(self) -> bool:
@@ -178,16 +175,14 @@ class StepPlan:
         """Total norm (primary norm type) of the gradients after scaling and clipping.
 
         Derived without touching the gradients when the clip is a scalar coefficient or the clipping policy supplied
-        ``post_clip_total_fn`` / ``post_clip_param_norms`` (for the primary norm type); measured once (on logging
-        steps only, by the callers) after a value clamp or per-parameter coefficients otherwise.
+        ``post_clip_total_fn`` (for the primary norm type); measured once (on logging steps only, by the callers)
+        after a value clamp or per-parameter coefficients otherwise.
         """
         if self._post_clip_total is not None:
             return self._post_clip_total
         p = self.primary_norm_type
         if self.post_clip_total_fn is not None:
             result = self.post_clip_total_fn()
-        elif self.post_clip_param_norms is not None:
-            result = total_norm(self.post_clip_param_norms, p)
         elif self.clamp_value is not None or self.param_coefs:
             result = total_norm(self.measure_grads(p), p)
         else:

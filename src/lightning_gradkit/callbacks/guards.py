@@ -472,7 +472,7 @@ class NonFiniteGuard(_Guard):
             bad = bad | grads_bad
         self._flags = (bad, loss_ranks, grads_bad)
         if self.action == "skip":
-            plan.add_skip("nonfinite", bad)
+            plan.add_skip(bad)
         if not self._reads_on_host():
             firsts = {"param": (~torch.isfinite(plan.primary.param_norms)).to(torch.int64).argmax().float()}
             if loss_ranks is not None:
@@ -905,7 +905,7 @@ class SpikeGuard(WatchesLossOrGradNorm, _Guard):
         self._stats.update(record)
         self._step = (spike, x.float(), z, mean, std)
         if self.action == "skip":
-            plan.add_skip("spike", spike)
+            plan.add_skip(spike)
         if not self._reads_on_host():
             self._advance_step(spike, {"value": x, "z": z, "mean": mean, "std": std})
 
