@@ -60,6 +60,7 @@ from lightning_gradkit.core.norms import (
     derive_stats,
     host_to_device,
     local_tensor,
+    loss_scale,
     per_tensor_norms,
     powered,
     resolve_partial_grads,
@@ -345,12 +346,13 @@ def pending_loss_scale(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor | No
     (``GradScaler.get_scale()`` would sync).
     """
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
+    scale = loss_scale(scaler)
+    if scale is None:
         return None
     state = scaler._per_optimizer_states.get(id(optimizer))
     if state is not None and state["stage"] is not OptState.READY:
         return None
-    return scaler._scale
+    return scale
 
 
 def is_logging_step(trainer: pl.Trainer, every_n_steps: int | None) -> bool:

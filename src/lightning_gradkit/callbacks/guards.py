@@ -30,6 +30,7 @@ from torch import Tensor
 
 from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int
 from lightning_gradkit.core.accumulate import mean_window_scale
+from lightning_gradkit.core.norms import loss_scale
 from lightning_gradkit.core.running import RunningMoments, WindowMoments, spike_decision
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan, world_size
 from lightning_gradkit.events import EventLog, events_dir
@@ -59,8 +60,7 @@ def _names(names: list[str]) -> str:
 
 def _unscaled_loss(trainer: pl.Trainer, loss: Tensor) -> Tensor:
     """The loss as ``training_step`` returned it (``on_before_backward`` sees it multiplied by the fp16 scale)."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    scale = loss_scale(getattr(trainer.precision_plugin, "scaler", None))
     loss = loss.detach().float()
     return loss if scale is None else loss / scale.to(loss.device)
 

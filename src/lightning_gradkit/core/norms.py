@@ -6,6 +6,9 @@ total norms, the finite flag) is derived from that vector with small device ops,
 gradients again. When gradients are sharded (DTensor under FSDP2, flat shards under FSDP1) the local p-th powers
 of all parameters travel in a single all-reduce.
 
+Gradients (and losses) that still carry the AMP loss scale are expressed without it through :func:`loss_scale`, the
+one reader of a ``GradScaler``'s scale tensor.
+
 The functions here are pure tensor math with no Lightning in them; the engine (:mod:`lightning_gradkit.engine`)
 wires them to the Trainer.
 """
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.amp.grad_scaler import GradScaler
 
 from lightning_gradkit._arguments import check_float
 
@@ -59,6 +63,17 @@ def host_to_device(values: Sequence[float], dtype: torch.dtype, device: torch.de
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def loss_scale(scaler: GradScaler | None) -> Tensor | None:
+    """The scale an AMP ``GradScaler`` multiplies losses (and so gradients) by, as its device tensor.
+
+    The one place that reads the scaler's private ``_scale``: ``GradScaler.get_scale()`` would synchronize the host
+    with the device. ``None`` without a scaler, for a disabled one, and before its first ``scale`` call.
+    """
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return getattr(scaler, "_scale", None)
 
 
 def _same_group(a: Tensor, b: Tensor) -> bool:
