@@ -46,6 +46,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
@@ -364,6 +365,14 @@ def is_logging_step(trainer: pl.Trainer, every_n_steps: int | None) -> bool:
     return step % n == 0 or trainer.should_stop
 
 
+def flat_sharded(trainer: pl.Trainer) -> bool:
+    """Whether every gradient is a flat local shard: FSDP1 (Lightning's ``FSDPStrategy``) over more than one rank.
+
+    FSDP2 and tensor parallelism (DTensor parameters) are told apart per parameter, by their placements.
+    """
+    return isinstance(trainer.strategy, FSDPStrategy) and trainer.world_size > 1
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -445,8 +454,7 @@ class Engine:
         names = {id(p): n for n, p in pl_module.named_parameters()}
         first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         device = first.device if first is not None else pl_module.device
-        flat = type(trainer.strategy).__name__.endswith("FSDPStrategy") and trainer.world_size > 1
-        index = build_param_index(optimizer.param_groups, names, depth, device, flat)
+        index = build_param_index(optimizer.param_groups, names, depth, device, flat_sharded(trainer))
         frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
         self._indexes[key] = _CachedIndex(groups, frozen, index)
         return index

@@ -47,6 +47,7 @@ from lightning_gradkit.engine import (
     Stage,
     StatsRequest,
     StepPlan,
+    flat_sharded,
     log_metrics,
     world_size,
 )
@@ -493,7 +494,7 @@ class AdaptiveGradClip(_GradClipCallback):
         return callback
 
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if type(trainer.strategy).__name__.endswith("FSDPStrategy") and trainer.world_size > 1:
+        if flat_sharded(trainer):
             raise RuntimeError(
                 "AdaptiveGradClip needs every parameter in its original shape to find its output units, and FSDP1 "
                 "(`strategy='fsdp'`) flattens them into shards. Use FSDP2 (`ModelParallelStrategy` with "
