@@ -34,7 +34,6 @@ statistics and the logs belong to the first evaluation.
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -59,10 +58,11 @@ from lightning_gradkit.core.norms import (
     build_param_index,
     combine_sharded,
     derive_stats,
-    host_to_device,
+    fill_present,
     local_tensor,
     loss_scale,
     per_tensor_norms,
+    positions_tensor,
     powered,
     resolve_partial_grads,
     row_norms,
@@ -201,11 +201,7 @@ class StepPlan:
         steps only). Under sharding this performs a collective, so every rank must call it.
         """
         local = per_tensor_norms(self.grads, norm_type).to(self.index.shard_weight.device)
-        if len(self.present) != self.index.num_params:
-            full = torch.zeros(self.index.num_params, dtype=torch.float32, device=local.device)
-            if self.present:
-                full[_positions_tensor(tuple(self.present), full.device)] = local
-            local = full
+        local = fill_present(local, self.present, self.index.num_params)
         if self.loss_scale is not None:
             local = local / self.loss_scale
         return reduce_param_norms(self.index, local, norm_type)
@@ -524,12 +520,7 @@ class Engine:
             norms = _param_norms(grads, p, unit_norms if p == 2.0 else None, bounds).to(index.shard_weight.device)
             if loss_scale is not None:
                 norms = norms / loss_scale
-            if len(present) != index.num_params:
-                full = torch.zeros(index.num_params, dtype=torch.float32, device=index.shard_weight.device)
-                if present:
-                    full[_positions_tensor(tuple(present), full.device)] = norms
-                norms = full
-            local[p] = norms
+            local[p] = fill_present(norms, present, index.num_params)
 
         if unit_norms is not None:
             unit_norms = UnitNorms(
@@ -731,19 +722,12 @@ def _param_norms(
     rest = [j for j in range(len(grads)) if j not in slots]
     device = units.flat.device
     out = torch.empty(len(grads), dtype=torch.float32, device=device)
-    out[_positions_tensor(tuple(units.positions), device)] = torch.stack(
+    out[positions_tensor(tuple(units.positions), device)] = torch.stack(
         torch._foreach_norm(list(units.flat.split(units.sizes)), 2.0)
     )
     if rest:
-        out[_positions_tensor(tuple(rest), device)] = per_tensor_norms([grads[j] for j in rest], norm_type).to(device)
+        out[positions_tensor(tuple(rest), device)] = per_tensor_norms([grads[j] for j in rest], norm_type).to(device)
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _positions_tensor(positions: tuple[int, ...], device: torch.device) -> Tensor:
-    """An index tensor of ``positions`` on ``device``, made once per layout and copied without a host sync (see
-    :func:`~lightning_gradkit.core.norms.host_to_device`)."""
-    return host_to_device(positions, torch.long, device)
 
 
 def _clamp_(tensors: list[Tensor], bound: float) -> None:

@@ -65,6 +65,33 @@ def host_to_device(values: Sequence[float], dtype: torch.dtype, device: torch.de
     return host.pin_memory().to(device, non_blocking=True)
 
 
+@functools.lru_cache(maxsize=64)
+def positions_tensor(positions: tuple[int, ...], device: torch.device) -> Tensor:
+    """An index tensor of ``positions`` on ``device``, made once per layout and copied without a host sync (see
+    :func:`host_to_device`)."""
+    return host_to_device(positions, torch.long, device)
+
+
+def fill_present(values: Tensor, present: Sequence[int], size: int) -> Tensor:
+    """A ``[size]`` fp32 vector holding ``values`` at the positions ``present`` and 0 elsewhere.
+
+    Spreads the norms of the gradients present at a step over all parameters of the index (a parameter without a
+    gradient has norm 0). ``present`` are distinct positions in ascending order, so when all ``size`` of them are
+    present ``values`` is returned as it is.
+
+    Example::
+
+        >>> fill_present(torch.tensor([3.0, 4.0]), [0, 2], 3)
+        tensor([3., 0., 4.])
+    """
+    if len(present) == size:
+        return values
+    full = torch.zeros(size, dtype=torch.float32, device=values.device)
+    if present:
+        full[positions_tensor(tuple(present), full.device)] = values
+    return full
+
+
 def loss_scale(scaler: GradScaler | None) -> Tensor | None:
     """The scale an AMP ``GradScaler`` multiplies losses (and so gradients) by, as its device tensor.
 
