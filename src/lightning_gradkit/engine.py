@@ -7,7 +7,9 @@ them; the others find the step already done. So results never depend on the orde
 1. ``_reduce_request``: callbacks name per-rank scalars that need a cross-rank sum (window loss, token counts).
 2. The engine reads every gradient once into per-parameter norms, and performs at most ONE all-reduce carrying
    the sharded norm contributions and those scalars together (and, when a guard asks for it, each rank's flag of
-   non-finite local gradients: the finite flag, and so every skip decision, is then the same on every rank).
+   non-finite local gradients: the finite flag, and so every skip decision, is then the same on every rank). The
+   inf-norm of sharded gradients is a maximum, not a sum: when a callback asks for it, it takes a second all-reduce
+   (:func:`~lightning_gradkit.core.norms.reduce_sharded`).
 3. ``_decide`` in stage order: ``SCALE`` (accumulation) -> ``GUARD`` (skip flags) -> ``CLIP`` (coefficient)
    -> ``OBSERVE``. Each reads :class:`StepPlan` and writes its decision to it; none reads the gradients.
 4. The engine writes the gradients once: one ``torch._foreach_mul_`` per (device, dtype) group with the product of
@@ -56,18 +58,18 @@ from lightning_gradkit.core.norms import (
     GradStats,
     ParamIndex,
     build_param_index,
-    combine_sharded,
     derive_stats,
     fill_present,
     local_tensor,
     loss_scale,
     per_tensor_norms,
     positions_tensor,
-    powered,
+    reduce_sharded,
     resolve_partial_grads,
     row_norms,
     sparse_values,
     total_norm,
+    world_size,
 )
 
 
@@ -204,7 +206,7 @@ class StepPlan:
         local = fill_present(local, self.present, self.index.num_params)
         if self.loss_scale is not None:
             local = local / self.loss_scale
-        return reduce_param_norms(self.index, local, norm_type)
+        return reduce_sharded(self.index, {norm_type: local})[0][norm_type]
 
     @property
     def clipped(self) -> bool:
@@ -323,17 +325,6 @@ class StatsRequest:
 NONFINITE_GRAD_RANKS = "gradkit/nonfinite_grad_ranks"
 
 
-def reduce_param_norms(index: ParamIndex, local: Tensor, norm_type: float) -> Tensor:
-    """Global per-parameter norms from local ones: one collective when gradients are sharded, none otherwise."""
-    if world_size() == 1 or not index.any_sharded:
-        return local
-    contrib = powered(local, norm_type) * index.shard_weight
-    if math.isinf(norm_type):
-        contrib = local * (index.shard_weight > 0)
-    dist.all_reduce(contrib, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
-    return combine_sharded(local, index.shard_weight, contrib, norm_type)
-
-
 def pending_loss_scale(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor | None:
     """The AMP loss scale the optimizer's gradients are still multiplied by, or ``None`` when they are unscaled.
 
@@ -367,10 +358,6 @@ def flat_sharded(trainer: pl.Trainer) -> bool:
     FSDP2 and tensor parallelism (DTensor parameters) are told apart per parameter, by their placements.
     """
     return isinstance(trainer.strategy, FSDPStrategy) and trainer.world_size > 1
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class Engine:
@@ -532,7 +519,7 @@ class Engine:
             # A rank's gradients can turn non-finite after the DDP all-reduce (a hook, `on_after_backward`, a faulty
             # kernel): its flags then differ from the others'. Summed in the one collective, every rank sees them all.
             extras[NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(local, index.shard_weight.device)
-        norms_by_p, reduced = self._all_reduce(index, local, extras)
+        norms_by_p, reduced = reduce_sharded(index, local, extras)
         stats = {p: derive_stats(index, norms_by_p[p], p, missing) for p in local}
         if NONFINITE_GRAD_RANKS in reduced:
             anywhere = reduced[NONFINITE_GRAD_RANKS].sum() > 0
@@ -574,40 +561,6 @@ class Engine:
         if self.skipped_steps is not None and plan.logging_step:
             log_metrics(trainer, pl_module, {"gradkit/skipped_steps": self.skipped_steps})
         return plan
-
-    @staticmethod
-    def _all_reduce(
-        index: ParamIndex, local: dict[float, Tensor], extras: dict[str, Tensor]
-    ) -> tuple[dict[float, Tensor], dict[str, Tensor]]:
-        """The one collective: sharded norm contributions for every finite p, plus the extra scalars (SUM).
-
-        ``p = inf`` over sharded gradients needs a MAX and travels in a second collective.
-        """
-        if world_size() == 1 or (not index.any_sharded and not extras):
-            return local, extras
-        device = index.shard_weight.device
-        finite_ps = [p for p in local if not math.isinf(p)] if index.any_sharded else []
-        pieces = [powered(local[p], p) * index.shard_weight for p in finite_ps]
-        pieces += [t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in extras.values()]
-        result = dict(local)
-        reduced_extras: dict[str, Tensor] = {}
-        if pieces:
-            flat = torch.cat(pieces)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            offset = 0
-            for p in finite_ps:
-                n = index.num_params
-                result[p] = combine_sharded(local[p], index.shard_weight, flat[offset : offset + n], p)
-                offset += n
-            for name, t in extras.items():
-                n = t.numel()
-                reduced_extras[name] = flat[offset : offset + n].reshape(t.shape)
-                offset += n
-        if index.any_sharded and math.inf in local:
-            contrib = local[math.inf] * (index.shard_weight > 0)
-            dist.all_reduce(contrib, op=dist.ReduceOp.MAX)
-            result[math.inf] = combine_sharded(local[math.inf], index.shard_weight, contrib, math.inf)
-        return result, reduced_extras
 
 
 @dataclass(frozen=True)
