@@ -7,7 +7,9 @@ them; the others find the step already done. So results never depend on the orde
 1. ``_reduce_request``: callbacks name per-rank scalars that need a cross-rank sum (window loss, token counts).
 2. The engine reads every gradient once into per-parameter norms, and performs at most ONE all-reduce carrying
    the sharded norm contributions and those scalars together (and, when a guard asks for it, each rank's flag of
-   non-finite local gradients: the finite flag, and so every skip decision, is then the same on every rank).
+   non-finite local gradients: the finite flag, and so every skip decision, is then the same on every rank). The
+   inf-norm of sharded gradients is a maximum, not a sum: when a callback asks for it, it takes a second all-reduce
+   (:func:`~lightning_gradkit.core.norms.reduce_sharded`).
 3. ``_decide`` in stage order: ``SCALE`` (accumulation) -> ``GUARD`` (skip flags) -> ``CLIP`` (coefficient)
    -> ``OBSERVE``. Each reads :class:`StepPlan` and writes its decision to it; none reads the gradients.
 4. The engine writes the gradients once: one ``torch._foreach_mul_`` per (device, dtype) group with the product of
@@ -34,7 +36,6 @@ statistics and the logs belong to the first evaluation.
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
@@ -56,16 +58,18 @@ from lightning_gradkit.core.norms import (
     GradStats,
     ParamIndex,
     build_param_index,
-    combine_sharded,
     derive_stats,
-    host_to_device,
+    fill_present,
     local_tensor,
+    loss_scale,
     per_tensor_norms,
-    powered,
+    positions_tensor,
+    reduce_sharded,
     resolve_partial_grads,
     row_norms,
     sparse_values,
     total_norm,
+    world_size,
 )
 
 
@@ -130,8 +134,6 @@ class StepPlan:
     param_coefs: dict[int, Tensor] = field(default_factory=dict)
     clamp_value: float | None = None
     skip: Tensor | None = None
-    skip_reasons: dict[str, Tensor] = field(default_factory=dict)
-    post_clip_param_norms: Tensor | None = None
     post_clip_total_fn: Callable[[], Tensor] | None = None
     loss_scale: Tensor | None = None
     unit_norms: UnitNorms | None = None
@@ -157,9 +159,8 @@ class StepPlan:
         """Fold a factor for every gradient (e.g. accumulation normalization) into the single multiply."""
         self.scale = factor if self.scale is None else self.scale * factor
 
-    def add_skip(self, reason: str, flag: Tensor) -> None:
+    def add_skip(self, flag: Tensor) -> None:
         """Ask the strategy not to step the optimizer when ``flag`` (a bool device scalar) is true."""
-        self.skip_reasons[reason] = flag
         self.skip = flag if self.skip is None else self.skip | flag
 
     def skip_on_host(self) -> bool:
@@ -178,16 +179,14 @@ class StepPlan:
         """Total norm (primary norm type) of the gradients after scaling and clipping.
 
         Derived without touching the gradients when the clip is a scalar coefficient or the clipping policy supplied
-        ``post_clip_total_fn`` / ``post_clip_param_norms`` (for the primary norm type); measured once (on logging
-        steps only, by the callers) after a value clamp or per-parameter coefficients otherwise.
+        ``post_clip_total_fn`` (for the primary norm type); measured once (on logging steps only, by the callers)
+        after a value clamp or per-parameter coefficients otherwise.
         """
         if self._post_clip_total is not None:
             return self._post_clip_total
         p = self.primary_norm_type
         if self.post_clip_total_fn is not None:
             result = self.post_clip_total_fn()
-        elif self.post_clip_param_norms is not None:
-            result = total_norm(self.post_clip_param_norms, p)
         elif self.clamp_value is not None or self.param_coefs:
             result = total_norm(self.measure_grads(p), p)
         else:
@@ -204,14 +203,10 @@ class StepPlan:
         steps only). Under sharding this performs a collective, so every rank must call it.
         """
         local = per_tensor_norms(self.grads, norm_type).to(self.index.shard_weight.device)
-        if len(self.present) != self.index.num_params:
-            full = torch.zeros(self.index.num_params, dtype=torch.float32, device=local.device)
-            if self.present:
-                full[_positions_tensor(tuple(self.present), full.device)] = local
-            local = full
+        local = fill_present(local, self.present, self.index.num_params)
         if self.loss_scale is not None:
             local = local / self.loss_scale
-        return reduce_param_norms(self.index, local, norm_type)
+        return reduce_sharded(self.index, {norm_type: local})[0][norm_type]
 
     @property
     def clipped(self) -> bool:
@@ -330,17 +325,6 @@ class StatsRequest:
 NONFINITE_GRAD_RANKS = "gradkit/nonfinite_grad_ranks"
 
 
-def reduce_param_norms(index: ParamIndex, local: Tensor, norm_type: float) -> Tensor:
-    """Global per-parameter norms from local ones: one collective when gradients are sharded, none otherwise."""
-    if world_size() == 1 or not index.any_sharded:
-        return local
-    contrib = powered(local, norm_type) * index.shard_weight
-    if math.isinf(norm_type):
-        contrib = local * (index.shard_weight > 0)
-    dist.all_reduce(contrib, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
-    return combine_sharded(local, index.shard_weight, contrib, norm_type)
-
-
 def pending_loss_scale(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor | None:
     """The AMP loss scale the optimizer's gradients are still multiplied by, or ``None`` when they are unscaled.
 
@@ -350,12 +334,13 @@ def pending_loss_scale(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor | No
     (``GradScaler.get_scale()`` would sync).
     """
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
+    scale = loss_scale(scaler)
+    if scale is None:
         return None
     state = scaler._per_optimizer_states.get(id(optimizer))
     if state is not None and state["stage"] is not OptState.READY:
         return None
-    return scaler._scale
+    return scale
 
 
 def is_logging_step(trainer: pl.Trainer, every_n_steps: int | None) -> bool:
@@ -367,8 +352,12 @@ def is_logging_step(trainer: pl.Trainer, every_n_steps: int | None) -> bool:
     return step % n == 0 or trainer.should_stop
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def flat_sharded(trainer: pl.Trainer) -> bool:
+    """Whether every gradient is a flat local shard: FSDP1 (Lightning's ``FSDPStrategy``) over more than one rank.
+
+    FSDP2 and tensor parallelism (DTensor parameters) are told apart per parameter, by their placements.
+    """
+    return isinstance(trainer.strategy, FSDPStrategy) and trainer.world_size > 1
 
 
 class Engine:
@@ -448,8 +437,7 @@ class Engine:
         names = {id(p): n for n, p in pl_module.named_parameters()}
         first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         device = first.device if first is not None else pl_module.device
-        flat = type(trainer.strategy).__name__.endswith("FSDPStrategy") and trainer.world_size > 1
-        index = build_param_index(optimizer.param_groups, names, depth, device, flat)
+        index = build_param_index(optimizer.param_groups, names, depth, device, flat_sharded(trainer))
         frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
         self._indexes[key] = _CachedIndex(groups, frozen, index)
         return index
@@ -519,12 +507,7 @@ class Engine:
             norms = _param_norms(grads, p, unit_norms if p == 2.0 else None, bounds).to(index.shard_weight.device)
             if loss_scale is not None:
                 norms = norms / loss_scale
-            if len(present) != index.num_params:
-                full = torch.zeros(index.num_params, dtype=torch.float32, device=index.shard_weight.device)
-                if present:
-                    full[_positions_tensor(tuple(present), full.device)] = norms
-                norms = full
-            local[p] = norms
+            local[p] = fill_present(norms, present, index.num_params)
 
         if unit_norms is not None:
             unit_norms = UnitNorms(
@@ -536,7 +519,7 @@ class Engine:
             # A rank's gradients can turn non-finite after the DDP all-reduce (a hook, `on_after_backward`, a faulty
             # kernel): its flags then differ from the others'. Summed in the one collective, every rank sees them all.
             extras[NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(local, index.shard_weight.device)
-        norms_by_p, reduced = self._all_reduce(index, local, extras)
+        norms_by_p, reduced = reduce_sharded(index, local, extras)
         stats = {p: derive_stats(index, norms_by_p[p], p, missing) for p in local}
         if NONFINITE_GRAD_RANKS in reduced:
             anywhere = reduced[NONFINITE_GRAD_RANKS].sum() > 0
@@ -578,40 +561,6 @@ class Engine:
         if self.skipped_steps is not None and plan.logging_step:
             log_metrics(trainer, pl_module, {"gradkit/skipped_steps": self.skipped_steps})
         return plan
-
-    @staticmethod
-    def _all_reduce(
-        index: ParamIndex, local: dict[float, Tensor], extras: dict[str, Tensor]
-    ) -> tuple[dict[float, Tensor], dict[str, Tensor]]:
-        """The one collective: sharded norm contributions for every finite p, plus the extra scalars (SUM).
-
-        ``p = inf`` over sharded gradients needs a MAX and travels in a second collective.
-        """
-        if world_size() == 1 or (not index.any_sharded and not extras):
-            return local, extras
-        device = index.shard_weight.device
-        finite_ps = [p for p in local if not math.isinf(p)] if index.any_sharded else []
-        pieces = [powered(local[p], p) * index.shard_weight for p in finite_ps]
-        pieces += [t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in extras.values()]
-        result = dict(local)
-        reduced_extras: dict[str, Tensor] = {}
-        if pieces:
-            flat = torch.cat(pieces)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            offset = 0
-            for p in finite_ps:
-                n = index.num_params
-                result[p] = combine_sharded(local[p], index.shard_weight, flat[offset : offset + n], p)
-                offset += n
-            for name, t in extras.items():
-                n = t.numel()
-                reduced_extras[name] = flat[offset : offset + n].reshape(t.shape)
-                offset += n
-        if index.any_sharded and math.inf in local:
-            contrib = local[math.inf] * (index.shard_weight > 0)
-            dist.all_reduce(contrib, op=dist.ReduceOp.MAX)
-            result[math.inf] = combine_sharded(local[math.inf], index.shard_weight, contrib, math.inf)
-        return result, reduced_extras
 
 
 @dataclass(frozen=True)
@@ -726,19 +675,12 @@ def _param_norms(
     rest = [j for j in range(len(grads)) if j not in slots]
     device = units.flat.device
     out = torch.empty(len(grads), dtype=torch.float32, device=device)
-    out[_positions_tensor(tuple(units.positions), device)] = torch.stack(
+    out[positions_tensor(tuple(units.positions), device)] = torch.stack(
         torch._foreach_norm(list(units.flat.split(units.sizes)), 2.0)
     )
     if rest:
-        out[_positions_tensor(tuple(rest), device)] = per_tensor_norms([grads[j] for j in rest], norm_type).to(device)
+        out[positions_tensor(tuple(rest), device)] = per_tensor_norms([grads[j] for j in rest], norm_type).to(device)
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _positions_tensor(positions: tuple[int, ...], device: torch.device) -> Tensor:
-    """An index tensor of ``positions`` on ``device``, made once per layout and copied without a host sync (see
-    :func:`~lightning_gradkit.core.norms.host_to_device`)."""
-    return host_to_device(positions, torch.long, device)
 
 
 def _clamp_(tensors: list[Tensor], bound: float) -> None:

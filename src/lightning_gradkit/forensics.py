@@ -35,6 +35,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from lightning_gradkit.core.norms import loss_scale
+
 _WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module"})
 
 
@@ -322,8 +324,7 @@ def replay_training_step(
     """
     if not pl_module.automatic_optimization:
         return Finding(None, "unavailable", {"reason": "manual optimization: the training step steps optimizers"})
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    scale = loss_scale(getattr(trainer.precision_plugin, "scaler", None))
 
     def compute_loss() -> Tensor | None:
         with trainer.precision_plugin.train_step_context():

@@ -17,7 +17,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -38,6 +37,7 @@ from lightning_gradkit.core.norms import (
     host_to_device,
     local_tensor,
     per_tensor_norms,
+    reduce_sharded,
     replication,
     row_norms,
 )
@@ -47,6 +47,7 @@ from lightning_gradkit.engine import (
     Stage,
     StatsRequest,
     StepPlan,
+    flat_sharded,
     log_metrics,
     world_size,
 )
@@ -493,7 +494,7 @@ class AdaptiveGradClip(_GradClipCallback):
         return callback
 
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if type(trainer.strategy).__name__.endswith("FSDPStrategy") and trainer.world_size > 1:
+        if flat_sharded(trainer):
             raise RuntimeError(
                 "AdaptiveGradClip needs every parameter in its original shape to find its output units, and FSDP1 "
                 "(`strategy='fsdp'`) flattens them into shards. Use FSDP2 (`ModelParallelStrategy` with "
@@ -639,8 +640,8 @@ class AdaptiveGradClip(_GradClipCallback):
             weight = index.shard_weight[nd_tensor]
             sq_global = sq_global + (per_param * (weight == 0)).sum()
             sharded = (per_param * weight).sum()
-            if world_size() > 1 and index.any_sharded:
-                dist.all_reduce(sharded, op=dist.ReduceOp.SUM)
+            if index.any_sharded:
+                sharded = reduce_sharded(index, {}, {"sharded": sharded})[1]["sharded"]
             sq_global = sq_global + sharded
             clipped_mask[nd_tensor] = True
         if pos_1d is not None:

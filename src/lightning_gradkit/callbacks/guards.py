@@ -30,6 +30,7 @@ from torch import Tensor
 
 from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int
 from lightning_gradkit.core.accumulate import mean_window_scale
+from lightning_gradkit.core.norms import loss_scale
 from lightning_gradkit.core.running import RunningMoments, WindowMoments, spike_decision
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan, world_size
 from lightning_gradkit.events import EventLog, events_dir
@@ -59,8 +60,7 @@ def _names(names: list[str]) -> str:
 
 def _unscaled_loss(trainer: pl.Trainer, loss: Tensor) -> Tensor:
     """The loss as ``training_step`` returned it (``on_before_backward`` sees it multiplied by the fp16 scale)."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    scale = loss_scale(getattr(trainer.precision_plugin, "scaler", None))
     loss = loss.detach().float()
     return loss if scale is None else loss / scale.to(loss.device)
 
@@ -472,7 +472,7 @@ class NonFiniteGuard(_Guard):
             bad = bad | grads_bad
         self._flags = (bad, loss_ranks, grads_bad)
         if self.action == "skip":
-            plan.add_skip("nonfinite", bad)
+            plan.add_skip(bad)
         if not self._reads_on_host():
             firsts = {"param": (~torch.isfinite(plan.primary.param_norms)).to(torch.int64).argmax().float()}
             if loss_ranks is not None:
@@ -905,7 +905,7 @@ class SpikeGuard(WatchesLossOrGradNorm, _Guard):
         self._stats.update(record)
         self._step = (spike, x.float(), z, mean, std)
         if self.action == "skip":
-            plan.add_skip("spike", spike)
+            plan.add_skip(spike)
         if not self._reads_on_host():
             self._advance_step(spike, {"value": x, "z": z, "mean": mean, "std": std})
 

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
@@ -19,13 +18,12 @@ from lightning_gradkit._arguments import check_bool, check_int
 from lightning_gradkit.core.norms import (
     ParamIndex,
     clean_param_name,
-    combine_sharded,
     grouped_norms,
     host_to_device,
     local_tensor,
     module_key,
     per_tensor_norms,
-    powered,
+    reduce_sharded,
     total_norm,
     validate_norm_type,
 )
@@ -506,11 +504,8 @@ class GradNormMonitor(GradKitCallback):
         index = plan.index
         p = self.norm_type
         weights = [local_tensor(param.detach()) for param in index.params]
-        norms = per_tensor_norms(weights, p).to(index.shard_weight.device)
-        if index.any_sharded and dist.is_available() and dist.is_initialized():
-            contrib = powered(norms, p) * index.shard_weight
-            dist.all_reduce(contrib, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM)
-            norms = combine_sharded(norms, index.shard_weight, contrib, p)
+        local = per_tensor_norms(weights, p).to(index.shard_weight.device)
+        norms = reduce_sharded(index, {p: local})[0][p]
         out = {"weight_norm/total": total_norm(norms, p)}
         rows = self._module_rows(plan)
         if rows is not None:

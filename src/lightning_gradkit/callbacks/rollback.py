@@ -288,7 +288,7 @@ class SpikeRollback(WatchesLossOrGradNorm):
         device = plan.primary.total.device
         if self._skip_left > 0:
             # Stepping over a batch after a rollback: no statistics, no trigger; the strategy skips the step.
-            plan.add_skip("rollback", torch.ones((), dtype=torch.bool, device=device))
+            plan.add_skip(torch.ones((), dtype=torch.bool, device=device))
             self._trigger = None
             return
         x = self._watched_value(plan)
@@ -301,7 +301,7 @@ class SpikeRollback(WatchesLossOrGradNorm):
         nonfinite_run = torch.where(nonfinite, self._nonfinite_run + 1, 0.0)
         self._run, self._nonfinite_run = run, nonfinite_run
         fire = (run >= self.patience) | (nonfinite_run >= self.nonfinite_patience)
-        plan.add_skip("rollback", fire)
+        plan.add_skip(fire)
         self._trigger = _Trigger(fire, flagged, run, nonfinite_run, x.float(), z, mean, std)
 
     def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -4,7 +4,10 @@ Every optimizer step the gradients are read once: one ``torch._foreach_norm`` pe
 the norm of every parameter's gradient as one fp32 vector. Everything else (per-module, per-param-group and
 total norms, the finite flag) is derived from that vector with small device ops, so no consumer ever reads the
 gradients again. When gradients are sharded (DTensor under FSDP2, flat shards under FSDP1) the local p-th powers
-of all parameters travel in a single all-reduce.
+of all parameters travel in a single all-reduce (:func:`reduce_sharded`; the inf-norm, a maximum, takes a second one).
+
+Gradients (and losses) that still carry the AMP loss scale are expressed without it through :func:`loss_scale`, the
+one reader of a ``GradScaler``'s scale tensor.
 
 The functions here are pure tensor math with no Lightning in them; the engine (:mod:`lightning_gradkit.engine`)
 wires them to the Trainer.
@@ -14,12 +17,13 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.amp.grad_scaler import GradScaler
 
 from lightning_gradkit._arguments import check_float
 
@@ -59,6 +63,44 @@ def host_to_device(values: Sequence[float], dtype: torch.dtype, device: torch.de
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=64)
+def positions_tensor(positions: tuple[int, ...], device: torch.device) -> Tensor:
+    """An index tensor of ``positions`` on ``device``, made once per layout and copied without a host sync (see
+    :func:`host_to_device`)."""
+    return host_to_device(positions, torch.long, device)
+
+
+def fill_present(values: Tensor, present: Sequence[int], size: int) -> Tensor:
+    """A ``[size]`` fp32 vector holding ``values`` at the positions ``present`` and 0 elsewhere.
+
+    Spreads the norms of the gradients present at a step over all parameters of the index (a parameter without a
+    gradient has norm 0). ``present`` are distinct positions in ascending order, so when all ``size`` of them are
+    present ``values`` is returned as it is.
+
+    Example::
+
+        >>> fill_present(torch.tensor([3.0, 4.0]), [0, 2], 3)
+        tensor([3., 0., 4.])
+    """
+    if len(present) == size:
+        return values
+    full = torch.zeros(size, dtype=torch.float32, device=values.device)
+    if present:
+        full[positions_tensor(tuple(present), full.device)] = values
+    return full
+
+
+def loss_scale(scaler: GradScaler | None) -> Tensor | None:
+    """The scale an AMP ``GradScaler`` multiplies losses (and so gradients) by, as its device tensor.
+
+    The one place that reads the scaler's private ``_scale``: ``GradScaler.get_scale()`` would synchronize the host
+    with the device. ``None`` without a scaler, for a disabled one, and before its first ``scale`` call.
+    """
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return getattr(scaler, "_scale", None)
 
 
 def _same_group(a: Tensor, b: Tensor) -> bool:
@@ -216,7 +258,7 @@ def grouped_norms(norms: Tensor, index: Tensor, num_groups: int, norm_type: floa
 
 
 def combine_sharded(local_norms: Tensor, shard_weight: Tensor, reduced_powers: Tensor, norm_type: float) -> Tensor:
-    """Global per-parameter norms from local ones after the one all-reduce.
+    """Global per-parameter norms from local ones after the all-reduce of :func:`reduce_sharded`.
 
     Args:
         local_norms: this rank's per-parameter norms (of local shards for sharded parameters).
@@ -264,6 +306,65 @@ class ParamIndex:
     @property
     def num_params(self) -> int:
         return len(self.params)
+
+
+def world_size() -> int:
+    """The number of ranks in the default process group; 1 without one."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def reduce_sharded(
+    index: ParamIndex, local: Mapping[float, Tensor], extras: Mapping[str, Tensor] | None = None
+) -> tuple[dict[float, Tensor], dict[str, Tensor]]:
+    """Global per-parameter norms from this rank's local ones, and per-rank ``extras`` summed over all ranks.
+
+    The one place where sharded norms are reduced. For every finite p in ``local`` each rank contributes
+    ``powered(local[p], p) * index.shard_weight`` (0 for a replicated gradient, which every rank holds whole; a
+    shard held by several ranks is counted once); their sums give the norms of the sharded gradients
+    (:func:`combine_sharded`). The contributions of all finite norm types and the extras (flattened, in fp32) travel
+    in ONE all-reduce (SUM). The inf-norm is a maximum, not a sum: when ``local`` holds ``inf`` and some gradient is
+    sharded, ``local[inf]`` of the sharded parameters goes in a second all-reduce (MAX), so a call makes one
+    collective, or two when an inf-norm is asked of sharded gradients.
+
+    Nothing is reduced in a single process, nor without sharded gradients and extras: ``local`` and ``extras`` are
+    returned as they are. Under sharding every rank must call it, with the same norm types and extras of the same
+    shapes.
+
+    Args:
+        index: the parameters the norms belong to (``shard_weight``, ``any_sharded``).
+        local: per norm type, this rank's ``[P]`` per-parameter norms (of local shards for sharded parameters).
+        extras: per-rank tensors to be summed over ranks in the same collective.
+
+    Returns:
+        ``(norms, reduced)``: per norm type the global per-parameter norms, and per extra its sum over all ranks
+        (fp32, on the device of ``index.shard_weight``, in the extra's shape).
+    """
+    extras = {} if extras is None else extras
+    if world_size() == 1 or (not index.any_sharded and not extras):
+        return dict(local), dict(extras)
+    device = index.shard_weight.device
+    finite_ps = [p for p in local if not math.isinf(p)] if index.any_sharded else []
+    pieces = [powered(local[p], p) * index.shard_weight for p in finite_ps]
+    pieces += [t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in extras.values()]
+    norms = dict(local)
+    reduced: dict[str, Tensor] = {}
+    if pieces:
+        flat = torch.cat(pieces)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for p in finite_ps:
+            n = index.num_params
+            norms[p] = combine_sharded(local[p], index.shard_weight, flat[offset : offset + n], p)
+            offset += n
+        for name, t in extras.items():
+            n = t.numel()
+            reduced[name] = flat[offset : offset + n].reshape(t.shape)
+            offset += n
+    if index.any_sharded and math.inf in local:
+        contrib = local[math.inf] * (index.shard_weight > 0)
+        dist.all_reduce(contrib, op=dist.ReduceOp.MAX)
+        norms[math.inf] = combine_sharded(local[math.inf], index.shard_weight, contrib, math.inf)
+    return norms, reduced
 
 
 def module_key(param_name: str, depth: int) -> str:
