@@ -34,7 +34,7 @@ from lightning_gradkit.core.clip import (
 )
 from lightning_gradkit.core.norms import (
     ParamIndex,
-    clean_param_name,
+    clean_name,
     host_to_device,
     local_tensor,
     per_tensor_norms,
@@ -505,7 +505,7 @@ class AdaptiveGradClip(_GradClipCallback):
         self._cache = {}
         self._cache_index = None
         for name, param in pl_module.named_parameters():
-            name = clean_param_name(name)
+            name = clean_name(name)
             placements = getattr(param, "placements", None)
             if name not in self._selected or placements is None:
                 continue
@@ -669,8 +669,8 @@ def _select_parameters(pl_module: torch.nn.Module, exclude: list[str]) -> set[st
     Raises:
         ValueError: naming a pattern that matches no parameter.
     """
-    params = [clean_param_name(n) for n, _ in pl_module.named_parameters()]
-    modules = [(clean_param_name(n), m) for n, m in pl_module.named_modules()]
+    params = [clean_name(n) for n, _ in pl_module.named_parameters()]
+    modules = [(clean_name(n), m) for n, m in pl_module.named_modules()]
     excluded: set[str] = set()
     for pattern in exclude:
         matched: set[str] = set()
