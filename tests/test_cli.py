@@ -130,6 +130,26 @@ def test_every_callback_builds_from_the_command_line(name: str) -> None:
     assert len(built) == 1
 
 
+CLIP_ARGUMENTS = {
+    "ClipGradNorm": ["max_norm", "norm_type"],
+    "ClipGradValue": ["clip_value"],
+    "AdaptiveGradClip": ["clip_factor", "eps", "exclude"],
+    "AutoClip": ["percentile", "history_size"],
+    "ZClip": ["alpha", "z_threshold", "warmup_steps", "max_norm"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLIP_ARGUMENTS))
+def test_clipping_callbacks_show_jsonargparse_only_their_public_arguments(name: str) -> None:
+    from jsonargparse import ArgumentParser
+
+    import lightning_gradkit
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(getattr(lightning_gradkit, name), "cb")
+    assert [a.dest[3:] for a in parser._actions if a.dest.startswith("cb.")] == CLIP_ARGUMENTS[name]
+
+
 @pytest.mark.parametrize(
     ("name", "cls"),
     [

@@ -14,7 +14,14 @@ from torch import Tensor, nn
 from clip_reference import AGCRef, AutoClipRef, NormRef, ValueRef, ZClipRef, total_norm
 from helpers import MLPModule, count_syncs, loader, make_trainer
 from lightning_gradkit import AdaptiveGradClip, ClipGradNorm, ClipGradValue, GradNormMonitor, ZClip, clip_gradients
-from lightning_gradkit.core.clip import AutoClipPolicy, ClipPolicy, GradNormPolicy, ZClipPolicy
+from lightning_gradkit.core.clip import (
+    AdaptiveGradClipPolicy,
+    AutoClipPolicy,
+    ClipPolicy,
+    GradNormPolicy,
+    GradValuePolicy,
+    ZClipPolicy,
+)
 
 STEPS = 12
 
@@ -157,6 +164,27 @@ def test_manual_optimization_clips_once_and_returns_the_norm(tmp_path: Path, cas
     assert model.returned == pytest.approx(norms, rel=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+POLICY_OBJECTS: dict[str, tuple[Callable[[], ClipPolicy], Callable[[], Callable[[nn.Module], None]]]] = {
+    # Every policy class clip_gradients accepts, given as a bare policy object (the other cases are above).
+    "value": (lambda: GradValuePolicy(0.05), lambda: ValueRef(0.05)),
+    "agc": (lambda: AdaptiveGradClipPolicy(clip_factor=0.05), lambda: AGCRef(0.05)),
+    "autoclip": (lambda: AutoClipPolicy(percentile=30.0, history_size=50), lambda: AutoClipRef(30.0, 50)),
+}
+
+
+@pytest.mark.parametrize("case", list(POLICY_OBJECTS))
+def test_manual_clip_gradients_applies_every_kind_of_policy_object(tmp_path: Path, case: str) -> None:
+    make_policy, make_ref = POLICY_OBJECTS[case]
+    torch.manual_seed(0)
+    model = ManualModule(make_policy())
+    make_trainer(tmp_path).fit(model, loader(n=STEPS * 8, batch_size=8))
+    expected, _ = reference_manual(make_ref(), amp=False)
+    unclipped, _ = reference_manual(lambda m: None, amp=False)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
+    assert any(not torch.allclose(expected[n], unclipped[n], rtol=0, atol=1e-5) for n in expected)
 
 
 def test_manual_clip_gradients_syncs_nothing(tmp_path: Path) -> None:

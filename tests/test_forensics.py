@@ -11,9 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from helpers import MLPModule, loader, make_trainer
+from lightning_gradkit.core.norms import clean_name
 from lightning_gradkit.forensics import (
     capture_rng,
-    clean_module_name,
     find_nonfinite_origin,
     preserved_state,
     replay_training_step,
@@ -123,10 +123,13 @@ def test_hooks_are_removed_and_grads_untouched() -> None:
     assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in model.modules())
 
 
-def test_clean_module_name_drops_wrapper_components() -> None:
-    assert clean_module_name("_orig_mod.encoder._fsdp_wrapped_module.2") == "encoder.2"
-    assert clean_module_name("submodule.x") == "submodule.x"
-    assert clean_module_name("") == "<root>"
+def test_culprit_names_drop_wrapper_components_and_the_root_is_named_root() -> None:
+    assert clean_name("_orig_mod.encoder._fsdp_wrapped_module.2") == "encoder.2"
+    assert clean_name("submodule.x") == "submodule.x"
+    # The root module (named "") is "<root>" in a Finding.
+    finding = origin(Block("log"), torch.randn(8, 4))
+    assert (finding.culprit, finding.phase) == ("<root>", "forward_between_submodules")
+    assert finding.detail["input_of"] == "after"
 
 
 class DropoutBN(MLPModule):

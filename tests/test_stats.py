@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_gradkit.core.norms import (
     build_param_index,
-    clean_param_name,
+    clean_name,
     derive_stats,
     grouped_norms,
     module_key,
@@ -74,9 +74,7 @@ def test_module_key_and_clean_name() -> None:
     assert module_key("encoder.layer.3.attn.q.weight", 3) == "encoder.layer.3"
     assert module_key("head.weight", 2) == "head"
     assert module_key("scale", 1) == "<root>"
-    assert (
-        clean_param_name("_fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.fc.weight") == "blocks.0.fc.weight"
-    )
+    assert clean_name("_fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.fc.weight") == "blocks.0.fc.weight"
 
 
 @pytest.mark.parametrize("bad", [0.5, 0.0, -1.0, float("nan"), -math.inf])

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_gradkit.core.norms import clean_param_name
+from lightning_gradkit.core.norms import clean_name
 
 
 def describe_parameter(param: torch.nn.Parameter, name: str) -> str:
@@ -42,7 +42,7 @@ def parameter_layout(optimizers: Sequence[Optimizer], names_by_id: dict[int, str
         for g, group in enumerate(optimizer.param_groups):
             for j, param in enumerate(group["params"]):
                 if param.requires_grad:
-                    name = clean_param_name(names_by_id.get(id(param), f"param_group{g}.param{j}"))
+                    name = clean_name(names_by_id.get(id(param), f"param_group{g}.param{j}"))
                     lines.append(f"optimizer {k}, group {g}: {describe_parameter(param, name)}")
     return lines
 

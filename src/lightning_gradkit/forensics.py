@@ -35,9 +35,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_gradkit.core.norms import loss_scale
-
-_WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module"})
+from lightning_gradkit.core.norms import clean_name, is_ddp_wrapped, loss_scale
 
 
 @dataclass
@@ -72,12 +70,6 @@ class Finding:
         if self.phase == "not_reproduced":
             return "the replay of this batch on this rank stayed finite"
         return f"no replay ({self.detail.get('reason', 'not available')})"
-
-
-def clean_module_name(name: str) -> str:
-    """Drop the components that ``torch.compile``, FSDP, checkpoint wrappers and DDP add to a module's name."""
-    parts = [p for p in name.split(".") if p and p not in _WRAPPER_COMPONENTS]
-    return ".".join(parts) if parts else "<root>"
 
 
 def _tensors(obj: Any) -> Iterator[Tensor]:
@@ -236,7 +228,10 @@ def find_nonfinite_origin(
     The caller restores state (see :func:`preserved_state`); this function only adds and removes hooks.
 
     Args:
-        module: the model whose submodules get hooks.
+        module: the model whose submodules get hooks. Culprits are named by
+            :func:`~lightning_gradkit.core.norms.clean_name`, like the GradNormMonitor's keys: without the components
+            of ``torch.compile``, FSDP1 and ``checkpoint_wrapper``, and without DDP's leading ``module`` when
+            ``module`` is DDP-wrapped.
         compute_loss: runs the forward and returns the loss (``None`` when there is nothing to differentiate).
         backward_scale: multiply the loss by this before the backward (the ``GradScaler``'s scale: fp16 overflows
             only reproduce under the same scale).
@@ -249,7 +244,9 @@ def find_nonfinite_origin(
         >>> find_nonfinite_origin(net, lambda: net(torch.ones(1, 2)).sum()).culprit
         '1'
     """
-    names = {m: clean_module_name(n) for n, m in module.named_modules()}
+    # Names as the GradNormMonitor keys them (core.norms.clean_name); the root, even a wrapped one, is "<root>".
+    ddp = is_ddp_wrapped(module)
+    names = {m: clean_name(n, ddp_root=ddp) or "<root>" for n, m in module.named_modules()}
     recorder = _Recorder(names)
     handles = []
     for m in names:
@@ -257,7 +254,7 @@ def find_nonfinite_origin(
         handles.append(m.register_forward_hook(recorder.post_forward, with_kwargs=True))
         handles.append(m.register_full_backward_hook(recorder.backward_hook))
     detail: dict[str, Any] = {}
-    param_names = [(clean_module_name(n), p) for n, p in module.named_parameters() if p.requires_grad]
+    param_names = [(clean_name(n, ddp_root=ddp), p) for n, p in module.named_parameters() if p.requires_grad]
     bad_params: list[str] = []
     loss: Tensor | None = None
     anomaly_ctx = torch.autograd.detect_anomaly(check_nan=True) if anomaly else nullcontext()

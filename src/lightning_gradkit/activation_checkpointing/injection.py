@@ -40,13 +40,11 @@ from torch.utils.checkpoint import (
 )
 
 from lightning_gradkit._arguments import check_int, check_strings
+from lightning_gradkit.core.norms import clean_name, is_ddp_wrapped
 
 CheckpointMode = Literal["full", "selective"]
 MODES: tuple[str, ...] = ("full", "selective")
 
-# Name components that wrappers insert between a module and its children: torch.compile's OptimizedModule, FSDP1,
-# checkpoint_wrapper. Selection and reporting use names without them.
-_WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 # (class name, second component of its module path) of those wrappers, compared by name: importing their modules
 # (torch._dynamo in particular) only to test isinstance would be slow.
 _WRAPPER_CLASSES = frozenset(
@@ -57,11 +55,6 @@ _WRAPPER_CLASSES = frozenset(
 # ----------------------------------------------------------------------------------------------------------------
 # Selection
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def normalize_name(name: str) -> str:
-    """A qualified module name without the components that wrappers insert (``_orig_mod``, FSDP1, checkpoint)."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_COMPONENTS)
 
 
 def _is_wrapper(module: nn.Module) -> bool:
@@ -142,21 +135,26 @@ def select_modules(
     A class name matches instances of that class and its subclasses (a dotted name is imported; a bare one is
     compared with the class names in the module's MRO, so FSDP2's per-class subclasses still match). A ``re:``
     regex must match the whole qualified name (``re.fullmatch``) relative to ``root``, without the components that
-    ``torch.compile`` (``_orig_mod``), FSDP1 and ``checkpoint_wrapper`` insert. ``root`` itself is never selected.
+    ``torch.compile`` (``_orig_mod``), FSDP1 and ``checkpoint_wrapper`` insert, nor DDP's leading ``module`` when
+    ``root`` is DDP-wrapped (:func:`~lightning_gradkit.core.norms.clean_name`: the names GradNormMonitor logs), so the
+    same targets select the same modules before and after wrapping. ``root`` itself is never selected.
     A match nested in another match is dropped (the outer recompute covers it). Of the remaining matches, every
     ``every_n``-th is kept: the ``every_n``-th, the ``2 * every_n``-th, and so on (torchtitan's ``ac_freq``).
 
     Returns:
-        ``(qualified name, module)`` pairs; the names are normalized (see :func:`normalize_name`).
+        ``(qualified name, module)`` pairs, the names cleaned (:func:`~lightning_gradkit.core.norms.clean_name`).
     """
     parsed = [t if isinstance(t, _Target) else _Target.parse(t) for t in targets]
     kept: list[tuple[str, str, nn.Module]] = []
+    ddp = is_ddp_wrapped(root)
     for raw, module in root.named_modules():
         if not raw or _is_wrapper(module):
             continue
         if kept and raw.startswith(kept[-1][0] + "."):
             continue
-        name = normalize_name(raw)
+        name = clean_name(raw, ddp_root=ddp)
+        if not name:  # the module a wrapped root (compile, DDP, FSDP1) wraps is the root itself
+            continue
         if any(t.matches(name, module) for t in parsed):
             kept.append((raw, name, module))
     return [(name, module) for _, name, module in kept[every_n - 1 :: every_n]]

@@ -33,7 +33,7 @@ from lightning_gradkit.core.clip import (
 )
 from lightning_gradkit.core.norms import (
     ParamIndex,
-    clean_param_name,
+    clean_name,
     host_to_device,
     local_tensor,
     per_tensor_norms,
@@ -67,16 +67,22 @@ class _Decision:
 class _GradClipCallback(GradKitCallback):
     """Shared base of the gradient-clipping callbacks: conflicts, per-optimizer policies, logging and state.
 
-    Subclasses implement :meth:`_clip`, which reads the plan's statistics and writes the clip into it.
+    Subclasses implement :meth:`_clip`, which reads the plan's statistics and writes the clip into it. The public
+    callbacks only build their policy from their arguments; :func:`clip_gradients` constructs the private classes
+    around a policy object it is given (``policy_owner=None``).
+
+    Args:
+        policy: the clipping policy.
+        policy_owner: the optimizer whose state ``policy`` itself carries; every other optimizer gets a fresh copy
+            (statistics never mix across optimizers). 0 for a callback (its checkpointed state is keyed by optimizer
+            index); ``None`` for the first optimizer clipped (a policy object given to :func:`clip_gradients`).
     """
 
     _stage = Stage.CLIP
 
-    def __init__(self, policy: ClipPolicy) -> None:
+    def __init__(self, policy: ClipPolicy, *, policy_owner: int | None = 0) -> None:
         self.policy = policy
-        # The optimizer whose state `self.policy` carries: optimizer 0 for a callback (its checkpointed state is
-        # keyed by optimizer index), the first optimizer clipped for a policy given to `clip_gradients`.
-        self._policy_owner: int | None = 0
+        self._policy_owner = policy_owner
         self._set_up = False
         self._policies: dict[int, ClipPolicy] = {}
         self._clipped: dict[int, Tensor] = {}
@@ -201,15 +207,6 @@ class _GradClipCallback(GradKitCallback):
     def _clip(self, policy: ClipPolicy, plan: StepPlan) -> _Decision:
         raise NotImplementedError
 
-    @classmethod
-    def _around(cls, policy: ClipPolicy) -> _GradClipCallback:
-        """A callback that applies ``policy`` to any optimizer: ``policy`` itself carries the state of the first
-        optimizer it clips, every other optimizer gets a state of its own (statistics never mix across optimizers)."""
-        callback = cls.__new__(cls)
-        _GradClipCallback.__init__(callback, policy)
-        callback._policy_owner = None
-        return callback
-
 
 def _check_single_clipper(trainer: pl.Trainer) -> None:
     clippers = [cb for cb in trainer.callbacks if isinstance(cb, _GradClipCallback)]
@@ -289,7 +286,25 @@ class ClipGradNorm(_ScalarClip):
         return self.policy.norm_type
 
 
-class ClipGradValue(_GradClipCallback):
+class _ValueClip(_GradClipCallback):
+    """Clipping of every gradient element by a :class:`GradValuePolicy` (the engine applies the clamp)."""
+
+    policy: GradValuePolicy
+
+    def _clip(self, policy: ClipPolicy, plan: StepPlan) -> _Decision:
+        assert isinstance(policy, GradValuePolicy)
+        pre = plan.pre_clip_total(math.inf)
+        plan.clamp_value = policy.clip_value
+        post = torch.clamp(pre, max=policy.clip_value)
+        return _Decision(
+            pre=pre,
+            post=lambda: post,
+            coef=lambda: torch.where(pre > 0, post / pre, torch.ones_like(pre)),
+            clipped=pre > policy.clip_value,
+        )
+
+
+class ClipGradValue(_ValueClip):
     r"""Clip every gradient element to ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``.
 
     The clamp is applied by the engine right after its single multiply (accumulation scaling), after the AMP
@@ -311,26 +326,12 @@ class ClipGradValue(_GradClipCallback):
         >>> trainer = Trainer(callbacks=[ClipGradValue(clip_value=0.5)])
     """
 
-    policy: GradValuePolicy
-
     def __init__(self, clip_value: float) -> None:
         super().__init__(GradValuePolicy(clip_value))
 
     @property
     def clip_value(self) -> float:
         return self.policy.clip_value
-
-    def _clip(self, policy: ClipPolicy, plan: StepPlan) -> _Decision:
-        assert isinstance(policy, GradValuePolicy)
-        pre = plan.pre_clip_total(math.inf)
-        plan.clamp_value = policy.clip_value
-        post = torch.clamp(pre, max=policy.clip_value)
-        return _Decision(
-            pre=pre,
-            post=lambda: post,
-            coef=lambda: torch.where(pre > 0, post / pre, torch.ones_like(pre)),
-            clipped=pre > policy.clip_value,
-        )
 
 
 class AutoClip(_ScalarClip):
@@ -408,52 +409,21 @@ class ZClip(_ScalarClip):
         super().__init__(ZClipPolicy(alpha, z_threshold, warmup_steps, max_norm))
 
 
-class AdaptiveGradClip(_GradClipCallback):
-    r"""Unit-wise adaptive gradient clipping (AGC).
-
-    Brock, De, Smith, Simonyan, "High-Performance Large-Scale Image Recognition Without Normalization" (ICML 2021),
-    as in ``timm.utils.agc``: for every output unit ``i`` of a parameter (a row of a linear weight, an output channel
-    of a conv; a bias or gain is one unit), the gradient is rescaled when
-    ``|G_i| / max(|W_i|, eps) > clip_factor``, to ``clip_factor * max(|W_i|, eps) / |G_i| * G_i``. The ``eps`` floor
-    lets zero-initialised parameters still update. The paper does not clip the final classifier: name it in
-    ``exclude``. Defaults ``clip_factor=0.01``, ``eps=1e-3`` are the paper's and timm's.
-
-    The unit-wise gradient norms are measured in the engine's single read of the gradients (the per-parameter norms
-    of the shared statistics are derived from them); the weights are read once for their unit norms. Under FSDP2
-    (``fully_shard``, dim-0 sharding) each rank clips its own rows; the norms of sharded 1-D parameters travel in
-    the step's single all-reduce. FSDP1 flattens parameters, which loses the units: not supported. A sparse gradient
-    (``nn.Embedding(sparse=True)``) is clipped row by row from the norms of its coalesced rows. Frozen parameters are
-    selected too, so a module unfrozen during the fit (``BackboneFinetuning``) is clipped from the step it joins.
-
-    Logs the keys of :class:`ClipGradNorm` (2-norms; ``grad_clip/coef`` is post / pre), a step counting as clipped
-    when any unit (on rank 0, under sharding) was rescaled.
+class _UnitwiseClip(_GradClipCallback):
+    """Unit-wise clipping by an :class:`AdaptiveGradClipPolicy` (the machinery of :class:`AdaptiveGradClip`).
 
     Args:
-        clip_factor: the ``lambda`` of the paper, > 0.
-        eps: floor of the unit weight norm, > 0.
-        exclude: parameters left unclipped: module class names (``"Linear"``, matching subclasses and everything
-            inside such modules) or ``"re:<regex>"`` searched in qualified parameter and module names
-            (``"re:^head\."``, ``"re:lm_head"``); one string is one pattern. Default: none, so the final layer is
-            clipped too, unlike the paper and timm's training script: name it here.
-
-    Raises:
-        ValueError: at construction, for non-positive ``clip_factor`` or ``eps`` or an invalid regex; at setup, for an
-            ``exclude`` pattern that matches no parameter, or another clipping callback or
-            ``Trainer(gradient_clip_val=...)`` also present.
-        RuntimeError: at setup, under FSDP1 or for a parameter sharded along a dimension other than 0.
-
-    Example::
-
-        >>> from lightning.pytorch import Trainer
-        >>> from lightning_gradkit import AdaptiveGradClip
-        >>> trainer = Trainer(callbacks=[AdaptiveGradClip(clip_factor=0.01, exclude=["re:^head\\."])])
+        policy: the policy; it carries the state of optimizer ``policy_owner`` (see :class:`_GradClipCallback`).
+        exclude: patterns of parameters left unclipped, as in :class:`AdaptiveGradClip`.
     """
 
     policy: AdaptiveGradClipPolicy
     _REDUCE_KEY = "AdaptiveGradClip/sharded_weight_sq"
 
-    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, exclude: list[str] | None = None) -> None:
-        super().__init__(AdaptiveGradClipPolicy(clip_factor, eps))
+    def __init__(
+        self, policy: AdaptiveGradClipPolicy, exclude: list[str] | None = None, *, policy_owner: int | None = 0
+    ) -> None:
+        super().__init__(policy, policy_owner=policy_owner)
         self.exclude = check_strings("exclude", exclude, hint="Name module classes or give `re:<regex>` patterns.")
         for pattern in self.exclude:
             if pattern.startswith("re:"):
@@ -473,26 +443,6 @@ class AdaptiveGradClip(_GradClipCallback):
         self._cache: dict[tuple[Any, ...], Any] = {}
         self._cache_index: ParamIndex | None = None
 
-    @property
-    def clip_factor(self) -> float:
-        return self.policy.clip_factor
-
-    @property
-    def eps(self) -> float:
-        return self.policy.eps
-
-    @classmethod
-    def _around(cls, policy: ClipPolicy) -> _GradClipCallback:
-        callback = super()._around(policy)
-        assert isinstance(callback, AdaptiveGradClip)
-        callback.exclude = []
-        callback._selected = None
-        callback._sharded_1d = []
-        callback._sharded_1d_factors = None
-        callback._cache = {}
-        callback._cache_index = None
-        return callback
-
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if flat_sharded(trainer):
             raise RuntimeError(
@@ -506,7 +456,7 @@ class AdaptiveGradClip(_GradClipCallback):
         self._cache = {}
         self._cache_index = None
         for name, param in pl_module.named_parameters():
-            name = clean_param_name(name)
+            name = clean_name(name)
             placements = getattr(param, "placements", None)
             if name not in self._selected or placements is None:
                 continue
@@ -650,6 +600,59 @@ class AdaptiveGradClip(_GradClipCallback):
         return (sq_global + others.sum()).sqrt()
 
 
+class AdaptiveGradClip(_UnitwiseClip):
+    r"""Unit-wise adaptive gradient clipping (AGC).
+
+    Brock, De, Smith, Simonyan, "High-Performance Large-Scale Image Recognition Without Normalization" (ICML 2021),
+    as in ``timm.utils.agc``: for every output unit ``i`` of a parameter (a row of a linear weight, an output channel
+    of a conv; a bias or gain is one unit), the gradient is rescaled when
+    ``|G_i| / max(|W_i|, eps) > clip_factor``, to ``clip_factor * max(|W_i|, eps) / |G_i| * G_i``. The ``eps`` floor
+    lets zero-initialised parameters still update. The paper does not clip the final classifier: name it in
+    ``exclude``. Defaults ``clip_factor=0.01``, ``eps=1e-3`` are the paper's and timm's.
+
+    The unit-wise gradient norms are measured in the engine's single read of the gradients (the per-parameter norms
+    of the shared statistics are derived from them); the weights are read once for their unit norms. Under FSDP2
+    (``fully_shard``, dim-0 sharding) each rank clips its own rows; the norms of sharded 1-D parameters travel in
+    the step's single all-reduce. FSDP1 flattens parameters, which loses the units: not supported. A sparse gradient
+    (``nn.Embedding(sparse=True)``) is clipped row by row from the norms of its coalesced rows. Frozen parameters are
+    selected too, so a module unfrozen during the fit (``BackboneFinetuning``) is clipped from the step it joins.
+
+    Logs the keys of :class:`ClipGradNorm` (2-norms; ``grad_clip/coef`` is post / pre), a step counting as clipped
+    when any unit (on rank 0, under sharding) was rescaled.
+
+    Args:
+        clip_factor: the ``lambda`` of the paper, > 0.
+        eps: floor of the unit weight norm, > 0.
+        exclude: parameters left unclipped: module class names (``"Linear"``, matching subclasses and everything
+            inside such modules) or ``"re:<regex>"`` searched in qualified parameter and module names
+            (``"re:^head\."``, ``"re:lm_head"``); one string is one pattern. Default: none, so the final layer is
+            clipped too, unlike the paper and timm's training script: name it here.
+
+    Raises:
+        ValueError: at construction, for non-positive ``clip_factor`` or ``eps`` or an invalid regex; at setup, for an
+            ``exclude`` pattern that matches no parameter, or another clipping callback or
+            ``Trainer(gradient_clip_val=...)`` also present.
+        RuntimeError: at setup, under FSDP1 or for a parameter sharded along a dimension other than 0.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import AdaptiveGradClip
+        >>> trainer = Trainer(callbacks=[AdaptiveGradClip(clip_factor=0.01, exclude=["re:^head\\."])])
+    """
+
+    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, exclude: list[str] | None = None) -> None:
+        super().__init__(AdaptiveGradClipPolicy(clip_factor, eps), exclude)
+
+    @property
+    def clip_factor(self) -> float:
+        return self.policy.clip_factor
+
+    @property
+    def eps(self) -> float:
+        return self.policy.eps
+
+
 def _memo(fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
     cache: list[Tensor] = []
 
@@ -670,8 +673,8 @@ def _select_parameters(pl_module: torch.nn.Module, exclude: list[str]) -> set[st
     Raises:
         ValueError: naming a pattern that matches no parameter.
     """
-    params = [clean_param_name(n) for n, _ in pl_module.named_parameters()]
-    modules = [(clean_param_name(n), m) for n, m in pl_module.named_modules()]
+    params = [clean_name(n) for n, _ in pl_module.named_parameters()]
+    modules = [(clean_name(n), m) for n, m in pl_module.named_modules()]
     excluded: set[str] = set()
     for pattern in exclude:
         matched: set[str] = set()
@@ -697,12 +700,14 @@ def _select_parameters(pl_module: torch.nn.Module, exclude: list[str]) -> set[st
     return set(params) - excluded
 
 
-_POLICY_CALLBACKS: dict[type[ClipPolicy], type[_GradClipCallback]] = {
-    GradNormPolicy: ClipGradNorm,
-    GradValuePolicy: ClipGradValue,
-    AdaptiveGradClipPolicy: AdaptiveGradClip,
-    AutoClipPolicy: AutoClip,
-    ZClipPolicy: ZClip,
+# The callback class that applies a policy object given to `clip_gradients` (the public callbacks subclass these
+# and only build the policy from their arguments).
+_POLICY_CALLBACKS: dict[type[ClipPolicy], type[_ScalarClip | _ValueClip | _UnitwiseClip]] = {
+    GradNormPolicy: _ScalarClip,
+    GradValuePolicy: _ValueClip,
+    AdaptiveGradClipPolicy: _UnitwiseClip,
+    AutoClipPolicy: _ScalarClip,
+    ZClipPolicy: _ScalarClip,
 }
 _WRAPPERS: weakref.WeakKeyDictionary[ClipPolicy, _GradClipCallback] = weakref.WeakKeyDictionary()
 
@@ -765,7 +770,8 @@ def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, policy: _Gr
     elif isinstance(policy, ClipPolicy) and type(policy) in _POLICY_CALLBACKS:
         clipper = _WRAPPERS.get(policy)
         if clipper is None:
-            clipper = _WRAPPERS[policy] = _POLICY_CALLBACKS[type(policy)]._around(policy)
+            # `policy` carries the state of the first optimizer it clips; every other optimizer gets its own.
+            clipper = _WRAPPERS[policy] = _POLICY_CALLBACKS[type(policy)](policy, policy_owner=None)
     else:
         raise ValueError(
             f"`policy` must be a gradkit clipping callback or a policy from `lightning_gradkit.core.clip`, got "

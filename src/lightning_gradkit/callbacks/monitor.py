@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from lightning_gradkit._arguments import check_bool, check_int
 from lightning_gradkit.core.norms import (
     ParamIndex,
-    clean_param_name,
+    clean_name,
     grouped_norms,
     host_to_device,
     local_tensor,
@@ -320,8 +320,8 @@ class GradNormMonitor(GradKitCallback):
                 "callback."
             )
         # Names as the engine cleans them (no FSDP / checkpoint-wrapper / compile components), in registration order.
-        self._model_order = [clean_param_name(n) for n, _ in pl_module.named_parameters()]
-        self._blocks = repeated_blocks((clean_param_name(n), m) for n, m in pl_module.named_modules())
+        self._model_order = [clean_name(n) for n, _ in pl_module.named_parameters()]
+        self._blocks = repeated_blocks((clean_name(n), m) for n, m in pl_module.named_modules())
         self._rows.clear()
         self._clipped.clear()
         self._steps_since_log.clear()

@@ -383,19 +383,58 @@ def module_key(param_name: str, depth: int) -> str:
     return ".".join(owner[:depth]) if owner else "<root>"
 
 
-_WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+# Name components that wrappers insert between a module and its children: torch.compile's OptimizedModule, FSDP1's
+# FullyShardedDataParallel and checkpoint_wrapper's CheckpointWrapper. DDP's ``module`` is not among them: see
+# :func:`clean_name`.
+_WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
-def clean_param_name(name: str) -> str:
-    """Drop the name components that FSDP1, ``checkpoint_wrapper``, ``torch.compile`` and DDP insert.
+def clean_name(name: str, *, ddp_root: bool = False) -> str:
+    """A module or parameter name as the unwrapped model spells it: the one name cleaner of the package.
 
-    Whole components only (``submodule.weight`` stays as it is); DDP's ``module`` only as the leading one, so a
-    user attribute named ``module`` deeper in the tree is kept.
+    Every whole component that ``torch.compile`` (``_orig_mod``), FSDP1 (``_fsdp_wrapped_module``) or
+    ``checkpoint_wrapper`` (``_checkpoint_wrapped_module``) inserts is dropped, wherever it appears; other components
+    are kept as they are (``submodule.weight`` stays). The monitor's keys, the clipping selection, the layout check,
+    the forensic culprit and the activation-checkpointing selection all use this function, so one module has one name.
+
+    DDP's ``module`` is treated differently, on purpose. ``DistributedDataParallel`` adds it only as the *first*
+    component of the names of a DDP-wrapped root, but ``module`` is also an ordinary attribute name (a
+    LightningModule holding ``self.module = model``, a block with a ``.module`` child). From the name alone
+    ``module.weight`` cannot be told apart: it is DDP's prefix for ``DDP(nn.Linear(...))`` and the user's submodule
+    for a model with ``self.module = nn.Linear(...)``. Dropping ``module`` anywhere, or as the leading component,
+    would rename (and may merge) the user's modules. So ``module`` is dropped only when the caller knows the names
+    come from a DDP-wrapped root (``ddp_root=True``; :func:`is_ddp_wrapped` tells), and then only the leading one,
+    after the other wrapper components are gone (``DDP(torch.compile(m))`` gives ``module._orig_mod.x`` and
+    ``torch.compile(DDP(m))`` gives ``_orig_mod.module.x``: both clean to ``x``). The Lightning callbacks name the
+    parameters of the LightningModule itself, which Lightning never wraps (the strategy's DDP wrapper is
+    ``trainer.strategy.model``), so they leave ``ddp_root`` off and a user's ``module`` is always kept.
+
+    The root's name (``""``) and a name made of wrapper components only clean to ``""``.
+
+    Example::
+
+        >>> clean_name("_orig_mod.blocks.0._checkpoint_wrapped_module.fc.weight")
+        'blocks.0.fc.weight'
+        >>> clean_name("encoder.module.weight")
+        'encoder.module.weight'
+        >>> clean_name("module._orig_mod.encoder.module.weight", ddp_root=True)
+        'encoder.module.weight'
     """
-    parts = [part for part in name.split(".") if part not in _WRAPPER_COMPONENTS]
-    if len(parts) > 1 and parts[0] == "module":
+    parts = [part for part in name.split(".") if part and part not in _WRAPPER_COMPONENTS]
+    if ddp_root and parts and parts[0] == "module":
         parts = parts[1:]
     return ".".join(parts)
+
+
+def is_ddp_wrapped(root: torch.nn.Module) -> bool:
+    """Whether ``root`` is a ``DistributedDataParallel`` (also under ``torch.compile``): its ``named_modules()`` and
+    ``named_parameters()`` then start with DDP's ``module`` component (pass ``ddp_root`` to :func:`clean_name`)."""
+    module: object = root
+    while not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        module = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if not isinstance(module, torch.nn.Module):
+            return False
+    return True
 
 
 def replication(param: Tensor, world: int | None = None) -> int:
@@ -458,7 +497,7 @@ def build_param_index(
     for g, group in enumerate(param_groups):
         for j, p in enumerate(group["params"]):
             if p.requires_grad:
-                name = clean_param_name(names_by_id.get(id(p), f"param_group{g}.param{j}"))
+                name = clean_name(names_by_id.get(id(p), f"param_group{g}.param{j}"))
                 entries.append((str(p.device), str(p.dtype), g, name, p))
     # A stable sort keeps the optimizer's order inside each (device, dtype) group.
     entries.sort(key=lambda e: (e[0], e[1]))
