@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gradkit._arguments import validate_norm_type
 from lightning_gradkit.core.norms import (
     build_param_index,
     clean_name,
@@ -15,7 +16,6 @@ from lightning_gradkit.core.norms import (
     grouped_norms,
     module_key,
     per_tensor_norms,
-    validate_norm_type,
 )
 
 NORMS = [1.0, 2.0, 3.0, math.inf]

@@ -5,6 +5,9 @@ Each check returns the value in its canonical type (``int``, ``float``, ``bool``
 (``True`` is an ``int`` to Python, never a step count to a user), ``None`` and strings are refused with the same
 message instead of the bare ``int()``/``float()`` error, and NaN never passes a range check (every comparison with
 NaN is false, so ``value <= 0`` alone lets it through).
+
+The checks of one argument of one job (``norm_type``, ``normalize``, ``every_n``, ``memory_budget``) live here too,
+at the end, so a callback and the functions it drives refuse a value with the same message.
 """
 
 from __future__ import annotations
@@ -149,3 +152,47 @@ def check_strings(name: str, value: object, allow_empty: bool = True, hint: str 
     if not value and not allow_empty:
         raise _fail(name, expected, value, hint)
     return list(value)
+
+
+# -- checks of one argument of one job, shared by its callback and its functions ------------------------------
+def validate_norm_type(norm_type: float, argument: str = "norm_type") -> float:
+    """Return ``norm_type`` as a float, or raise if it is not a p-norm order (``p >= 1`` or ``inf``).
+
+    Raises:
+        ValueError: if ``norm_type`` is not a number, or is below 1, NaN or ``-inf``.
+    """
+    return check_float(argument, norm_type, minimum=1.0, allow_inf=True, hint="Use 2.0 for the Euclidean norm.")
+
+
+def validate_normalize(normalize: str) -> str:
+    """Return ``normalize`` if it is a known normalization mode.
+
+    Raises:
+        ValueError: if ``normalize`` is not ``"mean"`` or ``"tokens"``.
+    """
+    return check_choice(
+        "normalize",
+        normalize,
+        ("mean", "tokens"),
+        hint="Use 'mean' to average the micro-batches of each window, 'tokens' to divide the summed per-token loss by "
+        "the window's global token count.",
+    )
+
+
+def validate_every_n(every_n: int) -> None:
+    check_int("every_n", every_n, 1, hint="1 checkpoints every match.")
+
+
+def validate_memory_budget(memory_budget: float | None) -> None:
+    """``None``; a fraction in (0, 1] of the un-checkpointed activation bytes; or a whole number of bytes > 1."""
+    if memory_budget is None:
+        return
+    valid = isinstance(memory_budget, (int, float)) and not isinstance(memory_budget, bool)
+    if valid and 0 < memory_budget <= 1:
+        return
+    if valid and memory_budget > 1 and float(memory_budget).is_integer():
+        return
+    raise ValueError(
+        "`memory_budget` must be None, a fraction in (0, 1] of the un-checkpointed activation memory (e.g. 0.5), "
+        f"or a whole number of bytes > 1 (e.g. 2_000_000_000), got {memory_budget!r}."
+    )

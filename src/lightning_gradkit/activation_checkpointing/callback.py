@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
-from lightning_gradkit._arguments import check_bool, check_choice
+from lightning_gradkit._arguments import check_bool, check_choice, validate_every_n, validate_memory_budget
 from lightning_gradkit.activation_checkpointing.injection import (
     MODES,
     bypass_checkpointing,
@@ -27,7 +27,6 @@ from lightning_gradkit.activation_checkpointing.injection import (
     remove,
     select_modules,
     user_class,
-    validate_every_n,
 )
 from lightning_gradkit.activation_checkpointing.planner import (
     ActivationProfile,
@@ -37,7 +36,6 @@ from lightning_gradkit.activation_checkpointing.planner import (
     measure_saved_activations,
     plan_checkpointing,
     preserved_state,
-    validate_memory_budget,
 )
 
 

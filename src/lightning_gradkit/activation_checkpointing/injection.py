@@ -39,7 +39,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from lightning_gradkit._arguments import check_int, check_strings
+from lightning_gradkit._arguments import check_strings, validate_every_n
 from lightning_gradkit.core.norms import clean_name, is_ddp_wrapped
 
 CheckpointMode = Literal["full", "selective"]
@@ -451,10 +451,6 @@ def inject_activation_checkpointing(
     if skipped:
         _warn_already_checkpointed(skipped)
     return injected
-
-
-def validate_every_n(every_n: int) -> None:
-    check_int("every_n", every_n, 1, hint="1 checkpoints every match.")
 
 
 def no_match_message(root: nn.Module, targets: Sequence[str]) -> str:

@@ -226,21 +226,6 @@ def preserved_state(module: nn.Module, devices: Sequence[torch.device] = ()) -> 
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def validate_memory_budget(memory_budget: float | None) -> None:
-    """``None``; a fraction in (0, 1] of the un-checkpointed activation bytes; or a whole number of bytes > 1."""
-    if memory_budget is None:
-        return
-    valid = isinstance(memory_budget, (int, float)) and not isinstance(memory_budget, bool)
-    if valid and 0 < memory_budget <= 1:
-        return
-    if valid and memory_budget > 1 and float(memory_budget).is_integer():
-        return
-    raise ValueError(
-        "`memory_budget` must be None, a fraction in (0, 1] of the un-checkpointed activation memory (e.g. 0.5), "
-        f"or a whole number of bytes > 1 (e.g. 2_000_000_000), got {memory_budget!r}."
-    )
-
-
 def budget_bytes(memory_budget: float, baseline: int) -> int:
     """The budget in bytes: a fraction of ``baseline`` when ``memory_budget`` <= 1, else bytes."""
     return int(memory_budget * baseline) if memory_budget <= 1 else int(memory_budget)

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit._arguments import check_bool, check_choice, check_int
+from lightning_gradkit._arguments import check_bool, check_choice, check_int, validate_normalize
 from lightning_gradkit._window import WindowPosition
 from lightning_gradkit.core.accumulate import (
     TOKENS_KEY,
@@ -32,7 +32,6 @@ from lightning_gradkit.core.accumulate import (
     micro_batches_in_window,
     nonzero_grad_flags,
     token_window_scale,
-    validate_normalize,
 )
 from lightning_gradkit.core.norms import local_tensor
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan, is_logging_step, world_size

@@ -148,7 +148,7 @@ class _GradClipCallback(GradKitCallback):
         count = self._clipped.get(idx)
         if count is None or count.device != decision.clipped.device:
             count = self._clipped[idx] = torch.zeros((), dtype=torch.long, device=decision.clipped.device)
-        count.add_(decision.clipped.to(count.dtype))
+        count.add_(decision.clipped)  # bool into long: no cast kernel
         self._steps[idx] = self._steps.get(idx, 0) + 1
 
     def _decide_again(

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
-from lightning_gradkit._arguments import check_bool, check_int
+from lightning_gradkit._arguments import check_bool, check_int, validate_norm_type
 from lightning_gradkit.core.norms import (
     ParamIndex,
     clean_name,
@@ -25,7 +25,6 @@ from lightning_gradkit.core.norms import (
     per_tensor_norms,
     reduce_sharded,
     total_norm,
-    validate_norm_type,
 )
 from lightning_gradkit.engine import (
     Engine,

@@ -21,33 +21,17 @@ wires them into the Trainer, :class:`~lightning_gradkit.ManualAccumulator` into 
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from lightning_gradkit._arguments import check_choice
 from lightning_gradkit.core.norms import local_tensor, per_tensor_norms
 
 Normalize = Literal["mean", "tokens"]
 
 #: The key under which ``training_step`` returns the token count of its micro-batch in ``normalize="tokens"``.
 TOKENS_KEY = "num_tokens"
-
-
-def validate_normalize(normalize: str) -> str:
-    """Return ``normalize`` if it is a known normalization mode.
-
-    Raises:
-        ValueError: if ``normalize`` is not ``"mean"`` or ``"tokens"``.
-    """
-    return check_choice(
-        "normalize",
-        normalize,
-        get_args(Normalize),
-        hint="Use 'mean' to average the micro-batches of each window, 'tokens' to divide the summed per-token loss by "
-        "the window's global token count.",
-    )
 
 
 def micro_batches_in_window(batch_idx: int, window: int) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradkit._arguments import check_float, check_int
+from lightning_gradkit._arguments import check_float, check_int, validate_norm_type
 
 #: Maximum ``AutoClip`` history: 10 million norms are 40 MB of device memory, far beyond any percentile's need.
 MAX_HISTORY = 10_000_000
@@ -172,10 +172,9 @@ class GradNormPolicy(ScalarClipPolicy):
     """
 
     def __init__(self, max_norm: float, norm_type: float = 2.0) -> None:
-        from lightning_gradkit.core.norms import validate_norm_type
-
         self.max_norm = _positive("max_norm", max_norm)
         self.norm_type = validate_norm_type(norm_type)
+        self._threshold: Tensor | None = None
 
     def _config(self) -> dict[str, Any]:
         return {"max_norm": self.max_norm, "norm_type": self.norm_type}
@@ -184,7 +183,10 @@ class GradNormPolicy(ScalarClipPolicy):
         return GradNormPolicy(**self._config())
 
     def __call__(self, total_norm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        threshold = torch.full_like(total_norm, self.max_norm)
+        # The threshold is a constant: one device tensor per device, made once, not a fill kernel every step.
+        threshold = self._threshold
+        if threshold is None or threshold.device != total_norm.device or threshold.dtype != total_norm.dtype:
+            threshold = self._threshold = torch.full_like(total_norm, self.max_norm)
         return clip_coefficient(total_norm, self.max_norm), total_norm > self.max_norm, threshold
 
 

@@ -25,17 +25,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.amp.grad_scaler import GradScaler
 
-from lightning_gradkit._arguments import check_float
-
-
-def validate_norm_type(norm_type: float, argument: str = "norm_type") -> float:
-    """Return ``norm_type`` as a float, or raise if it is not a p-norm order (``p >= 1`` or ``inf``).
-
-    Raises:
-        ValueError: if ``norm_type`` is not a number, or is below 1, NaN or ``-inf``.
-    """
-    return check_float(argument, norm_type, minimum=1.0, allow_inf=True, hint="Use 2.0 for the Euclidean norm.")
-
 
 def local_tensor(t: Tensor) -> Tensor:
     """The tensor a rank holds: the local shard of a DTensor, the tensor itself otherwise.
@@ -574,7 +563,8 @@ class GradStats:
         module_names: ``[M]`` the module names.
         group_norms: ``[G]`` norms per optimizer param group (derived when first read: few steps need it).
         total: scalar total norm, equal to ``torch.nn.utils.get_total_norm`` over all gradients.
-        finite: scalar bool, False when any gradient element is NaN or Inf.
+        finite: scalar bool, False when any gradient element is NaN or Inf (derived from ``total`` when first read:
+            only the guards need it every step).
         missing: names of trainable parameters that had no gradient at this step.
     """
 
@@ -584,11 +574,21 @@ class GradStats:
     module_norms: Tensor | None
     module_names: list[str]
     total: Tensor
-    finite: Tensor
     missing: list[str] = field(default_factory=list)
     group_index: Tensor | None = field(default=None, repr=False)
     num_groups: int = 0
     _group_norms: Tensor | None = field(default=None, repr=False)
+    _finite: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def finite(self) -> Tensor:
+        if self._finite is None:
+            self._finite = torch.isfinite(self.total)
+        return self._finite
+
+    @finite.setter
+    def finite(self, value: Tensor) -> None:
+        self._finite = value
 
     @property
     def group_norms(self) -> Tensor:
@@ -611,7 +611,6 @@ def derive_stats(index: ParamIndex, param_norms: Tensor, norm_type: float, missi
         module_norms=module_norms,
         module_names=index.module_names,
         total=total,
-        finite=torch.isfinite(total),
         missing=missing,
         group_index=index.group_index,
         num_groups=index.num_groups,
