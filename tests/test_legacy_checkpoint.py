@@ -23,6 +23,7 @@ import sys  # noqa: E402
 
 sys.path.insert(0, str(DATA))
 from make_legacy_checkpoint import SAVE_AT_BATCH, ScheduledMLP, callbacks, fixture  # noqa: E402
+from make_legacy_checkpoint import trainer as legacy_trainer  # noqa: E402
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -62,18 +63,7 @@ def test_a_checkpoint_of_the_previous_layout_resumes_with_every_state(tmp_path: 
     path = fixture(clipper)
     saved = torch.load(path, weights_only=False)
     probe = Probe()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        strategy="gradkit",
-        max_steps=8,
-        accumulate_grad_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[probe, *callbacks(clipper)],
-    )
+    trainer = legacy_trainer(tmp_path, 8, [probe, *callbacks(clipper)])
     with pytest.warns(UserWarning):  # Lightning: "the dataloader is not resumable"
         trainer.fit(ScheduledMLP(lr=0.05), loader(n=128, batch_size=8), ckpt_path=path)
 

@@ -23,15 +23,19 @@ by the loss scale. The engine then divides every norm by the scaler's scale tens
 statistics and thresholds mean the same as without AMP, and records the factor in ``StepPlan.loss_scale``; a
 multiplicative clip coefficient is equally valid on scaled gradients, and a value clamp is widened by that factor.
 
-The strategy mixin (``strategy.py``) reads ``StepPlan.skip`` to step the optimizer or not.
+The strategy mixin (:mod:`lightning_gradkit.strategy`) reads ``StepPlan.skip`` to step the optimizer or not.
 
-Once per set of gradients: the pipeline runs at the first call for an optimizer step, whoever makes it
-(``on_before_optimizer_step``, :func:`~lightning_gradkit.clip_gradients`), and later calls for the same step find it
-done. An optimizer that evaluates its closure again inside ``step`` (``LBFGS``, SAM, line searches) produces new
-gradients within the same step: every backward advances ``Engine.generation``, and a call that sees a new generation
-and changed gradients of its optimizer is such an evaluation. It gets the step's accumulation scale and each
-callback's ``_decide_again`` (clipping of the fresh gradients), never a second decision: the skip, the guards'
-statistics and the logs belong to the first evaluation.
+One entry point: :meth:`Engine.run`. Every caller goes through it: each :class:`GradKitCallback`'s
+``on_before_optimizer_step``, :func:`~lightning_gradkit.clip_gradients` (manual optimization, with the clipper as an
+``extra`` policy) and :class:`~lightning_gradkit.ManualAccumulator` (its window scale is a pending ``SCALE`` policy
+that the next run folds in, or a run of its own at ``step``). Nothing else writes the gradients.
+
+Once per set of gradients: the pipeline runs at the first call for an optimizer step, whoever makes it, and later
+calls for the same step find it done. An optimizer that evaluates its closure again inside ``step`` (``LBFGS``,
+SAM, line searches) produces new gradients within the same step: every backward advances ``Engine.generation``,
+and a call that sees a new generation and changed gradients of its optimizer is such an evaluation. It gets the
+step's accumulation scale and each callback's ``_decide_again`` (clipping of the fresh gradients), never a second
+decision: the skip, the guards' statistics and the logs belong to the first evaluation.
 """
 
 from __future__ import annotations

@@ -75,23 +75,29 @@ def main() -> None:
         write(clipper)
 
 
+def trainer(root: str | Path, max_steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
+    """The Trainer of the run that wrote the fixtures (``max_steps=5``) and of the runs that resume from them."""
+    return pl.Trainer(
+        accelerator="cpu",
+        strategy="gradkit",
+        max_steps=max_steps,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=callbacks,
+    )
+
+
 def write(clipper: str) -> None:
     torch.manual_seed(0)
     path = fixture(clipper)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            strategy="gradkit",
-            max_steps=5,
-            accumulate_grad_batches=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp,
-            callbacks=[*callbacks(clipper), SaveMidWindow(path)],
+        trainer(tmp, 5, [*callbacks(clipper), SaveMidWindow(path)]).fit(
+            ScheduledMLP(lr=0.05), loader(n=128, batch_size=8)
         )
-        trainer.fit(ScheduledMLP(lr=0.05), loader(n=128, batch_size=8))
     print(f"wrote {path.name} ({path.stat().st_size} bytes)")
 
 
