@@ -229,6 +229,33 @@ def test_gc_scan_finds_a_module_level_list(tmp_path: Path) -> None:
         _GLOBAL_LOSSES.clear()
 
 
+def _symbolic_fake_with_graph() -> Tensor:
+    """What ``torch.compile`` leaves alive in its caches: a FakeTensor with a ``grad_fn`` and a symbolic size."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    fake = mode.from_tensor(torch.randn(5, 3, requires_grad=True), symbolic_context=context)
+    with mode:
+        return fake * 2
+
+
+def test_gc_scan_passes_over_fake_tensors_of_torch_compile(tmp_path: Path) -> None:
+    # A fake tensor pins no memory; its symbolic byte count (`12*s0`) once crashed the report's formatting.
+    fakes = [_symbolic_fake_with_graph()]
+    assert fakes[0].grad_fn is not None and isinstance(fakes[0].shape[0], torch.SymInt)
+    try:
+        scanning = GraphLeakGuard(check_every_n_steps=3, gc_scan=True)
+        with pytest.warns(UserWarning, match="_GLOBAL_LOSSES"):
+            make_trainer(tmp_path, callbacks=[scanning], max_steps=3).fit(GlobalStoreModule(), loader())
+        paths = [t.path for t in scanning.reports[0].tensors]
+        assert f"{__name__}._GLOBAL_LOSSES[0]" in paths
+        assert not any("fakes" in p for p in paths)
+    finally:
+        _GLOBAL_LOSSES.clear()
+
+
 class _History:
     """A leak in a class attribute: shared by every instance, out of the module's reach."""
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 if TYPE_CHECKING:
     pass
@@ -241,10 +242,20 @@ def gc_graph_tensors(select: Callable[[Tensor], bool], exclude: set[int]) -> lis
     objects = gc.get_objects()
     held = [t for t in objects if issubclass(type(t), Tensor) and t.grad_fn is not None and id(t) not in exclude]
     del objects
+    held = [t for t in held if not _describes_only(t)]
     found = [t for t in held if select(t)]
     del held
     names = _name_tensors(found) if found else {}
     return [(names.get(id(t), "<gc>"), t) for t in found]
+
+
+def _describes_only(t: Tensor) -> bool:
+    """Whether ``t`` holds no memory of its own to report: a ``FakeTensor`` (``torch.compile`` keeps them alive in
+    its caches, some with symbolic sizes such as ``s0 * 778240``), a tensor with symbolic sizes, or a meta tensor."""
+    try:
+        return t.device.type == "meta" or is_fake(t) or any(isinstance(s, torch.SymInt) for s in t.shape)
+    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass that cannot tell: not ours to scan
+        return True
 
 
 def _entries(container: object) -> list[tuple[object, object]]:
