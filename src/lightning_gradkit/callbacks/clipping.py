@@ -460,7 +460,8 @@ class _UnitwiseClip(_GradClipCallback):
             placements = getattr(param, "placements", None)
             if name not in self._selected or placements is None:
                 continue
-            sharded_dims = {p.dim for p in placements if p.is_shard()}
+            # Every placement that splits the tensor: `is_shard()` misses `_StridedShard` (FSDP2 over TP).
+            sharded_dims = {p.dim for p in placements if not p.is_replicate() and hasattr(p, "dim")}
             if param.ndim > 1 and sharded_dims - {0}:
                 raise RuntimeError(
                     f"AdaptiveGradClip: parameter `{name}` is sharded along dim(s) {sorted(sharded_dims)}; its output "
