@@ -46,8 +46,8 @@ class ActivationCheckpointing(Callback):
     :func:`torch.utils.checkpoint.checkpoint` with the RNG state preserved, so dropout draws the same masks in the
     recompute and the gradients equal those without checkpointing. The module's class, parameter names and
     ``state_dict`` keys do not change (a checkpoint saved with the callback loads without it and vice versa): only its
-    instance ``forward`` is replaced (see :mod:`lightning_gradkit.checkpointing` for why this beats
-    ``checkpoint_wrapper`` here). The hooks of DDP and FSDP2 stay outside the checkpointed region, so DDP needs no
+    instance ``forward`` is replaced (see :mod:`lightning_gradkit.activation_checkpointing.injection` for why this
+    beats ``checkpoint_wrapper`` here). The hooks of DDP and FSDP2 stay outside the checkpointed region, so DDP needs no
     ``find_unused_parameters`` and FSDP/FSDP2 sharding may happen before or after the injection.
 
     When it happens:
