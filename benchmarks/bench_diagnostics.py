@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import common_args, machine, run_once
+from harness import common_args, machine, quiet_trainer, run_once
 
 from lightning_gradkit import GraphLeakGuard, SyncAudit
 from lightning_gradkit.demos import ByteDataset, TinyGPTModule, stdlib_text
@@ -94,16 +94,7 @@ def hook_cost(loader: DataLoader, root: str, calls: int = 50000) -> dict[str, fl
     """Seconds per unaudited step spent in each callback's two per-step hooks, called directly on a real Trainer."""
     audit, guard = SyncAudit(every_n_steps=NEVER), GraphLeakGuard(check_every_n_steps=NEVER)
     module = SyncingGPT(**MODEL)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=[audit, guard],
-    )
+    trainer = quiet_trainer(max_steps=2, default_root_dir=root, callbacks=[audit, guard])
     trainer.fit(module, loader)
     out = {}
     for name, cb in (("SyncAudit", audit), ("GraphLeakGuard", guard)):

@@ -65,23 +65,12 @@ class CaptureTimer(pl.Callback):
 
 def measure_capture(captures: int, accelerator: str) -> tuple[float, int, int]:
     """Median time of one snapshot, the host bytes of the ring (``keep=2``) and the parameter bytes."""
-    from harness import gpt_loader
+    from harness import gpt_loader, quiet_trainer
 
     callback = SpikeRollback("loss", snapshot_every_n_steps=10**9)
     timer = CaptureTimer(callback, after=3, captures=captures)
     module = TinyGPTModule(**MODEL)
-    trainer = pl.Trainer(
-        accelerator=accelerator,
-        devices=1,
-        strategy="gradkit",
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[callback, timer],
-    )
+    trainer = quiet_trainer(accelerator, strategy="gradkit", max_steps=3, callbacks=[callback, timer])
     trainer.fit(module, gpt_loader(MODEL["block_size"]))
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     return statistics.median(timer.times), callback.snapshot_bytes, param_bytes

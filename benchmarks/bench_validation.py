@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import common_args, machine, sync_device
+from harness import common_args, machine, quiet_trainer, sync_device
 
 from lightning_gradkit import InferenceModeValidation
 from lightning_gradkit.demos import ByteDataset, TinyGPTModule, stdlib_text
@@ -50,17 +50,12 @@ class ValidationTimer(pl.Callback):
 
 def run_once(callbacks: list[pl.Callback], train: DataLoader, val: DataLoader, args: Any) -> list[float]:
     timer = ValidationTimer()
-    trainer = pl.Trainer(
-        accelerator=args.accelerator,
-        devices=1,
+    trainer = quiet_trainer(
+        args.accelerator,
         max_epochs=args.epochs,
         limit_train_batches=2,
         limit_val_batches=args.val_batches,
         num_sanity_val_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[*callbacks, timer],
     )
     trainer.fit(TinyGPTModule(**MODEL), train, val)

@@ -59,15 +59,11 @@ class Result:
         return statistics.median(self.times)
 
 
-def run_once(
-    factory: ConfigFactory, dataloader: DataLoader, steps: int, accelerator: str, trainer_kwargs: dict[str, Any]
-) -> list[float]:
-    module, extra = factory()
-    timer = StepTimer()
+def quiet_trainer(accelerator: str = "cpu", **overrides: Any) -> pl.Trainer:
+    """A one-device Trainer that logs, checkpoints, prints and validates nothing unless ``overrides`` say so."""
     kwargs: dict[str, Any] = dict(
         accelerator=accelerator,
         devices=1,
-        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -75,10 +71,16 @@ def run_once(
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    kwargs.update(trainer_kwargs)
+    return pl.Trainer(**{**kwargs, **overrides})
+
+
+def run_once(
+    factory: ConfigFactory, dataloader: DataLoader, steps: int, accelerator: str, trainer_kwargs: dict[str, Any]
+) -> list[float]:
+    module, extra = factory()
+    timer = StepTimer()
     callbacks = [*extra.pop("callbacks", []), timer]
-    kwargs.update(extra)
-    trainer = pl.Trainer(callbacks=callbacks, **kwargs)
+    trainer = quiet_trainer(accelerator, max_steps=steps, callbacks=callbacks, **{**trainer_kwargs, **extra})
     trainer.fit(module, dataloader)
     return timer.step_times
 

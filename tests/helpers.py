@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import csv
 import functools
+import json
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -293,7 +295,22 @@ def _run_jobs(script: str, out_dir: Path, args: tuple[str, ...], timeout: float,
             raise AssertionError(f"{script} failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
 
 
-def _read_ranks(out_dir: Path, count: int) -> list[dict[str, Any]]:
-    import json
+def script_parser() -> argparse.ArgumentParser:
+    """The argument parser of a script in ``tests/distributed``: ``--out`` is the folder :func:`run_distributed`
+    reads the ranks' results from; a script adds its own arguments."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    return parser
 
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(count)]
+
+def write_rank_result(out_dir: Path, rank: int, result: Any) -> None:
+    """Write one rank's JSON result where :func:`run_distributed` reads it."""
+    _rank_file(out_dir, rank).write_text(json.dumps(result))
+
+
+def _rank_file(out_dir: Path, rank: int) -> Path:
+    return out_dir / f"rank{rank}.json"
+
+
+def _read_ranks(out_dir: Path, count: int) -> list[dict[str, Any]]:
+    return [json.loads(_rank_file(out_dir, r).read_text()) for r in range(count)]

@@ -6,10 +6,7 @@ helper in token mode, and in-fit validation under gloo. Each rank writes what it
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +14,15 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 
-from helpers import MLPModule, ShardedMLP, count_syncs, distributed_trainer, rank_loader
+from helpers import (
+    MLPModule,
+    ShardedMLP,
+    count_syncs,
+    distributed_trainer,
+    rank_loader,
+    script_parser,
+    write_rank_result,
+)
 from lightning_gradkit import AccumulationGuard, InferenceModeValidation
 from test_accumulation import ManualTokenLM, TokenLM, token_loader
 
@@ -65,9 +70,7 @@ class ValRecorder(MLPModule):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = script_parser().parse_args()
     out: dict[str, Any] = {}
 
     # 1. Token mode: 5 micro-batches of 4 sequences per rank, N = 2 -> windows 2, 2, 1.
@@ -123,7 +126,7 @@ def main() -> None:
     except RuntimeError as err:
         out["fsdp2_message"] = str(err)
 
-    (args.out / f"rank{rank}.json").write_text(json.dumps(out))
+    write_rank_result(args.out, rank, out)
 
 
 if __name__ == "__main__":

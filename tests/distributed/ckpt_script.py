@@ -7,9 +7,6 @@ to ``rank<r>.json``; the test compares every configuration's gradients with the 
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,7 +14,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Subset
 
-from helpers import distributed_trainer
+from helpers import distributed_trainer, script_parser, write_rank_result
 from lightning_gradkit import ActivationCheckpointing
 from lightning_gradkit.activation_checkpointing.injection import injected_mode
 from lightning_gradkit.demos import ByteDataset, GPTConfig, TinyGPT, TinyGPTModule, stdlib_text
@@ -90,8 +87,7 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
+    parser = script_parser()
     parser.add_argument("--strategy", choices=list(CONFIGS), required=True)
     args = parser.parse_args()
 
@@ -121,7 +117,7 @@ def main() -> None:
             "after": callback.saved_bytes_after if callback else None,
             "steps": len(record.grads),
         }
-    (args.out / f"rank{rank}.json").write_text(json.dumps(report))
+    write_rank_result(args.out, rank, report)
 
 
 if __name__ == "__main__":

@@ -7,15 +7,11 @@ logged clipping metrics of every step and the full parameters at the end.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from helpers import MLPModule, ShardedMLP, distributed_trainer, rank_loader
+from helpers import MLPModule, ShardedMLP, distributed_trainer, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import AdaptiveGradClip, AutoClip, ClipGradNorm, ClipGradValue, GradNormMonitor, ZClip
 
 CASES = {
@@ -59,8 +55,7 @@ def make_strategy(name: str) -> tuple[MLPModule, ModelParallelStrategy | FSDPStr
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
+    parser = script_parser()
     parser.add_argument("--strategies", default="fsdp2,ddp", help="comma-separated: fsdp2, ddp, fsdp1 (GPU only)")
     parser.add_argument("--accelerator", default="cpu")
     args = parser.parse_args()
@@ -79,7 +74,7 @@ def main() -> None:
         trainer.fit(model, rank_loader(trainer.global_rank, n=N_SAMPLES))
         rank = trainer.global_rank
         results[strategy_name][case] = {"metrics": record.rows, "params": full_params(trainer, model)}
-    (args.out / f"rank{rank}.json").write_text(json.dumps(results))
+    write_rank_result(args.out, rank, results)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ left parameters and Adam state bitwise unchanged, its final parameters, and (ran
 
 from __future__ import annotations
 
-import argparse
-import json
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +22,7 @@ import torch
 from guards_script import record
 from torch import Tensor
 
-from helpers import distributed_trainer, rank_loader
+from helpers import distributed_trainer, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import GradKitDDPStrategy, NonFiniteGuard
 from test_guards import NAN, Fault, FaultModule
 
@@ -65,9 +63,7 @@ def fit(out: Path, name: str, model: FaultModule, guard: NonFiniteGuard, **kwarg
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = script_parser().parse_args()
     results: dict[str, Any] = {}
 
     torch.manual_seed(0)
@@ -84,7 +80,7 @@ def main() -> None:
         trainer = fit(args.out, name, model, guard)
         results[name] = record(trainer, model, 2, 3)
 
-    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(results))
+    write_rank_result(args.out, trainer.global_rank, results)
 
 
 if __name__ == "__main__":

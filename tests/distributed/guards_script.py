@@ -7,8 +7,6 @@ final parameters, and (rank 0) the events file.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import warnings
 from pathlib import Path
@@ -17,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from helpers import distributed_trainer, rank_loader
+from helpers import distributed_trainer, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import GradKitModelParallelStrategy, NonFiniteGuard, SpikeGuard
 from test_guards import FaultModule, events, make_fault, plain, state_equal
 from test_guards_spike import SpikyModule
@@ -76,9 +74,7 @@ def record(trainer: pl.Trainer, model: FaultModule, k: int, after: int | None = 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = script_parser().parse_args()
     results: dict[str, Any] = {}
     rank = 0
     for kind in ("loss", "grad", "activation"):
@@ -99,7 +95,7 @@ def main() -> None:
     fault = make_fault("loss", NAN, rank=1)
     trainer, model = fit(args.out, "fsdp2-loss-nan", ShardedFaultModule(fault), NonFiniteGuard(), strategy=fsdp2)
     results["fsdp2-loss-nan"] = record(trainer, model, fault.batch_idx)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(results))
+    write_rank_result(args.out, rank, results)
 
 
 if __name__ == "__main__":

@@ -6,17 +6,14 @@ parameter shapes, not the optimizer's order), and FSDP2 where rank 1's model has
 
 from __future__ import annotations
 
-import argparse
-import json
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from helpers import MLPModule, ShardedMLP, distributed_trainer, rank_loader
+from helpers import MLPModule, ShardedMLP, distributed_trainer, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import ClipGradNorm, GradNormMonitor
 
 
@@ -45,15 +42,13 @@ def error_of(model: MLPModule, strategy: Any, callbacks: list) -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = script_parser().parse_args()
     torch.manual_seed(0)
     out = {"ddp_order": error_of(ReversedOnRankOne(), "ddp", [GradNormMonitor()])}
     fsdp2 = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     out["fsdp2_extra"] = error_of(ExtraLayerOnRankOne(), fsdp2, [ClipGradNorm(1.0)])
     rank = torch.distributed.get_rank()
-    (args.out / f"rank{rank}.json").write_text(json.dumps(out))
+    write_rank_result(args.out, rank, out)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,8 @@ its final (full) parameters in ``rank<r>.json``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import warnings
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,7 +16,7 @@ import torch
 from accum_script import CollectiveCounter
 from torch.optim import Optimizer
 
-from helpers import distributed_trainer, rank_loader
+from helpers import distributed_trainer, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import (
     AccumulationGuard,
     ClipGradNorm,
@@ -91,9 +88,7 @@ def fit(callbacks: list[pl.Callback], n: int, accumulate: int = 1) -> tuple[pl.T
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = script_parser().parse_args()
     out: dict[str, Any] = {}
 
     collectives = CollectiveCounter()
@@ -111,7 +106,7 @@ def main() -> None:
         "params": full_params(model),
         "skipped_steps": int(skipped) if skipped is not None else 0,
     }
-    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+    write_rank_result(args.out, trainer.global_rank, out)
 
 
 if __name__ == "__main__":

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from helpers import MLPModule, ShardedMLP, distributed_trainer, rank_loader
+from helpers import MLPModule, ShardedMLP, distributed_trainer, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import GradNormMonitor
 
 
@@ -23,8 +19,7 @@ class Record(pl.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
+    parser = script_parser()
     parser.add_argument("--strategy", choices=["ddp", "fsdp2"], required=True)
     parser.add_argument("--norm-type", type=float, default=2.0)
     args = parser.parse_args()
@@ -39,7 +34,7 @@ def main() -> None:
         strategy=strategy, callbacks=[GradNormMonitor(norm_type=args.norm_type, depth=1), record]
     )
     trainer.fit(model, rank_loader(trainer.global_rank))
-    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record.rows))
+    write_rank_result(args.out, trainer.global_rank, record.rows)
 
 
 if __name__ == "__main__":

@@ -5,23 +5,18 @@ and ClipGradNorm; node 1's loss is NaN at one step. Each node records its decisi
 
 from __future__ import annotations
 
-import argparse
-import json
 import warnings
-from pathlib import Path
 
 import torch
 from mesh2d_script import Record
 
-from helpers import distributed_trainer, rank_loader
+from helpers import distributed_trainer, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard
 from test_multinode_distributed import MAX_NORM, NodeFault
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = script_parser().parse_args()
     torch.manual_seed(0)
     model = NodeFault()
     record = Record()
@@ -37,7 +32,7 @@ def main() -> None:
         "steps": record.steps,
         "params": {n: p.detach().reshape(-1).tolist() for n, p in model.named_parameters()},
     }
-    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+    write_rank_result(args.out, trainer.global_rank, out)
 
 
 if __name__ == "__main__":

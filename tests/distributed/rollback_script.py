@@ -8,9 +8,7 @@ bitwise; it also reports the final parameters (gathered whole) for the single-pr
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
-from helpers import MLPModule, ShardedMLP, distributed_trainer
+from helpers import MLPModule, ShardedMLP, distributed_trainer, script_parser, write_rank_result
 from lightning_gradkit import GradKitDDPStrategy, GradKitModelParallelStrategy, SpikeRollback
 from lightning_gradkit.core.norms import local_tensor
 from test_guards import events
@@ -107,16 +105,14 @@ def run(out: Path, name: str, model: RollbackMLP, strategy: Any) -> dict[str, An
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = script_parser().parse_args()
     results: dict[str, Any] = {}
     torch.manual_seed(0)
     results["ddp"] = run(args.out, "ddp", RollbackMLP(), GradKitDDPStrategy(timeout=PG_TIMEOUT))
     torch.manual_seed(0)
     fsdp2 = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=PG_TIMEOUT)
     results["fsdp2"] = run(args.out, "fsdp2", ShardedRollbackMLP(), fsdp2)
-    (args.out / f"rank{results['ddp']['rank']}.json").write_text(json.dumps(results))
+    write_rank_result(args.out, results["ddp"]["rank"], results)
 
 
 if __name__ == "__main__":

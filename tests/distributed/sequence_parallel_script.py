@@ -5,18 +5,15 @@ Each rank records whether autograd left ``Partial`` gradients, the logged pre-cl
 
 from __future__ import annotations
 
-import argparse
-import json
 import warnings
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch.optim import Optimizer
 
-from helpers import distributed_trainer, loader
+from helpers import distributed_trainer, loader, script_parser, write_rank_result
 from lightning_gradkit import ClipGradNorm, GradKitModelParallelStrategy, GradNormMonitor
 from test_scale_distributed import MAX_NORM, SequenceParallelMLP
 
@@ -45,9 +42,7 @@ class Totals(pl.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = script_parser().parse_args()
     torch.manual_seed(0)
     model = SequenceParallelMLP()
     strategy = GradKitModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, timeout=timedelta(seconds=60))
@@ -59,7 +54,7 @@ def main() -> None:
         trainer.fit(model, loader(n=12, batch_size=4))
     params = {n: p.full_tensor().detach().reshape(-1).tolist() for n, p in model.named_parameters()}
     out = {"partial_before": see.partial, "totals": totals.totals, "params": params}
-    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+    write_rank_result(args.out, trainer.global_rank, out)
 
 
 if __name__ == "__main__":
