@@ -529,7 +529,7 @@ class Engine:
             anywhere = reduced[NONFINITE_GRAD_RANKS].sum() > 0
             for grad_stats in stats.values():
                 grad_stats.finite = grad_stats.finite & ~anywhere
-        primary = next((cb._primary_norm_type() for cb in cbs if cb._primary_norm_type() is not None), None)
+        primary = next((p for p in (cb._primary_norm_type() for cb in cbs) if p is not None), None)
         plan = StepPlan(
             optimizer=optimizer,
             optimizer_idx=_optimizer_index(trainer, optimizer),
