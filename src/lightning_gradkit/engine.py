@@ -117,7 +117,8 @@ class StepPlan:
     ``grads`` holds the gradients of the parameters at ``present`` (positions in ``index``), and ``run_ids`` the
     (device, dtype) group of each (``ParamIndex.run_of``), ``-1`` for a sparse one. Sparse COO gradients are
     coalesced by the engine's read (``p.grad`` is replaced by its coalesced version), so their values are the
-    gradient.
+    gradient. The engine empties ``grads`` once the plan is applied (:meth:`release_gradients`): a plan kept after
+    its step must not keep the step's gradients alive once the optimizer's ``zero_grad`` drops them.
 
     ``loss_scale`` is set when the gradients are still multiplied by the AMP loss scale (fused optimizers under
     16-mixed); every norm in ``stats`` and ``unit_norms`` is already expressed without it, and ``clamp_value`` is
@@ -145,6 +146,7 @@ class StepPlan:
     run_bounds: list[tuple[int, int]] | None = None
     _post_clip_total: Tensor | None = None
     _skip_host: bool | None = None
+    _released: bool = False
 
     @property
     def primary(self) -> GradStats:
@@ -206,11 +208,25 @@ class StepPlan:
         A second read of the gradients: only for post-clip values that cannot be derived (callers use it on logging
         steps only). Under sharding this performs a collective, so every rank must call it.
         """
-        local = per_tensor_norms(self.grads, norm_type).to(self.index.shard_weight.device)
-        local = fill_present(local, self.present, self.index.num_params)
+        grads, present = self.grads, self.present
+        if self._released:
+            grads, present = _current_grads(self)
+        local = per_tensor_norms(grads, norm_type).to(self.index.shard_weight.device)
+        local = fill_present(local, present, self.index.num_params)
         if self.loss_scale is not None:
             local = local / self.loss_scale
         return reduce_sharded(self.index, {norm_type: local})[0][norm_type]
+
+    def release_gradients(self) -> None:
+        """Drop the references to the step's gradient tensors (the engine calls it once the plan is applied).
+
+        Everything decided stays; a later :meth:`measure_grads` reads the parameters' gradients as they are then.
+        Without this, a plan kept after its step (the engine's last plan, a clipper's last decision) would hold the
+        gradients through the next backward after ``zero_grad(set_to_none=True)`` dropped them: one more set of
+        gradients at the memory peak.
+        """
+        self.grads = []
+        self._released = True
 
     @property
     def clipped(self) -> bool:
@@ -550,6 +566,7 @@ class Engine:
             for cb in cbs:
                 cb._decide_again(plan, first, trainer, pl_module)
             plan.apply()
+            plan.release_gradients()
             self._runs[id(optimizer)] = _Run(step, self.generation, _versions_if_shared(trainer, optimizer))
             return plan
         for cb in cbs:
@@ -564,6 +581,7 @@ class Engine:
             cb._observe(plan, trainer, pl_module)
         if self.skipped_steps is not None and plan.logging_step:
             log_metrics(trainer, pl_module, {"gradkit/skipped_steps": self.skipped_steps})
+        plan.release_gradients()
         return plan
 
 
@@ -628,6 +646,22 @@ def _measure_units(index: ParamIndex, grads: list[Tensor], present: list[int], n
         return None
     units = [row_norms(grads[j]) for j in slots]
     return UnitNorms(positions=slots, sizes=[u.numel() for u in units], flat=torch.cat(units))
+
+
+def _current_grads(plan: StepPlan) -> tuple[list[Tensor], list[int]]:
+    """The gradients of a released plan's parameters as they are now, at the positions the plan measured.
+
+    Raises:
+        RuntimeError: if one of them is gone (the optimizer's ``zero_grad`` ran since the step).
+    """
+    grads, present, _, _ = _read_grads(plan.index)
+    if present != plan.present:
+        raise RuntimeError(
+            "The gradients of this optimizer step are no longer there (`zero_grad` ran since the step): post-clip "
+            "norms can only be measured until the next `zero_grad`. Read them on the step itself, as the gradkit "
+            "callbacks log them."
+        )
+    return grads, present
 
 
 def _read_grads(index: ParamIndex) -> tuple[list[Tensor], list[int], list[int], list[tuple[int, int]] | None]:
