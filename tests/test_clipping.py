@@ -259,6 +259,35 @@ def test_clipped_fraction_counts_steps_since_the_last_log(tmp_path: Path) -> Non
     assert 0 < sum(expected) < 4
 
 
+@pytest.mark.parametrize("make_callback", [lambda: ClipGradNorm(0.6), lambda: ZClip(alpha=0.9, warmup_steps=4)])
+def test_clipped_count_over_long_logging_periods_and_in_checkpoints(tmp_path: Path, make_callback: Callable) -> None:
+    """The clipped flags are summed in batches (of 64 steps, and when logged or saved): a logging period of 150
+    steps and a checkpoint taken between two logs count exactly the steps a plain loop clips."""
+    steps, period = 170, 150
+    torch.manual_seed(0)
+    callback = make_callback()
+    trainer = make_trainer(tmp_path, callbacks=[callback], log_every_n_steps=period, max_steps=steps)
+    trainer.fit(MLPModule(lr=0.05), loader(n=steps * 8, batch_size=8))
+    torch.manual_seed(0)
+    model = MLPModule(lr=0.05)
+    opt = model.configure_optimizers()
+    ref = NormRef(0.6) if isinstance(callback, ClipGradNorm) else ZClipRef(0.9, 2.5, 4, None)
+    flags = []
+    for x, y in loader(n=steps * 8, batch_size=8):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        before = total_norm(model)
+        ref(model)
+        flags.append(total_norm(model) < before * (1 - 1e-6))
+        opt.step()
+    assert 0 < sum(flags[:period]) < period and sum(flags[period:]) > 0
+    # Logged once, at step `period - 1`, over the `period` steps before it.
+    fractions = column(read_metrics(trainer), "grad_clip/clipped_fraction")
+    assert fractions == pytest.approx([sum(flags[:period]) / period])
+    state = callback.state_dict()
+    assert int(state["clipped"][0]) == sum(flags[period:]) and state["steps"][0] == steps - period
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_no_host_sync_per_step(tmp_path: Path, case: str) -> None:
     callback = CASES[case][0]()

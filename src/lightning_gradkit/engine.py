@@ -472,7 +472,6 @@ class Engine:
             return None
         return self.last_plans.get(id(optimizer))
 
-    @torch.no_grad()
     def run(
         self,
         trainer: pl.Trainer,
@@ -496,6 +495,18 @@ class Engine:
             ):
                 return None  # the same gradients, or a backward that did not touch this optimizer's
             first = self.last_plans[id(optimizer)]
+        with torch.no_grad():
+            return self._run(trainer, pl_module, optimizer, extra, step, first)
+
+    def _run(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: Optimizer,
+        extra: Sequence[GradKitCallback],
+        step: tuple[int, int],
+        first: StepPlan | None,
+    ) -> StepPlan:
         cbs = self.callbacks(trainer, extra)
         cbs = self._with_pending_scales(cbs, optimizer)
         request = StatsRequest()
@@ -675,12 +686,14 @@ def _read_grads(index: ParamIndex) -> tuple[list[Tensor], list[int], list[int], 
     which every later step (and the optimizer) reads and writes in place.
     """
     raw = [p.grad for p in index.params]
-    if any(g is None for g in raw):
-        present = [i for i, g in enumerate(raw) if g is not None]
-        raw = [raw[i] for i in present]
-    else:
-        present = index.all_positions
-    sparse = [j for j, g in enumerate(raw) if g.is_sparse]
+    present = index.all_positions
+    sparse: list[int] = []
+    for g in raw:
+        if g is None or g.is_sparse:  # one pass for the common step, where neither occurs
+            present = [i for i, g in enumerate(raw) if g is not None]
+            raw = [raw[i] for i in present]
+            sparse = [j for j, g in enumerate(raw) if g.is_sparse]
+            break
     for j in sparse:
         if not raw[j].is_coalesced():
             raw[j] = index.params[present[j]].grad = raw[j].coalesce()

@@ -29,6 +29,7 @@ from lightning_gradkit.core.clip import (
     GradValuePolicy,
     ScalarClipPolicy,
     ZClipPolicy,
+    clip_coefficient,
     clip_to_threshold,
 )
 from lightning_gradkit.core.norms import (
@@ -52,16 +53,24 @@ from lightning_gradkit.engine import (
     world_size,
 )
 
+#: Clipped-step flags wait in a list and are summed on device once per this many steps (and when logged or saved),
+#: not with an add kernel every step.
+_COUNT_EVERY = 64
+
 
 @dataclass
 class _Decision:
-    """What a clipping callback decided for one step, kept for logging (device tensors)."""
+    """What a clipping callback decided for one step, kept for logging (device tensors).
+
+    ``clipped`` is the step's bool flag; ``None`` when it is ``pre > clip_above``, which is then worked out when the
+    counts are summed, for many steps in one comparison."""
 
     pre: Tensor
     post: Callable[[], Tensor]
     coef: Callable[[], Tensor]
-    clipped: Tensor
+    clipped: Tensor | None
     threshold: Tensor | None = None
+    clip_above: float | None = None
 
 
 class _GradClipCallback(GradKitCallback):
@@ -86,6 +95,7 @@ class _GradClipCallback(GradKitCallback):
         self._set_up = False
         self._policies: dict[int, ClipPolicy] = {}
         self._clipped: dict[int, Tensor] = {}
+        self._uncounted: dict[tuple[int, float | None], list[Tensor]] = {}
         self._steps: dict[int, int] = {}
         self._last: dict[int, _Decision] = {}
         self._prepared_for: weakref.ref[pl.Trainer] | None = None
@@ -115,6 +125,8 @@ class _GradClipCallback(GradKitCallback):
         self._prepared_for = weakref.ref(trainer)
 
     def state_dict(self) -> dict[str, Any]:
+        for idx in list(self._steps):
+            self._count_now(idx)
         return {
             "policies": {i: p.state_dict() for i, p in self._policies.items()},
             "clipped": {i: c.detach().cpu() for i, c in self._clipped.items()},
@@ -125,6 +137,7 @@ class _GradClipCallback(GradKitCallback):
         for i, state in state_dict.get("policies", {}).items():
             self._policy_for(int(i)).load_state_dict(state)
         self._clipped = {int(i): c.clone() for i, c in state_dict.get("clipped", {}).items()}
+        self._uncounted.clear()
         self._steps = {int(i): int(n) for i, n in state_dict.get("steps", {}).items()}
 
     # -- engine steps -----------------------------------------------------------------------------------------
@@ -145,11 +158,21 @@ class _GradClipCallback(GradKitCallback):
         idx = plan.optimizer_idx
         decision = self._clip(self._policy_for(idx), plan)
         self._last[idx] = decision
-        count = self._clipped.get(idx)
-        if count is None or count.device != decision.clipped.device:
-            count = self._clipped[idx] = torch.zeros((), dtype=torch.long, device=decision.clipped.device)
-        count.add_(decision.clipped)  # bool into long: no cast kernel
+        key = (idx, decision.clip_above if decision.clipped is None else None)
+        pending = self._uncounted.setdefault(key, [])
+        pending.append(decision.pre if decision.clipped is None else decision.clipped)
+        if len(pending) >= _COUNT_EVERY:
+            self._count_now(idx)
         self._steps[idx] = self._steps.get(idx, 0) + 1
+
+    def _count_now(self, idx: int) -> None:
+        """Sum the waiting clipped flags of optimizer ``idx`` into its device counter (no host sync)."""
+        for key in [k for k in self._uncounted if k[0] == idx]:
+            stacked = torch.stack(self._uncounted.pop(key))
+            above = key[1]
+            added = (stacked if above is None else stacked > above).sum()
+            count = self._clipped.get(idx)
+            self._clipped[idx] = added if count is None else count.to(added.device) + added
 
     def _decide_again(
         self, plan: StepPlan, first: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule
@@ -171,7 +194,7 @@ class _GradClipCallback(GradKitCallback):
         suffix = f"/opt{idx}" if len(trainer.optimizers) > 1 else ""
         log_metrics(trainer, pl_module, {k + suffix: v for k, v in self.metrics(idx).items()})
         # A fresh counter: the logged fraction may still refer to the old one until Lightning reads it.
-        self._clipped[idx] = torch.zeros_like(self._clipped[idx])
+        self._clipped.pop(idx, None)
         self._steps[idx] = 0
 
     def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
@@ -184,11 +207,15 @@ class _GradClipCallback(GradKitCallback):
         """
         decision = self._last[optimizer_idx]
         steps = max(self._steps.get(optimizer_idx, 0), 1)
+        self._count_now(optimizer_idx)
+        clipped = self._clipped.get(optimizer_idx)
+        if clipped is None:
+            clipped = torch.zeros((), dtype=torch.long, device=decision.pre.device)
         out = {
             "grad_clip/pre_clip_norm": decision.pre,
             "grad_clip/post_clip_norm": decision.post(),
             "grad_clip/coef": decision.coef(),
-            "grad_clip/clipped_fraction": self._clipped[optimizer_idx].to(torch.float32) / steps,
+            "grad_clip/clipped_fraction": clipped.to(torch.float32) / steps,
         }
         if decision.threshold is not None:
             out["grad_clip/threshold"] = decision.threshold
@@ -232,9 +259,20 @@ class _ScalarClip(_GradClipCallback):
     def _clip(self, policy: ClipPolicy, plan: StepPlan) -> _Decision:
         assert isinstance(policy, ScalarClipPolicy)
         pre = plan.pre_clip_total(policy.norm_type)
-        coef, clipped, threshold = policy(pre)
+        if type(policy) is GradNormPolicy:
+            # `policy(pre)` would also compare with max_norm every step: the clipped count does that when it sums.
+            coef, clipped, threshold = clip_coefficient(pre, policy.max_norm), None, policy.threshold(pre)
+        else:
+            coef, clipped, threshold = policy(pre)
         plan.clip_coef = coef
-        return _Decision(pre=pre, post=lambda: pre * coef, coef=lambda: coef, clipped=clipped, threshold=threshold)
+        return _Decision(
+            pre=pre,
+            post=lambda: pre * coef,
+            coef=lambda: coef,
+            clipped=clipped,
+            threshold=threshold,
+            clip_above=policy.max_norm if clipped is None else None,
+        )
 
     def _clip_again(self, policy: ClipPolicy, plan: StepPlan) -> None:
         if isinstance(policy, GradNormPolicy):

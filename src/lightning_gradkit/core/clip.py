@@ -182,12 +182,16 @@ class GradNormPolicy(ScalarClipPolicy):
     def fresh(self) -> GradNormPolicy:
         return GradNormPolicy(**self._config())
 
-    def __call__(self, total_norm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # The threshold is a constant: one device tensor per device, made once, not a fill kernel every step.
+    def threshold(self, total_norm: Tensor) -> Tensor:
+        """``max_norm`` as a device scalar like ``total_norm``: made once per device and dtype, not a fill kernel
+        every step."""
         threshold = self._threshold
         if threshold is None or threshold.device != total_norm.device or threshold.dtype != total_norm.dtype:
             threshold = self._threshold = torch.full_like(total_norm, self.max_norm)
-        return clip_coefficient(total_norm, self.max_norm), total_norm > self.max_norm, threshold
+        return threshold
+
+    def __call__(self, total_norm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return clip_coefficient(total_norm, self.max_norm), total_norm > self.max_norm, self.threshold(total_norm)
 
 
 class GradValuePolicy(ClipPolicy):
