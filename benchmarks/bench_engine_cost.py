@@ -9,7 +9,11 @@ A/B step-time tables, whose run-to-run noise on a shared CPU is several percent:
 not a difference of two noisy medians. Runs are interleaved over ``--repeats`` and the step time used as the
 denominator is the median over all runs of all configurations.
 
-    python benchmarks/bench_engine_cost.py [--steps 40 --warmup 8 --repeats 3]
+A second, paired measurement then sets ``GradNormMonitor + ClipGradNorm`` against ``gradient_clip_val`` step by step
+within one run (``harness.paired_boundary_cost``): ``--paired-steps`` steps per run, ``2 * --repeats`` runs with
+the side that goes first swapped each time. Its ratio is the median of the per-pair ratios.
+
+    python benchmarks/bench_engine_cost.py [--steps 40 --warmup 8 --repeats 3 --paired-steps 200]
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_monitoring import LightningRecipe
-from harness import ConfigFactory, common_args, gpt_loader, machine, run_once
+from harness import ConfigFactory, common_args, gpt_loader, machine, paired_boundary_cost, paired_summary, run_once
 
 from lightning_gradkit import (
     AdaptiveGradClip,
@@ -86,8 +90,31 @@ def boundary_cost(case: ConfigFactory, loader: DataLoader, steps: int, warmup: i
     return samples[warmup:], step_times[warmup:]
 
 
+def paired(loader: DataLoader, steps: int, warmup: int, runs: int, accelerator: str = "cpu") -> None:
+    """``GradNormMonitor(depth=2) + ClipGradNorm(1.0)`` against ``gradient_clip_val=1.0``, paired step by step."""
+    pairs = [
+        paired_boundary_cost(
+            TinyGPTModule(**MODEL),
+            loader,
+            [ClipGradNorm(1.0), GradNormMonitor(depth=2)],
+            steps,
+            warmup,
+            accelerator,
+            first="ours" if k % 2 == 0 else "lightning",
+        )
+        for k in range(runs)
+    ]
+    ours, lightning, ratio = paired_summary(pairs)
+    print(f"\npaired in one run ({runs} runs of {steps} steps, {warmup} warm-up pairs dropped, first side swapped):")
+    print("| configuration | boundary per step (ms) |\n| --- | ---: |")
+    print(f"| {BASELINE} | {lightning * 1e3:.3f} |\n| GradNormMonitor(depth=2) + ClipGradNorm | {ours * 1e3:.3f} |")
+    print(f"| monitor + ClipGradNorm / gradient_clip_val (median of per-pair ratios) | {ratio:.3f}x |")
+
+
 def main() -> None:
-    args = common_args(__doc__.splitlines()[0]).parse_args()
+    parser = common_args(__doc__.splitlines()[0])
+    parser.add_argument("--paired-steps", type=int, default=200, help="steps per paired run (0: none)")
+    args = parser.parse_args()
     loader = gpt_loader(MODEL["block_size"])
     boundary: dict[str, list[float]] = {name: [] for name in CASES}
     steps: list[float] = []
@@ -104,6 +131,8 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: |")
     for name, c in cost.items():
         print(f"| {name} | {c * 1e3:.3f} | {100 * c / step:.2f}% | {100 * (c - cost[BASELINE]) / step:+.2f}% |")
+    if args.paired_steps:
+        paired(loader, args.paired_steps, args.warmup, 2 * args.repeats)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ The ruler is ``bench_engine_cost.py``'s: the wall time of Lightning's ``Precisio
 ``on_before_optimizer_step`` hook plus Lightning's own ``gradient_clip_val`` clipping), timed inside real Trainer
 runs. The model holds N small tensors (16 values each, in chunks of 100 so that ``GradNormMonitor(depth=2)`` logs
 N / 100 module norms) and its forward is a single matrix product, so the step is cheap and the per-tensor work at
-the boundary is what grows. Configurations are interleaved over ``--repeats``.
+the boundary is what grows. Configurations are interleaved over ``--repeats``. Then, per size, ``2 * --repeats``
+paired runs set monitor + ClipGradNorm against ``gradient_clip_val`` step by step within one run
+(``harness.paired_boundary_cost``, ``--paired-steps`` steps each; 0 turns them off).
 
 ``--profile`` runs cProfile over the boundary of ``GradNormMonitor + ClipGradNorm`` at the largest size and prints
 the functions where the Python time goes. ``--payload`` prints only the collective-payload table (no training): the
@@ -36,7 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine_cost import boundary_cost
-from harness import ConfigFactory, common_args, machine, run_once
+from harness import ConfigFactory, common_args, machine, paired_boundary_cost, paired_summary, run_once
 
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard
 
@@ -94,7 +96,7 @@ def data(steps: int) -> DataLoader:
     )
 
 
-def measure(sizes: list[int], steps: int, warmup: int, repeats: int) -> None:
+def measure(sizes: list[int], steps: int, warmup: int, repeats: int, paired_steps: int = 0) -> None:
     loader = data(steps)
     print(f"machine: {machine()}\nmodel: N tensors of {WIDTH} values, batch 8, log_every_n_steps=50")
     print(f"{steps} steps per run ({warmup} warm-up dropped), {repeats} interleaved runs per configuration\n")
@@ -113,6 +115,27 @@ def measure(sizes: list[int], steps: int, warmup: int, repeats: int) -> None:
     print(
         "| monitor + ClipGradNorm / gradient_clip_val | "
         + " | ".join(f"{table[n]['GradNormMonitor + ClipGradNorm'] / table[n][BASELINE]:.2f}x" for n in sizes)
+        + " |"
+    )
+    if not paired_steps:
+        return
+    ratios = []
+    for n in sizes:
+        pairs = [
+            paired_boundary_cost(
+                ManyTensors(n),
+                data(paired_steps),
+                [GradNormMonitor(depth=2), ClipGradNorm(1.0)],
+                paired_steps,
+                warmup,
+                first="ours" if k % 2 == 0 else "lightning",
+            )
+            for k in range(2 * repeats)
+        ]
+        ratios.append(paired_summary(pairs)[2])
+    print(
+        f"| same, paired step by step in one run ({2 * repeats} runs of {paired_steps} steps) | "
+        + " | ".join(f"{r:.2f}x" for r in ratios)
         + " |"
     )
 
@@ -188,16 +211,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="12 steps (4 warm-up), one run per configuration")
     parser.add_argument("--profile", action="store_true", help="cProfile the boundary at the largest size")
     parser.add_argument("--payload", action="store_true", help="print the collective-payload table only")
+    parser.add_argument("--paired-steps", type=int, default=100, help="steps per paired run (0: none)")
     args = parser.parse_args()
     if args.payload:
         print(payload_table())
         return
     if args.quick:
-        args.steps, args.warmup, args.repeats = 12, 4, 1
+        args.steps, args.warmup, args.repeats, args.paired_steps = 12, 4, 1, 24
     if args.profile:
         profile(max(args.sizes), args.steps)
         return
-    measure(args.sizes, args.steps, args.warmup, args.repeats)
+    measure(args.sizes, args.steps, args.warmup, args.repeats, args.paired_steps)
 
 
 if __name__ == "__main__":

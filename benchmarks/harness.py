@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import Precision
 from torch.utils.data import DataLoader
 
 # A configuration builds (module, extra Trainer kwargs) afresh for every run.
@@ -83,6 +84,63 @@ def run_once(
     trainer = quiet_trainer(accelerator, max_steps=steps, callbacks=callbacks, **{**trainer_kwargs, **extra})
     trainer.fit(module, dataloader)
     return timer.step_times
+
+
+def paired_boundary_cost(
+    module: pl.LightningModule,
+    dataloader: DataLoader,
+    callbacks: list[pl.Callback],
+    steps: int,
+    warmup: int,
+    accelerator: str = "cpu",
+    clip_val: float = 1.0,
+    first: str = "ours",
+) -> tuple[list[float], list[float]]:
+    """Boundary times of gradkit's ``callbacks`` and of Lightning's ``gradient_clip_val``, alternating step by step
+    in one Trainer run: ``(ours, lightning)`` in seconds, warm-up pairs dropped.
+
+    The ruler is ``bench_engine_cost.py``'s, Lightning's ``Precision._after_closure``. On every other step the
+    ``callbacks`` are taken out of ``trainer.callbacks`` for that boundary and ``gradient_clip_val`` is set, so
+    Lightning clips instead of gradkit. Both sides then see the same model, data, allocator and machine state, and
+    a drift of the machine (the several-percent run-to-run noise of a shared CPU) hits both halves of a pair alike.
+    ``first`` says which side runs on the even steps (swap it to check that the order does not matter).
+    """
+    times: dict[str, list[float]] = {"ours": [], "lightning": []}
+    sides = ("ours", "lightning") if first == "ours" else ("lightning", "ours")
+    original = Precision._after_closure
+
+    def timed(self: Precision, model: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
+        trainer = model.trainer
+        side = sides[sum(len(t) for t in times.values()) % 2]
+        saved = trainer.callbacks
+        if side == "lightning":
+            trainer.callbacks = [cb for cb in saved if not any(cb is ours for ours in callbacks)]
+            trainer.gradient_clip_val = clip_val
+        sync_device()
+        t0 = time.perf_counter()
+        try:
+            original(self, model, *args, **kwargs)
+            sync_device()
+            times[side].append(time.perf_counter() - t0)
+        finally:
+            trainer.callbacks = saved
+            trainer.gradient_clip_val = None
+
+    Precision._after_closure = timed  # type: ignore[method-assign]
+    try:
+        trainer = quiet_trainer(accelerator, max_steps=steps, callbacks=callbacks, log_every_n_steps=50)
+        trainer.fit(module, dataloader)
+    finally:
+        Precision._after_closure = original  # type: ignore[method-assign]
+    return times["ours"][warmup:], times["lightning"][warmup:]
+
+
+def paired_summary(pairs: list[tuple[list[float], list[float]]]) -> tuple[float, float, float]:
+    """``(ours, lightning, ratio)``: the two medians (seconds) and the median of the per-pair ratios."""
+    ours = [t for o, _ in pairs for t in o]
+    lightning = [t for _, lt in pairs for t in lt]
+    ratios = [a / b for o, lt in pairs for a, b in zip(o, lt, strict=False)]
+    return statistics.median(ours), statistics.median(lightning), statistics.median(ratios)
 
 
 def compare(
