@@ -238,22 +238,30 @@ def test_logged_norms_equal_the_reference(tmp_path: Path, case: str) -> None:
     assert model.post == pytest.approx(post2, rel=1e-5)
 
 
+def reference_clip_flags(
+    clip: Callable[[nn.Module], None], steps: int, clipped: Callable[[float, float], bool], **kwargs: Any
+) -> list[bool]:
+    """A plain loop clipped by ``clip``: per step, ``clipped(norm before the clip, norm after it)``."""
+    torch.manual_seed(0)
+    model = MLPModule(**kwargs)
+    opt = model.configure_optimizers()
+    flags = []
+    for x, y in loader(n=steps * 8, batch_size=8):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        before = total_norm(model)
+        clip(model)
+        flags.append(bool(clipped(before, total_norm(model))))
+        opt.step()
+    return flags
+
+
 def test_clipped_fraction_counts_steps_since_the_last_log(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, callbacks=[AutoClip(percentile=25.0, history_size=6)], log_every_n_steps=5)
     torch.manual_seed(0)
     trainer.fit(MLPModule(), loader(n=STEPS * 8, batch_size=8))
     clip = AutoClipRef(25.0, 6)
-    torch.manual_seed(0)
-    model = MLPModule()
-    opt = model.configure_optimizers()
-    flags = []
-    for x, y in loader(n=STEPS * 8, batch_size=8):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        norm = total_norm(model)
-        clip(model)
-        flags.append(norm > np.percentile(list(clip.history), 25.0))
-        opt.step()
+    flags = reference_clip_flags(clip, STEPS, lambda norm, _: norm > np.percentile(list(clip.history), 25.0))
     expected = [sum(flags[i : i + 5]) / 5 for i in range(0, STEPS, 5)]
     assert column(read_metrics(trainer), "grad_clip/clipped_fraction") == pytest.approx(expected)
     assert 0 < sum(expected) < 4
@@ -268,18 +276,8 @@ def test_clipped_count_over_long_logging_periods_and_in_checkpoints(tmp_path: Pa
     callback = make_callback()
     trainer = make_trainer(tmp_path, callbacks=[callback], log_every_n_steps=period, max_steps=steps)
     trainer.fit(MLPModule(lr=0.05), loader(n=steps * 8, batch_size=8))
-    torch.manual_seed(0)
-    model = MLPModule(lr=0.05)
-    opt = model.configure_optimizers()
     ref = NormRef(0.6) if isinstance(callback, ClipGradNorm) else ZClipRef(0.9, 2.5, 4, None)
-    flags = []
-    for x, y in loader(n=steps * 8, batch_size=8):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        before = total_norm(model)
-        ref(model)
-        flags.append(total_norm(model) < before * (1 - 1e-6))
-        opt.step()
+    flags = reference_clip_flags(ref, steps, lambda before, after: after < before * (1 - 1e-6), lr=0.05)
     assert 0 < sum(flags[:period]) < period and sum(flags[period:]) > 0
     # Logged once, at step `period - 1`, over the `period` steps before it.
     fractions = column(read_metrics(trainer), "grad_clip/clipped_fraction")
