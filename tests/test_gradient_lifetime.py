@@ -22,8 +22,10 @@ from lightning_gradkit import (
     ClipGradNorm,
     ClipGradValue,
     GradNormMonitor,
+    ManualAccumulator,
     NonFiniteGuard,
     SpikeGuard,
+    SpikeRollback,
     ZClip,
     clip_gradients,
 )
@@ -74,6 +76,10 @@ CONFIGS = {
         {"strategy": "gradkit"},
     ),
     "monitor, accumulation 2": lambda: ([GradNormMonitor(), ClipGradNorm(0.5)], {"accumulate_grad_batches": 2}),
+    "SpikeRollback + ClipGradNorm, gradkit strategy": lambda: (
+        [SpikeRollback("grad_norm", snapshot_every_n_steps=2), ClipGradNorm(0.5)],
+        {"strategy": "gradkit"},
+    ),
 }
 
 
@@ -94,6 +100,29 @@ def test_previous_step_gradients_are_freed_with_manual_clip_gradients(tmp_path: 
     # The tracker records the current step's gradients right after its backward: at the next backward
     # (after the user's zero_grad) none of them may be alive.
     assert model.alive == [0, 0, 0, 0]
+
+
+class _WindowTracker(_Tracker):
+    """Manual optimization with a ``ManualAccumulator`` window of 2 and an attached ``ClipGradNorm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.accumulator = ManualAccumulator(2)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.accumulator.backward(self, loss, batch_idx):
+            self.refs = [weakref.ref(p.grad) for p in self.parameters()]
+            self.accumulator.step(self.optimizers())
+        return loss
+
+
+def test_previous_window_gradients_are_freed_with_manual_accumulator(tmp_path: Path) -> None:
+    model = _WindowTracker()
+    make_trainer(tmp_path, max_epochs=1, callbacks=[ClipGradNorm(0.5)]).fit(model, loader())
+    assert len(model.alive) == 8 and any(model.refs)
+    assert model.alive == [0] * 8
 
 
 def test_released_plan_measures_the_gradients_as_they_are_now(tmp_path: Path) -> None:
