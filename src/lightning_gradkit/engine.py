@@ -516,15 +516,11 @@ class Engine:
             request.norm_types.add(2.0)
 
         index = self._index(trainer, pl_module, optimizer, request.depth)
-        resolve_partial_grads([index.params[i] for i in index.replicated_dtensors])
-        grads, present, run_ids, bounds = _read_grads(index)
-        absent = _absent(index, present)
+        grads, present, run_ids, bounds, absent = _read_step(index)
         if any(not index.params[i].requires_grad for i in absent):  # frozen since the index was built
             self._forget_index(optimizer, request.depth)
             index = self._index(trainer, pl_module, optimizer, request.depth)
-            resolve_partial_grads([index.params[i] for i in index.replicated_dtensors])
-            grads, present, run_ids, bounds = _read_grads(index)
-            absent = _absent(index, present)
+            grads, present, run_ids, bounds, absent = _read_step(index)
         missing = [index.names[i] for i in absent]
 
         extras: dict[str, Tensor] = {}
@@ -572,26 +568,24 @@ class Engine:
             run_ids=run_ids,
             run_bounds=bounds,
         )
-        if first is not None:
+        if first is not None:  # a later evaluation of the step's closure: clip again, decide nothing new
             plan.scale = first.scale
             for cb in cbs:
                 cb._decide_again(plan, first, trainer, pl_module)
-            plan.apply()
-            plan.release_gradients()
-            self._runs[id(optimizer)] = _Run(step, self.generation, _versions_if_shared(trainer, optimizer))
-            return plan
-        for cb in cbs:
-            cb._decide(plan, trainer, pl_module)
+        else:
+            for cb in cbs:
+                cb._decide(plan, trainer, pl_module)
         plan.apply()
         self._runs[id(optimizer)] = _Run(step, self.generation, _versions_if_shared(trainer, optimizer))
-        if plan.skip is not None:
-            count = plan.skip.to(torch.float32)
-            self.skipped_steps = count if self.skipped_steps is None else self.skipped_steps + count
-        self.last_plans[id(optimizer)] = plan
-        for cb in cbs:
-            cb._observe(plan, trainer, pl_module)
-        if self.skipped_steps is not None and plan.logging_step:
-            log_metrics(trainer, pl_module, {"gradkit/skipped_steps": self.skipped_steps})
+        if first is None:
+            if plan.skip is not None:
+                count = plan.skip.to(torch.float32)
+                self.skipped_steps = count if self.skipped_steps is None else self.skipped_steps + count
+            self.last_plans[id(optimizer)] = plan
+            for cb in cbs:
+                cb._observe(plan, trainer, pl_module)
+            if self.skipped_steps is not None and plan.logging_step:
+                log_metrics(trainer, pl_module, {"gradkit/skipped_steps": self.skipped_steps})
         plan.release_gradients()
         return plan
 
@@ -673,6 +667,14 @@ def _current_grads(plan: StepPlan) -> tuple[list[Tensor], list[int]]:
             "callbacks log them."
         )
     return grads, present
+
+
+def _read_step(index: ParamIndex) -> tuple[list[Tensor], list[int], list[int], list[tuple[int, int]] | None, list[int]]:
+    """:func:`_read_grads` after summing ``Partial`` gradients (:func:`resolve_partial_grads`), plus the positions
+    without a gradient (:func:`_absent`)."""
+    resolve_partial_grads([index.params[i] for i in index.replicated_dtensors])
+    grads, present, run_ids, bounds = _read_grads(index)
+    return grads, present, run_ids, bounds, _absent(index, present)
 
 
 def _read_grads(index: ParamIndex) -> tuple[list[Tensor], list[int], list[int], list[tuple[int, int]] | None]:
