@@ -21,16 +21,25 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.plugins.precision import Precision
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_monitoring import LightningRecipe
-from harness import ConfigFactory, common_args, gpt_loader, machine, paired_boundary_cost, paired_summary, run_once
+from harness import (
+    ConfigFactory,
+    around_boundary,
+    common_args,
+    gpt_loader,
+    machine,
+    paired_boundary_cost,
+    paired_summary,
+    run_once,
+)
 
 from lightning_gradkit import (
     AdaptiveGradClip,
@@ -75,18 +84,14 @@ CASES: dict[str, ConfigFactory] = {
 def boundary_cost(case: ConfigFactory, loader: DataLoader, steps: int, warmup: int) -> tuple[list[float], list[float]]:
     """Per-step boundary times and step times (seconds) of one run, warm-up steps dropped."""
     samples: list[float] = []
-    original = Precision._after_closure
 
-    def timed(self: Precision, *args: Any, **kwargs: Any) -> None:
+    def timed(original: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         t0 = time.perf_counter()
-        original(self, *args, **kwargs)
+        original(*args, **kwargs)
         samples.append(time.perf_counter() - t0)
 
-    Precision._after_closure = timed  # type: ignore[method-assign]
-    try:
+    with around_boundary(timed):
         step_times = run_once(case, loader, steps, "cpu", {"log_every_n_steps": 50})
-    finally:
-        Precision._after_closure = original  # type: ignore[method-assign]
     return samples[warmup:], step_times[warmup:]
 
 

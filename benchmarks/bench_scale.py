@@ -32,13 +32,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine_cost import boundary_cost
-from harness import ConfigFactory, common_args, machine, paired_boundary_cost, paired_summary, run_once
+from harness import ConfigFactory, around_boundary, common_args, machine, paired_boundary_cost, paired_summary, run_once
 
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard
 
@@ -143,20 +142,16 @@ def measure(sizes: list[int], steps: int, warmup: int, repeats: int, paired_step
 def profile(n: int, steps: int, top: int = 20) -> None:
     """cProfile over the boundary only (``Precision._after_closure``) of monitor + ClipGradNorm at ``n`` tensors."""
     profiler = cProfile.Profile()
-    original = Precision._after_closure
 
-    def profiled(self: Precision, *args: Any, **kwargs: Any) -> None:
+    def profiled(original: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         profiler.enable()
         try:
-            original(self, *args, **kwargs)
+            original(*args, **kwargs)
         finally:
             profiler.disable()
 
-    Precision._after_closure = profiled  # type: ignore[method-assign]
-    try:
+    with around_boundary(profiled):
         run_once(cases(n)["GradNormMonitor + ClipGradNorm"], data(steps), steps, "cpu", {"log_every_n_steps": 50})
-    finally:
-        Precision._after_closure = original  # type: ignore[method-assign]
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
     print(f"cProfile of the boundary, GradNormMonitor + ClipGradNorm, {n:,} tensors, {steps} steps")

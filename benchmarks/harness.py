@@ -13,7 +13,8 @@ import logging
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,23 @@ def run_once(
     return timer.step_times
 
 
+@contextmanager
+def around_boundary(around: Callable[..., None]) -> Iterator[None]:
+    """Run ``around(original, precision, model, *args, **kwargs)`` in place of Lightning's ``Precision._after_closure``
+    (the benchmarks' ruler: every ``on_before_optimizer_step`` hook plus Lightning's own gradient clipping) while
+    the context is open; ``around`` must call ``original(precision, model, *args, **kwargs)``."""
+    original = Precision._after_closure
+
+    def patched(self: Precision, *args: Any, **kwargs: Any) -> None:
+        around(original, self, *args, **kwargs)
+
+    Precision._after_closure = patched  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Precision._after_closure = original  # type: ignore[method-assign]
+
+
 def paired_boundary_cost(
     module: pl.LightningModule,
     dataloader: DataLoader,
@@ -107,9 +125,10 @@ def paired_boundary_cost(
     """
     times: dict[str, list[float]] = {"ours": [], "lightning": []}
     sides = ("ours", "lightning") if first == "ours" else ("lightning", "ours")
-    original = Precision._after_closure
 
-    def timed(self: Precision, model: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
+    def timed(
+        original: Callable[..., None], self: Precision, model: pl.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
         trainer = model.trainer
         side = sides[sum(len(t) for t in times.values()) % 2]
         saved = trainer.callbacks
@@ -126,12 +145,8 @@ def paired_boundary_cost(
             trainer.callbacks = saved
             trainer.gradient_clip_val = None
 
-    Precision._after_closure = timed  # type: ignore[method-assign]
-    try:
-        trainer = quiet_trainer(accelerator, max_steps=steps, callbacks=callbacks, log_every_n_steps=50)
-        trainer.fit(module, dataloader)
-    finally:
-        Precision._after_closure = original  # type: ignore[method-assign]
+    with around_boundary(timed):
+        quiet_trainer(accelerator, max_steps=steps, callbacks=callbacks, log_every_n_steps=50).fit(module, dataloader)
     return times["ours"][warmup:], times["lightning"][warmup:]
 
 
