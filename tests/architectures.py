@@ -138,7 +138,7 @@ class ArchModule(pl.LightningModule):
     Args:
         model: the network.
         lr: SGD learning rate.
-        optimizer: ``"sgd"`` or ``"adam"``.
+        optimizer: ``"sgd"``, ``"adam"`` or ``"adam_fused"`` (``Adam(fused=True)``, which takes ``found_inf``).
     """
 
     def __init__(self, model: nn.Module, lr: float = 0.05, optimizer: str = "sgd") -> None:
@@ -164,8 +164,8 @@ class ArchModule(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        if self.optimizer_name == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        if self.optimizer_name.startswith("adam"):
+            return torch.optim.Adam(self.parameters(), lr=self.lr, fused=self.optimizer_name == "adam_fused")
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 

@@ -12,12 +12,8 @@ from torch import Tensor, nn
 
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit.core.norms import clean_name
-from lightning_gradkit.forensics import (
-    capture_rng,
-    find_nonfinite_origin,
-    preserved_state,
-    replay_training_step,
-)
+from lightning_gradkit.forensics import find_nonfinite_origin, replay_training_step
+from lightning_gradkit.replay import capture_rng, preserved_state
 
 
 class Log(nn.Module):

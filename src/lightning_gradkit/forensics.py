@@ -11,23 +11,20 @@ seen a non-finite loss or gradient, the batch is replayed ONE time with
 - the parameters' gradients of the replay (``torch.autograd.grad``, so ``.grad`` is not touched);
 - optionally ``torch.autograd.detect_anomaly(check_nan=True)``, for this replay only.
 
-Everything the replay could change is restored afterwards: the RNG states (torch CPU and CUDA, Python's
-``random``, NumPy's global generator when NumPy is loaded), every module buffer (e.g. BatchNorm running stats),
-every ``.grad``, and the state of every ``torchmetrics`` metric among the submodules (a metric updated in
-``training_step`` is not counted twice). The RNG state saved at the start of the bad batch can be set for the
-replay, so dropout masks repeat. Other Python side effects of the replayed code (a counter, a print, an append to a
-list) cannot be undone: they happen once more.
+The replay runs inside the package's one replay context (:func:`lightning_gradkit.replay.replay`): the RNG
+states, module buffers (e.g. BatchNorm running stats), ``.grad``, train/eval modes and ``torchmetrics`` states are
+restored afterwards, ``self.log`` does nothing, and gradkit's own per-micro-batch statistics (token counts, window
+losses) ignore it. The RNG state saved at the start of the bad batch is set for the replay, so dropout masks
+repeat. Other Python side effects of the replayed code (a counter, a print, an append to a list) happen once more.
 
 :func:`find_nonfinite_origin` is plain PyTorch; :func:`replay_training_step` wires it to a LightningModule.
 """
 
 from __future__ import annotations
 
-import random
-import sys
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gradkit.core.norms import clean_name, is_ddp_wrapped, loss_scale
+from lightning_gradkit.replay import RNGState, replay
 
 
 @dataclass
@@ -88,95 +86,6 @@ def all_finite(obj: Any) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in _tensors(obj) if t.is_floating_point() or t.is_complex())
 
 
-# -- state that a replay must not change ------------------------------------------------------------------------
-@dataclass
-class RNGState:
-    """RNG states of torch (CPU, every initialized CUDA device), Python's ``random`` and NumPy's global generator."""
-
-    torch_cpu: Tensor
-    torch_cuda: list[Tensor] | None
-    python: Any = None
-    numpy: Any = None
-
-
-def capture_rng(full: bool = True) -> RNGState:
-    """The current RNG states; ``full=False`` takes only torch's (cheap enough for every batch)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    state = RNGState(torch.get_rng_state(), cuda)
-    if full:
-        state.python = random.getstate()
-        np = sys.modules.get("numpy")
-        if np is not None:
-            state.numpy = np.random.get_state()
-    return state
-
-
-def restore_rng(state: RNGState) -> None:
-    torch.set_rng_state(state.torch_cpu)
-    if state.torch_cuda is not None:
-        torch.cuda.set_rng_state_all(state.torch_cuda)
-    if state.python is not None:
-        random.setstate(state.python)
-    np = sys.modules.get("numpy")
-    if state.numpy is not None and np is not None:
-        np.random.set_state(state.numpy)
-
-
-# Attributes of a torchmetrics ``Metric`` besides its declared states that ``update``/``forward`` change.
-_METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache")
-
-
-def _copied(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    if isinstance(value, list):
-        return [_copied(v) for v in value]
-    return value
-
-
-def _metric_states(module: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
-    """A copy of the state of every ``torchmetrics.Metric`` among ``module``'s submodules.
-
-    Metric states are plain attributes (not buffers): ``update`` adds to them in place or appends to lists.
-    """
-    torchmetrics = sys.modules.get("torchmetrics")
-    if torchmetrics is None:  # no metric can exist
-        return []
-    saved = []
-    for m in module.modules():
-        if isinstance(m, torchmetrics.Metric):
-            names = [*m._defaults, *(a for a in _METRIC_BOOKKEEPING if hasattr(m, a))]
-            saved.append((m, {name: _copied(getattr(m, name)) for name in names}))
-    return saved
-
-
-@contextmanager
-def preserved_state(module: nn.Module, replay_rng: RNGState | None = None) -> Iterator[None]:
-    """Run the body with ``replay_rng`` set (if given) and restore RNGs, buffers, ``.grad``, train/eval modes and
-    the state of ``torchmetrics`` metrics."""
-    rng = capture_rng(full=True)
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    grads = [(p, p.grad) for p in module.parameters()]
-    modes = [(m, m.training) for m in module.modules()]
-    metrics = _metric_states(module)
-    try:
-        if replay_rng is not None:
-            restore_rng(replay_rng)
-        yield
-    finally:
-        restore_rng(rng)
-        with torch.no_grad():
-            for buf, saved in buffers:
-                buf.copy_(saved)
-        for p, g in grads:
-            p.grad = g
-        for m, training in modes:
-            m.training = training
-        for metric, state in metrics:
-            for name, value in state.items():
-                setattr(metric, name, value)
-
-
 # -- the replay ---------------------------------------------------------------------------------------------------
 class _Recorder:
     """Hooks that remember the first place a non-finite value appeared, in execution order."""
@@ -225,7 +134,7 @@ def find_nonfinite_origin(
 ) -> Finding:
     """Replay ``compute_loss`` with hooks on every submodule of ``module`` and say where non-finite values began.
 
-    The caller restores state (see :func:`preserved_state`); this function only adds and removes hooks.
+    The caller restores state (see :func:`lightning_gradkit.replay.replay`); this function only adds and removes hooks.
 
     Args:
         module: the model whose submodules get hooks. Culprits are named by
@@ -330,18 +239,5 @@ def replay_training_step(
             out = out.get("loss")
         return out if isinstance(out, Tensor) else None
 
-    def no_log(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    silenced = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
-    for name in silenced:
-        setattr(pl_module, name, no_log)
-    try:
-        with preserved_state(pl_module, rng):
-            return find_nonfinite_origin(pl_module, compute_loss, scale, anomaly)
-    finally:
-        for name, previous in silenced.items():
-            if previous is None:
-                delattr(pl_module, name)
-            else:
-                setattr(pl_module, name, previous)
+    with replay(pl_module, rng):
+        return find_nonfinite_origin(pl_module, compute_loss, scale, anomaly)

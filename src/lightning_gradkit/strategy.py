@@ -63,11 +63,14 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradkit.core.buffers import BufferGuard
 from lightning_gradkit.engine import Engine, GradKitCallback, StepPlan
+from lightning_gradkit.replay import replaying
 
 _MISSING = object()
 
@@ -179,6 +182,7 @@ class GradKitStrategyMixin:
 
     _gradkit_gate_active: bool = False
     _gradkit_restored: dict[int, tuple[int, int, int, bool]] | None = None
+    _gradkit_buffers: BufferGuard | None = None
 
     # -- Lightning hooks -----------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
@@ -191,6 +195,7 @@ class GradKitStrategyMixin:
         if not self._gradkit_gate_active:
             return
         module = trainer.lightning_module
+        self._gradkit_buffers = BufferGuard(module)
         if module.automatic_optimization and "lr_scheduler_step" not in module.__dict__:
             module.lr_scheduler_step = _SchedulerGate(self, module.lr_scheduler_step)
             for config in self._gradkit_gated_configs():
@@ -206,6 +211,7 @@ class GradKitStrategyMixin:
         for config in self.lr_scheduler_configs:  # type: ignore[attr-defined]
             config.frequency = getattr(self, "_gradkit_frequencies", {}).pop(id(config), config.frequency)
         self._gradkit_gate_active = False
+        self._gradkit_buffers = None
         super().teardown()  # type: ignore[misc]
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -218,6 +224,12 @@ class GradKitStrategyMixin:
         # Adopted at the next optimizer step: Lightning may load before or after `setup`.
         self._gradkit_restored = checkpoint.get(_SCHEDULE_KEY)
         return checkpoint
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        buffers = self._gradkit_buffers
+        if buffers is not None and not buffers.open and not replaying():
+            buffers.capture()  # before the window's first forward: what a skip puts back
+        return super().training_step(*args, **kwargs)  # type: ignore[misc]
 
     def optimizer_step(
         self,
@@ -240,10 +252,32 @@ class GradKitStrategyMixin:
                 optimizer.step = shadowed  # type: ignore[method-assign]
         plan = engine.step_plan(self._gradkit_trainer, optimizer)
         self._gradkit_record(optimizer, plan)
-        if plan is not None and plan.skip_known_on_host():
+        skipped = plan.skip_known_on_host() if plan is not None else False
+        if skipped:
             # Also when the GradScaler skipped on its own and never called the gate.
             optimizer.zero_grad(set_to_none=True)
+        self._gradkit_close_window(plan, skipped)
         return output
+
+    def _gradkit_close_window(self, plan: StepPlan | None, skipped: bool | None) -> None:
+        """Put back the buffers the window's forwards wrote if its step was skipped (``skipped`` is ``None`` when
+        the skip is only known on device: a fused optimizer's), else keep them."""
+        buffers = self._gradkit_buffers
+        if buffers is None or not buffers.open:
+            return
+        if skipped is None:
+            assert plan is not None and plan.skip is not None
+            buffers.restore(plan.skip)
+        elif skipped:
+            missed = buffers.restore()
+            if missed:
+                rank_zero_warn(
+                    f"gradkit: the skipped step at global step {self._gradkit_trainer.global_step} wrote module "
+                    f"buffers that no earlier step wrote ({', '.join(missed[:5])}), so their values from before it "
+                    "are unknown and they keep this step's writes. Later skips restore them."
+                )
+        else:
+            buffers.keep()
 
     # -- the gate ------------------------------------------------------------------------------------------------
     def _gradkit_gate(self, optimizer: Optimizer, inner: Callable[..., Any], engine: Engine) -> Callable[..., Any]:

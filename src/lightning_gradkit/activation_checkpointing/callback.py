@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -35,8 +34,8 @@ from lightning_gradkit.activation_checkpointing.planner import (
     format_summary,
     measure_saved_activations,
     plan_checkpointing,
-    preserved_state,
 )
+from lightning_gradkit.replay import replay
 
 
 class ActivationCheckpointing(Callback):
@@ -61,11 +60,12 @@ class ActivationCheckpointing(Callback):
     - First training batch (``measure=True``): two extra forwards of ``training_step`` on that batch, without
       backward and in eager mode, under the step's precision: one with checkpointing bypassed, one with it. They
       measure the saved-activation bytes with ``torch.autograd.graph.saved_tensors_hooks`` (saved tensors are
-      counted and dropped, so the un-checkpointed measurement needs no extra memory). RNG states, buffers and
-      ``self.log`` are left untouched and DDP gradient sync is off; other side effects of ``training_step`` (a
-      counter it increments) happen twice more. Rank 0 logs a one-screen summary. With ``memory_budget``, the plan
-      is made here, on rank 0's batch, and broadcast. The summary cannot come at ``setup``: the model is not on its
-      device yet and there is no batch.
+      counted and dropped, so the un-checkpointed measurement needs no extra memory). They run in the package's
+      replay context (:func:`lightning_gradkit.replay.replay`): RNG states, buffers, ``self.log`` and the other
+      gradkit callbacks' statistics (e.g. ``AccumulationGuard``'s token count) are left untouched, and DDP gradient
+      sync is off; other side effects of ``training_step`` (a counter it increments) happen twice more. Rank 0
+      logs a one-screen summary. With ``memory_budget``, the plan is made here, on rank 0's batch, and broadcast.
+      The summary cannot come at ``setup``: the model is not on its device yet and there is no batch.
     - ``teardown``, or ``on_exception`` when ``fit`` fails: the injections are removed; the model is returned as it
       was given.
     - Buffers: the recompute during the backward does not update buffers a second time (BatchNorm's running
@@ -321,8 +321,7 @@ class ActivationCheckpointing(Callback):
     ) -> ActivationProfile:
         strategy = trainer.strategy
         with contextlib.ExitStack() as stack:
-            stack.enter_context(preserved_state(pl_module, [strategy.root_device]))
-            stack.enter_context(_silenced_logging(pl_module))
+            stack.enter_context(replay(pl_module))
             if isinstance(strategy.model, DistributedDataParallel):
                 stack.enter_context(strategy.model.no_sync())
             if hasattr(torch.compiler, "set_stance"):
@@ -377,19 +376,3 @@ class ActivationCheckpointing(Callback):
             format_summary(header, rows, self.saved_bytes_before, self.saved_bytes_after, footer or [])
             + ("\n  (measured on the first training batch, without backward)" if before else "")
         )
-
-
-@contextlib.contextmanager
-def _silenced_logging(pl_module: pl.LightningModule) -> Iterator[None]:
-    """``self.log``/``self.log_dict`` do nothing inside: the measuring forward must not add to logged metrics."""
-
-    def noop(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    pl_module.log = noop
-    pl_module.log_dict = noop
-    try:
-        yield
-    finally:
-        del pl_module.log
-        del pl_module.log_dict

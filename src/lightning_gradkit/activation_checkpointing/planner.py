@@ -13,7 +13,6 @@ outputs the policy caches are recorded alongside. A module's bytes are what is s
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,24 +200,6 @@ def measure_saved_activations(
         for h in handles:
             h.remove()
     return profile
-
-
-@contextlib.contextmanager
-def preserved_state(module: nn.Module, devices: Sequence[torch.device] = ()) -> Iterator[None]:
-    """Restore the RNG states (Python, CPU, the given accelerator devices) and ``module``'s buffers on exit, so an
-    extra forward (for measuring) changes nothing the training sees."""
-    py_state = random.getstate()
-    cuda = [d for d in devices if d.type == "cuda"]
-    with torch.no_grad():
-        buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-            yield
-    finally:
-        random.setstate(py_state)
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from lightning_gradkit.core.accumulate import (
 )
 from lightning_gradkit.core.norms import local_tensor
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan, is_logging_step, world_size
+from lightning_gradkit.replay import replaying
 
 OnDirty = Literal["warn", "raise"]
 _TOKENS_REDUCE_KEY = "accumulation/tokens"
@@ -220,7 +221,7 @@ class AccumulationGuard(GradKitCallback):
         self._previous_step_attr = None
 
     def _record_tokens(self, output: object) -> None:
-        if output is None:  # Lightning skips the micro-batch
+        if output is None or replaying():  # Lightning skips the micro-batch; a replay is not one
             return
         if not isinstance(output, Mapping) or self.tokens_key not in output:
             raise ValueError(
@@ -399,6 +400,13 @@ class AccumulationGuard(GradKitCallback):
         factor = mean_window_scale(window, micro_batches_in_window(self._batch_idx, window))
         if factor != 1.0:
             plan.multiply_scale(self._scalar(factor, device))
+
+    def _decide_again(
+        self, plan: StepPlan, first: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> None:
+        # A later closure evaluation (LBFGS, SAM) ran `training_step` again: the step was normalized by the first
+        # evaluation's tokens, and these must not count toward the next window.
+        self._tokens.reset()
 
     def _scalar(self, value: float, device: torch.device) -> Tensor:
         """A device scalar, made once per value (a fill kernel, no host-to-device copy)."""

@@ -34,7 +34,8 @@ from lightning_gradkit.core.norms import loss_scale
 from lightning_gradkit.core.running import RunningMoments, WindowMoments, spike_decision
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan, world_size
 from lightning_gradkit.events import EventLog, events_dir
-from lightning_gradkit.forensics import Finding, RNGState, capture_rng, replay_training_step
+from lightning_gradkit.forensics import Finding, replay_training_step
+from lightning_gradkit.replay import RNGState, capture_rng, replaying
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint, handles_found_inf
 
 _MAX_NAMES = 10
@@ -113,7 +114,7 @@ class WatchesLossOrGradNorm(GradKitCallback):
     _window_loss: WindowLoss
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self.monitor == "loss":
+        if self.monitor == "loss" and not replaying():
             self._window_loss.add(trainer, loss)
 
     def _stats_request(self, request: StatsRequest) -> None:
@@ -439,7 +440,7 @@ class NonFiniteGuard(_Guard):
             self._batches.append((batch, batch_idx, capture_rng(full=False)))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if not self.check_loss:
+        if not self.check_loss or replaying():
             return
         loss = loss.detach()
         bad = ~torch.isfinite(loss).all()

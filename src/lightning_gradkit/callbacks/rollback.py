@@ -24,7 +24,7 @@ from lightning_gradkit.callbacks.guards import WatchesLossOrGradNorm, WindowLoss
 from lightning_gradkit.core.running import RunningMoments, spike_decision
 from lightning_gradkit.engine import GradKitCallback, Stage, StepPlan
 from lightning_gradkit.events import EventLog, events_dir
-from lightning_gradkit.forensics import RNGState, capture_rng, restore_rng
+from lightning_gradkit.replay import RNGState, capture_rng, restore_rng
 from lightning_gradkit.snapshot import HostSnapshot, trained_parameters
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
 

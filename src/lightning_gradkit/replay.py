@@ -1,0 +1,195 @@
+"""One replay context: whatever runs ``training_step`` again comes out as if it never ran.
+
+Three features of the package run a batch's ``training_step`` a second time:
+
+- the culprit replay of :class:`~lightning_gradkit.NonFiniteGuard` (:mod:`lightning_gradkit.forensics`);
+- the measuring forwards of :class:`~lightning_gradkit.ActivationCheckpointing` (``measure=True``);
+- the later closure evaluations of an optimizer that evaluates its closure several times per step (``LBFGS``,
+  SAM).
+
+The first two are *replays*: the training never sees them. :func:`replay` runs them with
+
+- the RNG states (torch CPU and every initialized CUDA device, Python's ``random``, NumPy's global generator)
+  restored afterwards, and optionally set to a saved state for the replay (dropout masks repeat);
+- every module buffer (BatchNorm running statistics), every ``.grad``, the train/eval mode of every submodule and
+  the state of every ``torchmetrics`` metric among the submodules restored;
+- ``self.log`` / ``self.log_dict`` doing nothing;
+- :func:`replaying` true, so every gradkit piece that collects per-micro-batch statistics (the token count of
+  ``AccumulationGuard(normalize="tokens")``, the window loss of ``SpikeGuard`` / ``SpikeRollback``, the losses
+  ``NonFiniteGuard`` checks, the window-start buffer capture of the GradKit strategies) ignores them.
+
+A later closure evaluation is not a replay: the optimizer consumes it. The model's own state follows plain
+Lightning there (its buffers, RNG draws and ``self.log`` calls count, as they do without gradkit), and every
+gradkit callback forgets what its micro-batch hooks collected for it in ``GradKitCallback._decide_again`` (the
+engine calls it for every later evaluation, with or without a GradKit strategy): the step was decided and
+normalized on the first evaluation, so counting the later ones would skew the next window's token count and loss.
+
+What no context can undo: other Python side effects of ``training_step`` (a counter on ``self``, a print, a list
+it appends to) happen once more per replay.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+_depth = 0
+
+
+def replaying() -> bool:
+    """Whether a replay is running: per-micro-batch statistics must ignore it."""
+    return _depth > 0
+
+
+# -- RNG ----------------------------------------------------------------------------------------------------------
+@dataclass
+class RNGState:
+    """RNG states of torch (CPU, every initialized CUDA device), Python's ``random`` and NumPy's global generator."""
+
+    torch_cpu: Tensor
+    torch_cuda: list[Tensor] | None
+    python: Any = None
+    numpy: Any = None
+
+
+def capture_rng(full: bool = True) -> RNGState:
+    """The current RNG states; ``full=False`` takes only torch's (cheap enough for every batch)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    state = RNGState(torch.get_rng_state(), cuda)
+    if full:
+        state.python = random.getstate()
+        np = sys.modules.get("numpy")
+        if np is not None:
+            state.numpy = np.random.get_state()
+    return state
+
+
+def restore_rng(state: RNGState) -> None:
+    """Set the RNG states captured by :func:`capture_rng` (those it did not take are left alone)."""
+    torch.set_rng_state(state.torch_cpu)
+    if state.torch_cuda is not None:
+        torch.cuda.set_rng_state_all(state.torch_cuda)
+    if state.python is not None:
+        random.setstate(state.python)
+    np = sys.modules.get("numpy")
+    if state.numpy is not None and np is not None:
+        np.random.set_state(state.numpy)
+
+
+# -- module state -------------------------------------------------------------------------------------------------
+# Attributes of a torchmetrics ``Metric`` besides its declared states that ``update``/``forward`` change.
+_METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache")
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return value
+
+
+def _metric_states(module: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """A copy of the state of every ``torchmetrics.Metric`` among ``module``'s submodules.
+
+    Metric states are plain attributes (not buffers): ``update`` adds to them in place or appends to lists.
+    """
+    torchmetrics = sys.modules.get("torchmetrics")
+    if torchmetrics is None:  # no metric can exist
+        return []
+    saved = []
+    for m in module.modules():
+        if isinstance(m, torchmetrics.Metric):
+            names = [*m._defaults, *(a for a in _METRIC_BOOKKEEPING if hasattr(m, a))]
+            saved.append((m, {name: _copied(getattr(m, name)) for name in names}))
+    return saved
+
+
+@contextmanager
+def preserved_state(module: nn.Module, replay_rng: RNGState | None = None) -> Iterator[None]:
+    """Run the body with ``replay_rng`` set (if given); restore RNGs, buffers, ``.grad``, train/eval modes and the
+    state of ``torchmetrics`` metrics afterwards. Plain PyTorch (the part of :func:`replay` without Lightning).
+
+    Example::
+
+        >>> bn = nn.BatchNorm1d(2)
+        >>> with preserved_state(bn):
+        ...     _ = bn(torch.randn(4, 2))
+        >>> bn.running_mean, int(bn.num_batches_tracked)
+        (tensor([0., 0.]), 0)
+    """
+    rng = capture_rng(full=True)
+    with torch.no_grad():
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    grads = [(p, p.grad) for p in module.parameters()]
+    modes = [(m, m.training) for m in module.modules()]
+    metrics = _metric_states(module)
+    try:
+        if replay_rng is not None:
+            restore_rng(replay_rng)
+        yield
+    finally:
+        restore_rng(rng)
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+        for p, g in grads:
+            p.grad = g
+        for m, training in modes:
+            m.training = training
+        for metric, state in metrics:
+            for name, value in state.items():
+                setattr(metric, name, value)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextmanager
+def silenced_logging(module: nn.Module) -> Iterator[None]:
+    """``self.log`` / ``self.log_dict`` of a LightningModule do nothing inside (instance attributes shadow them)."""
+    previous = {name: module.__dict__.get(name) for name in ("log", "log_dict")}
+    for name in previous:
+        setattr(module, name, _no_log)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)
+
+
+@contextmanager
+def replay(module: nn.Module, rng: RNGState | None = None) -> Iterator[None]:
+    """The replay context: run ``training_step`` again and leave no trace (see the module docstring).
+
+    Args:
+        module: the LightningModule (or any ``nn.Module``) whose state the replay must not change.
+        rng: RNG states to set for the replay (e.g. captured before the original ``training_step``).
+
+    Example::
+
+        >>> bn = nn.BatchNorm1d(2)
+        >>> with replay(bn):
+        ...     replaying()
+        True
+        >>> replaying()
+        False
+    """
+    global _depth
+    _depth += 1
+    try:
+        with preserved_state(module, rng), silenced_logging(module):
+            yield
+    finally:
+        _depth -= 1
