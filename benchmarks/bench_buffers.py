@@ -1,0 +1,133 @@
+"""What it costs that a skipped step puts back the module buffers its forwards wrote (issue 21, item 1).
+
+Every GradKit strategy that may skip a step copies, at each accumulation window's start, the buffers the model's
+forward writes (BatchNorm's running statistics), and puts them back if the step is skipped. Side by side, in one
+run, interleaved: the "gradkit" strategy with ``NonFiniteGuard(action="skip")`` with that protection (``on``) and
+with it switched off (``off``), on
+
+- a ResNet-18-shaped CNN (20 BatchNorm layers, 60 buffers) on 32x32 images, batch 32;
+- TinyGPT (no BatchNorm): the protection must cost nothing there.
+
+Besides the step times (noisy on a shared CPU), the time spent inside the protection itself (the capture at the
+window start and the close at the step) is measured directly, per step.
+
+    python benchmarks/bench_buffers.py [--steps 60 --warmup 10 --repeats 3]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from harness import common_args, compare, gpt_loader, machine, report
+
+from architectures import ArchModule, ResNet18Like
+from lightning_gradkit import GradKitSingleDeviceStrategy, NonFiniteGuard
+from lightning_gradkit.core.buffers import BufferGuard
+from lightning_gradkit.demos import TinyGPTModule
+
+GPT = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
+
+
+class NoBufferProtection(GradKitSingleDeviceStrategy):
+    """The "gradkit" strategy with the buffer protection switched off (the ``off`` column)."""
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self._gradkit_buffers = None
+
+
+class _Clock:
+    """Seconds spent in the BufferGuard methods the strategy calls, summed over a run."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.originals: dict[str, Callable[..., Any]] = {}
+
+    def __enter__(self) -> _Clock:
+        for name in ("capture", "keep", "restore"):
+            original = getattr(BufferGuard, name)
+            self.originals[name] = original
+            setattr(BufferGuard, name, self._timed(original))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self.originals.items():
+            setattr(BufferGuard, name, original)
+
+    def _timed(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def image_loader(n: int = 4096, batch_size: int = 32) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+def configs(make: Callable[[], pl.LightningModule]) -> dict[str, Callable[[], tuple[pl.LightningModule, dict]]]:
+    def guard() -> list[pl.Callback]:
+        return [NonFiniteGuard(action="skip", forensics=False)]
+
+    return {
+        "off": lambda: (make(), {"callbacks": guard(), "strategy": NoBufferProtection()}),
+        "on": lambda: (make(), {"callbacks": guard(), "strategy": "gradkit"}),
+    }
+
+
+def direct_cost(make: Callable[[], pl.LightningModule], loader: DataLoader, steps: int) -> tuple[float, list[str]]:
+    """Microseconds per step inside the protection, and the buffers it copies (after the first window)."""
+    from harness import quiet_trainer
+
+    module = make()
+    trainer = quiet_trainer(max_steps=steps, strategy="gradkit", callbacks=[NonFiniteGuard(action="skip")])
+    with _Clock() as clock:
+        trainer.fit(module, loader)
+    watched = BufferGuard(module)
+    watched.capture()
+    module.train()
+    with torch.no_grad():
+        module.training_step(next(iter(loader)), 0)
+    watched.keep()
+    return 1e6 * clock.seconds / steps, watched.watched
+
+
+def main() -> None:
+    args = common_args(__doc__.splitlines()[0]).parse_args()
+    print(f"machine: {machine()}")
+    cases = {
+        "ResNet-18-shaped CNN (width 16), 32x32, batch 32": (
+            lambda: ArchModule(ResNet18Like(width=16)),
+            image_loader(),
+        ),
+        f"TinyGPT {GPT}, batch 16 (no BatchNorm)": (lambda: TinyGPTModule(**GPT), gpt_loader(GPT["block_size"])),
+    }
+    for title, (make, loader) in cases.items():
+        results = compare(configs(make), loader, steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+        print(report(results, "off", title))
+        micros, watched = direct_cost(make, loader, args.steps)
+        step = results["off"].median * 1e6
+        print(
+            f"inside the protection: {micros:.1f} us per step = {100 * micros / step:.3f}% of the step; "
+            f"buffers copied per window: {len(watched)}\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
