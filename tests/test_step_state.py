@@ -292,3 +292,16 @@ def test_replay_context_restores_buffers_rng_logging_and_statistics() -> None:
     assert torch.equal(bn.running_mean, torch.zeros(2)) and int(bn.num_batches_tracked) == 0
     bn.log("y", 1.0)  # type: ignore[attr-defined]
     assert logged == ["y"]
+
+
+@pytest.mark.distributed
+def test_skip_on_one_rank_leaves_ddp_buffers_as_without_the_bad_batch(tmp_path: Path) -> None:
+    """Rank 0 (whose buffers DDP broadcasts) gets a NaN batch: after the skip every rank's parameters and BN buffers
+    equal plain Lightning DDP that never saw that batch."""
+    from helpers import run_distributed
+
+    ranks = run_distributed("buffers_script.py", tmp_path, timeout=300)
+    for rank in ranks:
+        assert bn_buffers(rank["plain"])
+        for key, expected in rank["plain"].items():
+            assert torch.equal(torch.tensor(rank["gradkit"][key]), torch.tensor(expected)), key
