@@ -65,16 +65,17 @@ def bn_buffers(state: dict[str, Tensor]) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "window", "bad", "dropped"),
+    ("optimizer", "window", "bad", "dropped", "precision"),
     [
-        ("sgd", 1, [2], [2]),
-        ("adam_fused", 1, [2], [2]),  # the skip is known on device only: restored by torch.where, no host read
-        ("sgd", 2, [3], [2, 3]),  # NaN in the 2nd micro-batch: the window's 1st micro-batch wrote buffers too
+        ("sgd", 1, [2], [2], "32-true"),
+        ("adam_fused", 1, [2], [2], "32-true"),  # the skip is known on device only: torch.where, no host read
+        ("sgd", 2, [3], [2, 3], "32-true"),  # NaN in the 2nd micro-batch: the 1st micro-batch wrote buffers too
+        ("sgd", 1, [2], [2], "bf16-mixed"),
     ],
-    ids=["sgd", "fused_adam", "accumulation"],
+    ids=["sgd", "fused_adam", "accumulation", "bf16"],
 )
 def test_skipped_step_leaves_batchnorm_buffers_as_without_the_bad_batch(
-    tmp_path: Path, optimizer: str, window: int, bad: list[int], dropped: list[int]
+    tmp_path: Path, optimizer: str, window: int, bad: list[int], dropped: list[int], precision: str
 ) -> None:
     """ResNet-18 shape (in-place ReLU, zero-init last BN): parameters AND every BN buffer equal a plain Lightning
     run that never saw the skipped window's batches."""
@@ -85,9 +86,12 @@ def test_skipped_step_leaves_batchnorm_buffers_as_without_the_bad_batch(
         optimizer,
         strategy="gradkit",
         accumulate_grad_batches=window,
+        precision=precision,
         callbacks=[NonFiniteGuard(action="skip", forensics=False)],
     )
-    expected = resnet_state(tmp_path / "plain", without(data, dropped), optimizer, accumulate_grad_batches=window)
+    expected = resnet_state(
+        tmp_path / "plain", without(data, dropped), optimizer, accumulate_grad_batches=window, precision=precision
+    )
     assert len(bn_buffers(expected)) == 3 * 20  # every BatchNorm of the network, downsample branches included
     assert_states_equal(got, expected)
 
