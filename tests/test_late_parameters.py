@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import BackboneFinetuning, Callback
+from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, Callback
 from torch import Tensor, nn
 
 from clip_reference import AGCRef
@@ -151,6 +151,47 @@ def test_monitor_total_norm_covers_the_unfrozen_backbone(tmp_path: Path) -> None
     ]
     assert column(rows, "grad_norm/module/backbone.0") == pytest.approx(backbone, rel=1e-6)
     assert len(column(rows, "grad_norm/param_group_1")) == BATCHES
+
+
+class FreezeAllInSetup(BaseFinetuning):
+    """Freezes the whole model in ``setup``, as Lightning's ``test_base_finetuning_internal_optimizer_metadata`` does:
+    the backbone (in the optimizer, frozen) is unfrozen at epoch 0, the head joins as a new param group at epoch 1."""
+
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze(pl_module)
+
+    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == 0:
+            self.make_trainable(pl_module.backbone)
+        elif epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.head, optimizer, lr=HEAD_LR)
+
+
+class FrozenBackboneInOptimizer(BackboneModel):
+    def __init__(self) -> None:
+        super().__init__("base_finetuning")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.backbone.parameters(), lr=BACKBONE_LR)
+
+
+def test_monitor_warns_when_nothing_trains_at_fit_start_and_measures_the_parameters_that_join(tmp_path: Path) -> None:
+    model = FrozenBackboneInOptimizer()
+    monitor = GradNormMonitor(depth=1, param_groups=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(tmp_path, model, [FreezeAllInSetup(), monitor])
+    messages = [str(w.message) for w in caught if "no trainable parameter at fit start" in str(w.message)]
+    assert len(messages) == 1 and "picks parameters up when they join" in messages[0]
+    # Epoch 0 trains the backbone, epoch 1 the head too: the logged norms are those of exactly these gradients.
+    backbone = {f"backbone.{i}.{kind}" for i in (0, 2) for kind in ("weight", "bias")}
+    assert [set(g) for g in model.pre] == [backbone] * BATCHES + [backbone | {"head.weight", "head.bias"}] * BATCHES
+    rows = read_metrics(trainer)
+    expected = [torch.nn.utils.get_total_norm(list(g.values())).item() for g in model.pre]
+    assert column(rows, "grad_norm/total") == pytest.approx(expected, rel=1e-6)
+    head = [torch.nn.utils.get_total_norm([g["head.weight"], g["head.bias"]]).item() for g in model.pre[BATCHES:]]
+    assert column(rows, "grad_norm/param_group_1") == pytest.approx(head, rel=1e-6)
+    assert column(rows, "grad_norm/module/head") == pytest.approx(head, rel=1e-6)
 
 
 class WithUnusedBackboneLayer(BackboneModel):

@@ -115,13 +115,6 @@ def test_bad_arguments_raise_naming_the_argument(kwargs: dict, argument: str) ->
         GradNormMonitor(**kwargs)
 
 
-def test_model_without_trainable_parameters_fails_at_setup(tmp_path: Path) -> None:
-    model = MLPModule()
-    model.requires_grad_(False)
-    with pytest.raises(RuntimeError, match="no trainable parameter"):
-        make_trainer(tmp_path, callbacks=[GradNormMonitor()]).fit(model, loader())
-
-
 # -- short runs: the first and the last optimizer step are logged ---------------------------------------------------
 def test_quick_start_run_shorter_than_the_period_logs_first_and_last_step_and_warns(tmp_path: Path) -> None:
     """3 epochs of 64 batches, accumulating 4: 48 optimizer steps, fewer than Lightning's default period of 50."""

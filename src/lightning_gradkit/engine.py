@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
@@ -72,6 +73,7 @@ from lightning_gradkit.core.norms import (
     resolve_partial_grads,
     row_norms,
     sparse_values,
+    steps_in_optimizer,
     total_norm,
     world_size,
 )
@@ -393,6 +395,7 @@ class Engine:
         self._layout_verified = False
         self.generation = 0
         self._pending_scales: list[tuple[GradKitCallback, Optimizer | None]] = []
+        self._warned_frozen: set[str] = set()
 
     @classmethod
     def of(cls, trainer: pl.Trainer) -> Engine:
@@ -409,6 +412,7 @@ class Engine:
         self.skipped_steps = None
         self._layout_verified = False
         self._pending_scales.clear()
+        self._warned_frozen.clear()
 
     def verify_layout(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Once per fit, before the first step: every rank must train the same parameters in the same order."""
@@ -443,24 +447,50 @@ class Engine:
     ) -> ParamIndex:
         """The index of the parameters ``optimizer`` steps now, rebuilt only when that set changed.
 
-        Parameters can join after the first step (a backbone unfrozen with ``requires_grad_(True)``, a param group
-        added with ``add_param_group``, as Lightning's ``BackboneFinetuning`` does) or leave it (frozen again). The
-        check every step looks at the param groups (identity and length of each list) and at the ``requires_grad``
-        of the parameters that were frozen: nothing per trained tensor. A trained parameter frozen again shows as a
-        missing gradient, and :meth:`run` then calls :meth:`_forget_index`.
+        A parameter of the param groups belongs to it when it has a gradient (the optimizer applies it, whatever its
+        ``requires_grad``) or asks for one (``requires_grad=True``): see
+        :func:`~lightning_gradkit.core.norms.steps_in_optimizer`. Parameters can join after the first step (a
+        backbone unfrozen with ``requires_grad_(True)``, a param group added with ``add_param_group``, as Lightning's
+        ``BackboneFinetuning`` does) or leave it (frozen again). The check every step looks at the param groups
+        (identity and length of each list) and, for each parameter left out of the index, at its gradient and its
+        ``requires_grad``: nothing per indexed tensor. An indexed parameter that left shows as a missing gradient, and
+        :meth:`run` then calls :meth:`_forget_index`.
+
+        Under FSDP2 an unfrozen module's sharded parameters can keep ``requires_grad=False`` and still get a
+        gradient, on one step (see :class:`~lightning_gradkit.GradKitModelParallelStrategy`): the index takes them in
+        for that step, with a warning naming them, and drops them when their gradients stop.
         """
         key = (id(optimizer), depth)
         groups = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
         cached = self._indexes.get(key)
-        if cached is not None and cached.groups == groups and not any(p.requires_grad for p in cached.frozen):
+        if cached is not None and cached.groups == groups and not any(map(steps_in_optimizer, cached.outside)):
             return cached.index
         names = {id(p): n for n, p in pl_module.named_parameters()}
         first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         device = first.device if first is not None else pl_module.device
         index = build_param_index(optimizer.param_groups, names, depth, device, flat_sharded(trainer))
-        frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
-        self._indexes[key] = _CachedIndex(groups, frozen, index)
+        outside = [p for g in optimizer.param_groups for p in g["params"] if not steps_in_optimizer(p)]
+        self._indexes[key] = _CachedIndex(groups, outside, index)
+        self._warn_gradients_of_frozen(index)
         return index
+
+    def _warn_gradients_of_frozen(self, index: ParamIndex) -> None:
+        """Warn once per parameter about gradients on parameters with ``requires_grad=False`` (see :meth:`_index`)."""
+        names = [n for n, p in zip(index.names, index.params, strict=True) if not p.requires_grad]
+        names = [n for n in names if n not in self._warned_frozen]
+        if not names:
+            return
+        self._warned_frozen.update(names)
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        rank_zero_warn(
+            f"gradkit: {len(names)} parameter(s) the optimizer steps have a gradient but `requires_grad=False`: "
+            f"{shown}. The optimizer applies these gradients, so gradkit measures, clips and guards them too. Under "
+            "FSDP2 this happens when `requires_grad_(True)` reached a module's unsharded parameters (a module that "
+            "is its own FSDP root or has `reshard_after_forward=False`, frozen or just validated): FSDP2 resets the "
+            "flag from the sharded parameters at its next all-gather, so these parameters train for this one step "
+            "only. Call `module.reshard()` before `requires_grad_(True)` (see `GradKitModelParallelStrategy`). "
+            "Otherwise, if they are meant to be frozen, clear their gradients (`zero_grad(set_to_none=True)`)."
+        )
 
     def _forget_index(self, optimizer: Optimizer, depth: int) -> None:
         self._indexes.pop((id(optimizer), depth), None)
@@ -517,7 +547,7 @@ class Engine:
 
         index = self._index(trainer, pl_module, optimizer, request.depth)
         grads, present, run_ids, bounds, absent = _read_step(index)
-        if any(not index.params[i].requires_grad for i in absent):  # frozen since the index was built
+        if any(not steps_in_optimizer(index.params[i]) for i in absent):  # frozen since the index was built
             self._forget_index(optimizer, request.depth)
             index = self._index(trainer, pl_module, optimizer, request.depth)
             grads, present, run_ids, bounds, absent = _read_step(index)
@@ -593,10 +623,10 @@ class Engine:
 @dataclass(frozen=True)
 class _CachedIndex:
     """A parameter index with what tells when it is stale: the param groups it was built from (identity and
-    length of each ``params`` list) and the parameters that were frozen then."""
+    length of each ``params`` list) and the parameters of those groups it left out (no gradient, frozen)."""
 
     groups: tuple[tuple[int, int], ...]
-    frozen: list[Tensor]
+    outside: list[Tensor]
     index: ParamIndex
 
 

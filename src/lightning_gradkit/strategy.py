@@ -421,7 +421,22 @@ class GradKitFSDPStrategy(GradKitStrategyMixin, FSDPStrategy):
 
 class GradKitModelParallelStrategy(GradKitStrategyMixin, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel) with gradkit step control
-    (``"gradkit_model_parallel"``)."""
+    (``"gradkit_model_parallel"``).
+
+    Unfreezing under FSDP2: ``requires_grad_(True)`` sets the flag on the parameters registered on the module at that
+    moment. After a forward, FSDP2 leaves the *unsharded* parameters registered until a backward through the module
+    reshards them when it does not reshard after forward: a module that is its own FSDP root (``fully_shard`` on it
+    but not on a module above it) or one sharded with ``reshard_after_forward=False``. Such a module that is frozen
+    (no backward runs through it), or that has just run validation, gets the flag on its unsharded parameters; the
+    optimizer's sharded parameters keep ``requires_grad=False``. Plain FSDP2 then trains the module for ONE step: it
+    computes and reduce-scatters the gradients into the sharded parameters, which the optimizer applies; at the next
+    all-gather it copies ``requires_grad`` from the sharded parameters onto the unsharded ones
+    (``FSDPParam.to_unsharded``, torch 2.13), and from the second unfrozen step on the module gets no gradient and
+    stops training, without an error. gradkit follows what the optimizer applies: that one step's gradients are
+    measured, clipped and guarded like the others, a warning names the parameters, and gradkit does not change what
+    FSDP2 trains. To unfreeze for good, call ``module.reshard()`` (``FSDPModule.reshard``, which registers the sharded
+    parameters again) before ``requires_grad_(True)``.
+    """
 
     strategy_name = "gradkit_model_parallel"
 

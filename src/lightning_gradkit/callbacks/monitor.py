@@ -194,7 +194,11 @@ class GradNormMonitor(GradKitCallback):
 
     Trainable parameters that receive no gradient, or an all-zero gradient, are named in a warning, once each
     (the classic "training under ``no_grad``" or "loss not connected" failures). The checks start again for the
-    parameters that join the optimizer during the fit (e.g. a backbone unfrozen by ``BackboneFinetuning``).
+    parameters that join the optimizer during the fit (e.g. a backbone unfrozen by ``BackboneFinetuning``). A model
+    with no trainable parameter at fit start (a ``BaseFinetuning`` callback froze everything in ``setup`` and
+    unfreezes at an epoch start) gets a warning; its parameters are measured from the step they join. Every gradient
+    the optimizer applies is measured, also one on a parameter with ``requires_grad=False`` (FSDP2, see
+    ``GradKitModelParallelStrategy``).
 
     Args:
         norm_type: the p of the norm, ``p >= 1`` or ``float("inf")``.
@@ -219,7 +223,6 @@ class GradNormMonitor(GradKitCallback):
         ValueError: if ``norm_type`` < 1, ``depth`` is neither ``"auto"`` nor an integer >= 0, or
             ``log_every_n_steps`` is not a positive integer; at setup, if the Trainer has another GradNormMonitor.
         ModuleNotFoundError: with ``report=True``, if matplotlib is not installed.
-        RuntimeError: at fit start, if the model has no trainable parameter.
 
     Example::
 
@@ -313,10 +316,13 @@ class GradNormMonitor(GradKitCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         if not any(p.requires_grad for p in pl_module.parameters()):
-            raise RuntimeError(
-                f"GradNormMonitor: `{type(pl_module).__name__}` has no trainable parameter (none has "
-                "`requires_grad=True`), so there is no gradient to measure. Unfreeze some parameters or remove the "
-                "callback."
+            # Valid in Lightning: a `BaseFinetuning` callback may freeze everything in `setup` and unfreeze at an epoch
+            # start. The engine's index picks the parameters up when they join.
+            rank_zero_warn(
+                f"GradNormMonitor: `{type(pl_module).__name__}` has no trainable parameter at fit start (none has "
+                "`requires_grad=True`; a `BaseFinetuning` callback may have frozen them). The monitor picks "
+                "parameters up when they join (unfrozen with `requires_grad_(True)` or added with `add_param_group`) "
+                "and logs their norms from then on."
             )
         # Names as the engine cleans them (no FSDP / checkpoint-wrapper / compile components), in registration order.
         self._model_order = [clean_name(n) for n, _ in pl_module.named_parameters()]

@@ -466,6 +466,28 @@ def replication(param: Tensor, world: int | None = None) -> int:
     return world // pieces
 
 
+def steps_in_optimizer(param: Tensor) -> bool:
+    """Whether a parameter of an optimizer's param groups belongs in the engine's index at this step.
+
+    The optimizer steps every parameter whose ``.grad`` is not None, whatever its ``requires_grad`` (torch's
+    optimizers skip only the ones without a gradient), so every such gradient must be measured, clipped and guarded.
+    The flag and the gradient can disagree: under FSDP2, ``requires_grad_(True)`` on a module whose parameters are
+    unsharded at that moment sets the flag on the unsharded parameters, while the optimizer's sharded ones keep
+    ``requires_grad=False`` and receive the reduce-scattered gradient. A parameter with ``requires_grad=True`` and no
+    gradient belongs too: it is a trainable parameter that the loss did not reach, which the monitor reports.
+
+    Example::
+
+        >>> frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+        >>> steps_in_optimizer(frozen)
+        False
+        >>> frozen.grad = torch.ones(2)
+        >>> steps_in_optimizer(frozen)
+        True
+    """
+    return param.grad is not None or param.requires_grad
+
+
 def build_param_index(
     param_groups: Sequence[dict],
     names_by_id: dict[int, str],
@@ -473,7 +495,8 @@ def build_param_index(
     device: torch.device,
     flat_sharded: bool = False,
 ) -> ParamIndex:
-    """Order an optimizer's trainable parameters by (device, dtype) and precompute the grouping indices.
+    """Order the parameters an optimizer steps (:func:`steps_in_optimizer`) by (device, dtype) and precompute the
+    grouping indices.
 
     Args:
         param_groups: ``optimizer.param_groups``.
@@ -485,7 +508,7 @@ def build_param_index(
     entries: list[tuple[str, str, int, str, torch.nn.Parameter]] = []
     for g, group in enumerate(param_groups):
         for j, p in enumerate(group["params"]):
-            if p.requires_grad:
+            if steps_in_optimizer(p):
                 name = clean_name(names_by_id.get(id(p), f"param_group{g}.param{j}"))
                 entries.append((str(p.device), str(p.dtype), g, name, p))
     # A stable sort keeps the optimizer's order inside each (device, dtype) group.
@@ -557,7 +580,7 @@ class GradStats:
 
     Attributes:
         norm_type: the p of every norm in this record.
-        param_norms: ``[P]`` global norm of every trainable parameter's gradient (0 where it has none).
+        param_norms: ``[P]`` global norm of the gradient of every parameter in the index (0 where it has none).
         names: ``[P]`` qualified parameter names, aligned with ``param_norms``.
         module_norms: ``[M]`` norms per module at the chosen depth (``None`` when depth is 0).
         module_names: ``[M]`` the module names.
