@@ -497,6 +497,13 @@ class ManualAccumulator:
         self._module: weakref.ref[pl.LightningModule] | None = None
         self._optimizer: Optimizer | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The module that holds this accumulator is reached through a weak reference, which cannot be pickled: a copy
+        # (`torch.save(trainer)`, `copy.deepcopy(module)`) takes it up again at its next window end.
+        state = dict(vars(self))
+        state["_module"] = None
+        return state
+
     def backward(
         self,
         module: pl.LightningModule,
