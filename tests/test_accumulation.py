@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections import Counter
@@ -429,6 +430,17 @@ class ManualTokenLM(TokenLM):
         loss_sum, n = self.token_losses(batch)
         if self.accumulator.backward(self, loss_sum, batch_idx, num_tokens=n):
             self.accumulator.step(self.optimizers())
+
+
+def test_manual_accumulator_scales_windows_in_a_second_fit(tmp_path: Path) -> None:
+    """A second ``fit`` builds new optimizers: the accumulator must scale its windows for them, as a new one does."""
+    model = ManualMLP(4)
+    make_trainer(tmp_path, callbacks=[AccumulationGuard()]).fit(model, loader(n=80))
+    reference = copy.deepcopy(model)
+    reference.accumulator = ManualAccumulator(4)
+    got = fitted_state(tmp_path, model, loader(n=80), callbacks=[AccumulationGuard()])
+    expected = fitted_state(tmp_path, reference, loader(n=80), callbacks=[AccumulationGuard()])
+    assert max_diff(got, expected) == 0.0
 
 
 def test_manual_accumulator_mean_matches_reference(tmp_path: Path) -> None:

@@ -3,7 +3,10 @@ tensors left on modules, non-finite metrics."""
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +183,135 @@ def test_find_inference_tensors_walks_nested_containers() -> None:
     assert find_inference_tensors(module)[1] == []
     state = module[0].state
     assert state[0][0] is state[1]["k"][0] is module[0].buf  # one clone per tensor: aliases survive
+
+
+class _Cache:
+    """A plain Python object the model keeps its cache in."""
+
+    def __init__(self) -> None:
+        self.center: Tensor | None = None
+
+
+@dataclass(slots=True)
+class _SlottedStats:
+    scale: Tensor
+
+
+class ObjectCaching(MLPModule):
+    """Caches tensors during validation on plain Python objects (one with a ``__dict__``, one with ``__slots__``) and
+    uses them in training in ops that save them for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = _Cache()
+        self.stats = _SlottedStats(torch.ones(1))
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        features = torch.tanh(self.encoder(batch[0]))
+        self.cache.center = features.mean(0)
+        self.stats.scale = 1.0 + 0.1 * features.abs().mean().reshape(1)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        features = torch.tanh(self.encoder(x))
+        if self.cache.center is not None:
+            features = features * self.cache.center
+        return nn.functional.mse_loss(self.head(features) * self.stats.scale, y)
+
+
+def test_tensors_cached_on_plain_objects_are_repaired_and_training_matches_plain_lightning(tmp_path: Path) -> None:
+    states = {}
+    for name, callbacks in (("plain", []), ("inference", [InferenceModeValidation()])):
+        torch.manual_seed(0)
+        model = ObjectCaching()
+        trainer = caching_trainer(tmp_path / name, callbacks)
+        trainer.fit(model, loader(n=32), loader(n=16))
+        assert trainer.global_step == 8
+        states[name] = model.state_dict()
+        assert not model.cache.center.is_inference() and not model.stats.scale.is_inference()
+    for key, expected in states["plain"].items():
+        assert torch.equal(states["inference"][key], expected), key
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(n: int) -> Tensor:
+    return torch.linspace(0.5, 1.5, n)
+
+
+@functools.cache
+def _unbounded_positions(n: int) -> Tensor:
+    return torch.linspace(0.5, 1.5, n)
+
+
+_TABLES: dict[str, Tensor] = {}
+
+
+def _table(n: int) -> Tensor:
+    if "positions" not in _TABLES:
+        _TABLES["positions"] = torch.linspace(0.5, 1.5, n)
+    return _TABLES["positions"]
+
+
+class ModuleLevelCaching(MLPModule):
+    """Gets a tensor from a cache outside the model (an ``lru_cache`` function or a module global), first called in
+    validation, and uses it in training in an op that saves it for backward."""
+
+    def __init__(self, cached: Callable[[int], Tensor]) -> None:
+        super().__init__()
+        self.cached = cached
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.cached(16)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(torch.tanh(self.encoder(x)) * self.cached(16)), y)
+
+
+@pytest.fixture
+def empty_module_caches() -> Iterator[None]:
+    _empty_module_caches()
+    yield
+    _empty_module_caches()
+
+
+def _empty_module_caches() -> None:
+    _positions.cache_clear()
+    _unbounded_positions.cache_clear()
+    _TABLES.clear()
+
+
+@pytest.mark.usefixtures("empty_module_caches")
+@pytest.mark.parametrize(
+    ("cached", "owner", "fix"),
+    [
+        (_positions, f"the lru_cache of {__name__}._positions", "_positions.cache_clear()"),
+        (
+            _unbounded_positions,
+            f"the lru_cache of {__name__}._unbounded_positions",
+            "_unbounded_positions.cache_clear()",
+        ),
+        (_table, f"the global {__name__}._TABLES['positions']", "torch.inference_mode(False)"),
+    ],
+    ids=["lru_cache", "cache", "module_global"],
+)
+def test_tensor_cached_outside_the_model_is_named_in_the_training_error(
+    tmp_path: Path, cached: Callable[[int], Tensor], owner: str, fix: str
+) -> None:
+    # Plain Lightning validates under no_grad: the cached tensor is a normal one and training runs.
+    trainer = caching_trainer(tmp_path / "plain", [])
+    trainer.fit(ModuleLevelCaching(cached), loader(n=32), loader(n=16))
+    assert trainer.global_step == 8
+
+    _empty_module_caches()
+    trainer = caching_trainer(tmp_path / "inference", [InferenceModeValidation()])
+    with pytest.raises(RuntimeError) as error:
+        trainer.fit(ModuleLevelCaching(cached), loader(n=32), loader(n=16))
+    message = str(error.value)
+    assert message.startswith("Inference tensors cannot be saved for backward")  # torch's error, kept
+    assert f"Inference tensors are kept by: {owner}." in message
+    assert "created under `torch.inference_mode`" in message and fix in message
+    assert trainer.global_step == 0  # the first training step, right after the sanity check
 
 
 class NaNValidation(MLPModule):

@@ -505,6 +505,13 @@ class ManualAccumulator:
         self._module: weakref.ref[pl.LightningModule] | None = None
         self._optimizer: Optimizer | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The module that holds this accumulator is reached through a weak reference, which cannot be pickled: a copy
+        # (`torch.save(trainer)`, `copy.deepcopy(module)`) takes it up again at its next window end.
+        state = dict(vars(self))
+        state["_module"] = None
+        return state
+
     def backward(
         self,
         module: pl.LightningModule,
@@ -546,7 +553,9 @@ class ManualAccumulator:
         tokens = self._tokens.total(module.device) if self.normalize == "tokens" else None
         pending = _WindowScale(self.normalize, self._micro_batches, tokens)
         optimizers = module.trainer.optimizers
-        target = self._optimizer if self._optimizer is not None else optimizers[0] if len(optimizers) == 1 else None
+        # The optimizer this accumulator stepped, if it is one of this fit's (a new fit builds new optimizers).
+        known = next((o for o in optimizers if o is self._optimizer), None)
+        target = known if known is not None else optimizers[0] if len(optimizers) == 1 else None
         engine = Engine.of(module.trainer)
         if self._pending is not None:
             engine.discard_pending_scale(self._pending)

@@ -8,7 +8,9 @@ the step's plan, and the engine multiplies the gradients once, with no host sync
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import re
 import weakref
 from collections.abc import Callable
@@ -62,15 +64,50 @@ _COUNT_EVERY = 64
 class _Decision:
     """What a clipping callback decided for one step, kept for logging (device tensors).
 
-    ``clipped`` is the step's bool flag; ``None`` when it is ``pre > clip_above``, which is then worked out when the
-    counts are summed, for many steps in one comparison."""
+    ``post`` and ``coef`` are tensors, or values worked out on logging steps only: ``functools.partial`` of a
+    module-level function or a :class:`_Lazy`, never a closure, so that the callback (and a Trainer holding it)
+    pickles and deep-copies (``torch.save(trainer)``). :func:`_resolve` reads either. ``clipped`` is the step's bool
+    flag; ``None`` when it is ``pre > clip_above``, which is then worked out when the counts are summed, for many steps
+    in one comparison."""
 
     pre: Tensor
-    post: Callable[[], Tensor]
-    coef: Callable[[], Tensor]
+    post: Tensor | Callable[[], Tensor]
+    coef: Tensor | Callable[[], Tensor]
     clipped: Tensor | None
     threshold: Tensor | None = None
     clip_above: float | None = None
+
+
+def _resolve(value: Tensor | Callable[[], Tensor]) -> Tensor:
+    """A :class:`_Decision` value: the tensor itself, or the deferred one worked out now."""
+    return value() if callable(value) else value
+
+
+def _ratio(post: Tensor | Callable[[], Tensor], pre: Tensor) -> Tensor:
+    """``post / pre``, 1 where ``pre`` is 0: the single coefficient a per-unit or element-wise clip amounts to."""
+    post = _resolve(post)
+    return torch.where(pre > 0, post / pre, torch.ones_like(pre))
+
+
+class _Lazy:
+    """``fn(*args)``, worked out on the first call (a logging step) and kept; picklable when ``fn`` and ``args`` are.
+
+    Example::
+
+        >>> total = _Lazy(operator.add, torch.tensor(1.0), torch.tensor(2.0))
+        >>> total()
+        tensor(3.)
+    """
+
+    def __init__(self, fn: Callable[..., Tensor], *args: Any) -> None:
+        self._fn = fn
+        self._args = args
+        self._value: Tensor | None = None
+
+    def __call__(self) -> Tensor:
+        if self._value is None:
+            self._value = self._fn(*self._args)
+        return self._value
 
 
 class _GradClipCallback(GradKitCallback):
@@ -113,6 +150,13 @@ class _GradClipCallback(GradKitCallback):
         if self._set_up:
             return type(self).__qualname__
         return f"{type(self).__qualname__}@{id(self):x}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The weak reference to the Trainer prepared for cannot be pickled; a copy prepares again for its Trainer
+        # (as Lightning's `LightningModule.__getstate__` drops `_trainer`).
+        state = dict(vars(self))
+        state["_prepared_for"] = None
+        return state
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._set_up = True
@@ -213,8 +257,8 @@ class _GradClipCallback(GradKitCallback):
             clipped = torch.zeros((), dtype=torch.long, device=decision.pre.device)
         out = {
             "grad_clip/pre_clip_norm": decision.pre,
-            "grad_clip/post_clip_norm": decision.post(),
-            "grad_clip/coef": decision.coef(),
+            "grad_clip/post_clip_norm": _resolve(decision.post),
+            "grad_clip/coef": _resolve(decision.coef),
             "grad_clip/clipped_fraction": clipped.to(torch.float32) / steps,
         }
         if decision.threshold is not None:
@@ -267,8 +311,8 @@ class _ScalarClip(_GradClipCallback):
         plan.clip_coef = coef
         return _Decision(
             pre=pre,
-            post=lambda: pre * coef,
-            coef=lambda: coef,
+            post=functools.partial(operator.mul, pre, coef),
+            coef=coef,
             clipped=clipped,
             threshold=threshold,
             clip_above=policy.max_norm if clipped is None else None,
@@ -336,8 +380,8 @@ class _ValueClip(_GradClipCallback):
         post = torch.clamp(pre, max=policy.clip_value)
         return _Decision(
             pre=pre,
-            post=lambda: post,
-            coef=lambda: torch.where(pre > 0, post / pre, torch.ones_like(pre)),
+            post=post,
+            coef=functools.partial(_ratio, post, pre),
             clipped=pre > policy.clip_value,
         )
 
@@ -557,7 +601,7 @@ class _UnitwiseClip(_GradClipCallback):
         pos_1d, pos_1d_tensor, reduced_slots = self._one_dim_positions(plan)
         if not pos_nd and not pos_1d:
             pre = plan.pre_clip_total(2.0)
-            return _Decision(pre, lambda: pre, lambda: torch.ones_like(pre), torch.zeros((), dtype=torch.bool))
+            return _Decision(pre, pre, functools.partial(torch.ones_like, pre), torch.zeros((), dtype=torch.bool))
 
         grad_parts: list[Tensor] = []
         weight_parts: list[Tensor] = []
@@ -577,15 +621,12 @@ class _UnitwiseClip(_GradClipCallback):
         plan.param_coefs.update(zip([*pos_nd, *pos_1d], pieces, strict=True))
 
         pre = plan.pre_clip_total(2.0)
-        post = _memo(lambda: self._post_clip_total(plan, grad_units * coefs, pos_nd, sizes, pos_1d_tensor))
+        post = _Lazy(
+            self._post_clip_total, index, plan.scale, stats.param_norms, grad_units, coefs, pos_nd, sizes, pos_1d_tensor
+        )
         if plan.primary_norm_type == 2.0:
             plan.post_clip_total_fn = post
-        return _Decision(
-            pre=pre,
-            post=post,
-            coef=lambda: torch.where(pre > 0, post() / pre, torch.ones_like(pre)),
-            clipped=(coefs < 1).any(),
-        )
+        return _Decision(pre=pre, post=post, coef=functools.partial(_ratio, post, pre), clipped=(coefs < 1).any())
 
     def _coef_shapes(self, plan: StepPlan, pos_nd: list[int], pos_1d: list[int]) -> list[tuple[int, tuple[int, ...]]]:
         """``(k, shape)`` for the coefficient pieces that need a view to broadcast over their gradient: unit-wise ones
@@ -610,14 +651,22 @@ class _UnitwiseClip(_GradClipCallback):
 
     @staticmethod
     def _post_clip_total(
-        plan: StepPlan, post_units: Tensor, pos_nd: list[int], sizes: list[int], pos_1d: Tensor | None
+        index: ParamIndex,
+        scale: Tensor | None,
+        param_norms: Tensor,
+        grad_units: Tensor,
+        coefs: Tensor,
+        pos_nd: list[int],
+        sizes: list[int],
+        pos_1d: Tensor | None,
     ) -> Tensor:
         """Total 2-norm after the clip, from the unit norms: no read of the gradients (logging steps only).
 
         Unit norms of multi-dimensional parameters are local to a rank under FSDP2: their squares are summed across
-        ranks (one scalar all-reduce); all other norms here are already global.
+        ranks (one scalar all-reduce); all other norms here are already global. ``scale`` is the step's accumulation
+        scale (``StepPlan.scale``), which ``grad_units`` already carry and the per-parameter ``param_norms`` do not.
         """
-        index = plan.index
+        post_units = grad_units * coefs
         device = post_units.device
         n_nd = sum(sizes[: len(pos_nd)])
         sq_nd = post_units[:n_nd].square()
@@ -635,7 +684,7 @@ class _UnitwiseClip(_GradClipCallback):
             clipped_mask[nd_tensor] = True
         if pos_1d is not None:
             clipped_mask[pos_1d] = True
-        others = plan.scaled(plan.stats[2.0].param_norms).square() * ~clipped_mask
+        others = (param_norms if scale is None else param_norms * scale).square() * ~clipped_mask
         return (sq_global + others.sum()).sqrt()
 
 
@@ -690,17 +739,6 @@ class AdaptiveGradClip(_UnitwiseClip):
     @property
     def eps(self) -> float:
         return self.policy.eps
-
-
-def _memo(fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
-    cache: list[Tensor] = []
-
-    def wrapped() -> Tensor:
-        if not cache:
-            cache.append(fn())
-        return cache[0]
-
-    return wrapped
 
 
 def _select_parameters(pl_module: torch.nn.Module, exclude: list[str]) -> set[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -44,6 +45,12 @@ _MAX_NAMES = 10
 
 #: Keys shown in Lightning's progress bar with ``prog_bar=True`` (short: the bar is one line).
 PROG_BAR_KEYS = ("grad_norm", "clipped", "skipped")
+
+#: A parameter is named in the all-zero-gradient warning only when its gradient was all zero on each of this many
+#: first optimizer steps. One step proves nothing: a zero-initialised gain (the last BatchNorm of every ResNet block
+#: with ``zero_init_residual``, a zero-init LayerScale or adapter) zeroes the gradients upstream of it until the first
+#: step moves it, and a warm-up from ``lr=0`` holds it one step more.
+ZERO_GRADIENT_STEPS = 4
 
 
 def _name_list(names: list[str]) -> str:
@@ -193,12 +200,16 @@ class GradNormMonitor(GradKitCallback):
     - ``weight_norm/total`` and ``weight_norm/module/<name>``: with ``weight_norms=True``.
 
     Trainable parameters that receive no gradient, or an all-zero gradient, are named in a warning, once each
-    (the classic "training under ``no_grad``" or "loss not connected" failures). The checks start again for the
-    parameters that join the optimizer during the fit (e.g. a backbone unfrozen by ``BackboneFinetuning``). A model
-    with no trainable parameter at fit start (a ``BaseFinetuning`` callback froze everything in ``setup`` and
-    unfreezes at an epoch start) gets a warning; its parameters are measured from the step they join. Every gradient
-    the optimizer applies is measured, also one on a parameter with ``requires_grad=False`` (FSDP2, see
-    ``GradKitModelParallelStrategy``).
+    (the classic "training under ``no_grad``" or "loss not connected" failures). A gradient counts as all-zero when
+    it is all zero on each of the first 4 optimizer steps (``ZERO_GRADIENT_STEPS``) of the fit, or after parameters
+    joined the optimizer: a zero-initialised gain (the last BatchNorm of each ResNet block with
+    ``zero_init_residual``) zeroes the gradients upstream of it on the first step only, which is no fault. Those
+    steps cost two element-wise kernels on the per-parameter norms each and no host sync; the result is read on the
+    first logging step after them. The checks start again for the parameters that join the optimizer during the fit
+    (e.g. a backbone unfrozen by ``BackboneFinetuning``). A model with no trainable parameter at fit start (a
+    ``BaseFinetuning`` callback froze everything in ``setup`` and unfreezes at an epoch start) gets a warning; its
+    parameters are measured from the step they join. Every gradient the optimizer applies is measured, also one on a
+    parameter with ``requires_grad=False`` (FSDP2, see ``GradKitModelParallelStrategy``).
 
     Args:
         norm_type: the p of the norm, ``p >= 1`` or ``float("inf")``.
@@ -272,7 +283,7 @@ class GradNormMonitor(GradKitCallback):
         # The parameter index each check was done for (re-armed when parameters join or leave the optimizer), and
         # the names already reported.
         self._missing_checked: ParamIndex | None = None
-        self._zero_checked: ParamIndex | None = None
+        self._zero_watch: dict[int, _ZeroWatch] = {}
         self._reported_missing: set[str] = set()
         self._reported_zero: set[str] = set()
         self.prog_bar = check_bool("prog_bar", prog_bar)
@@ -378,6 +389,10 @@ class GradNormMonitor(GradKitCallback):
                     "forward ran under `torch.no_grad`). Freeze them (`requires_grad_(False)`) if that is intended."
                 )
         idx = plan.optimizer_idx
+        watch = self._zero_watch.get(idx)
+        if watch is None or watch.index is not plan.index:
+            watch = self._zero_watch[idx] = _ZeroWatch(plan.index)
+        watch.add(plan, self.norm_type)
         if self._record is not None or self.prog_bar:
             self._count_clipped(plan)
         on_period = is_logging_step(trainer, self.log_every_n_steps)
@@ -398,8 +413,8 @@ class GradNormMonitor(GradKitCallback):
             step = trainer.fit_loop.epoch_loop._batches_that_stepped
             for logger in trainer.loggers:
                 logger.log_metrics(host, step=step)
-        if plan.index is not self._zero_checked:
-            self._warn_zero_gradients(plan, trainer)
+        if watch.ready:
+            self._warn_zero_gradients(watch, trainer)
         if self._record is not None or self.prog_bar:
             self._note(plan, trainer, pl_module, metrics, host, suffix)
 
@@ -489,20 +504,15 @@ class GradNormMonitor(GradKitCallback):
         self._rows[plan.optimizer_idx] = (plan.index, rows, index)
         return rows, index
 
-    def _warn_zero_gradients(self, plan: StepPlan, trainer: pl.Trainer) -> None:
-        stats = plan.stats[self.norm_type]
-        present = torch.zeros(len(stats.names), dtype=torch.bool)
-        present[plan.present] = True
-        zero = ((stats.param_norms == 0).cpu() & present).nonzero().flatten().tolist()
-        self._zero_checked = plan.index
-        if not zero:
-            return
-        names = [stats.names[i] for i in zero if stats.names[i] not in self._reported_zero]
+    def _warn_zero_gradients(self, watch: _ZeroWatch, trainer: pl.Trainer) -> None:
+        """Name the parameters whose gradient stayed all zero through the watch (a logging step: one host read)."""
+        names = [n for n in watch.read() if n not in self._reported_zero]
         self._reported_zero.update(names)
         if names:
             rank_zero_warn(
-                f"GradNormMonitor: {len(names)} trainable parameter(s) have an all-zero gradient at step "
-                f"{trainer.global_step}: {_name_list(names)}. Check that the loss depends on them."
+                f"GradNormMonitor: {len(names)} trainable parameter(s) had an all-zero gradient on each of the first "
+                f"{watch.steps} optimizer steps (up to step {trainer.global_step}): {_name_list(names)}. Check that "
+                "the loss depends on them."
             )
 
     def _weight_metrics(self, plan: StepPlan) -> dict[str, Tensor]:
@@ -521,6 +531,44 @@ class GradNormMonitor(GradKitCallback):
     @staticmethod
     def _module_metrics(prefix: str, norms: Tensor, names: list[str]) -> dict[str, Tensor]:
         return {f"{prefix}/module/{name}": norms[i] for i, name in enumerate(names)}
+
+
+@dataclass
+class _ZeroWatch:
+    """The all-zero-gradient check of one parameter index over its first :data:`ZERO_GRADIENT_STEPS` steps.
+
+    Each step folds ``param_norms == 0`` into ``zero`` on the device (no host sync) and keeps in ``present`` the
+    positions that had a gradient on every step so far (a missing gradient has its own warning). Once the steps are
+    watched, the first logging step reads the result (:meth:`read`).
+    """
+
+    index: ParamIndex
+    zero: Tensor | None = None
+    present: set[int] | None = None
+    steps: int = 0
+    done: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.steps >= ZERO_GRADIENT_STEPS and not self.done
+
+    def add(self, plan: StepPlan, norm_type: float) -> None:
+        if self.steps >= ZERO_GRADIENT_STEPS:
+            return
+        zero = plan.stats[norm_type].param_norms == 0
+        self.zero = zero if self.zero is None else self.zero & zero
+        if self.present is None:
+            self.present = set(plan.present)
+        elif len(plan.present) != self.index.num_params:  # with every gradient there, the set stays as it is
+            self.present.intersection_update(plan.present)
+        self.steps += 1
+
+    def read(self) -> list[str]:
+        """Names of the parameters whose gradient was all zero on every watched step (reads the device once)."""
+        self.done = True
+        assert self.zero is not None and self.present is not None
+        zero = self.zero.cpu().nonzero().flatten().tolist()
+        return [self.index.names[i] for i in zero if i in self.present]
 
 
 class _Record:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
+import re
+import sys
+import types
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -23,6 +28,13 @@ _MAX_NAMES = 10
 _MAX_DEPTH = 3
 # Module internals that hold no user tensors (parameters and buffers are visited separately).
 _SKIP_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_trainer"})
+# Packages whose objects hold no user cache: the search does not look inside their instances (a Trainer, a logger,
+# an optimizer kept on the module), nor, when it names an owner after a failure, at their module globals.
+_FRAMEWORK_PACKAGES = frozenset(
+    {"builtins", "torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_gradkit", "torchmetrics"}
+)
+# What torch says when training meets an inference tensor (saved for backward, or updated in place).
+_INFERENCE_TENSOR_ERROR = re.compile(r"[Ii]nference tensors? ")
 
 
 def _name_list(names: list[str]) -> str:
@@ -70,66 +82,197 @@ def inference_mode_unsafe_reason(strategy: Strategy, accelerator: Accelerator, m
     return None
 
 
-def find_inference_tensors(root: nn.Module, clone: bool = False) -> tuple[list[str], list[str]]:
-    """Find tensors on ``root``'s modules that are inference tensors; optionally replace them by normal clones.
+def _in_framework(obj: object) -> bool:
+    return type(obj).__module__.partition(".")[0] in _FRAMEWORK_PACKAGES
 
-    Visited: every submodule's buffers and parameters, and its plain attributes that are tensors or lists, tuples
-    or dicts of tensors (nested up to three levels). Clones are made outside inference mode, so training can save
-    them for backward and update them in place; a tensor reachable under several names is cloned once, so aliases
-    stay aliases. Parameters are only reported: the optimizer holds the original objects.
 
-    Returns:
-        The qualified names of inference-tensor parameters, and of the other inference tensors found.
+def _slot_names(obj: object) -> list[str]:
+    """The ``__slots__`` of ``obj``'s classes (a ``dataclass(slots=True)``), without ``__dict__``/``__weakref__``."""
+    names: list[str] = []
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        names += [n for n in ((slots,) if isinstance(slots, str) else slots) if n not in ("__dict__", "__weakref__")]
+    return names
+
+
+class _InferenceTensorSearch:
+    """Finds inference tensors in a value and, with ``clone``, replaces them where they are kept.
+
+    Looked into, up to ``_MAX_DEPTH`` levels: lists, tuples (rebuilt), dicts, and the attributes (``__dict__`` and
+    ``__slots__``) of plain objects, i.e. instances of classes outside torch and Lightning that are not modules,
+    classes or functions. A tensor reachable under several names is cloned once, so aliases stay aliases.
     """
-    params: list[str] = []
-    found: list[str] = []
-    memo: dict[int, Tensor] = {}
 
-    def fixed(t: Tensor, name: str) -> Tensor:
+    def __init__(self, clone: bool) -> None:
+        self.clone = clone
+        self.found: list[str] = []
+        self._clones: dict[int, Tensor] = {}
+        self._seen: set[int] = set()
+
+    def tensor(self, t: Tensor, name: str) -> Tensor:
         if not t.is_inference():
             return t
-        found.append(name)
-        if not clone:
+        self.found.append(name)
+        if not self.clone:
             return t
-        if id(t) not in memo:
+        if id(t) not in self._clones:
             with torch.inference_mode(False):
-                memo[id(t)] = t.clone()
-        return memo[id(t)]
+                self._clones[id(t)] = t.clone()
+        return self._clones[id(t)]
 
-    def visit(value: Any, name: str, depth: int) -> Any:
+    def visit(self, value: Any, name: str, depth: int) -> Any:
+        """``value`` with its inference tensors found (and replaced, with ``clone``); a rebuilt tuple if it is one."""
         if isinstance(value, Tensor):
-            return fixed(value, name)
-        if depth >= _MAX_DEPTH or isinstance(value, nn.Module):
+            return self.tensor(value, name)
+        if depth >= _MAX_DEPTH or isinstance(value, (nn.Module, type, types.ModuleType, types.FunctionType)):
             return value
         if isinstance(value, list):
             for i, item in enumerate(value):
-                new = visit(item, f"{name}[{i}]", depth + 1)
+                new = self.visit(item, f"{name}[{i}]", depth + 1)
                 if new is not item:
                     value[i] = new
         elif isinstance(value, tuple):
-            items = [visit(item, f"{name}[{i}]", depth + 1) for i, item in enumerate(value)]
+            items = [self.visit(item, f"{name}[{i}]", depth + 1) for i, item in enumerate(value)]
             if any(new is not old for new, old in zip(items, value, strict=True)):
                 return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         elif isinstance(value, dict):
             for key, item in list(value.items()):
-                new = visit(item, f"{name}[{key!r}]", depth + 1)
+                new = self.visit(item, f"{name}[{key!r}]", depth + 1)
                 if new is not item:
                     value[key] = new
+        elif not _in_framework(value) and id(value) not in self._seen:
+            self._seen.add(id(value))
+            self._visit_attributes(value, name, depth)
         return value
 
+    def _visit_attributes(self, obj: object, name: str, depth: int) -> None:
+        attrs = getattr(obj, "__dict__", None)
+        if isinstance(attrs, dict):
+            for key, item in list(attrs.items()):
+                new = self.visit(item, f"{name}.{key}", depth + 1)
+                if new is not item:
+                    attrs[key] = new  # past a custom `__setattr__` or a frozen dataclass, as `vars(obj)` holds it
+        for slot in _slot_names(obj):
+            item = getattr(obj, slot, None)
+            new = self.visit(item, f"{name}.{slot}", depth + 1)
+            if new is not item:
+                object.__setattr__(obj, slot, new)
+
+
+def find_inference_tensors(root: nn.Module, clone: bool = False) -> tuple[list[str], list[str]]:
+    """Find tensors on ``root``'s modules that are inference tensors; optionally replace them by normal clones.
+
+    Visited: every submodule's buffers and parameters, and its plain attributes that are tensors, lists, tuples or
+    dicts, or plain Python objects (a cache object: ``self.cache.table``), nested up to three levels. Clones are made
+    outside inference mode, so training can save them for backward and update them in place; a tensor reachable
+    under several names is cloned once, so aliases stay aliases. Parameters are only reported: the optimizer holds
+    the original objects.
+
+    Returns:
+        The qualified names of inference-tensor parameters, and of the other inference tensors found.
+
+    Example::
+
+        >>> net = nn.Linear(2, 2)
+        >>> with torch.inference_mode():
+        ...     net.cache = {"table": torch.ones(2)}
+        >>> find_inference_tensors(net, clone=True)
+        ([], ["cache['table']"])
+        >>> net.cache["table"].is_inference()
+        False
+    """
+    params: list[str] = []
+    search = _InferenceTensorSearch(clone)
     for module_name, module in root.named_modules():
         prefix = f"{module_name}." if module_name else ""
         params += [prefix + n for n, p in module._parameters.items() if p is not None and p.is_inference()]
         for n, b in list(module._buffers.items()):
             if b is not None:
-                module._buffers[n] = fixed(b, prefix + n)
+                module._buffers[n] = search.tensor(b, prefix + n)
         for n, value in list(vars(module).items()):
             if n in _SKIP_ATTRS or (n.startswith("_") and "hook" in n):
                 continue
-            new = visit(value, prefix + n, 0)
+            new = search.visit(value, prefix + n, 0)
             if new is not value:
                 module.__dict__[n] = new
-    return params, found
+    return params, search.found
+
+
+def _follow(ref: object) -> bool:
+    """Whether the search for a cache's tensors goes on into ``ref``: containers and plain objects, not modules (an
+    ``lru_cache`` on a method has ``self`` in its keys), classes, functions or framework objects."""
+    if isinstance(ref, (dict, list, tuple, set)):
+        return True
+    return not isinstance(ref, (nn.Module, type, types.ModuleType, types.FunctionType)) and not _in_framework(ref)
+
+
+def _holds_inference_tensor(root: object) -> bool:
+    """Whether an inference tensor is among the objects ``root`` refers to, up to ``_MAX_DEPTH + 1`` hops, as the
+    garbage collector sees them (which reaches inside C objects such as an ``lru_cache``'s cache)."""
+    level = [root]
+    seen = {id(root)}
+    for _ in range(_MAX_DEPTH + 1):
+        following = []
+        for obj in level:
+            for ref in gc.get_referents(obj):
+                if isinstance(ref, Tensor):
+                    if ref.is_inference():
+                        return True
+                elif id(ref) not in seen and _follow(ref):
+                    seen.add(id(ref))
+                    following.append(ref)
+        level = following
+    return False
+
+
+def _lru_caches_holding_inference_tensors() -> list[str]:
+    """Qualified names of the ``functools.lru_cache`` (and ``functools.cache``) functions whose cache holds an
+    inference tensor. Slow (it walks every object the garbage collector tracks): for error messages."""
+    caches = [o for o in gc.get_objects() if isinstance(o, functools._lru_cache_wrapper)]
+    return [
+        f"{cache.__module__}.{cache.__qualname__}"
+        for cache in caches
+        if cache.cache_info().currsize and _holds_inference_tensor(cache)
+    ]
+
+
+def _globals_holding_inference_tensors() -> list[str]:
+    """Qualified names of the inference tensors held by the globals of imported modules outside torch and Lightning
+    (also inside containers and plain objects, three levels deep)."""
+    found: list[str] = []
+    for module_name, module in list(sys.modules.items()):
+        if module is None or module_name.partition(".")[0] in _FRAMEWORK_PACKAGES:
+            continue
+        search = _InferenceTensorSearch(clone=False)
+        for name, value in list(vars(module).items()):
+            if not name.startswith("__") and not isinstance(value, functools._lru_cache_wrapper):
+                search.visit(value, f"{module_name}.{name}", 1)
+        found += search.found
+    return found
+
+
+def _explain(pl_module: pl.LightningModule) -> str:
+    """The cause and the fixes of torch's inference-tensor error in training, naming the owners of such tensors."""
+    params, on_model = find_inference_tensors(pl_module, clone=False)
+    caches = _lru_caches_holding_inference_tensors()
+    owners = [*params, *on_model, *(f"the lru_cache of {c}" for c in caches)]
+    owners += [f"the global {g}" for g in _globals_holding_inference_tensors()]
+    where = (
+        f"Inference tensors are kept by: {_name_list(owners)}."
+        if owners
+        else "None was found on the model, in an `lru_cache` or in a module global (a closure or a class attribute "
+        "may hold it)."
+    )
+    clear = f"`{caches[0].rpartition('.')[2]}.cache_clear()`" if caches else "`fn.cache_clear()`"
+    return (
+        "InferenceModeValidation: training met a tensor that was created under `torch.inference_mode` (in "
+        "validation under this callback, in `trainer.validate`, or by your code) and kept past it. The callback "
+        "clones those the LightningModule holds (buffers, attributes, and lists, dicts and plain objects in them), "
+        f"not others. {where} Fix: create the value outside inference mode "
+        "(`with torch.inference_mode(False): value = value.clone()`), clear the cache after validation "
+        f"({clear} in `on_validation_end`), or remove InferenceModeValidation so that in-fit validation runs under "
+        "`torch.no_grad`, as in plain Lightning."
+    )
 
 
 class InferenceModeValidation(pl.Callback):
@@ -149,9 +292,22 @@ class InferenceModeValidation(pl.Callback):
     fails with "Inference tensors cannot be saved for backward" (Lightning #20181). So at the end of every
     validation (also ``trainer.validate``), again before the next training batch (hooks that run after this
     callback's may still cache tensors) and at train start (an earlier validation without the callback), every
-    module's buffers and tensor attributes (also inside lists, tuples and dicts) are searched; inference tensors
-    are replaced by normal clones (``on_inference_tensors="clone"``) or named in an error (``"raise"``). A
-    parameter that became an inference tensor always raises: the optimizer holds the old one.
+    module's buffers and tensor attributes are searched, also inside lists, tuples, dicts and plain Python objects
+    (``self.cache = Cache()`` with ``self.cache.table`` set in validation), three levels deep; inference tensors are
+    replaced by normal clones (``on_inference_tensors="clone"``) or named in an error (``"raise"``). A parameter
+    that became an inference tensor always raises: the optimizer holds the old one. This search runs once per
+    validation, never per training step.
+
+    A cache the model does not hold cannot be repaired: a ``functools.lru_cache`` (or ``functools.cache``) function
+    called during validation, a module global, a closure. Training then fails at the first op that meets the tensor,
+    and this callback does not try to predict where: its ``on_exception`` recognises torch's inference-tensor error
+    and completes its message (the exception stays the one torch raised, with its traceback) with the owners it can
+    find (the model's tensors, every ``lru_cache``'s cache, the globals of modules outside torch and Lightning:
+    ``"the lru_cache of my_pkg.rope.tables"``), the cause and the fixes: create the value outside inference mode
+    (``with torch.inference_mode(False): value = value.clone()``), clear the cache after validation
+    (``tables.cache_clear()`` in ``on_validation_end``), or drop this callback, so that in-fit validation runs under
+    ``torch.no_grad`` as in plain Lightning. The search costs nothing until that error happens (it walks every
+    object the garbage collector tracks then, once).
 
     With ``check_finite``, the validation metrics (``trainer.callback_metrics`` logged by that validation) are
     read once at validation end; non-finite ones are named in a warning and appended as an event to
@@ -167,7 +323,9 @@ class InferenceModeValidation(pl.Callback):
     Raises:
         ValueError: at construction, if ``fallback`` or ``on_inference_tensors`` is unknown.
         RuntimeError: at fit start with ``fallback="raise"`` where inference mode is unsafe; after validation if a
-            parameter (or, with ``on_inference_tensors="raise"``, any module tensor) is an inference tensor.
+            parameter (or, with ``on_inference_tensors="raise"``, any module tensor) is an inference tensor. Torch's
+            own error, when training meets an inference tensor kept elsewhere, leaves ``fit`` with its owners and
+            the fixes added to its message.
 
     Example::
 
@@ -236,6 +394,10 @@ class InferenceModeValidation(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore()
+        if isinstance(exception, RuntimeError) and _INFERENCE_TENSOR_ERROR.search(str(exception)):
+            # Lightning re-raises `exception` after every `on_exception` hook and its teardown: raising another one
+            # here would skip them, so the message of the original grows instead.
+            exception.args = (f"{exception.args[0] if exception.args else ''}\n\n{_explain(pl_module)}",)
 
     # -- validation ---------------------------------------------------------------------------------------------
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
