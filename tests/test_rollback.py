@@ -1,7 +1,9 @@
 """SpikeRollback with Lightning's real Trainer: a rollback restores the snapshot bitwise (parameters, buffers,
-optimizer and scheduler state, RNG, other callbacks' statistics), the run afterwards equals a plain PyTorch loop
-that never saw the rewound and stepped-over batches, a checkpoint taken after a rollback resumes exactly, and bad
-arguments or a missing GradKit strategy fail with a clear message.
+optimizer and scheduler state, the strategy's schedule counts, RNG, other callbacks' statistics), the run afterwards
+equals a plain PyTorch loop that never saw the rewound and stepped-over batches (BatchNorm buffers and LR schedules
+with a ``frequency`` included), ``global_step - skipped_steps`` stays Adam's step count, a checkpoint resumes as the
+uninterrupted run (with ``save_snapshots=True``; without, as the documented fallback), and bad arguments or a
+missing GradKit strategy fail with a clear message.
 
 Spikes come from the data, chosen by index: the targets of some batches are multiplied by a large factor (or set
 to NaN), so a reference loop can leave exactly those batches out.
@@ -12,16 +14,19 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import count_syncs, make_trainer, regression_data
+from architectures import ResNet18Like, image_data
+from helpers import column, count_syncs, make_trainer, read_metrics, regression_data
 from lightning_gradkit import NonFiniteGuard, SpikeGuard, SpikeRollback, ZClip
 from lightning_gradkit.snapshot import HostSnapshot
 from test_guards import events
@@ -109,10 +114,12 @@ def assert_bitwise(a: Any, b: Any, where: str = "") -> None:
         assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), where
 
 
-def reference_run(n_batches: int, bad: dict[int, float], kept: list[int], fused: bool = False) -> Net:
+def reference_run(
+    n_batches: int, bad: dict[int, float], kept: list[int], fused: bool = False, dropout: float = 0.1
+) -> Net:
     """Plain PyTorch: the same Net, Adam and per-step StepLR, trained on the batches ``kept`` only, in order."""
     torch.manual_seed(0)
-    net = Net()
+    net = Net(dropout)
     opt, sched = make_optimizer(net, fused)
     batches = list(spiky_loader(n_batches, bad))
     for i in kept:
@@ -131,10 +138,11 @@ def fit(
     bad: dict[int, float],
     extra: list[Any] | None = None,
     fused: bool = False,
+    module: Callable[[], RollbackModule] | None = None,
     **kwargs: Any,
 ) -> tuple[RollbackModule, Any, list[str]]:
     torch.manual_seed(0)
-    model = RollbackModule(fused=fused)
+    model = module() if module is not None else RollbackModule(fused=fused)
     kwargs.setdefault("strategy", "gradkit")
     trainer = make_trainer(tmp_path, callbacks=[*(extra or []), rollback], **kwargs)
     with warnings.catch_warnings(record=True) as caught:
@@ -198,6 +206,113 @@ def test_the_reference_comparison_would_catch_a_rollback_that_kept_the_rewound_b
     assert (a.body[0].weight - b.body[0].weight).abs().max() > 1e-3
 
 
+# -- the whole step state ---------------------------------------------------------------------------------------
+class FrequencyModule(RollbackModule):
+    """No dropout; Adam with a StepLR(step_size=1, gamma=0.9) that Lightning steps every ``frequency`` steps."""
+
+    def __init__(self, frequency: int) -> None:
+        super().__init__(dropout=0.0)
+        self.frequency = frequency
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": self.frequency}}
+
+
+@pytest.mark.parametrize("frequency", [2, 3])
+def test_scheduler_with_a_frequency_steps_after_a_rollback_as_in_a_plain_loop_on_the_kept_batches(
+    tmp_path: Path, frequency: int
+) -> None:
+    # Batches 8 and 9 spike: the rollback fires at step 9, rewinds batch 8 (applied) and steps over 10-12. The
+    # strategy's count of applied batches must rewind with the scheduler: else it steps one batch late.
+    n, bad = 24, {8: 50.0, 9: 50.0}
+    model, trainer, _ = fit(tmp_path, make_rollback(skip_batches=3), n, bad, module=lambda: FrequencyModule(frequency))
+    (event,) = rollback_events(trainer)
+    assert (event["step"], event["from_step"], event["to_step"]) == (9, 10, 8)
+    kept = [*range(8), *range(13, n)]
+    torch.manual_seed(0)
+    net = Net(dropout=0.0)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    batches = list(spiky_loader(n, bad))
+    for i, b in enumerate(kept):
+        opt.zero_grad()
+        nn.functional.mse_loss(net(batches[b][0]), batches[b][1]).backward()
+        opt.step()
+        if (i + 1) % frequency == 0:
+            sched.step()
+    lr = trainer.optimizers[0].param_groups[0]["lr"]
+    assert lr == opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.9 ** (len(kept) // frequency))
+    for (name, p), ref in zip(model.net.named_parameters(), net.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_batchnorm_buffers_after_a_rollback_equal_a_plain_loop_that_never_saw_the_stepped_over_batches(
+    tmp_path: Path, accumulate: int
+) -> None:
+    """A ResNet-18-shaped CNN; NaN images in batches 9 and 10 turn the BatchNorm running statistics NaN and trigger
+    the rollback; every stepped-over batch (11, 12, finite) runs its forward in train mode, which moves them too."""
+    n, bad, size = 16, (9, 10), 4
+    x, y = image_data(n * size).tensors
+    x = x.clone()
+    for i in bad:
+        x[i * size : (i + 1) * size] = math.nan
+    batches = list(DataLoader(TensorDataset(x, y), batch_size=size))
+
+    class CNN(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = ResNet18Like()
+
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    model = CNN()
+    rollback = make_rollback(snapshot_every_n_steps=8 // accumulate, skip_batches=2 // accumulate)
+    trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[rollback], accumulate_grad_batches=accumulate)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=size))
+    (event,) = rollback_events(trainer)
+    assert event["values"]["reason"] == "nonfinite" and event["to_step"] * accumulate == 8
+    # Rewound: batches 8-10 (8-11 with accumulation), then 2 batches stepped over. The reference never saw them.
+    end = (event["from_step"] + event["skip_batches"]) * accumulate
+    assert end == (13 if accumulate == 1 else 14)
+    kept = [*range(8), *range(end, n)]
+    torch.manual_seed(0)
+    ref = ResNet18Like()
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for window in [kept[i : i + accumulate] for i in range(0, len(kept), accumulate)]:
+        opt.zero_grad()
+        for b in window:
+            (nn.functional.cross_entropy(ref(batches[b][0]), batches[b][1]) / accumulate).backward()
+        opt.step()
+    buffers = dict(ref.named_buffers())
+    for name, b in model.net.named_buffers():
+        torch.testing.assert_close(b, buffers[name], rtol=0, atol=1e-6, msg=name)  # num_batches_tracked exactly
+    for (name, p), r in zip(model.net.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=1e-5, msg=name)
+
+
+def test_global_step_minus_skipped_steps_is_adams_step_count_after_a_rollback(tmp_path: Path) -> None:
+    # Batch 3: NaN, skipped by NonFiniteGuard; batches 9-10 spike: rollback at step 10 to the snapshot of step 8
+    # (3 steps rewound: 8 and 9 applied, 10 skipped), then 3 batches stepped over.
+    n, bad = 24, {3: math.nan, 9: 50.0, 10: 50.0}
+    _, trainer, _ = fit(tmp_path, make_rollback(skip_batches=3), n, bad, extra=[NonFiniteGuard(action="skip")])
+    (event,) = rollback_events(trainer)
+    assert (event["from_step"], event["to_step"], event["rewound_steps"]) == (11, 8, 3)
+    adam_steps = trainer.optimizers[0].state_dict()["state"][0]["step"]
+    assert adam_steps == n - 1 - 3 - 3  # the batches kept: all but 3, 8-10 and 11-13
+    logged = column(read_metrics(trainer), "gradkit/skipped_steps")
+    assert trainer.global_step - logged[-1] == adam_steps
+
+
 # -- triggers, snapshot choice and budget ------------------------------------------------------------------------
 def test_nonfinite_loss_that_skipping_does_not_cure_triggers_a_rollback(tmp_path: Path) -> None:
     # Batch 3: one NaN, which NonFiniteGuard skips (no rollback); batches 6 and 7: NaN twice in a row.
@@ -258,15 +373,17 @@ def test_ordinary_optimizer_costs_one_shared_host_read_per_step_and_one_per_due_
 
 
 # -- resume --------------------------------------------------------------------------------------------------------
-def test_checkpoint_after_a_rollback_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("save_snapshots", [False, True], ids=["resume_state", "saved_snapshots"])
+def test_checkpoint_after_a_rollback_resumes_exactly(tmp_path: Path, save_snapshots: bool) -> None:
     """12 batches per epoch; batches 7 and 8 spike in both epochs. The rollback of epoch 1 (step 8, to the snapshot
-    of step 4) steps over 5 batches: 3 in epoch 1, 2 in epoch 2, after the checkpoint taken at the epoch's end.
+    of step 4) steps over 5 batches: 3 in epoch 1, 2 in epoch 2, after the checkpoint taken at the epoch's end; the
+    state to return to after each is the resumed one, or the restored snapshot from the checkpoint.
     No dropout: Lightning does not restore the global RNG on resume, whatever the callbacks do."""
     n, bad = 12, {7: 50.0, 8: 50.0}
 
     def run(root: Path, epochs: int, ckpt: Path | None = None) -> tuple[RollbackModule, SpikeRollback, Any]:
         torch.manual_seed(0)
-        model, callback = RollbackModule(dropout=0.0), make_rollback(skip_batches=5)
+        model, callback = RollbackModule(dropout=0.0), make_rollback(skip_batches=5, save_snapshots=save_snapshots)
         trainer = make_trainer(root, strategy="gradkit", callbacks=[callback], max_epochs=epochs)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -296,6 +413,105 @@ def test_checkpoint_after_a_rollback_resumes_exactly(tmp_path: Path) -> None:
     torch.save(state, tmp_path / "stateless.ckpt")
     fresh, _, _ = run(tmp_path / "d", 2, tmp_path / "stateless.ckpt")
     assert not torch.equal(fresh.net.body[0].weight, straight.net.body[0].weight)
+
+
+class ResumableLoader:
+    """``spiky_loader``'s batches in order, resumable mid-epoch (Lightning restores a loader with ``state_dict``).
+
+    It has a length, so Lightning's fetcher does not draw ahead of it: the batches drawn are the batches run.
+    """
+
+    def __init__(self, n_batches: int, bad: dict[int, float]) -> None:
+        self.batches = list(spiky_loader(n_batches, bad))
+        self.drawn = 0
+        self.start = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        self.drawn, self.start = self.start, 0
+        while self.drawn < len(self.batches):
+            self.drawn += 1
+            yield self.batches[self.drawn - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.drawn}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["consumed"]
+
+
+def run_resumable(
+    root: Path, n: int, bad: dict[int, float], save_snapshots: bool, save_at: int = 0, ckpt: Path | None = None
+) -> tuple[RollbackModule, Any, list[str]]:
+    """One epoch of ``n`` batches, snapshots every 10 steps, rollback after 3 spiking steps; with ``save_at``, a
+    checkpoint ``root/mid.ckpt`` after that many steps. No dropout: Lightning does not restore the global RNG."""
+    torch.manual_seed(0)
+    model = RollbackModule(dropout=0.0)
+    rollback = make_rollback(patience=3, snapshot_every_n_steps=10, skip_batches=2, save_snapshots=save_snapshots)
+    callbacks: list[Any] = [rollback]
+    if save_at:
+        callbacks.append(ModelCheckpoint(root, "mid", every_n_train_steps=save_at, save_top_k=-1))
+    trainer = make_trainer(root, strategy="gradkit", callbacks=callbacks, enable_checkpointing=bool(save_at))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, ResumableLoader(n, bad), ckpt_path=ckpt)
+    return model, trainer, [str(w.message) for w in caught if "SpikeRollback" in str(w.message)]
+
+
+def without_time(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in e.items() if k != "time"} for e in events]
+
+
+# Checkpoints taken inside a run of flagged steps (the spike began at step 20, the snapshot before it is step 20's),
+# and between a snapshot (step 30) and a later spike (from step 34).
+RESUMES = pytest.mark.parametrize(
+    ("n", "bad", "stop_at"),
+    [(30, (20, 21, 22), 22), (40, (34, 35, 36), 31)],
+    ids=["inside_a_flagged_run", "between_snapshot_and_spike"],
+)
+
+
+@RESUMES
+def test_run_resumed_with_saved_snapshots_rolls_back_as_the_uninterrupted_one(
+    tmp_path: Path, n: int, bad: tuple[int, ...], stop_at: int
+) -> None:
+    spikes = dict.fromkeys(bad, 50.0)
+    straight, t_straight, _ = run_resumable(tmp_path, n, spikes, save_snapshots=True, save_at=stop_at)
+    (event,) = rollback_events(t_straight)
+    assert (event["from_step"], event["to_step"]) == (bad[-1] + 1, bad[0] // 10 * 10)
+    resumed, t_resumed, warned = run_resumable(tmp_path / "c", n, spikes, True, ckpt=tmp_path / "mid.ckpt")
+
+    assert without_time(rollback_events(t_resumed)) == without_time([event])
+    assert len(warned) == 1 and "resumed from" not in warned[0]
+    assert_bitwise(dict(straight.named_parameters()), dict(resumed.named_parameters()))
+    assert_bitwise(dict(straight.named_buffers()), dict(resumed.named_buffers()))
+    assert_bitwise(t_straight.optimizers[0].state_dict(), t_resumed.optimizers[0].state_dict())
+    # The count of skipped steps came through the checkpoint: the identity with Adam's step count holds.
+    skipped = column(read_metrics(t_resumed), "gradkit/skipped_steps")[-1]
+    assert t_resumed.global_step - skipped == t_resumed.optimizers[0].state_dict()["state"][0]["step"]
+    # The checkpoint holds the ring: each snapshot as large as the parameters, buffers and Adam's state.
+    state = torch.load(tmp_path / "mid.ckpt", weights_only=True)["callbacks"][t_straight.callbacks[0].state_key]
+    assert sorted(s["step"] for s in state["snapshots"]) == [stop_at // 10 * 10 - 10, stop_at // 10 * 10]
+
+
+@RESUMES
+def test_run_resumed_without_saved_snapshots_restores_the_resumed_state_and_the_event_says_so(
+    tmp_path: Path, n: int, bad: tuple[int, ...], stop_at: int
+) -> None:
+    spikes = dict.fromkeys(bad, 50.0)
+    run_resumable(tmp_path, n, spikes, save_snapshots=False, save_at=stop_at)
+    resumed, t_resumed, warned = run_resumable(tmp_path / "c", n, spikes, False, ckpt=tmp_path / "mid.ckpt")
+
+    (event,) = rollback_events(t_resumed)
+    assert (event["from_step"], event["to_step"], event["snapshot_origin"]) == (bad[-1] + 1, stop_at, "resume")
+    assert len(warned) == 1 and f"the state the run resumed from{', after' if stop_at > bad[0] else ':'}" in warned[0]
+    # The documented difference, exactly: the state at the resume is restored, then 2 batches are stepped over.
+    kept = [*range(stop_at), *range(bad[-1] + 3, n)]
+    expected = reference_run(n, spikes, kept, dropout=0.0)
+    for (name, p), ref in zip(resumed.net.named_parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=1e-6, msg=name)
 
 
 # -- bad input -----------------------------------------------------------------------------------------------------
@@ -362,3 +578,29 @@ def test_gpu_snapshot_uses_pinned_buffers_and_restores_bitwise() -> None:
     snap.restore(params, buffers, [opt])
     assert_bitwise(net.state_dict(), saved[0])
     assert_bitwise(opt.state_dict(), saved[1])
+
+
+@pytest.mark.gpu
+def test_gpu_snapshot_from_a_checkpoint_restores_bitwise_and_is_pinned_again_at_the_next_capture(
+    tmp_path: Path,
+) -> None:
+    net = Net().cuda()
+    opt, _ = make_optimizer(net)
+    net(torch.randn(8, 8, device="cuda")).sum().backward()
+    opt.step()
+    params, buffers = list(net.parameters()), list(net.buffers())
+    saved = copy.deepcopy((net.state_dict(), opt.state_dict()))
+    snap = HostSnapshot()
+    snap.capture(params, buffers, [opt])
+    torch.save(snap.state_dict(), tmp_path / "snapshot.pt")
+    loaded = HostSnapshot()
+    loaded.load_state_dict(torch.load(tmp_path / "snapshot.pt", weights_only=True))
+    for _ in range(2):
+        opt.zero_grad()
+        net(torch.randn(8, 8, device="cuda")).sum().backward()
+        opt.step()
+    loaded.restore(params, buffers, [opt])
+    assert_bitwise(net.state_dict(), saved[0])
+    assert_bitwise(opt.state_dict(), saved[1])
+    loaded.capture(params, buffers, [opt])
+    assert all(t.is_pinned() for t in loaded._host if t.numel())

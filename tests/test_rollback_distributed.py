@@ -59,5 +59,8 @@ def test_rollback_is_identical_on_every_rank_and_exact_under_ddp_and_fsdp2(tmp_p
         assert_bitwise(first["params"], second["params"], case)  # every rank ends with the same model
         for name, values in first["params"].items():
             torch.testing.assert_close(torch.tensor(values), expected[name], rtol=1e-5, atol=1e-6, msg=case)
-    # FSDP2: each rank holds its shards only, so its snapshot is about half of the DDP one.
+    # FSDP2: each rank holds its shards only, so its snapshot is about half of the DDP one; a checkpoint (rank 0's
+    # callback state) could not hold them, so `save_snapshots=True` is refused at setup on every rank.
     assert ranks[0]["fsdp2"]["snapshot_bytes"] < ranks[0]["ddp"]["snapshot_bytes"]
+    for r in ranks:
+        assert "save_snapshots=False" in r["fsdp2_save_snapshots"], r["fsdp2_save_snapshots"]

@@ -14,6 +14,9 @@ current stream (the training step does not wait for them) and records a CUDA eve
 only before it reads the buffers (a restore) or overwrites them (the next capture). Later kernels on the same stream
 (the next optimizer step) are ordered after the copies, so they read the values of the capture.
 
+:meth:`HostSnapshot.state_dict` hands the host buffers and plain values to a checkpoint (they load with
+``torch.load(weights_only=True)``), and :meth:`HostSnapshot.load_state_dict` adopts them in a resumed run.
+
 Pure PyTorch: no Lightning here; :mod:`lightning_gradkit.callbacks.rollback` wires it to a Trainer.
 """
 
@@ -123,7 +126,7 @@ class HostSnapshot:
         for i, source in enumerate(sources):
             if i == len(self._host):
                 self._host.append(_host_buffer(source))
-            elif self._host[i].shape != source.shape or self._host[i].dtype != source.dtype:
+            elif not _fits(self._host[i], source):
                 self._host[i] = _host_buffer(source)
             self._host[i].copy_(source, non_blocking=source.is_cuda)
         self._num_params, self._num_buffers = len(params), len(buffers)
@@ -151,6 +154,57 @@ class HostSnapshot:
     def restore_buffers(self, buffers: Sequence[Tensor]) -> None:
         """Copy the captured buffers back into ``buffers`` (the sequence given to :meth:`capture`), in place."""
         self._copy_back(self._buffer_pairs(buffers))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The captured values, for a checkpoint: the host tensors themselves (not copies) and plain values.
+
+        Everything in it loads with ``torch.load(weights_only=True)``. The tensors are this snapshot's buffers: a
+        later capture overwrites them, so save the state before the next capture.
+
+        Example::
+
+            >>> net = torch.nn.Linear(2, 1)
+            >>> snap = HostSnapshot()
+            >>> snap.capture(list(net.parameters()), [], [])
+            >>> copy = HostSnapshot()
+            >>> copy.load_state_dict(snap.state_dict())
+            >>> with torch.no_grad():
+            ...     _ = net.weight.zero_()
+            >>> copy.restore(list(net.parameters()), [], [])
+            >>> bool(net.weight.abs().sum() > 0)
+            True
+        """
+        self._wait()
+        optimizers = [
+            {
+                "params": [None if e is None else {"tensors": dict(e.tensors), "values": e.values} for e in o.params],
+                "groups": o.groups,
+            }
+            for o in self._optimizers
+        ]
+        return {
+            "host": list(self._host),
+            "num_params": self._num_params,
+            "num_buffers": self._num_buffers,
+            "optimizers": optimizers,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Adopt the values of :meth:`state_dict` (host tensors included, without a copy), as if captured here.
+
+        On a GPU the next capture replaces host tensors that are not pinned by pinned ones.
+        """
+        self._wait()
+        self._host = list(state_dict["host"])
+        self._num_params = int(state_dict["num_params"])
+        self._num_buffers = int(state_dict["num_buffers"])
+        self._optimizers = [
+            _OptimizerState(
+                [None if e is None else _ParamState(dict(e["tensors"]), dict(e["values"])) for e in o["params"]],
+                list(o["groups"]),
+            )
+            for o in state_dict["optimizers"]
+        ]
 
     # -- internals ------------------------------------------------------------------------------------------------
     def _buffer_pairs(self, buffers: Sequence[Tensor]) -> list[tuple[Tensor, int]]:
@@ -214,6 +268,11 @@ class HostSnapshot:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
+
+
+def _fits(host: Tensor, source: Tensor) -> bool:
+    """Whether ``host`` can take ``source``'s values: same shape and dtype, and pinned when ``source`` is on a GPU."""
+    return host.shape == source.shape and host.dtype == source.dtype and (not source.is_cuda or host.is_pinned())
 
 
 def _host_buffer(like: Tensor) -> Tensor:

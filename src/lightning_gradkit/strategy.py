@@ -41,10 +41,12 @@ applied optimizer steps (counted within the epoch, as Lightning's count restarts
 skipped, exactly Lightning's schedule. For this the gate has Lightning call the (gated) ``lr_scheduler_step`` after
 every optimizer step (the configs' ``frequency`` reads 1 while fitting; restored at teardown), and the counts are
 saved in checkpoints (key ``"gradkit_lr_schedule"``) so a resumed run steps its schedulers where an uninterrupted
-one does. With a fused optimizer the skip flag is read on the host when its scheduler is about to step, after the
-optimizer step has been queued. ``trainer.global_step`` counts *attempted* optimizer steps, as Lightning does when
-the ``GradScaler`` skips one: ``max_steps``, logging and checkpoint periods keep following batches, while
-``gradkit/skipped_steps`` counts the skipped ones (applied steps = ``global_step - skipped_steps``).
+one does. They are part of a step's state (``gradkit_state_dict``): a rollback rewinds them with the rest, and the
+rewound steps no longer count as applied. With a fused optimizer the skip flag is read on the host when its
+scheduler is about to step, after the optimizer step has been queued. ``trainer.global_step`` counts *attempted*
+optimizer steps, as Lightning does when the ``GradScaler`` skips one: ``max_steps``, logging and checkpoint periods
+keep following batches, while ``gradkit/skipped_steps`` counts the skipped ones, and after a rollback the rewound
+ones too (applied steps = ``global_step - skipped_steps``).
 """
 
 from __future__ import annotations
@@ -132,6 +134,16 @@ class _ScheduleCount:
     def due(self, frequency: int) -> bool:
         """Whether a scheduler with this ``frequency`` steps after the last optimizer step."""
         return self.last_applied and self.applied % frequency == 0
+
+    def rewind(self, saved: _ScheduleCount) -> None:
+        """Undo the applied steps counted since ``saved`` was taken, staying at the current batch.
+
+        The batches since then count as batches of steps that were not applied: ``applied`` returns to ``saved``'s
+        when both are of the same epoch, else to 0 (none of this epoch's applied steps is left).
+        """
+        same_epoch = saved.epoch == self.epoch
+        self.applied = saved.applied if same_epoch else 0
+        self.last_applied = saved.last_applied if same_epoch and saved.seen == self.seen else False
 
 
 class _SchedulerGate:
@@ -332,6 +344,38 @@ class GradKitStrategyMixin:
         """The counts, per optimizer index, as saved in checkpoints."""
         self._gradkit_settle()
         return {i: (c.epoch, c.seen, c.applied, c.last_applied) for i, c in self._gradkit_counts.items()}
+
+    # -- the strategy's part of a step's state ---------------------------------------------------------------------
+    def gradkit_state_dict(self) -> dict[str, Any]:
+        """What an optimizer step changes in the strategy: the LR-schedule counts of the step-interval schedulers.
+
+        With the parameters, optimizer and scheduler states, buffers, RNG and the gradkit callbacks' states, this is
+        part of a training step's state; :class:`~lightning_gradkit.SpikeRollback` keeps it in every snapshot. The
+        values are plain (``{"lr_schedule": {optimizer index: (epoch, batches seen, batches of applied steps, last
+        step applied)}}``). Reads a fused optimizer's pending skip flag on the host.
+
+        Example::
+
+            >>> from lightning_gradkit.strategy import GradKitSingleDeviceStrategy
+            >>> GradKitSingleDeviceStrategy().gradkit_state_dict()
+            {'lr_schedule': {}}
+        """
+        if not hasattr(self, "_gradkit_counts"):  # before `setup`: nothing counted yet
+            return {"lr_schedule": {}}
+        return {"lr_schedule": self._gradkit_schedule_state()}
+
+    def gradkit_load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Rewind the strategy's step state to ``state_dict`` (from :meth:`gradkit_state_dict`) at the current batch.
+
+        The training continues from the batch it is at: the batches seen since ``state_dict`` was taken count as
+        batches of steps that were not applied, so a step-interval scheduler with ``frequency=f`` steps as in a run
+        that never saw them (after each ``f`` applied optimizer steps of the epoch, without accumulation). Loading
+        the state just taken changes nothing.
+        """
+        self._gradkit_settle()
+        saved = {int(i): _ScheduleCount(*values) for i, values in state_dict["lr_schedule"].items()}
+        for i, count in self._gradkit_counts.items():
+            count.rewind(saved.get(i, _ScheduleCount()))
 
     def _gradkit_hold(self, scheduler: Any) -> bool:
         """Whether a gated scheduler must not step now (see the module docstring)."""

@@ -104,6 +104,18 @@ def run(out: Path, name: str, model: RollbackMLP, strategy: Any) -> dict[str, An
     }
 
 
+def refused_save_snapshots(out: Path) -> str:
+    """The setup error of ``save_snapshots=True`` under FSDP2 (each rank's snapshots hold its own shards)."""
+    strategy = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=PG_TIMEOUT)
+    callback = SpikeRollback(save_snapshots=True)
+    trainer = distributed_trainer(strategy=strategy, default_root_dir=out / "refused", callbacks=[callback])
+    try:
+        trainer.fit(ShardedRollbackMLP(), rank_loader(trainer.global_rank))
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
 def main() -> None:
     args = script_parser().parse_args()
     results: dict[str, Any] = {}
@@ -112,6 +124,7 @@ def main() -> None:
     torch.manual_seed(0)
     fsdp2 = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=PG_TIMEOUT)
     results["fsdp2"] = run(args.out, "fsdp2", ShardedRollbackMLP(), fsdp2)
+    results["fsdp2_save_snapshots"] = refused_save_snapshots(args.out)
     write_rank_result(args.out, results["ddp"]["rank"], results)
 
 
