@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from architectures import ArchModule, ResNet18Like, image_data
+from architectures import ArchModule, ResNet18Like, TiedTransformerLM, TinyViT, image_data, token_data
 from helpers import make_trainer
 from lightning_gradkit import AccumulationGuard, ActivationCheckpointing, NonFiniteGuard
 from lightning_gradkit.core.buffers import BufferGuard
@@ -94,6 +94,38 @@ def test_skipped_step_leaves_batchnorm_buffers_as_without_the_bad_batch(
     )
     assert len(bn_buffers(expected)) == 3 * 20  # every BatchNorm of the network, downsample branches included
     assert_states_equal(got, expected)
+
+
+@pytest.mark.parametrize("arch", ["vit", "tied_lm"])
+def test_skip_on_transformers_equals_plain_lightning_without_the_bad_batch(tmp_path: Path, arch: str) -> None:
+    """A ViT with a root `cls_token` and a pre-LN LM whose head is tied to its embedding (one parameter, two uses):
+    a NaN batch skipped with its culprit replay leaves the run equal to plain Lightning without that batch."""
+    if arch == "vit":
+        data = poisoned_images(6, [3])
+        make: Any = lambda: TinyViT()  # noqa: E731
+    else:
+        x, y = token_data(n=6 * BATCH).tensors
+        data = TensorDataset(x, y)
+        make = lambda: TiedTransformerLM()  # noqa: E731
+
+    class Poisoned(ArchModule):
+        poison = False  # the LM's batch 3 gives a NaN loss in the gradkit run (token ids cannot hold a NaN)
+
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if self.poison and batch_idx == 3 else loss
+
+    states = []
+    for name, loader_, kwargs in (
+        ("gradkit", DataLoader(data, batch_size=BATCH), {"strategy": "gradkit", "callbacks": [NonFiniteGuard()]}),
+        ("plain", without(data, [3]), {}),
+    ):
+        torch.manual_seed(0)
+        module = Poisoned(make(), lr=0.05, optimizer="adam")
+        module.poison = arch == "tied_lm" and name == "gradkit"
+        quiet_fit(make_trainer(tmp_path / name, **kwargs), module, loader_)
+        states.append(module.state_dict())
+    assert_states_equal(*states)
 
 
 def test_skipped_step_in_manual_optimization_puts_buffers_back(tmp_path: Path) -> None:
