@@ -134,12 +134,36 @@ def test_names_the_loss_when_the_model_output_is_finite() -> None:
     assert (finding.culprit, finding.phase) == ("<loss>", "loss")
 
 
+def test_names_the_loss_when_its_backward_makes_the_first_nonfinite_value() -> None:
+    model = net()
+    x = torch.randn(8, 4)
+    finding = find_nonfinite_origin(model, lambda: torch.sqrt(model(x) * 0).sum())  # d sqrt(0) = inf
+    assert (finding.culprit, finding.phase, finding.detail["pass"]) == ("<loss>", "loss", "backward")
+    assert (finding.detail["node"], finding.detail["forward_op"]) == ("SqrtBackward0", "aten.sqrt.default")
+    # inf * 0 in the backward of `model(x) * 0`, also outside the modules.
+    assert finding.detail["became_nan"] == "`aten.mul.Tensor` in the backward of the code outside the modules"
+
+
 def test_names_a_parameter_whose_gradient_a_hook_poisoned() -> None:
     model = net()
     model[1].weight.register_hook(lambda g: g * float("nan"))  # the hook
     finding = origin(model, torch.randn(8, 4))
     assert (finding.culprit, finding.phase) == ("1.weight", "parameter_gradient")
     assert finding.detail["op"] == "aten.mul.Tensor" and finding.detail["source"].endswith("# the hook")
+
+
+def test_a_sparse_embedding_gradient_is_checked_too() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    model[1].register_forward_hook(lambda m, args, out: out / 0)
+    idx = torch.randint(0, 10, (3, 5))
+    finding = find_nonfinite_origin(model, lambda: model(idx).sum())
+    assert (finding.culprit, finding.phase, finding.detail["op"]) == ("1", "forward", "aten.div.Tensor")
+    # Independent check: the plain gradients, the embedding's sparse one read through its stored values.
+    grads = torch.autograd.grad(model(idx).sum(), list(model.parameters()))
+    assert grads[0].is_sparse and not torch.isfinite(grads[0]._values()).all()
+    assert finding.detail["nonfinite_param_grads"] == ["0.weight", "1.weight", "1.bias"]
+    assert "replay_error" not in finding.detail
 
 
 def test_names_a_parameter_that_was_already_nonfinite() -> None:

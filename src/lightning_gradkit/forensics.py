@@ -34,8 +34,8 @@ Everything the replay could change is restored afterwards: the RNG states (torch
 every ``.grad``, and the state of every ``torchmetrics`` metric among the submodules (a metric updated in
 ``training_step`` is not counted twice). The RNG state saved at the start of the bad batch can be set for the
 replay, so dropout masks repeat. Other Python side effects of the replayed code (a counter, a print, an append to a
-list) cannot be undone: they happen once more. The replay costs a few times a training step (a host read per
-operator), once, at the first detection; the training steps themselves run without any of it.
+list) cannot be undone: they happen once more. The replay costs about two forward-and-backward passes (a host read
+per operator), once, at the first detection; the training steps themselves run without any of it.
 
 :func:`find_nonfinite_origin` is plain PyTorch; :func:`replay_training_step` wires it to a LightningModule.
 """
@@ -119,7 +119,7 @@ class Finding:
         if self.phase == "batch":
             return f"an input that was already non-finite (the batch), first used{op} in {d.get('input_of')}"
         if self.phase == "parameter":
-            return f"parameter or buffer `{self.culprit}` was already non-finite, first used{op}"
+            return f"parameter or buffer `{self.culprit}` was already non-finite, first used{op} in {d.get('input_of')}"
         if self.phase == "not_reproduced":
             return "the replay of this batch on this rank stayed finite"
         if self.phase == "failed":
@@ -138,9 +138,20 @@ def _tensors(obj: Any) -> Iterator[Tensor]:
             yield from _tensors(v)
 
 
+def _stored_values(t: Tensor) -> Tensor:
+    """The values a tensor stores: those of a sparse one (an ``Embedding(sparse=True)`` gradient), else itself."""
+    if t.layout == torch.sparse_coo:
+        return t._values()
+    if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return t.values()
+    return t
+
+
 def all_finite(obj: Any) -> bool:
     """Whether every floating-point tensor in a (nested) structure is finite. Reads to the host."""
-    return all(bool(torch.isfinite(t).all()) for t in _tensors(obj) if t.is_floating_point() or t.is_complex())
+    return all(
+        bool(torch.isfinite(_stored_values(t)).all()) for t in _tensors(obj) if t.is_floating_point() or t.is_complex()
+    )
 
 
 # -- state that a replay must not change ------------------------------------------------------------------------
@@ -479,11 +490,15 @@ class _Recorder(TorchDispatchMode):
         return Finding(self.names[module], phase, {**detail, "module_type": type(module).__name__})
 
     def _place(self, node: Any) -> str:
-        """Where an operator runs, for a message: the forward or the backward of a module (or of the loss)."""
+        """Where an operator runs, for a message: the forward or the backward of a module, or of the code outside
+        the modules (the loss)."""
         if node is None:
-            return f"the forward of `{self.names[self.stack[-1]]}`" if self.stack else "the loss"
-        module = self.nodes.get(node._sequence_nr(), (None, None, None))[1]
-        return f"the backward of `{self.names[module]}`" if module is not None else f"the backward ({node.name()})"
+            module, where = (self.stack[-1] if self.stack else None), "the forward"
+        elif node._sequence_nr() in self.nodes:
+            module, where = self.nodes[node._sequence_nr()][1], "the backward"
+        else:  # a parameter's gradient hook, or a node this replay's forward did not make
+            return f"the backward ({node.name()})"
+        return f"{where} of " + (f"`{self.names[module]}`" if module is not None else "the code outside the modules")
 
     def _user_frame(self) -> _Frame | None:
         """The innermost frame outside torch, Lightning and this package, up to the replay's caller."""
