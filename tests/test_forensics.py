@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import random
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.data import TensorDataset
 
+from architectures import ArchModule, ResNet18Like, TiedTransformerLM, TinyViT, data_loader, image_data, token_data
 from helpers import MLPModule, loader, make_trainer
+from lightning_gradkit import NonFiniteGuard
 from lightning_gradkit.core.norms import clean_name
 from lightning_gradkit.forensics import find_nonfinite_origin, replay_training_step
 from lightning_gradkit.replay import capture_rng, preserved_state
+from test_guards import events
 
 
 class Log(nn.Module):
@@ -42,6 +49,10 @@ class Block(nn.Module):
         return self.after(h)
 
 
+LOG_CODE = "h = torch.log(h - 1e3)  # negative -> NaN, made between the submodules"
+LOG_LINE = next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if line.strip() == LOG_CODE)
+
+
 def net(*middle: nn.Module) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 4), *middle, nn.Linear(4, 1))
@@ -62,7 +73,8 @@ def test_names_the_parent_when_nan_is_made_between_its_submodules() -> None:
     model = net(Block("log"))
     finding = origin(model, torch.randn(8, 4))
     assert (finding.culprit, finding.phase) == ("1", "forward_between_submodules")
-    assert finding.detail["input_of"] == "1.after"
+    assert finding.detail["op"] == "aten.log.default"
+    assert finding.detail["source"].endswith(f"{LOG_LINE} in forward: {LOG_CODE}")
 
 
 def test_names_the_batch_when_the_input_is_already_nonfinite() -> None:
@@ -70,14 +82,46 @@ def test_names_the_batch_when_the_input_is_already_nonfinite() -> None:
     x[3, 1] = float("inf")
     finding = origin(net(), x)
     assert finding.phase == "batch" and finding.culprit == "<batch>"
+    assert finding.detail["op"] == "aten.addmm.default" and finding.detail["input_of"] == "the forward of `0`"
+
+
+def test_an_inplace_operator_on_a_nonfinite_input_hands_its_origin_on() -> None:
+    # relu_ writes its NaN input in place: the NaN was the batch's, not relu_'s.
+    x = torch.randn(8, 4)
+    x[0, 0] = float("nan")
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 1))
+    finding = origin(model, x)
+    assert (finding.culprit, finding.phase) == ("<batch>", "batch")
+    assert finding.detail["op"] == "aten.relu_.default"
+
+
+def sqrt_at_zero() -> nn.Sequential:
+    """``sqrt`` of an all-zero activation: finite forward; its derivative at 0 is inf, and the first layer's weight
+    gradient sums +inf and -inf into NaN."""
+    model = net(Sqrt())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()
+    return model
 
 
 def test_names_the_module_whose_backward_turned_inf() -> None:
-    # sqrt(relu(x)) is finite forward, its derivative at 0 is inf.
+    finding = origin(sqrt_at_zero(), torch.randn(8, 4))
+    assert (finding.culprit, finding.phase) == ("1", "backward")
+    assert finding.detail["forward_op"] == "aten.sqrt.default" and finding.detail["node"] == "SqrtBackward0"
+    assert finding.detail["op"] == "aten.div.Tensor"  # SqrtBackward0: grad / (2 * sqrt(x))
+    assert finding.detail["source"].endswith("in forward: return torch.sqrt(x)")  # the forward call it differentiates
+    assert finding.detail["became_nan"] == "`aten.mm.default` in the backward of `0`"
+    assert finding.detail["nonfinite_param_grads"] == ["0.weight", "0.bias"]
+
+
+def test_an_inf_the_backward_absorbs_is_no_culprit() -> None:
+    # sqrt(relu(x)) at 0: Sqrt's input gradient is inf, ReLU's backward zeroes it: every parameter gradient is finite.
     model = net(nn.ReLU(), Sqrt())
-    x = torch.full((8, 4), -10.0)
-    finding = origin(model, x)
-    assert (finding.culprit, finding.phase) == ("2", "backward")
+    finding = origin(model, torch.full((8, 4), -10.0))
+    assert finding.phase == "not_reproduced"
+    loss = model(torch.full((8, 4), -10.0)).pow(2).mean()
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(loss, list(model.parameters())))
 
 
 def test_names_the_loss_when_the_model_output_is_finite() -> None:
@@ -86,11 +130,45 @@ def test_names_the_loss_when_the_model_output_is_finite() -> None:
     assert (finding.culprit, finding.phase) == ("<loss>", "loss")
 
 
+def test_names_the_loss_when_its_backward_makes_the_first_nonfinite_value() -> None:
+    model = net()
+    x = torch.randn(8, 4)
+    finding = find_nonfinite_origin(model, lambda: torch.sqrt(model(x) * 0).sum())  # d sqrt(0) = inf
+    assert (finding.culprit, finding.phase, finding.detail["pass"]) == ("<loss>", "loss", "backward")
+    assert (finding.detail["node"], finding.detail["forward_op"]) == ("SqrtBackward0", "aten.sqrt.default")
+    # inf * 0 in the backward of `model(x) * 0`, also outside the modules.
+    assert finding.detail["became_nan"] == "`aten.mul.Tensor` in the backward of the code outside the modules"
+
+
 def test_names_a_parameter_whose_gradient_a_hook_poisoned() -> None:
     model = net()
-    model[1].weight.register_hook(lambda g: g * float("nan"))
+    model[1].weight.register_hook(lambda g: g * float("nan"))  # the hook
     finding = origin(model, torch.randn(8, 4))
     assert (finding.culprit, finding.phase) == ("1.weight", "parameter_gradient")
+    assert finding.detail["op"] == "aten.mul.Tensor" and finding.detail["source"].endswith("# the hook")
+
+
+def test_a_sparse_embedding_gradient_is_checked_too() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    model[1].register_forward_hook(lambda m, args, out: out / 0)
+    idx = torch.randint(0, 10, (3, 5))
+    finding = find_nonfinite_origin(model, lambda: model(idx).sum())
+    assert (finding.culprit, finding.phase, finding.detail["op"]) == ("1", "forward", "aten.div.Tensor")
+    # Independent check: the plain gradients, the embedding's sparse one read through its stored values.
+    grads = torch.autograd.grad(model(idx).sum(), list(model.parameters()))
+    assert grads[0].is_sparse and not torch.isfinite(grads[0]._values()).all()
+    assert finding.detail["nonfinite_param_grads"] == ["0.weight", "1.weight", "1.bias"]
+    assert "replay_error" not in finding.detail
+
+
+def test_names_a_parameter_that_was_already_nonfinite() -> None:
+    model = net()
+    with torch.no_grad():
+        model[0].weight[2, 3] = float("inf")
+    finding = origin(model, torch.randn(8, 4))
+    assert (finding.culprit, finding.phase) == ("0.weight", "parameter")
+    assert finding.detail["op"] == "aten.addmm.default" and finding.detail["input_of"] == "the forward of `0`"
 
 
 def test_a_finite_replay_reports_not_reproduced() -> None:
@@ -99,13 +177,8 @@ def test_a_finite_replay_reports_not_reproduced() -> None:
 
 
 def test_anomaly_mode_adds_the_forward_trace_for_that_replay_only() -> None:
-    # sqrt(0) has an inf derivative; the first layer's weight gradient then sums +inf and -inf: NaN, which
-    # detect_anomaly reports (it ignores inf).
-    model = net(Sqrt())
-    with torch.no_grad():
-        model[0].weight.zero_()
-        model[0].bias.zero_()
-    finding = origin(model, torch.randn(8, 4), anomaly=True)
+    # detect_anomaly stops the backward at the NaN (it ignores inf) of the first layer's weight gradient.
+    finding = origin(sqrt_at_zero(), torch.randn(8, 4), anomaly=True)
     assert (finding.culprit, finding.phase) == ("1", "backward")
     assert "returned nan values" in finding.detail["replay_error"]
     assert "Traceback of forward call" in finding.detail["anomaly_forward_trace"]
@@ -125,7 +198,7 @@ def test_culprit_names_drop_wrapper_components_and_the_root_is_named_root() -> N
     # The root module (named "") is "<root>" in a Finding.
     finding = origin(Block("log"), torch.randn(8, 4))
     assert (finding.culprit, finding.phase) == ("<root>", "forward_between_submodules")
-    assert finding.detail["input_of"] == "after"
+    assert finding.detail["op"] == "aten.log.default"
 
 
 class DropoutBN(MLPModule):
@@ -189,3 +262,204 @@ def test_preserved_state_restores_train_mode() -> None:
     with preserved_state(model):
         model.eval()
     assert model.training
+
+
+# -- in-place operators, custom backward, fp16 scale, failures ------------------------------------------------------
+class DivInPlace(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.clone()
+        x.div_(0.0)  # in place: +-inf
+        return x
+
+
+def test_names_an_inplace_operator_and_not_the_inplace_relu_after_it() -> None:
+    """Module backward hooks cannot wrap an in-place ReLU; the replay sees the in-place operators themselves."""
+    model = net(DivInPlace(), nn.ReLU(inplace=True), nn.Linear(4, 4), nn.ReLU(inplace=True))
+    finding = origin(model, torch.randn(8, 4))
+    assert (finding.culprit, finding.phase) == ("1", "forward")
+    assert finding.detail["op"] == "aten.div_.Tensor" and finding.detail["source"].endswith(
+        "x.div_(0.0)  # in place: +-inf"
+    )
+    assert "replay_error" not in finding.detail
+
+
+class NaNGradient(torch.autograd.Function):
+    """Identity forward; a backward that makes NaN."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad * float("nan")  # the custom backward
+
+
+class CustomBackward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return NaNGradient.apply(x)
+
+
+def test_names_the_module_of_a_custom_function_whose_backward_made_nan() -> None:
+    finding = origin(net(CustomBackward()), torch.randn(8, 4))
+    assert (finding.culprit, finding.phase) == ("1", "backward")
+    assert finding.detail["node"] == "NaNGradientBackward" and finding.detail["op"] == "aten.mul.Tensor"
+    assert finding.detail["source"].endswith("# the custom backward")  # the user's backward code, not the forward
+    assert finding.detail["nonfinite_param_grads"] == ["0.weight", "0.bias"]
+
+
+def test_an_fp16_overflow_under_the_backward_scale_is_named_in_the_backward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 64), nn.Linear(64, 1)).half()
+    x = torch.randn(8, 4).half()
+
+    def compute_loss() -> Tensor:
+        return model(x).float().pow(2).sum()
+
+    assert find_nonfinite_origin(model, compute_loss).phase == "not_reproduced"
+    # The GradScaler's scale: the loss stays finite in fp32, the fp16 backward of the last layer overflows.
+    finding = find_nonfinite_origin(model, compute_loss, backward_scale=2.0**16)
+    assert (finding.culprit, finding.phase) == ("2", "backward") and finding.detail["loss_finite"]
+    assert (finding.detail["op"], finding.detail["forward_op"]) == ("aten.mm.default", "aten.addmm.default")
+    # Independent check: a plain backward of the scaled loss gives the same non-finite gradients.
+    grads = torch.autograd.grad(compute_loss() * 2.0**16, list(model.parameters()))
+    expected = [n for (n, _), g in zip(model.named_parameters(), grads, strict=True) if not torch.isfinite(g).all()]
+    assert finding.detail["nonfinite_param_grads"] == expected and expected
+
+
+def test_a_replay_that_raises_says_it_failed_and_never_that_it_stayed_finite() -> None:
+    model = net(nn.Tanh(), Log())  # the forward makes NaN, then the replay raises before returning a loss
+
+    def compute_loss() -> Tensor:
+        model(torch.randn(8, 4))
+        raise RuntimeError("the data iterator is exhausted\nsecond line")
+
+    finding = find_nonfinite_origin(model, compute_loss)
+    assert (finding.culprit, finding.phase) == (None, "failed")
+    assert finding.detail["error"] == "RuntimeError: the data iterator is exhausted"
+    assert finding.describe() == "the replay failed: RuntimeError: the data iterator is exhausted"
+
+
+# -- real architectures ---------------------------------------------------------------------------------------------
+def make_nan(module: nn.Module, args: Any, output: Tensor) -> Tensor:
+    return (output.abs() + 1).neg().log()  # log of a negative number: NaN made by aten.log
+
+
+def test_attention_masks_are_no_culprit_and_a_nan_in_a_later_block_is_named() -> None:
+    """``nn.MultiheadAttention`` turns the causal mask into ``-inf`` (``masked_fill_``) in every block; the softmax
+    makes it finite again, so it is no culprit. A NaN made in block 1 is named, with its operator."""
+    torch.manual_seed(0)
+    model = TiedTransformerLM()
+    idx = torch.randint(0, 32, (2, 8))
+    assert find_nonfinite_origin(model, lambda: model(idx).sum()).phase == "not_reproduced"
+    model.blocks[1].mlp[0].register_forward_hook(make_nan)
+    finding = find_nonfinite_origin(model, lambda: model(idx).sum())
+    assert (finding.culprit, finding.phase, finding.detail["op"]) == ("blocks.1.mlp.0", "forward", "aten.log.default")
+    assert finding.detail["source"].endswith(
+        "in make_nan: return (output.abs() + 1).neg().log()  # log of a negative number: NaN made by aten.log"
+    )
+
+
+def test_names_a_nan_inside_a_vit_block() -> None:
+    torch.manual_seed(0)
+    model = TinyViT()
+    model.blocks[1].ln_2.register_forward_hook(make_nan)
+    finding = find_nonfinite_origin(model, lambda: model(torch.randn(2, 3, 8, 8)).sum())
+    assert (finding.culprit, finding.phase, finding.detail["op"]) == ("blocks.1.ln_2", "forward", "aten.log.default")
+    assert finding.detail["module_type"] == "LayerNorm"
+
+
+# -- with Lightning's Trainer ---------------------------------------------------------------------------------------
+MAKE_NAN_CODE = "return (output.abs() + 1).neg().log()  # log of a negative number: NaN made by aten.log"
+
+
+class PoisonedArch(ArchModule):
+    """An architecture whose submodule ``target`` makes NaN (an operator in a forward hook) on batch ``bad_batch``,
+    and again when that batch is replayed: the hook is keyed on the batch ``training_step`` computes."""
+
+    def __init__(self, model: nn.Module, target: str, bad_batch: int = 2) -> None:
+        super().__init__(model, lr=0.01)
+        self.bad_batch = bad_batch
+        self.batch_idx = -1
+        self.get_submodule(target).register_forward_hook(self.poison)
+
+    def poison(self, module: nn.Module, args: Any, output: Tensor) -> Tensor | None:
+        return make_nan(module, args, output) if self.batch_idx == self.bad_batch else None
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.batch_idx = batch_idx
+        return super().training_step(batch, batch_idx)
+
+
+ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], Callable[[], TensorDataset], str, str]] = {
+    # layer3's first BasicBlock: a NaN out of bn1 goes through the in-place ReLU, conv2, bn2 and `out += identity`.
+    "resnet18": (ResNet18Like, image_data, "model.layer3.0.bn1", "BatchNorm2d"),
+    "tied_transformer": (TiedTransformerLM, token_data, "model.blocks.1.mlp.0", "Linear"),
+    "vit": (TinyViT, image_data, "model.blocks.0.ln_2", "LayerNorm"),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_guard_names_the_module_and_operator_that_made_nan_in_a_real_architecture(tmp_path: Path, arch: str) -> None:
+    build, data, target, module_type = ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    model = PoisonedArch(build(), target)
+    trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[NonFiniteGuard(action="skip")], max_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data_loader(data()))
+    (event,) = events(trainer)
+    assert (event["step"], event["batch_idx"]) == (2, 2)
+    assert event["culprit"] == target and event["culprit_source"] == "replay"
+    (finding,) = event["values"]["forensics"]
+    assert (finding["phase"], finding["op"], finding["module_type"]) == ("forward", "aten.log.default", module_type)
+    assert finding["source"].endswith(f"in make_nan: {MAKE_NAN_CODE}") and "replay_error" not in finding
+    (line,) = [str(w.message) for w in caught if "NonFiniteGuard" in str(w.message)]
+    assert f"culprit `{target}`: first non-finite value made by `aten.log.default` in the forward of `{target}`" in line
+
+
+class RaisesWhenReplayed(MLPModule):
+    """A NaN loss at batch 2, and a ``training_step`` that raises when it sees a batch a second time (a replay)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[int] = set()
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if batch_idx in self.seen:
+            raise RuntimeError("training_step saw this batch twice")
+        self.seen.add(batch_idx)
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx == 2 else loss
+
+
+def test_guard_reports_a_failed_replay_with_its_error_and_never_as_a_finite_one(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[NonFiniteGuard(action="skip")], max_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(RaisesWhenReplayed(), loader())
+    (event,) = events(trainer)
+    # Not localized by the replay: the culprit is where the guard saw the value, the loss.
+    assert (event["culprit"], event["culprit_source"]) == ("<loss>", "loss")
+    error = "RuntimeError: training_step saw this batch twice"
+    assert event["values"]["forensics"] == [
+        {"culprit": None, "phase": "failed", "error": error, "batch_idx": 2, "rank": 0}
+    ]
+    (line,) = [str(w.message) for w in caught if "NonFiniteGuard" in str(w.message)]
+    why = f"the replay failed: {error}; batch 2, rank 0"
+    assert f"culprit `<loss>`: the loss was already non-finite on rank(s) [0] ({why})" in line
+    assert "stayed finite" not in line
+
+
+class RefusesHooks(nn.Linear):
+    def register_forward_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this module takes no hooks")
+
+
+def test_a_model_that_refuses_hooks_gets_no_replay_and_says_why() -> None:
+    model = net(RefusesHooks(4, 4))
+    ran = []
+    finding = find_nonfinite_origin(model, lambda: ran.append(1))
+    assert (finding.culprit, finding.phase, ran) == (None, "unavailable", [])
+    assert finding.describe() == "no replay: cannot hook the model's modules: RuntimeError: this module takes no hooks"
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())  # none left behind

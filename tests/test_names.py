@@ -183,7 +183,7 @@ def test_guard_culprit_equals_the_monitor_key_of_a_wrapped_module(tmp_path: Path
     assert event["step"] == 2
     culprit = event["culprit"]
     assert culprit == "encoder.2.module"  # the user's `module` is kept, the wrapper's component dropped
-    assert event["values"]["forensics"][0]["phase"] == "backward"  # named by the replay's module hooks
+    assert event["values"]["forensics"][0]["phase"] == "backward"  # the custom Function's backward made it
     rows = read_metrics(trainer)
     keys = {k[len("grad_norm/module/") :] for row in rows for k in row if k.startswith("grad_norm/module/")}
     assert culprit in keys, keys

@@ -34,7 +34,7 @@ from lightning_gradkit.core.norms import loss_scale
 from lightning_gradkit.core.running import RunningMoments, WindowMoments, spike_decision
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan, world_size
 from lightning_gradkit.events import EventLog, events_dir
-from lightning_gradkit.forensics import Finding, replay_training_step
+from lightning_gradkit.forensics import Finding, describe_error, replay_training_step
 from lightning_gradkit.replay import RNGState, capture_rng, replaying
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint, handles_found_inf
 
@@ -318,11 +318,20 @@ class NonFiniteGuard(_Guard):
     - ``"raise"``: raise before the optimizer steps (one host read of the flag per step; any strategy).
     - ``"warn"``: let the update happen, count the flagged steps on device and report them on logging steps.
 
-    Forensics: on the first detection (not on every step), the micro-batches of the bad step are replayed once with
-    module hooks (see :mod:`lightning_gradkit.forensics`) to name the first module whose output or gradient became
-    non-finite. The replay needs the detection at the bad step, so it runs with ``action="raise"`` and with
-    ``action="skip"`` and an ordinary optimizer, on single-device and DDP strategies.
+    Forensics: on the first detection (not on every step), the micro-batches of the bad step are replayed once
+    under a dispatch mode that sees every aten operator of the forward and of the backward (see
+    :mod:`lightning_gradkit.forensics`). The replay follows the non-finite loss (else the non-finite gradients) back
+    to the operator that made it from finite values, and names the module it ran in (for an operator of the
+    backward, the module whose forward it differentiates), the operator (``aten.div.Tensor``) and the user's source
+    line. Infinities that a later operator makes finite again (a ``-inf`` attention mask before a softmax) are never
+    named; in-place operators (``ReLU(inplace=True)``) replay as they trained. The replay needs the detection at the
+    bad step, so it runs with ``action="raise"`` and with ``action="skip"`` and an ordinary optimizer, on
+    single-device and DDP strategies. Its cost, a host read per operator, is paid once; the training steps do not
+    pay for it.
 
+    - A replay that raises is reported as ``"failed"`` with its error, one that cannot run as ``"unavailable"`` with
+      the reason: the event and the message say so (never that the replay stayed finite), and the culprit then
+      comes from the loss or the gradients.
     - What the replay restores: RNG states, buffers, gradients, and the state of every ``torchmetrics`` metric of
       the LightningModule (a metric updated in ``training_step`` is not counted twice); ``self.log`` does nothing.
     - What it cannot restore: ``training_step`` runs again, so its other Python side effects (a counter it
@@ -339,9 +348,10 @@ class NonFiniteGuard(_Guard):
     micro-batch with a non-finite loss, else the step's last micro-batch), ``batches`` the micro-batches of the
     step. ``culprit`` has one meaning in every mode: the earliest point of the step's computation where a
     non-finite value was seen. A replay, when one ran and reproduced it, localizes it (a module name, ``"<batch>"``,
-    ``"<loss>"`` or a parameter); without one, a non-finite loss on some rank gives ``"<loss>"`` (the value was
-    already non-finite there; a replay would name the module), and otherwise the culprit is the first parameter (in
-    the optimizer's order) whose gradient was non-finite on some rank. ``culprit_source`` says which (``"replay"``,
+    ``"<loss>"`` or a parameter; each rank's finding in ``values.forensics`` adds its ``phase``, ``op`` and
+    ``source``); without one, a non-finite loss on some rank gives ``"<loss>"`` (the value was already non-finite
+    there; a replay would name the module), and otherwise the culprit is the first parameter (in the optimizer's
+    order) whose gradient was non-finite on some rank. ``culprit_source`` says which (``"replay"``,
     ``"loss"`` or ``"gradients"``). ``action="warn"`` and fused optimizers never replay (the flag is read on logging
     steps only), so their culprit comes from the loss or the gradients.
 
@@ -589,21 +599,20 @@ class NonFiniteGuard(_Guard):
             return Finding(None, "unavailable", {"reason": reason})
         anomaly = self.detect_anomaly and world_size() == 1
         first: Finding | None = None
-        failure: str | None = None
+        failed: Finding | None = None
         for batch, batch_idx, rng in self._batches:
             try:
                 finding = replay_training_step(trainer, pl_module, batch, batch_idx, rng, anomaly=anomaly)
             except Exception as err:  # forensics must never be what stops a run
-                failure = failure or f"the replay of batch {batch_idx} failed: {type(err).__name__}: {err}"
-                continue
+                finding = Finding(None, "failed", {"error": describe_error(err)})
             if first is None and finding.culprit is not None:
                 finding.detail["batch_idx"] = batch_idx
                 first = finding
-        if first is not None:
-            return first
-        if failure is not None:
-            return Finding(None, "unavailable", {"reason": failure})
-        return Finding(None, "not_reproduced")
+            elif failed is None and finding.phase in ("failed", "unavailable"):
+                # A micro-batch whose replay did not run to the end: it may be the one that made the value.
+                finding.detail["batch_idx"] = batch_idx
+                failed = finding
+        return first or failed or Finding(None, "not_reproduced")
 
     def _stop(self, trainer: pl.Trainer, count: int, first: int, last: int, summary: str) -> None:
         first_found = ""
@@ -773,11 +782,15 @@ def _culprit(
             batch = f.get("batch_idx")
             text = f"{r['described']} (replay of batch {batch} on rank {r['rank']})"
             return _Culprit(f["culprit"], "replay", text, batch)
-    replays = [r["finding"] for r in per_rank if r["finding"] is not None]
+    replays = [r for r in per_rank if r["finding"] is not None]
+    unfinished = [r for r in replays if r["finding"]["phase"] != "not_reproduced"]
     why = no_replay
-    if replays:
-        phases = {f["phase"] for f in replays}
-        why = "the replay stayed finite" if phases == {"not_reproduced"} else replays[0].get("reason", "no replay")
+    if unfinished:  # a replay that failed or could not run: never reported as a finite one
+        r = unfinished[0]
+        batch = r["finding"].get("batch_idx")
+        why = f"{r['described']}; " + (f"batch {batch}, " if batch is not None else "") + f"rank {r['rank']}"
+    elif replays:
+        why = "the replay stayed finite"
     if bad_ranks:
         return _Culprit("<loss>", "loss", f"the loss was already non-finite on rank(s) {bad_ranks} ({why})", None)
     if params:
