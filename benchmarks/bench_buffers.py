@@ -5,7 +5,8 @@ forward writes (BatchNorm's running statistics), and puts them back if the step 
 run, interleaved: the "gradkit" strategy with ``NonFiniteGuard(action="skip")`` with that protection (``on``) and
 with it switched off (``off``), on
 
-- a ResNet-18-shaped CNN (20 BatchNorm layers, 60 buffers) on 32x32 images, batch 32;
+- a ResNet-18-shaped CNN (20 BatchNorm layers, 60 buffers) on 32x32 images, batch 32, with SGD and with
+  ``Adam(fused=True)`` (whose skip flag stays on device, so the restore is a ``torch.where`` on every step);
 - TinyGPT (no BatchNorm): the protection must cost nothing there.
 
 Besides the step times (noisy on a shared CPU), the time spent inside the protection itself (the capture at the
@@ -114,6 +115,10 @@ def main() -> None:
     cases = {
         "ResNet-18-shaped CNN (width 16), 32x32, batch 32": (
             lambda: ArchModule(ResNet18Like(width=16)),
+            image_loader(),
+        ),
+        "the same CNN with Adam(fused=True) (restore by torch.where on every step)": (
+            lambda: ArchModule(ResNet18Like(width=16), lr=1e-3, optimizer="adam_fused"),
             image_loader(),
         ),
         f"TinyGPT {GPT}, batch 16 (no BatchNorm)": (lambda: TinyGPTModule(**GPT), gpt_loader(GPT["block_size"])),
