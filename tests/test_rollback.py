@@ -560,14 +560,19 @@ def test_manual_optimization_is_refused_at_setup(tmp_path: Path) -> None:
 
 
 # -- the snapshot on a GPU -----------------------------------------------------------------------------------------
-@pytest.mark.gpu
-def test_gpu_snapshot_uses_pinned_buffers_and_restores_bitwise() -> None:
+def cuda_net_after_a_step() -> tuple[nn.Module, torch.optim.Optimizer, list[Tensor], list[Tensor], Any]:
+    """A CUDA net whose optimizer took one step: (net, optimizer, params, buffers, deep copy of both state dicts)."""
     net = Net().cuda()
     opt, _ = make_optimizer(net)
     net(torch.randn(8, 8, device="cuda")).sum().backward()
     opt.step()
-    params, buffers = list(net.parameters()), list(net.buffers())
     saved = copy.deepcopy((net.state_dict(), opt.state_dict()))
+    return net, opt, list(net.parameters()), list(net.buffers()), saved
+
+
+@pytest.mark.gpu
+def test_gpu_snapshot_uses_pinned_buffers_and_restores_bitwise() -> None:
+    net, opt, params, buffers, saved = cuda_net_after_a_step()
     snap = HostSnapshot()
     snap.capture(params, buffers, [opt])
     assert all(t.is_pinned() for t in snap._host if t.numel())
@@ -584,12 +589,7 @@ def test_gpu_snapshot_uses_pinned_buffers_and_restores_bitwise() -> None:
 def test_gpu_snapshot_from_a_checkpoint_restores_bitwise_and_is_pinned_again_at_the_next_capture(
     tmp_path: Path,
 ) -> None:
-    net = Net().cuda()
-    opt, _ = make_optimizer(net)
-    net(torch.randn(8, 8, device="cuda")).sum().backward()
-    opt.step()
-    params, buffers = list(net.parameters()), list(net.buffers())
-    saved = copy.deepcopy((net.state_dict(), opt.state_dict()))
+    net, opt, params, buffers, saved = cuda_net_after_a_step()
     snap = HostSnapshot()
     snap.capture(params, buffers, [opt])
     torch.save(snap.state_dict(), tmp_path / "snapshot.pt")
