@@ -54,11 +54,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
+from lightning_gradkit._compat import batches_that_stepped
 from lightning_gradkit._layout import verify_same_layout
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
+from lightning_gradkit.core._torch_compat import gradients_still_scaled
 from lightning_gradkit.core.norms import (
     GradStats,
     ParamIndex,
@@ -357,10 +358,7 @@ def pending_loss_scale(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor | No
     """
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     scale = loss_scale(scaler)
-    if scale is None:
-        return None
-    state = scaler._per_optimizer_states.get(id(optimizer))
-    if state is not None and state["stage"] is not OptState.READY:
+    if scale is None or not gradients_still_scaled(scaler, optimizer):
         return None
     return scale
 
@@ -370,7 +368,7 @@ def is_logging_step(trainer: pl.Trainer, every_n_steps: int | None) -> bool:
     n = trainer.log_every_n_steps if every_n_steps is None else every_n_steps
     if n == 0:
         return False
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1
+    step = batches_that_stepped(trainer) + 1
     return step % n == 0 or trainer.should_stop
 
 
@@ -877,6 +875,6 @@ def log_metrics(
         return
     first = next(iter(metrics.values()))
     values = torch.stack([v.detach().reshape(()).to(first.device, torch.float32) for v in metrics.values()]).tolist()
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    step = batches_that_stepped(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(dict(zip(metrics, values, strict=True)), step=step)

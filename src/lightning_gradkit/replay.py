@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_gradkit._compat import metric_state_names, shadowed
+
 _depth = 0
 
 
@@ -107,7 +109,7 @@ def _metric_states(module: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
     saved = []
     for m in module.modules():
         if isinstance(m, torchmetrics.Metric):
-            names = [*m._defaults, *(a for a in _METRIC_BOOKKEEPING if hasattr(m, a))]
+            names = [*metric_state_names(m), *(a for a in _METRIC_BOOKKEEPING if hasattr(m, a))]
             saved.append((m, {name: _copied(getattr(m, name)) for name in names}))
     return saved
 
@@ -156,17 +158,8 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 @contextmanager
 def silenced_logging(module: nn.Module) -> Iterator[None]:
     """``self.log`` / ``self.log_dict`` of a LightningModule do nothing inside (instance attributes shadow them)."""
-    previous = {name: module.__dict__.get(name) for name in ("log", "log_dict")}
-    for name in previous:
-        setattr(module, name, _no_log)
-    try:
+    with shadowed(module, log=_no_log, log_dict=_no_log):
         yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                delattr(module, name)
-            else:
-                setattr(module, name, value)
 
 
 @contextmanager

@@ -62,7 +62,6 @@ from lightning.pytorch.strategies import (
     FSDPStrategy,
     ModelParallelStrategy,
     SingleDeviceStrategy,
-    StrategyRegistry,
 )
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
@@ -70,21 +69,14 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device, shadowed
+from lightning_gradkit.core._torch_compat import handles_found_inf
 from lightning_gradkit.core.buffers import BufferGuard
 from lightning_gradkit.engine import Engine, GradKitCallback, StepPlan
 from lightning_gradkit.replay import replaying
 
-_MISSING = object()
-
 # Checkpoint key of the LR-schedule counts (see the module docstring).
 _SCHEDULE_KEY = "gradkit_lr_schedule"
-
-
-def handles_found_inf(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer.step`` honours a ``found_inf`` attribute on device (PyTorch's fused optimizers)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and bool(
-        optimizer.defaults.get("fused", False)
-    )
 
 
 def needs_step_control(trainer: pl.Trainer) -> bool:
@@ -99,7 +91,7 @@ def gradkit_strategy_hint(strategy: object) -> str:
     if isinstance(strategy, FSDPStrategy):
         return 'Trainer(strategy="gradkit_fsdp") or GradKitFSDPStrategy(...)'
     if isinstance(strategy, DDPStrategy):
-        spawn = getattr(strategy, "_start_method", "popen") == "spawn"
+        spawn = ddp_start_method(strategy) == "spawn"
         return f'Trainer(strategy="{"gradkit_ddp_spawn" if spawn else "gradkit_ddp"}") or GradKitDDPStrategy(...)'
     if isinstance(strategy, SingleDeviceStrategy):
         return 'Trainer(strategy="gradkit") or GradKitSingleDeviceStrategy(...)'
@@ -253,15 +245,8 @@ class GradKitStrategyMixin:
         if not self._gradkit_gate_active:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         engine = Engine.of(self._gradkit_trainer)
-        shadowed = optimizer.__dict__.get("step", _MISSING)
-        optimizer.step = self._gradkit_gate(optimizer, optimizer.step, engine)  # type: ignore[method-assign]
-        try:
+        with shadowed(optimizer, step=self._gradkit_gate(optimizer, optimizer.step, engine)):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        finally:
-            if shadowed is _MISSING:
-                del optimizer.step
-            else:
-                optimizer.step = shadowed  # type: ignore[method-assign]
         plan = engine.step_plan(self._gradkit_trainer, optimizer)
         self._gradkit_record(optimizer, plan)
         skipped = plan.skip_known_on_host() if plan is not None else False
@@ -406,14 +391,8 @@ def _fused_step(optimizer: Optimizer, inner: Callable[..., Any], skip: Tensor, k
     """Step a fused optimizer with ``found_inf`` raised on a skip: its kernel leaves parameters and state alone."""
     existing = optimizer.__dict__.get("found_inf")  # set by GradScaler.step for the duration of the call
     flag = skip.to(torch.float32)
-    optimizer.found_inf = flag if existing is None else torch.maximum(existing, flag.to(existing.device))  # type: ignore[attr-defined]
-    try:
+    with shadowed(optimizer, found_inf=flag if existing is None else torch.maximum(existing, flag.to(existing.device))):
         return inner(**kwargs)
-    finally:
-        if existing is None:
-            del optimizer.found_inf  # type: ignore[attr-defined]
-        else:
-            optimizer.found_inf = existing  # type: ignore[attr-defined]
 
 
 class GradKitSingleDeviceStrategy(GradKitStrategyMixin, SingleDeviceStrategy):
@@ -447,7 +426,7 @@ class GradKitSingleDeviceStrategy(GradKitStrategyMixin, SingleDeviceStrategy):
                 f'`Trainer(strategy="gradkit")` runs on one device, but {len(devices)} were selected. Use '
                 '`strategy="gradkit_ddp"` for several devices, or `devices=1`.'
             )
-        self._root_device = devices[0]
+        set_root_device(self, devices[0])
         self._device_given = True
 
 
@@ -486,13 +465,6 @@ class GradKitModelParallelStrategy(GradKitStrategyMixin, ModelParallelStrategy):
 
 
 def register_strategies() -> None:
-    """Register the GradKit strategy names in Lightning's ``StrategyRegistry`` (done on import of the package)."""
-    entries: list[tuple[str, type, str, dict[str, Any]]] = [
-        ("gradkit", GradKitSingleDeviceStrategy, "Single device with gradkit step control", {}),
-        ("gradkit_ddp", GradKitDDPStrategy, "DDP with gradkit step control", {"start_method": "popen"}),
-        ("gradkit_ddp_spawn", GradKitDDPStrategy, "DDP (spawn) with gradkit step control", {"start_method": "spawn"}),
-        ("gradkit_fsdp", GradKitFSDPStrategy, "FSDP with gradkit step control", {}),
-        ("gradkit_model_parallel", GradKitModelParallelStrategy, "ModelParallel with gradkit step control", {}),
-    ]
-    for name, cls, description, init_params in entries:
-        StrategyRegistry.register(name, cls, description=description, override=True, **init_params)
+    """Register the GradKit strategy names in Lightning's ``StrategyRegistry`` (done on import of the package, see
+    :mod:`lightning_gradkit._compat`; calling it again is harmless)."""
+    register_strategy_names()

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 from lightning_gradkit._arguments import check_bool, check_int, validate_norm_type
+from lightning_gradkit._compat import batches_that_stepped, epoch_ends_with_this_batch
 from lightning_gradkit.core.norms import (
     ParamIndex,
     clean_name,
@@ -153,7 +154,7 @@ def _is_last_step(trainer: pl.Trainer) -> bool:
     max_epochs = trainer.max_epochs
     if max_epochs is None or max_epochs == -1 or trainer.current_epoch + 1 < max_epochs:
         return False
-    return trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+    return epoch_ends_with_this_batch(trainer)
 
 
 def _clipped_flag(plan: StepPlan) -> Tensor | None:
@@ -410,7 +411,7 @@ class GradNormMonitor(GradKitCallback):
             log_metrics(trainer, pl_module, metrics, self.log_every_n_steps)
         else:
             host = _to_host(metrics)
-            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            step = batches_that_stepped(trainer)
             for logger in trainer.loggers:
                 logger.log_metrics(host, step=step)
         if watch.ready:
@@ -447,7 +448,7 @@ class GradNormMonitor(GradKitCallback):
         if skipped is not None:
             extra["gradkit/skipped_steps"] = skipped
         values = {**(host or _to_host(metrics)), **(_to_host(extra) if extra else {})}
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = batches_that_stepped(trainer)
         if self._record is not None:
             self._record.add(step, values, self._rows[idx][1] if idx in self._rows else [], suffix)
         if self.prog_bar:

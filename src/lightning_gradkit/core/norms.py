@@ -7,7 +7,8 @@ gradients again. When gradients are sharded (DTensor under FSDP2, flat shards un
 of all parameters travel in a single all-reduce (:func:`reduce_sharded`; the inf-norm, a maximum, takes a second one).
 
 Gradients (and losses) that still carry the AMP loss scale are expressed without it through :func:`loss_scale`, the
-one reader of a ``GradScaler``'s scale tensor.
+one reader of a ``GradScaler``'s scale tensor (defined with the other torch private reads in
+:mod:`lightning_gradkit.core._torch_compat`, importable from here).
 
 The functions here are pure tensor math with no Lightning in them; the engine (:mod:`lightning_gradkit.engine`)
 wires them to the Trainer.
@@ -23,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.amp.grad_scaler import GradScaler
+
+from lightning_gradkit.core._torch_compat import loss_scale as loss_scale  # re-exported: callers import it here
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -79,17 +81,6 @@ def fill_present(values: Tensor, present: Sequence[int], size: int) -> Tensor:
     if present:
         full[positions_tensor(tuple(present), full.device)] = values
     return full
-
-
-def loss_scale(scaler: GradScaler | None) -> Tensor | None:
-    """The scale an AMP ``GradScaler`` multiplies losses (and so gradients) by, as its device tensor.
-
-    The one place that reads the scaler's private ``_scale``: ``GradScaler.get_scale()`` would synchronize the host
-    with the device. ``None`` without a scaler, for a disabled one, and before its first ``scale`` call.
-    """
-    if scaler is None or not scaler.is_enabled():
-        return None
-    return getattr(scaler, "_scale", None)
 
 
 def _same_group(a: Tensor, b: Tensor) -> bool:

@@ -1,0 +1,247 @@
+"""Where gradkit goes past Lightning's public API: every private read and every runtime patch, in one map.
+
+Importing this module imports no Lightning (the package ``__init__`` uses it): Lightning objects arrive as
+arguments, and the strategy registration imports Lightning only once Lightning itself is loaded.
+
+Checked on Lightning 2.4.0, 2.5.0, 2.5.5 and 2.6.6 (read in each release's source; the test suite runs on 2.6.6)
+and torch 2.13; the package supports ``lightning>=2.4,<3`` and ``torch>=2.4``. A note says where releases differ.
+
+**Private reads** (one function each, below; a comment says why no public API does):
+
+- :func:`batches_that_stepped`: ``fit_loop.epoch_loop._batches_that_stepped``, the step Lightning logs under.
+- :func:`epoch_ends_with_this_batch`: ``fit_loop.epoch_loop._num_ready_batches_reached()``.
+- :func:`ddp_start_method`: ``DDPStrategy._start_method``.
+- :func:`set_root_device`: writes ``SingleDeviceStrategy._root_device``.
+- :func:`metric_state_names`: torchmetrics' ``Metric._defaults``.
+- torch, in :mod:`lightning_gradkit.core._torch_compat` (the Lightning-free pipeline needs them too):
+  ``GradScaler._scale`` (:func:`~lightning_gradkit.core._torch_compat.loss_scale`),
+  ``GradScaler._per_optimizer_states`` (``gradients_still_scaled``), ``Optimizer._step_supports_amp_scaling``
+  (``handles_found_inf``).
+
+Public-named loop properties are read directly where needed (``fit_loop.total_batch_idx``,
+``fit_loop.epoch_loop.batch_idx``, ``fit_loop.epoch_loop.batch_progress``): Lightning documents them, the same in
+every release above. So are torch's underscore APIs that torch's own public code builds on and that the package
+uses in the same way: ``torch._foreach_*`` (``torch.nn.utils.clip_grad``), sparse ``_values()``/``_indices()``
+(``torch.sparse``), ``Tensor._version`` and ``Module._buffers``/``_parameters``/``_modules`` (``nn.Module`` state),
+``torch.utils._python_dispatch``/``_pytree`` and the autograd node's ``_sequence_nr()`` (forensics, the planner),
+and the FSDP2/composable-checkpoint lookups that fall back to private paths on torch < 2.6
+(``callbacks/validation.py``, ``activation_checkpointing/injection.py``).
+
+**Runtime patches**. Each shadows an INSTANCE attribute (never a class attribute) and puts back what was there;
+the short-lived ones go through :func:`shadowed`.
+
+1. ``optimizer.step`` is the strategy's gate while ``Strategy.optimizer_step`` runs (``strategy.py``,
+   :func:`shadowed`). Why: a callback cannot cancel a step, and every precision plugin ends in ``optimizer.step``
+   (``Precision.optimizer_step`` calls ``optimizer.step(closure=...)``; ``MixedPrecision`` calls
+   ``scaler.step(optimizer)``, which calls ``optimizer.step()``), so the gate is the one place that sees them all.
+2. ``optimizer.found_inf`` while a fused optimizer steps (``strategy.py``, :func:`shadowed`): the attribute
+   ``GradScaler.step`` itself sets for fused optimizers; the gate raises it on a skip (combined with the scaler's),
+   so the fused kernel skips on device without a host sync.
+3. ``LightningModule.lr_scheduler_step`` from ``setup`` to ``teardown`` (``strategy.py``): Lightning calls this
+   hook for every due scheduler; the gate holds step-interval schedulers after skipped steps. Not installed when
+   the module already has an instance attribute of that name.
+4. ``LRSchedulerConfig.frequency = 1`` for gated step-interval schedulers, from ``setup`` to ``teardown``
+   (``strategy.py``): Lightning's loop steps a scheduler when ``(batch_idx + 1) % frequency == 0`` and knows
+   nothing of skipped steps, so the gate is called after every step and applies the real frequency over applied
+   steps.
+5. ``LightningModule.training_step`` wrapped by ``AccumulationGuard(normalize="tokens")`` from ``setup`` to
+   ``teardown`` (``callbacks/accumulation.py``): each micro-batch's token count is needed before its backward, and
+   callbacks see ``training_step``'s output only in ``on_train_batch_end``, after the optimizer step.
+6. ``module.forward`` of each checkpointed module (``activation_checkpointing/injection.py``): keeps every module
+   and parameter name (``checkpoint_wrapper`` adds ``_checkpoint_wrapped_module.``) and leaves forward hooks (FSDP2,
+   DDP) outside the checkpointed region. Plain PyTorch; removed by ``remove``.
+7. ``LightningModule.log``/``log_dict`` do nothing during a replay (``replay.py``, :func:`shadowed`): a replayed
+   ``training_step`` must not log twice, and Lightning has no switch for it.
+8. ``LightningModule.on_train_batch_end`` for one audited step (``diagnostics/sync_audit.py``): Lightning calls
+   the module's hook after every callback's, so the audit keeps recording until it returns.
+
+Subclassing is not patching: the GradKit strategies override public ``Strategy`` methods (``setup``,
+``teardown``, ``optimizer_step``, ``training_step``, ``save_checkpoint``, ``load_checkpoint``) and call ``super()``.
+
+**Strategy names**. :func:`register_strategy_names` puts factories (not the classes) in Lightning's
+``StrategyRegistry``: ``StrategyRegistry.get(name)`` only calls what is registered (``data["strategy"](**init)``,
+typed ``Callable``; the same in every release above), so registering imports nothing of gradkit's Lightning code.
+:func:`register_when_lightning_loads` runs it now if Lightning's strategies module is loaded, else right after
+it loads (a one-shot finder on ``sys.meta_path``): ``import lightning_gradkit`` registers the names in either
+import order without importing Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from importlib.abc import MetaPathFinder
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+    from torch import nn
+
+_MISSING = object()
+
+
+# -- private reads ---------------------------------------------------------------------------------------------------
+def batches_that_stepped(trainer: pl.Trainer) -> int:
+    """The step Lightning logs metrics under: ``fit_loop.epoch_loop._batches_that_stepped``.
+
+    Lightning's ``_LoggerConnector`` logs with this step and decides ``log_every_n_steps`` on it plus one;
+    ``LearningRateMonitor`` and ``DeviceStatsMonitor`` read the same attribute. ``trainer.global_step`` differs (it
+    counts every optimizer's steps). 2.5.0 and later also add one when resuming a checkpoint saved mid-epoch before
+    the batch end; reading Lightning's own counter keeps gradkit's steps equal to Lightning's in every release.
+    """
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def epoch_ends_with_this_batch(trainer: pl.Trainer) -> bool:
+    """Whether the batch under way is the epoch's last: ``fit_loop.epoch_loop._num_ready_batches_reached()``.
+
+    The loop's own test (ready batches equal ``num_training_batches``, or the data fetcher saw the last batch, for
+    iterables of unknown length). No public property says it before ``on_train_epoch_end``.
+    """
+    return trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+
+
+def ddp_start_method(strategy: DDPStrategy) -> str:
+    """``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``: the private ``DDPStrategy._start_method``.
+
+    Set from the ``start_method`` argument; the strategy exposes no public getter. ``"popen"`` for strategies
+    without it.
+    """
+    return getattr(strategy, "_start_method", "popen")
+
+
+def set_root_device(strategy: SingleDeviceStrategy, device: torch.device) -> None:
+    """Move a single-device strategy to ``device``: writes the private ``SingleDeviceStrategy._root_device``.
+
+    ``root_device`` is a read-only property over it. The accelerator connector hands a strategy without devices
+    the devices it resolved through the ``parallel_devices`` setter; the gradkit single-device strategy takes its
+    device from there, which ``SingleDeviceStrategy`` does not.
+    """
+    strategy._root_device = device
+
+
+def metric_state_names(metric: nn.Module) -> Sequence[str]:
+    """The state attributes of a ``torchmetrics.Metric``: its private ``_defaults`` (the names ``add_state`` made).
+
+    The public ``Metric.metric_state`` arrived after torchmetrics 1.0.0 (the package's floor), and reads the same
+    ``_defaults``. Checked on torchmetrics 1.0.0 and 1.9.0.
+    """
+    return list(metric._defaults)
+
+
+# -- runtime patches -------------------------------------------------------------------------------------------------
+@contextmanager
+def shadowed(obj: object, **attributes: Any) -> Iterator[None]:
+    """Set instance attributes of ``obj`` for the body, then put back what the instance had (or remove them).
+
+    Only the instance is touched: an attribute that was not in ``obj.__dict__`` is deleted afterwards, so the class
+    attribute shows through again.
+
+    Example::
+
+        >>> class Plain:
+        ...     def log(self):
+        ...         return "logged"
+        >>> p = Plain()
+        >>> with shadowed(p, log=lambda: None):
+        ...     p.log()
+        >>> p.log(), "log" in vars(p)
+        ('logged', False)
+    """
+    previous = {name: obj.__dict__.get(name, _MISSING) for name in attributes}
+    for name, value in attributes.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
+# -- strategy names ----------------------------------------------------------------------------------------------------
+# name: (class in `lightning_gradkit.strategy`, description, init params).
+STRATEGY_NAMES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gradkit": ("GradKitSingleDeviceStrategy", "Single device with gradkit step control", {}),
+    "gradkit_ddp": ("GradKitDDPStrategy", "DDP with gradkit step control", {"start_method": "popen"}),
+    "gradkit_ddp_spawn": ("GradKitDDPStrategy", "DDP (spawn) with gradkit step control", {"start_method": "spawn"}),
+    "gradkit_fsdp": ("GradKitFSDPStrategy", "FSDP with gradkit step control", {}),
+    "gradkit_model_parallel": ("GradKitModelParallelStrategy", "ModelParallel with gradkit step control", {}),
+}
+
+_REGISTRY_MODULE = "lightning.pytorch.strategies"
+
+
+def _strategy_factory(class_name: str) -> Callable[..., Strategy]:
+    """What the registry calls for a name: imports ``lightning_gradkit.strategy`` then, and builds the strategy."""
+
+    def build(**init_params: Any) -> Strategy:
+        from lightning_gradkit import strategy
+
+        return getattr(strategy, class_name)(**init_params)
+
+    return build
+
+
+def register_strategy_names(strategies: ModuleType | None = None) -> None:
+    """Register the gradkit strategy names in Lightning's ``StrategyRegistry`` (imports Lightning if needed).
+
+    Args:
+        strategies: the loaded ``lightning.pytorch.strategies`` module; imported when not given.
+    """
+    if strategies is None:
+        strategies = importlib.import_module(_REGISTRY_MODULE)
+    for name, (class_name, description, init_params) in STRATEGY_NAMES.items():
+        strategies.StrategyRegistry.register(
+            name, _strategy_factory(class_name), description=description, override=True, **init_params
+        )
+
+
+class _AfterImport(MetaPathFinder):
+    """Finds nothing itself: wraps the real loader of one module so that ``callback`` runs right after the module
+    has executed, then leaves ``sys.meta_path``."""
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # one shot; and the lookup below must not find this finder again
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, callback = spec.loader, self.callback
+
+        def exec_module(module: ModuleType) -> None:
+            del loader.exec_module  # one shot: the loader's own method again (a loader may serve other modules)
+            loader.exec_module(module)
+            callback(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def register_when_lightning_loads() -> None:
+    """Register the strategy names now if Lightning's strategies module is loaded, else right after it loads.
+
+    Never imports Lightning itself.
+    """
+    loaded = sys.modules.get(_REGISTRY_MODULE)
+    if loaded is not None:
+        register_strategy_names(loaded)
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(_REGISTRY_MODULE, register_strategy_names))
