@@ -1,9 +1,15 @@
-"""The package layout keeps its promises: ``core`` imports no Lightning, no module basename repeats."""
+"""The package layout keeps its promises: ``core`` imports no Lightning, not even through the package ``__init__``;
+the public names and the strategy names are there after ``import lightning_gradkit``; no module basename repeats."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import lightning_gradkit
 
@@ -48,6 +54,43 @@ def test_core_imports_no_lightning_even_through_the_package() -> None:
                 todo.append(target)
             assert name != "lightning_gradkit", f"{path.relative_to(PACKAGE)} imports the whole package"
     assert PACKAGE / "core" / "norms.py" in seen  # the walk did run over core
+
+
+def _run(code: str) -> str:
+    """Run ``code`` in a fresh interpreter (with this test run's ``sys.path``) and return its stdout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_importing_core_loads_no_lightning() -> None:
+    # Python runs the package `__init__` first: it must not import Lightning either.
+    out = _run(
+        "import sys, lightning_gradkit.core.clip, lightning_gradkit.core.norms, lightning_gradkit.core.accumulate\n"
+        "print(sorted({'lightning', 'lightning_fabric', 'pytorch_lightning'} & set(sys.modules)))"
+    )
+    assert out.strip() == "[]"
+
+
+def test_importing_the_package_before_lightning_registers_the_strategy_names() -> None:
+    # Lightning imported first is the in-process case of tests/test_strategy.py.
+    out = _run(
+        "import lightning_gradkit\n"
+        "from lightning.pytorch import Trainer\n"
+        "trainer = Trainer(strategy='gradkit_ddp', accelerator='cpu', devices=2, logger=False, "
+        "enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)\n"
+        "print(type(trainer.strategy).__name__, trainer.strategy._start_method)"
+    )
+    assert out.split()[-2:] == ["GradKitDDPStrategy", "popen"]
+
+
+def test_every_public_name_imports_from_the_package() -> None:
+    for name in lightning_gradkit.__all__:
+        assert getattr(lightning_gradkit, name).__name__ == name
+    assert set(lightning_gradkit.__all__) <= set(dir(lightning_gradkit))
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        lightning_gradkit.NoSuchName  # noqa: B018
 
 
 def test_no_module_basename_repeats() -> None:
