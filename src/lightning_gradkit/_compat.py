@@ -19,8 +19,8 @@ and torch 2.13; the package supports ``lightning>=2.4,<3`` and ``torch>=2.4``. A
   (``handles_found_inf``).
 
 Public-named loop properties are read directly where needed (``fit_loop.total_batch_idx``,
-``fit_loop.epoch_loop.batch_idx``, ``fit_loop.epoch_loop.batch_progress``): Lightning documents them, the same in
-every release above. So are torch's underscore APIs that torch's own public code builds on and that the package
+``fit_loop.epoch_loop.batch_idx``, ``fit_loop.epoch_loop.batch_progress``): public by name, and the same in every
+release above. So are torch's underscore APIs that torch's own public code builds on and that the package
 uses in the same way: ``torch._foreach_*`` (``torch.nn.utils.clip_grad``), sparse ``_values()``/``_indices()``
 (``torch.sparse``), ``Tensor._version`` and ``Module._buffers``/``_parameters``/``_modules`` (``nn.Module`` state),
 ``torch.utils._python_dispatch``/``_pytree`` and the autograd node's ``_sequence_nr()`` (forensics, the planner),
@@ -38,8 +38,9 @@ the short-lived ones go through :func:`shadowed`.
    ``GradScaler.step`` itself sets for fused optimizers; the gate raises it on a skip (combined with the scaler's),
    so the fused kernel skips on device without a host sync.
 3. ``LightningModule.lr_scheduler_step`` from ``setup`` to ``teardown`` (``strategy.py``): Lightning calls this
-   hook for every due scheduler; the gate holds step-interval schedulers after skipped steps. Not installed when
-   the module already has an instance attribute of that name.
+   hook for every due scheduler, looked up with ``getattr`` (``call._call_lightning_module_hook``), so an instance
+   attribute takes effect; the gate holds step-interval schedulers after skipped steps. Not installed when the
+   module already has an instance attribute of that name.
 4. ``LRSchedulerConfig.frequency = 1`` for gated step-interval schedulers, from ``setup`` to ``teardown``
    (``strategy.py``): Lightning's loop steps a scheduler when ``(batch_idx + 1) % frequency == 0`` and knows
    nothing of skipped steps, so the gate is called after every step and applies the real frequency over applied
@@ -47,6 +48,8 @@ the short-lived ones go through :func:`shadowed`.
 5. ``LightningModule.training_step`` wrapped by ``AccumulationGuard(normalize="tokens")`` from ``setup`` to
    ``teardown`` (``callbacks/accumulation.py``): each micro-batch's token count is needed before its backward, and
    callbacks see ``training_step``'s output only in ``on_train_batch_end``, after the optimizer step.
+   ``Strategy.training_step`` reaches it by attribute lookup, also through DDP/FSDP (``_ForwardRedirection`` does
+   ``getattr(original_module, "training_step")``).
 6. ``module.forward`` of each checkpointed module (``activation_checkpointing/injection.py``): keeps every module
    and parameter name (``checkpoint_wrapper`` adds ``_checkpoint_wrapped_module.``) and leaves forward hooks (FSDP2,
    DDP) outside the checkpointed region. Plain PyTorch; removed by ``remove``.
