@@ -85,6 +85,19 @@ def test_importing_the_package_before_lightning_registers_the_strategy_names() -
     assert out.split()[-2:] == ["GradKitDDPStrategy", "popen"]
 
 
+def test_lightning_cli_resolves_short_class_names_when_lightning_is_imported_first() -> None:
+    # LightningCLI (jsonargparse) looks short class paths up among the imported subclasses of `Callback`.
+    out = _run(
+        "import lightning.pytorch, lightning_gradkit\n"
+        "from jsonargparse import ArgumentParser\n"
+        "from lightning.pytorch.callbacks import Callback\n"
+        "parser = ArgumentParser()\n"
+        "parser.add_argument('--cb', type=Callback)\n"
+        "print(parser.parse_args(['--cb', 'ZClip', '--cb.z_threshold', '2.5']).cb.class_path)"
+    )
+    assert out.split()[-1] == "lightning_gradkit.ZClip"
+
+
 def test_every_public_name_imports_from_the_package() -> None:
     for name in lightning_gradkit.__all__:
         assert getattr(lightning_gradkit, name).__name__ == name

@@ -7,7 +7,8 @@ Importing the package imports no Lightning, so ``import lightning_gradkit.core``
 it:
 
 - the public names below load on first access (``from lightning_gradkit import ZClip`` imports the clipping
-  callbacks, and with them Lightning, then);
+  callbacks, and with them Lightning, then), or at once when Lightning is already imported (so LightningCLI
+  resolves short class names such as ``class_path: ZClip``, which it looks up among imported classes);
 - importing the package registers the strategy names ``"gradkit"``, ``"gradkit_ddp"``, ``"gradkit_ddp_spawn"``,
   ``"gradkit_fsdp"`` and ``"gradkit_model_parallel"`` with Lightning's ``StrategyRegistry``: at once when Lightning
   is already imported, else as soon as it is, in whichever order the two are imported. So
@@ -125,3 +126,9 @@ def __dir__() -> list[str]:
 
 
 _compat.register_when_lightning_loads()
+if _compat.lightning_loaded():
+    # Lightning is there anyway: load every public class now, so LightningCLI (jsonargparse) resolves short class
+    # names in configs (`class_path: ZClip`, `--trainer.callbacks+=GradNormMonitor`) as it did before the lazy
+    # package: it finds them among the imported subclasses of `Callback`.
+    for _name in __all__:
+        __getattr__(_name)

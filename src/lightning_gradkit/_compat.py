@@ -238,6 +238,11 @@ class _AfterImport(MetaPathFinder):
         return spec
 
 
+def lightning_loaded() -> bool:
+    """Whether ``lightning.pytorch`` is imported (checked without importing it)."""
+    return "lightning.pytorch" in sys.modules
+
+
 def register_when_lightning_loads() -> None:
     """Register the strategy names now if Lightning's strategies module is loaded, else right after it loads.
 
