@@ -32,7 +32,7 @@ def configs() -> dict:
         "c_gradient_clip_val+grad_norm": lambda: (LightningRecipe(**MODEL), {"gradient_clip_val": 1.0}),
         "d_ClipGradNorm+monitor": lambda: ours(ClipGradNorm(1.0)),
         "e_ClipGradValue+monitor": lambda: ours(ClipGradValue(0.01)),
-        "f_AdaptiveGradClip+monitor": lambda: ours(AdaptiveGradClip(exclude=["re:lm_head"])),
+        "f_AdaptiveGradClip+monitor": lambda: ours(AdaptiveGradClip(exclude=[r"re:model\.lm_head"])),
         "g_AutoClip+monitor": lambda: ours(AutoClip()),
         "h_ZClip+monitor": lambda: ours(ZClip()),
     }

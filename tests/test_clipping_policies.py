@@ -15,8 +15,8 @@ from lightning_gradkit.core.clip import (
     agc_coefficients,
     clip_coefficient,
     nan_percentile,
-    unitwise_norm,
 )
+from lightning_gradkit.core.norms import row_norms
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 50])
@@ -49,7 +49,10 @@ def test_agc_coefficients_reproduce_timm_bitwise(shape: tuple[int, ...]) -> None
     if len(shape) > 1:
         weight.data[0].zero_()  # a zero unit: the eps floor applies
     grad = weight.grad.clone()
-    coef = agc_coefficients(unitwise_norm(grad), unitwise_norm(weight.detach()), 0.05, 1e-3)
+    # The unit norms as the engine measures them: one per row for a weight, one for a bias, gain or scalar.
+    units = row_norms if len(shape) > 1 else torch.linalg.vector_norm
+    coef = agc_coefficients(units(grad), units(weight.detach()), 0.05, 1e-3)
+    coef = coef.view(-1, *[1] * (len(shape) - 1)) if len(shape) > 1 else coef
     AGCRef(0.05)(torch.nn.ParameterList([weight]))
     assert torch.equal(grad * coef, weight.grad)
     assert (coef < 1).any() or shape == ()

@@ -7,7 +7,8 @@ message instead of the bare ``int()``/``float()`` error, and NaN never passes a 
 NaN is false, so ``value <= 0`` alone lets it through).
 
 The checks of one argument of one job (``norm_type``, ``normalize``, ``every_n``, ``memory_budget``) live here too,
-at the end, so a callback and the functions it drives refuse a value with the same message.
+so a callback and the functions it drives refuse a value with the same message; and :func:`name_list`, the one way
+an error or a warning shows a list of names (parameters, modules, attributes).
 """
 
 from __future__ import annotations
@@ -15,6 +16,28 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+
+#: How many names a message shows before "and N more".
+MAX_NAMES_SHOWN = 10
+
+
+def name_list(names: Sequence[str], quote: bool = False) -> str:
+    """The first :data:`MAX_NAMES_SHOWN` of ``names``, comma-separated, then how many more there are.
+
+    Args:
+        names: the names, in the order to show them.
+        quote: put each name in backticks.
+
+    Example::
+
+        >>> name_list([f"layer{i}" for i in range(12)])
+        'layer0, layer1, layer2, layer3, layer4, layer5, layer6, layer7, layer8, layer9 and 2 more'
+        >>> name_list(["fc.weight"], quote=True)
+        '`fc.weight`'
+    """
+    shown = ", ".join(f"`{n}`" if quote else n for n in names[:MAX_NAMES_SHOWN])
+    more = len(names) - MAX_NAMES_SHOWN
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 def _fail(name: str, expected: str, value: object, hint: str = "") -> ValueError:

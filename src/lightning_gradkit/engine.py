@@ -56,6 +56,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradkit._arguments import name_list
 from lightning_gradkit._compat import batches_that_stepped
 from lightning_gradkit._layout import verify_same_layout
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
@@ -479,15 +480,15 @@ class Engine:
         if not names:
             return
         self._warned_frozen.update(names)
-        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
         rank_zero_warn(
             f"gradkit: {len(names)} parameter(s) the optimizer steps have a gradient but `requires_grad=False`: "
-            f"{shown}. The optimizer applies these gradients, so gradkit measures, clips and guards them too. Under "
-            "FSDP2 this happens when `requires_grad_(True)` reached a module's unsharded parameters (a module that "
-            "is its own FSDP root or has `reshard_after_forward=False`, frozen or just validated): FSDP2 resets the "
-            "flag from the sharded parameters at its next all-gather, so these parameters train for this one step "
-            "only. Call `module.reshard()` before `requires_grad_(True)` (see `GradKitModelParallelStrategy`). "
-            "Otherwise, if they are meant to be frozen, clear their gradients (`zero_grad(set_to_none=True)`)."
+            f"{name_list(names)}. The optimizer applies these gradients, so gradkit measures, clips and guards them "
+            "too. Under FSDP2 this happens when `requires_grad_(True)` reached a module's unsharded parameters (a "
+            "module that is its own FSDP root or has `reshard_after_forward=False`, frozen or just validated): FSDP2 "
+            "resets the flag from the sharded parameters at its next all-gather, so these parameters train for this "
+            "one step only. Call `module.reshard()` before `requires_grad_(True)` (see "
+            "`GradKitModelParallelStrategy`). Otherwise, if they are meant to be frozen, clear their gradients "
+            "(`zero_grad(set_to_none=True)`)."
         )
 
     def _forget_index(self, optimizer: Optimizer, depth: int) -> None:

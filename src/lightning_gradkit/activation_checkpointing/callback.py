@@ -22,7 +22,6 @@ from lightning_gradkit.activation_checkpointing.injection import (
     inject,
     module_ancestry,
     no_match_message,
-    parse_targets,
     remove,
     select_modules,
     user_class,
@@ -35,6 +34,7 @@ from lightning_gradkit.activation_checkpointing.planner import (
     measure_saved_activations,
     plan_checkpointing,
 )
+from lightning_gradkit.core.selection import parse_patterns
 from lightning_gradkit.replay import replay
 
 
@@ -72,10 +72,10 @@ class ActivationCheckpointing(Callback):
       statistics and ``num_batches_tracked`` move once per forward, as without checkpointing).
 
     Args:
-        targets: module class names (``"Block"``, ``"torch.nn.TransformerEncoderLayer"``; subclasses match too) or
-            ``"re:<regex>"`` matched against whole qualified module names relative to the LightningModule (e.g.
-            ``"re:model\.blocks\.\d+"``), with the ``_orig_mod``/FSDP/checkpoint-wrapper components removed. A match
-            inside another match is dropped.
+        targets: the modules to checkpoint, in gradkit's selection grammar (:mod:`lightning_gradkit.core.selection`):
+            module class names (``"Block"``, ``"torch.nn.TransformerEncoderLayer"``; subclasses match too) or
+            ``"re:<regex>"`` patterns that match whole qualified module names relative to the LightningModule (e.g.
+            ``"re:model\.blocks\.\d+"``). A match inside another match is dropped.
         every_n: checkpoint every n-th match (the n-th, 2n-th, ...); 1 checkpoints all of them.
         mode: ``"full"`` recomputes the whole module; ``"selective"`` keeps the outputs of matmuls and attention
             kernels and recomputes the cheap ops between them (op-level selective checkpointing with
@@ -97,8 +97,9 @@ class ActivationCheckpointing(Callback):
 
     Raises:
         ValueError: at construction, on an invalid argument or conflicting ones (``every_n`` with
-            ``memory_budget``); at setup, if ``targets`` match no module (the message lists the model's module
-            classes), or ``memory_budget`` is used with manual optimization.
+            ``memory_budget``); at setup, if ``targets`` match no module (the message names, for each target, the
+            nearest module names or classes and a target that would match), or ``memory_budget`` is used with
+            manual optimization.
 
     Example::
 
@@ -117,7 +118,7 @@ class ActivationCheckpointing(Callback):
         memory_budget: float | None = None,
         measure: bool = True,
     ) -> None:
-        self._targets = parse_targets(targets)
+        self._targets = parse_patterns("targets", targets, allow_empty=False)
         validate_every_n(every_n)
         check_choice("mode", mode, MODES)
         check_bool("offload", offload)
@@ -233,13 +234,13 @@ class ActivationCheckpointing(Callback):
         if not select_modules(pl_module, self._targets):
             if is_overridden("configure_model", pl_module):
                 return  # the targets may be created in `configure_model`; checked again at `on_fit_start`
-            raise ValueError(no_match_message(pl_module, self.targets))
+            raise ValueError(no_match_message(pl_module, self._targets))
         self.apply(pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._candidates = select_modules(pl_module, self._targets)
         if not self._candidates:
-            raise ValueError(no_match_message(pl_module, self.targets))
+            raise ValueError(no_match_message(pl_module, self._targets))
         self._reconcile(pl_module)
         self._update_names()
         if not self.measure:

@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import pydoc
-import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -39,8 +36,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from lightning_gradkit._arguments import check_strings, validate_every_n
+from lightning_gradkit._arguments import validate_every_n
 from lightning_gradkit.core.norms import clean_name, is_ddp_wrapped
+from lightning_gradkit.core.selection import NamePattern, no_match_hint, parse_patterns
 
 CheckpointMode = Literal["full", "selective"]
 MODES: tuple[str, ...] = ("full", "selective")
@@ -73,89 +71,39 @@ def user_class(module: nn.Module) -> type:
     return type(module)
 
 
-def module_class_names(root: nn.Module) -> list[str]:
-    """The distinct class names of ``root``'s submodules, sorted (for error messages)."""
-    return sorted({user_class(m).__name__ for name, m in root.named_modules() if name and not _is_wrapper(m)})
-
-
-@dataclass(frozen=True)
-class _Target:
-    """One entry of ``targets``: a class name (bare or dotted) or an ``re:`` regex over qualified names."""
-
-    text: str
-    regex: re.Pattern[str] | None
-
-    @classmethod
-    def parse(cls, text: str) -> _Target:
-        if text.startswith("re:"):
-            try:
-                return cls(text, re.compile(text[3:]))
-            except re.error as err:
-                raise ValueError(f"`targets` entry {text!r} is not a valid regular expression: {err}.") from None
-        return cls(text, None)
-
-    @functools.cached_property
-    def resolved_class(self) -> type | None:
-        if "." not in self.text:
-            return None
-        found = pydoc.locate(self.text)
-        return found if isinstance(found, type) else None
-
-    def matches(self, name: str, module: nn.Module) -> bool:
-        if self.regex is not None:
-            return self.regex.fullmatch(name) is not None
-        if self.resolved_class is not None:
-            return isinstance(module, self.resolved_class)
-        if "." in self.text:
-            return any(f"{c.__module__}.{c.__qualname__}" == self.text for c in type(module).__mro__)
-        return any(c.__name__ == self.text for c in type(module).__mro__)
-
-
-def parse_targets(targets: Sequence[str]) -> tuple[_Target, ...]:
-    """Validate ``targets`` (class names or ``re:`` regexes) for :func:`select_modules`.
-
-    Raises:
-        ValueError: if ``targets`` is empty, holds a non-string or an invalid regex.
-    """
-    targets = check_strings(
-        "targets",
-        targets,
-        allow_empty=False,
-        hint="Give module class names (e.g. 'Block', 'torch.nn.TransformerEncoderLayer') or 're:' regexes over "
-        "qualified module names.",
-    )
-    return tuple(_Target.parse(t.strip()) for t in targets)
-
-
-def select_modules(
-    root: nn.Module, targets: Sequence[str] | Sequence[_Target], every_n: int = 1
-) -> list[tuple[str, nn.Module]]:
-    """The submodules of ``root`` that ``targets`` select, in module order.
-
-    A class name matches instances of that class and its subclasses (a dotted name is imported; a bare one is
-    compared with the class names in the module's MRO, so FSDP2's per-class subclasses still match). A ``re:``
-    regex must match the whole qualified name (``re.fullmatch``) relative to ``root``, without the components that
-    ``torch.compile`` (``_orig_mod``), FSDP1 and ``checkpoint_wrapper`` insert, nor DDP's leading ``module`` when
-    ``root`` is DDP-wrapped (:func:`~lightning_gradkit.core.norms.clean_name`: the names GradNormMonitor logs), so the
-    same targets select the same modules before and after wrapping. ``root`` itself is never selected.
-    A match nested in another match is dropped (the outer recompute covers it). Of the remaining matches, every
-    ``every_n``-th is kept: the ``every_n``-th, the ``2 * every_n``-th, and so on (torchtitan's ``ac_freq``).
-
-    Returns:
-        ``(qualified name, module)`` pairs, the names cleaned (:func:`~lightning_gradkit.core.norms.clean_name`).
-    """
-    parsed = [t if isinstance(t, _Target) else _Target.parse(t) for t in targets]
-    kept: list[tuple[str, str, nn.Module]] = []
+def _candidates(root: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
+    """``(raw name, cleaned name, module)`` of every submodule a target may select: wrappers and the root left out."""
     ddp = is_ddp_wrapped(root)
     for raw, module in root.named_modules():
         if not raw or _is_wrapper(module):
             continue
+        name = clean_name(raw, ddp_root=ddp)
+        if name:  # the module a wrapped root (compile, DDP, FSDP1) wraps is the root itself
+            yield raw, name, module
+
+
+def select_modules(
+    root: nn.Module, targets: Sequence[str] | Sequence[NamePattern], every_n: int = 1
+) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``root`` that ``targets`` select, in module order.
+
+    ``targets`` follow gradkit's selection grammar (:mod:`lightning_gradkit.core.selection`): class names, dotted
+    class paths, and ``re:`` regexes that must match the whole qualified name relative to ``root``, as
+    :func:`~lightning_gradkit.core.norms.clean_name` writes it (DDP's leading ``module`` too is dropped when ``root``
+    is DDP-wrapped), so the same targets select the same modules before and after wrapping. ``root`` itself and
+    wrapper modules are never selected. A match nested in another match is dropped (the outer recompute covers it).
+    Of the remaining matches, every ``every_n``-th is kept: the ``every_n``-th, the ``2 * every_n``-th, and so on
+    (torchtitan's ``ac_freq``).
+
+    Returns:
+        ``(qualified name, module)`` pairs, the names cleaned (:func:`~lightning_gradkit.core.norms.clean_name`).
+    """
+    parsed = [t if isinstance(t, NamePattern) else NamePattern.parse(t, "targets") for t in targets]
+    kept: list[tuple[str, str, nn.Module]] = []
+    for raw, name, module in _candidates(root):
         if kept and raw.startswith(kept[-1][0] + "."):
             continue
-        name = clean_name(raw, ddp_root=ddp)
-        if not name:  # the module a wrapped root (compile, DDP, FSDP1) wraps is the root itself
-            continue
-        if any(t.matches(name, module) for t in parsed):
+        if any(t.matches_module(name, module) for t in parsed):
             kept.append((raw, name, module))
     return [(name, module) for _, name, module in kept[every_n - 1 :: every_n]]
 
@@ -411,7 +359,7 @@ def inject_activation_checkpointing(
     Args:
         module: the model to modify in place.
         targets: module class names (``"Block"``, ``"torch.nn.TransformerEncoderLayer"``) or ``re:`` regexes that
-            must match whole qualified names (see :func:`select_modules`).
+            must match whole qualified names: gradkit's selection grammar (:mod:`lightning_gradkit.core.selection`).
         every_n: checkpoint every n-th match (1: all of them).
         mode: ``"full"`` recomputes the whole module; ``"selective"`` keeps matmul/attention outputs and recomputes
             the rest (:func:`selective_policy`).
@@ -420,7 +368,8 @@ def inject_activation_checkpointing(
         The qualified names of the modules it checkpointed.
 
     Raises:
-        ValueError: on invalid arguments, or if ``targets`` match no submodule (the message lists the class names).
+        ValueError: on invalid arguments, or if ``targets`` match no submodule (the message names, for each target,
+            the nearest module names or classes and a target that would match).
 
     Example::
 
@@ -432,13 +381,13 @@ def inject_activation_checkpointing(
                     fully_shard(block, mesh=self.device_mesh)
                 fully_shard(self.model, mesh=self.device_mesh)
     """
-    parsed = parse_targets(targets)
+    parsed = parse_patterns("targets", targets, allow_empty=False)
     validate_every_n(every_n)
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
     selected = select_modules(module, parsed, every_n)
     if not selected:
-        raise ValueError(no_match_message(module, [t.text for t in parsed]))
+        raise ValueError(no_match_message(module, parsed))
     injected, skipped = [], []
     ancestry = module_ancestry(module)
     for name, sub in selected:
@@ -453,12 +402,16 @@ def inject_activation_checkpointing(
     return injected
 
 
-def no_match_message(root: nn.Module, targets: Sequence[str]) -> str:
-    names = module_class_names(root)
+def no_match_message(root: nn.Module, targets: Sequence[NamePattern]) -> str:
+    """The error for ``targets`` that select no submodule of ``root``: per target, what is near and what would match."""
+    candidates = [(name, module) for _, name, module in _candidates(root)]
+    names = [name for name, _ in candidates]
+    classes = [user_class(module).__name__ for _, module in candidates]
+    hints = " ".join(no_match_hint(target, names, classes) for target in targets)
+    shown = ", ".join(f"'{target.text}'" for target in targets)  # as written, without repr's doubled backslashes
     return (
-        f"ActivationCheckpointing: `targets={list(targets)!r}` match no submodule of `{type(root).__name__}`. "
-        f"Its module classes are: {', '.join(names) or '(none)'}. Use one of these class names, a dotted class path, "
-        "or a 're:' regex that matches whole qualified module names (e.g. 're:model\\.blocks\\.\\d+')."
+        f"ActivationCheckpointing: `targets=[{shown}]` match no submodule of "
+        f"`{type(root).__name__}`. {hints} The grammar of `targets`: `lightning_gradkit.core.selection`."
     )
 
 

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit._arguments import check_bool, check_choice, check_int, validate_normalize
+from lightning_gradkit._arguments import check_bool, check_choice, check_int, name_list, validate_normalize
 from lightning_gradkit._window import WindowPosition
 from lightning_gradkit.core.accumulate import (
     TOKENS_KEY,
@@ -39,12 +39,6 @@ from lightning_gradkit.replay import replaying
 
 OnDirty = Literal["warn", "raise"]
 _TOKENS_REDUCE_KEY = "accumulation/tokens"
-_MAX_NAMES = 10
-
-
-def _name_list(names: list[str]) -> str:
-    shown = ", ".join(names[:_MAX_NAMES])
-    return shown + (f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else "")
 
 
 def _describe(output: object) -> str:
@@ -327,7 +321,7 @@ class AccumulationGuard(GradKitCallback):
                 message = (
                     f"AccumulationGuard: the accumulation window that starts at optimizer step {step} began with "
                     f"non-zero gradients left from the previous window in {len(dirty)} parameter(s): "
-                    f"{_name_list(dirty)}. In manual optimization call `optimizer.zero_grad()` after every "
+                    f"{name_list(dirty)}. In manual optimization call `optimizer.zero_grad()` after every "
                     "`optimizer.step()` (or use `ManualAccumulator`); an `optimizer_zero_grad` override must zero "
                     "every parameter."
                 )

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit._arguments import check_strings
 from lightning_gradkit.core.clip import (
     AdaptiveGradClipPolicy,
     AutoClipPolicy,
@@ -44,6 +43,7 @@ from lightning_gradkit.core.norms import (
     replication,
     row_norms,
 )
+from lightning_gradkit.core.selection import NamePattern, no_match_hint, parameters_selected, parse_patterns
 from lightning_gradkit.engine import (
     Engine,
     GradKitCallback,
@@ -506,19 +506,8 @@ class _UnitwiseClip(_GradClipCallback):
         self, policy: AdaptiveGradClipPolicy, exclude: list[str] | None = None, *, policy_owner: int | None = 0
     ) -> None:
         super().__init__(policy, policy_owner=policy_owner)
-        self.exclude = check_strings("exclude", exclude, hint="Name module classes or give `re:<regex>` patterns.")
-        for pattern in self.exclude:
-            if pattern.startswith("re:"):
-                try:
-                    re.compile(pattern[3:])
-                except re.error as err:
-                    raise ValueError(
-                        f"`exclude` pattern {pattern!r} is not a valid regular expression: {err}."
-                    ) from err
-            elif not pattern.isidentifier():
-                raise ValueError(
-                    f"`exclude` entry {pattern!r} is neither a module class name nor a `re:<regex>` pattern."
-                )
+        self._exclude = parse_patterns("exclude", exclude)
+        self.exclude = [pattern.text for pattern in self._exclude]
         self._selected: set[str] | None = None
         self._sharded_1d: list[tuple[str, Tensor, float]] = []
         self._sharded_1d_factors: Tensor | None = None
@@ -532,7 +521,7 @@ class _UnitwiseClip(_GradClipCallback):
                 "(`strategy='fsdp'`) flattens them into shards. Use FSDP2 (`ModelParallelStrategy` with "
                 "`fully_shard` in `configure_model`) or a norm-based clipping callback such as ClipGradNorm."
             )
-        self._selected = _select_parameters(pl_module, self.exclude)
+        self._selected = _select_parameters(pl_module, self._exclude)
         self._sharded_1d = []
         self._sharded_1d_factors = None
         self._cache = {}
@@ -547,8 +536,8 @@ class _UnitwiseClip(_GradClipCallback):
             if param.ndim > 1 and sharded_dims - {0}:
                 raise RuntimeError(
                     f"AdaptiveGradClip: parameter `{name}` is sharded along dim(s) {sorted(sharded_dims)}; its output "
-                    "units (dim 0) are split across ranks. Exclude it (`exclude=['re:<its name>']`) or shard it "
-                    "along dim 0 only (FSDP2's default)."
+                    f"units (dim 0) are split across ranks. Exclude it (`exclude=['re:{re.escape(name)}']`) or shard "
+                    "it along dim 0 only (FSDP2's default)."
                 )
             if param.ndim <= 1 and sharded_dims:
                 self._sharded_1d.append((name, param, 1.0 / replication(param)))
@@ -711,10 +700,11 @@ class AdaptiveGradClip(_UnitwiseClip):
     Args:
         clip_factor: the ``lambda`` of the paper, > 0.
         eps: floor of the unit weight norm, > 0.
-        exclude: parameters left unclipped: module class names (``"Linear"``, matching subclasses and everything
-            inside such modules) or ``"re:<regex>"`` searched in qualified parameter and module names
-            (``"re:^head\."``, ``"re:lm_head"``); one string is one pattern. Default: none, so the final layer is
-            clipped too, unlike the paper and timm's training script: name it here.
+        exclude: parameters left unclipped, in gradkit's selection grammar (:mod:`lightning_gradkit.core.selection`):
+            module class names (``"Linear"``, matching subclasses; every parameter inside such a module) or
+            ``"re:<regex>"`` patterns that match the whole qualified name of a parameter or of a module that holds it
+            (``"re:head"``, ``"re:lm_head"``, ``"re:.*\.bias"``); one string is one pattern. Default: none, so the
+            final layer is clipped too, unlike the paper and timm's training script: name it here.
 
     Raises:
         ValueError: at construction, for non-positive ``clip_factor`` or ``eps`` or an invalid regex; at setup, for an
@@ -726,7 +716,7 @@ class AdaptiveGradClip(_UnitwiseClip):
 
         >>> from lightning.pytorch import Trainer
         >>> from lightning_gradkit import AdaptiveGradClip
-        >>> trainer = Trainer(callbacks=[AdaptiveGradClip(clip_factor=0.01, exclude=["re:^head\\."])])
+        >>> trainer = Trainer(callbacks=[AdaptiveGradClip(clip_factor=0.01, exclude=["re:head"])])
     """
 
     def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, exclude: list[str] | None = None) -> None:
@@ -741,37 +731,26 @@ class AdaptiveGradClip(_UnitwiseClip):
         return self.policy.eps
 
 
-def _select_parameters(pl_module: torch.nn.Module, exclude: list[str]) -> set[str]:
-    """Names (cleaned) of the parameters not matched by any ``exclude`` pattern, frozen ones included.
+def _select_parameters(pl_module: torch.nn.Module, exclude: tuple[NamePattern, ...]) -> set[str]:
+    """Names (cleaned) of the parameters not selected by any ``exclude`` pattern, frozen ones included.
 
     A frozen parameter may be unfrozen during the fit (``BackboneFinetuning``): it is then clipped like the others.
     Only the parameters an optimizer steps are ever clipped, so selecting frozen ones costs nothing.
 
     Raises:
-        ValueError: naming a pattern that matches no parameter.
+        ValueError: naming a pattern that selects no parameter, the names nearest to it and a pattern that would.
     """
     params = [clean_name(n) for n, _ in pl_module.named_parameters()]
     modules = [(clean_name(n), m) for n, m in pl_module.named_modules()]
     excluded: set[str] = set()
     for pattern in exclude:
-        matched: set[str] = set()
-        if pattern.startswith("re:"):
-            regex = re.compile(pattern[3:])
-            for name in params:
-                parts = name.split(".")
-                owners = (".".join(parts[:k]) for k in range(1, len(parts)))
-                if regex.search(name) or any(regex.search(owner) for owner in owners):
-                    matched.add(name)
-        else:
-            for module_name, module in modules:
-                if any(cls.__name__ == pattern for cls in type(module).__mro__):
-                    prefix = module_name + "." if module_name else ""
-                    matched.update(n for n in params if n.startswith(prefix))
+        matched = parameters_selected(pattern, modules, params)
         if not matched:
+            names = [name for name, _ in modules if name] + params
+            hint = no_match_hint(pattern, names, [type(m).__name__ for _, m in modules])
             raise ValueError(
-                f"AdaptiveGradClip: `exclude` pattern {pattern!r} matches no trainable parameter of "
-                f"`{type(pl_module).__name__}`, nor a frozen one. Use a module class name (e.g. 'Linear') or "
-                f"'re:<regex>' over qualified names such as {params[:3]}."
+                f"AdaptiveGradClip: `exclude` pattern '{pattern.text}' matches no trainable parameter of "
+                f"`{type(pl_module).__name__}`, nor a frozen one: {hint}"
             )
         excluded |= matched
     return set(params) - excluded

@@ -1,25 +1,23 @@
-"""Guards on the gradient path: non-finite losses and gradients, loss and gradient-norm spikes.
+"""The two guards of the gradient path: :class:`NonFiniteGuard` (NaN/Inf) and :class:`SpikeGuard` (z-score spikes).
 
 Both guards decide on device, in the shared per-step engine (stage ``GUARD``), from values that are identical on
 every rank: gradient statistics after the DDP all-reduce, and per-rank loss values summed in the engine's single
 collective. So every rank takes the same decision and no extra collective is issued (except once per detection,
-when the ranks' findings are gathered for the report).
+when the ranks' findings are gathered for the report). When and how the host learns of a flagged step depends on
+``action`` (:mod:`~lightning_gradkit.callbacks.guard_reporting`).
 
-When a guard *acts* it reads its flag to the host:
+The rest of the guards lives beside this file, one concept per file:
 
-- ``action="skip"`` with an ordinary optimizer: the strategy reads the step's skip flag once anyway; the guard
-  shares that read and reads more only on a skipped step (to report it).
-- ``action="raise"``: one host read per step, before the optimizer steps (the bad update is never applied).
-- ``action="warn"``, and ``action="skip"`` with a fused optimizer (which skips on device through ``found_inf``):
-  the flagged steps are counted on device and read on logging steps (and at the end of training); the report
-  covers every step flagged since the previous read.
+- :mod:`~lightning_gradkit.callbacks.guard_reporting`: the base both guards share, and the device ledger of the
+  steps flagged between two host reads;
+- :mod:`~lightning_gradkit.callbacks.loss_window`: the value ``SpikeGuard`` (and ``SpikeRollback``) watches;
+- :mod:`~lightning_gradkit.callbacks.culprit`: where a non-finite step began, and the sentence that says so;
+- :mod:`~lightning_gradkit.callbacks.nonfinite_validation`: ``NonFiniteGuard``'s validation checks.
 """
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -29,108 +27,16 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int
-from lightning_gradkit.core.accumulate import mean_window_scale
-from lightning_gradkit.core.norms import loss_scale
+from lightning_gradkit.callbacks.culprit import Culprit, first_bad_batch, locate_culprit, nonfinite_kind, step_summary
+from lightning_gradkit.callbacks.guard_reporting import GuardBase
+from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss, unscaled_loss
+from lightning_gradkit.callbacks.nonfinite_validation import NonFiniteValidationCheck
 from lightning_gradkit.core.running import RunningMoments, WindowMoments, spike_decision
-from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan, world_size
-from lightning_gradkit.events import EventLog, events_dir
+from lightning_gradkit.engine import StatsRequest, StepPlan, world_size
 from lightning_gradkit.forensics import Finding, describe_error, replay_training_step
 from lightning_gradkit.replay import RNGState, capture_rng, replaying
-from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint, handles_found_inf
 
-_MAX_NAMES = 10
-
-
-# -- argument checks ----------------------------------------------------------------------------------------------
-def _choice(argument: str, value: str, allowed: tuple[str, ...]) -> str:
-    return check_choice(argument, value, allowed)
-
-
-def _positive_int(argument: str, value: int, minimum: int = 1) -> int:
-    return check_int(argument, value, minimum)
-
-
-def _positive_float(argument: str, value: float) -> float:
-    return check_float(argument, value, above=0.0)
-
-
-def _names(names: list[str]) -> str:
-    shown = ", ".join(f"`{n}`" for n in names[:_MAX_NAMES])
-    return shown + (f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else "")
-
-
-def _unscaled_loss(trainer: pl.Trainer, loss: Tensor) -> Tensor:
-    """The loss as ``training_step`` returned it (``on_before_backward`` sees it multiplied by the fp16 scale)."""
-    scale = loss_scale(getattr(trainer.precision_plugin, "scaler", None))
-    loss = loss.detach().float()
-    return loss if scale is None else loss / scale.to(loss.device)
-
-
-class WindowLoss:
-    """The mean loss of an accumulation window, summed on device from ``on_before_backward`` (no host sync).
-
-    Used by every callback that monitors the loss per optimizer step (``SpikeGuard``, ``SpikeRollback``): the
-    loss as ``training_step`` returned it (without the fp16 scale), averaged over the micro-batches actually in the
-    window, the short last window of an epoch included.
-    """
-
-    def __init__(self) -> None:
-        self.sum: Tensor | None = None
-        self.count = 0
-
-    def add(self, trainer: pl.Trainer, loss: Tensor) -> None:
-        loss = _unscaled_loss(trainer, loss).reshape(())
-        self.sum = loss if self.sum is None else self.sum.to(loss.device) + loss
-        self.count += 1
-
-    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Tensor:
-        """The window's mean loss on this rank, shape ``(1,)`` (NaN for a window without a loss); starts a new one.
-
-        Lightning divides each micro-batch loss by N before ``on_before_backward`` (automatic optimization only):
-        the window's sum is then k / N of its mean, too small for the short last window of an epoch.
-        """
-        value = self.sum
-        if value is None:
-            value = torch.full((), math.nan, device=pl_module.device)
-        else:
-            divisor = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            factor = mean_window_scale(divisor, self.count)
-            if factor != 1.0:
-                value = value * factor
-        self.sum, self.count = None, 0
-        return value.reshape(1).to(pl_module.device)
-
-
-class WatchesLossOrGradNorm(GradKitCallback):
-    """The value ``SpikeGuard`` and ``SpikeRollback`` watch each optimizer step, identical on every rank.
-
-    ``monitor="loss"``: the window's mean loss (:class:`WindowLoss`) averaged over ranks through the engine's one
-    collective; ``"grad_norm"``: the total 2-norm of the gradients the optimizer would step with. Subclasses set
-    ``monitor``, ``_key`` (unique in the collective) and ``_window_loss``.
-    """
-
-    monitor: str
-    _key: str
-    _window_loss: WindowLoss
-
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self.monitor == "loss" and not replaying():
-            self._window_loss.add(trainer, loss)
-
-    def _stats_request(self, request: StatsRequest) -> None:
-        if self.monitor == "grad_norm":
-            request.norm_types.add(2.0)
-
-    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
-        if self.monitor != "loss":
-            return {}
-        return {self._key: self._window_loss.take(trainer, pl_module)}
-
-    def _watched_value(self, plan: StepPlan) -> Tensor:
-        if self.monitor == "loss":
-            x = plan.reduced[self._key].reshape(()).to(plan.primary.total.device)
-            return x / world_size() if world_size() > 1 else x
-        return plan.scaled(plan.stats[2.0].total)
+__all__ = ["NonFiniteGuard", "SpikeGuard"]
 
 
 def _rank() -> int:
@@ -144,141 +50,6 @@ def _gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-class _Ledger:
-    """Device-side record of the steps flagged between two host reads: recording never synchronizes.
-
-    Keeps the number of flagged steps, the first and last flagged step, the longest run of consecutive flagged
-    steps with its first and last step (a run that goes on across reads keeps its start), and named values captured
-    at the first flagged step.
-    """
-
-    def __init__(self) -> None:
-        self.t: dict[str, Tensor] = {}
-        self.firsts: dict[str, Tensor] = {}
-
-    def record(self, flag: Tensor, step: Tensor, firsts: dict[str, Tensor]) -> None:
-        f = flag.reshape(()).bool()
-        if not self.t:
-            zero = torch.zeros((), dtype=torch.float32, device=f.device)
-            none = zero - 1
-            self.t = {"count": zero, "first": none, "last": none, "run": zero, "run_first": none, "max_run": zero}
-            self.t.update(max_run_first=none, max_run_last=none)
-        t = self.t
-        new_first = f & (t["count"] == 0)
-        t["count"] = t["count"] + f
-        t["first"] = torch.where(new_first, step, t["first"])
-        t["last"] = torch.where(f, step, t["last"])
-        t["run_first"] = torch.where(f & (t["run"] == 0), step, t["run_first"])
-        t["run"] = torch.where(f, t["run"] + 1, 0.0)
-        longest = f & (t["run"] >= t["max_run"])
-        t["max_run"] = torch.maximum(t["max_run"], t["run"])
-        t["max_run_first"] = torch.where(longest, t["run_first"], t["max_run_first"])
-        t["max_run_last"] = torch.where(longest, step, t["max_run_last"])
-        for key, value in firsts.items():
-            value = value.detach().to(f.device, torch.float32)
-            previous = self.firsts.get(key, torch.zeros_like(value))
-            self.firsts[key] = torch.where(new_first, value, previous)
-
-    def read(self) -> dict[str, Any] | None:
-        """The record as Python values (one device-to-host transfer), then start a new period; ``None`` if empty."""
-        if not self.t:
-            return None
-        entries = {**self.t, **self.firsts}
-        flat = torch.cat([v.reshape(-1) for v in entries.values()]).tolist()
-        out: dict[str, Any] = {}
-        offset = 0
-        for key, value in entries.items():
-            n = value.numel()
-            out[key] = flat[offset] if value.dim() == 0 else flat[offset : offset + n]
-            offset += n
-        self.t["count"] = torch.zeros_like(self.t["count"])
-        self.t["first"] = torch.full_like(self.t["first"], -1.0)
-        # The next period's longest run starts as the run still going on (with its start, possibly before).
-        self.t["max_run"] = self.t["run"].clone()
-        self.t["max_run_first"] = self.t["run_first"].clone()
-        self.t["max_run_last"] = torch.where(self.t["run"] > 0, self.t["last"], -1.0)
-        return out if out["count"] > 0 else None
-
-
-class _Guard(GradKitCallback):
-    """Shared wiring: argument checks, strategy check, the event log, host-read or device-ledger reporting."""
-
-    _stage = Stage.GUARD
-
-    def __init__(self, action: str) -> None:
-        self.action = action
-        self._events: EventLog | None = None
-        self._ledger = _Ledger()
-        self._dev_step: Tensor | None = None
-        self._fused = False
-        self._restored_skips: float | None = None
-        self._trainer_ref: pl.Trainer | None = None
-        self._param_names: list[str] = []
-
-    # -- Lightning hooks ---------------------------------------------------------------------------------------
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if stage == "fit" and self.action == "skip" and not isinstance(trainer.strategy, GradKitStrategyMixin):
-            raise RuntimeError(
-                f"{type(self).__name__}(action='skip') needs a strategy that can skip an optimizer step, but the "
-                f"Trainer uses {type(trainer.strategy).__name__}. Use {gradkit_strategy_hint(trainer.strategy)}, "
-                "or `action='warn'`/`'raise'`, which work with any strategy."
-            )
-        self._events = EventLog(events_dir(trainer), rank=trainer.global_rank)
-        self._trainer_ref = trainer
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fused = any(handles_found_inf(opt) for opt in trainer.optimizers)
-        self._dev_step = torch.tensor(float(trainer.global_step), device=pl_module.device)
-        if self._restored_skips is not None:
-            engine = Engine.of(trainer)
-            engine.skipped_steps = torch.tensor(self._restored_skips, device=pl_module.device)
-            self._restored_skips = None
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._reads_on_host():
-            self._report_ledger(trainer)
-
-    # -- shared helpers ----------------------------------------------------------------------------------------
-    def _needs_step_control(self) -> bool:
-        return self.action == "skip"
-
-    def _reads_on_host(self) -> bool:
-        """Whether this guard learns of a flagged step at that step (else: on logging steps, from the ledger)."""
-        return self.action == "raise" or (self.action == "skip" and not self._fused)
-
-    def _flagged_on_host(self, plan: StepPlan, flag: Tensor) -> bool:
-        """Read this guard's flag when it acts at the step; shares the strategy's read of the skip decision."""
-        if self.action == "skip":
-            return plan.skip_on_host() and bool(flag)
-        return bool(flag)
-
-    def _advance_step(self, flag: Tensor, firsts: dict[str, Tensor]) -> None:
-        if self._dev_step is None:
-            self._dev_step = torch.zeros((), device=flag.device)
-        self._ledger.record(flag, self._dev_step, firsts)
-        self._dev_step = self._dev_step + 1
-
-    @property
-    def events_path(self) -> Path | None:
-        """The ``gradkit_events.jsonl`` file this guard writes to (known after ``setup``)."""
-        return self._events.path if self._events is not None else None
-
-    def _write(self, trainer: pl.Trainer, **fields: Any) -> None:
-        if self._events is not None:
-            fields.setdefault("step", trainer.global_step)
-            fields.setdefault("batch_idx", trainer.fit_loop.epoch_loop.batch_idx)
-            self._events.write(source=type(self).__name__, action=self.action, **fields)
-
-    def _report_ledger(self, trainer: pl.Trainer) -> None:
-        """Lazy mode: read what was counted on device since the last read and report it."""
-
-    def _skipped_state(self) -> dict[str, float]:
-        """The engine's count of skipped steps, saved by every guard (all hold the same value)."""
-        count = Engine.of(self._trainer_ref).skipped_steps if self._trainer_ref is not None else None
-        return {"skipped_steps": float(count) if count is not None else 0.0}
 
 
 def _last_checkpoint(trainer: pl.Trainer) -> str:
@@ -298,7 +69,7 @@ def _replay_available(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str
     return None
 
 
-class NonFiniteGuard(_Guard):
+class NonFiniteGuard(NonFiniteValidationCheck):
     r"""Catch NaN/Inf in the loss or the gradients: skip the step, raise, or warn; and name where it began.
 
     Every optimizer step the guard checks the loss of each micro-batch (in ``on_before_backward``, on device) and
@@ -401,7 +172,8 @@ class NonFiniteGuard(_Guard):
         check_validation: bool = True,
         stop_on_nonfinite_validation: bool = False,
     ) -> None:
-        super().__init__(_choice("action", action, ("skip", "raise", "warn")))
+        action = check_choice("action", action, ("skip", "raise", "warn"))
+        super().__init__(action, check_validation, stop_on_nonfinite_validation)
         self.check_loss = check_bool("check_loss", check_loss)
         self.check_grads = check_bool("check_grads", check_grads)
         if not (check_loss or check_grads):
@@ -409,11 +181,9 @@ class NonFiniteGuard(_Guard):
                 "`check_loss=False` and `check_grads=False` leave the guard nothing to check. Set one of them to True "
                 "(both by default), or remove the NonFiniteGuard."
             )
-        self.max_consecutive = _positive_int("max_consecutive", max_consecutive)
+        self.max_consecutive = check_int("max_consecutive", max_consecutive)
         self.forensics = check_bool("forensics", forensics)
         self.detect_anomaly = check_bool("detect_anomaly", detect_anomaly)
-        self.check_validation = check_bool("check_validation", check_validation)
-        self.stop_on_nonfinite_validation = check_bool("stop_on_nonfinite_validation", stop_on_nonfinite_validation)
         self._loss_bad: Tensor | None = None
         self._losses: list[Tensor] = []
         self._batches: list[tuple[Any, int, RNGState]] = []
@@ -422,8 +192,7 @@ class NonFiniteGuard(_Guard):
         self._consecutive: list[int] = []
         self._first_finding: dict[str, Any] | None = None
         self._forensics_done = False
-        self._val_bad: Tensor | None = None
-        self._val_first: Tensor | None = None
+        self._param_names: list[str] = []
         self._key = f"{self.state_key}/loss_nonfinite_ranks"
 
     @property
@@ -535,7 +304,7 @@ class NonFiniteGuard(_Guard):
             "losses": [
                 v * trainer.accumulate_grad_batches
                 for t in self._losses
-                for v in _unscaled_loss(trainer, t).reshape(-1).tolist()
+                for v in unscaled_loss(trainer, t).reshape(-1).tolist()
             ],
             "params": nonfinite.nonzero().flatten().tolist(),
             "finding": None
@@ -549,10 +318,10 @@ class NonFiniteGuard(_Guard):
         params = [stats.names[i] for i in positions]
         grad_ranks = [r["rank"] for r in per_rank if r["params"]]
         no_replay = "forensics=False" if not self.forensics else "the replay runs at the first detection only"
-        culprit = _culprit(per_rank, bad_ranks, params, no_replay)
+        culprit = locate_culprit(per_rank, bad_ranks, params, no_replay)
         window = list(self._window) or [trainer.fit_loop.epoch_loop.batch_idx]
-        batch = culprit.batch if culprit.batch is not None else _first_bad_batch(per_rank, window)
-        what = "fp16_overflow" if overflow else _what(bool(bad_ranks), grads_nonfinite)
+        batch = culprit.batch if culprit.batch is not None else first_bad_batch(per_rank, window)
+        what = "fp16_overflow" if overflow else nonfinite_kind(bool(bad_ranks), grads_nonfinite)
         values = {
             "loss_nonfinite_ranks": bad_ranks,
             "grad_nonfinite_ranks": grad_ranks,
@@ -574,7 +343,7 @@ class NonFiniteGuard(_Guard):
             culprit_source=culprit.source,
             values=values,
         )
-        summary = _summary(step, batch, window, what, bad_ranks, grad_ranks, params, culprit)
+        summary = step_summary(step, batch, window, what, bad_ranks, grad_ranks, params, culprit)
         if finding is not None and self._first_finding is None:
             self._first_finding = {"step": step, "culprit": culprit.name, "described": culprit.text}
         if self.action == "raise":
@@ -641,15 +410,15 @@ class NonFiniteGuard(_Guard):
         ]
         grads = bool(record.get("grads", 0.0))
         param = names[int(record["param"])] if grads and names else None
-        what = _what(bool(bad_ranks), grads)
+        what = nonfinite_kind(bool(bad_ranks), grads)
         if self._scaler and grads and not bad_ranks:
             what = "fp16_overflow"
         run, run_first, run_last = int(record["max_run"]), int(record["max_run_first"]), int(record["max_run_last"])
         values = {"flagged_steps": count, "first_step": first, "last_step": last, "longest_run": run}
         if bad_ranks:
-            culprit = _Culprit("<loss>", "loss", "", None)
+            culprit = Culprit("<loss>", "loss", "", None)
         else:
-            culprit = _Culprit(param, "gradients" if param is not None else None, "", None)
+            culprit = Culprit(param, "gradients" if param is not None else None, "", None)
         self._write(
             trainer,
             rank=bad_ranks or None,
@@ -676,59 +445,6 @@ class NonFiniteGuard(_Guard):
         if what != "fp16_overflow":
             rank_zero_warn(f"NonFiniteGuard: {summary} Events: {self.events_path}.")
 
-    # -- validation --------------------------------------------------------------------------------------------
-    def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        if not self.check_validation:
-            return
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if not isinstance(loss, Tensor):
-            return
-        bad = ~torch.isfinite(loss.detach()).all()
-        if self._val_bad is None:
-            self._val_bad, self._val_first = bad, loss.detach().float().reshape(-1)[:1]
-        else:
-            self._val_first = torch.where(self._val_bad, self._val_first, loss.detach().float().reshape(-1)[:1])
-            self._val_bad = self._val_bad | bad
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.check_validation:
-            return
-        device = pl_module.device
-        local = torch.zeros(2, device=device)
-        if self._val_bad is not None:
-            local = torch.cat([self._val_bad.float().reshape(1), self._val_first.reshape(1)]).to(device)
-        metrics = {
-            k: float(v)
-            for k, v in trainer.callback_metrics.items()
-            if k.startswith("val") and "loss" in k and isinstance(v, Tensor) and v.numel() == 1
-        }
-        bad_metrics = {k: v for k, v in metrics.items() if not math.isfinite(v)}
-        local[0] = max(float(local[0]), float(bool(bad_metrics)))
-        self._val_bad = self._val_first = None
-        gathered = trainer.strategy.all_gather(local).reshape(-1, 2).tolist()
-        bad_ranks = [r for r, (flag, _) in enumerate(gathered) if flag > 0]
-        if not bad_ranks:
-            return
-        stop = self.stop_on_nonfinite_validation and not trainer.sanity_checking
-        values = {"first_nonfinite_loss": {str(r): gathered[r][1] for r in bad_ranks}, "logged": bad_metrics}
-        self._write(trainer, rank=bad_ranks, what="nonfinite_val_loss", culprit=None, values=values, stopped=stop)
-        message = (
-            f"NonFiniteGuard: non-finite validation loss at step {trainer.global_step} on rank(s) {bad_ranks}"
-            f"{' (' + ', '.join(bad_metrics) + ')' if bad_metrics else ''}."
-        )
-        if stop:
-            trainer.should_stop = True
-            message += " Training stops (`stop_on_nonfinite_validation=True`)."
-        rank_zero_warn(f"{message} Events: {self.events_path}.")
-
     # -- state -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -745,95 +461,7 @@ class NonFiniteGuard(_Guard):
         self._restored_skips = float(state_dict.get("skipped_steps", 0.0))
 
 
-def _what(loss: bool, grads: bool) -> str:
-    if loss and grads:
-        return "nonfinite_loss_and_grads"
-    return "nonfinite_loss" if loss else "nonfinite_grads"
-
-
-class _Culprit(NamedTuple):
-    """Where the first non-finite value was localized, and how (the one meaning of ``culprit`` in every mode).
-
-    Attributes:
-        name: a module name, ``"<batch>"``, ``"<loss>"`` or a parameter name; ``None`` when not localized.
-        source: ``"replay"`` (a forensic replay reproduced it), ``"loss"`` (no replay; the loss was non-finite) or
-            ``"gradients"`` (no replay, finite losses; the first parameter, in the optimizer's order, whose gradient
-            was non-finite); ``None`` with ``name``.
-        text: one sentence for the console and errors.
-        batch: the micro-batch whose replay found it (``None`` unless ``source == "replay"``).
-    """
-
-    name: str | None
-    source: str | None
-    text: str
-    batch: int | None
-
-
-def _culprit(
-    per_rank: list[dict[str, Any]], bad_ranks: list[int], params: list[str], no_replay: str = "no replay"
-) -> _Culprit:
-    """The replay's finding (ranks with a bad loss first), else the first parameter with a non-finite gradient.
-
-    ``no_replay`` says why no replay ran at this step (for the message)."""
-    ordered = sorted(per_rank, key=lambda r: (r["rank"] not in bad_ranks, r["rank"]))
-    for r in ordered:
-        f = r["finding"]
-        if f is not None and f.get("culprit") is not None:
-            batch = f.get("batch_idx")
-            text = f"{r['described']} (replay of batch {batch} on rank {r['rank']})"
-            return _Culprit(f["culprit"], "replay", text, batch)
-    replays = [r for r in per_rank if r["finding"] is not None]
-    unfinished = [r for r in replays if r["finding"]["phase"] != "not_reproduced"]
-    why = no_replay
-    if unfinished:  # a replay that failed or could not run: never reported as a finite one
-        r = unfinished[0]
-        batch = r["finding"].get("batch_idx")
-        why = f"{r['described']}; " + (f"batch {batch}, " if batch is not None else "") + f"rank {r['rank']}"
-    elif replays:
-        why = "the replay stayed finite"
-    if bad_ranks:
-        return _Culprit("<loss>", "loss", f"the loss was already non-finite on rank(s) {bad_ranks} ({why})", None)
-    if params:
-        return _Culprit(params[0], "gradients", f"the first parameter with a non-finite gradient ({why})", None)
-    return _Culprit(None, None, f"not localized ({why})", None)
-
-
-def _first_bad_batch(per_rank: list[dict[str, Any]], window: list[int]) -> int:
-    """The first micro-batch of the step whose loss was non-finite on some rank, else the step's last one."""
-    firsts = [
-        next((k for k, v in enumerate(r["losses"]) if not math.isfinite(v)), None) for r in per_rank if r["losses"]
-    ]
-    found = [k for k in firsts if k is not None and k < len(window)]
-    return window[min(found)] if found else window[-1]
-
-
-def _summary(
-    step: int,
-    batch: int,
-    window: list[int],
-    what: str,
-    bad_ranks: list[int],
-    grad_ranks: list[int],
-    params: list[str],
-    culprit: _Culprit,
-) -> str:
-    """The console line of a flagged step; errors and the event say the same."""
-    if what == "fp16_overflow":
-        return f"fp16 gradient overflow at step {step}."
-    where = f"batch {batch}" + (f" (the step's batches {window[0]}-{window[-1]})" if len(window) > 1 else "")
-    parts = [f"non-finite values at step {step}: {where};"]
-    if bad_ranks:
-        parts.append(f"loss non-finite on rank(s) {bad_ranks};")
-    if params:
-        parts.append(f"non-finite gradients on rank(s) {grad_ranks} in {_names(params)};")
-    if culprit.name is not None:
-        parts.append(f"culprit `{culprit.name}`: {culprit.text}.")
-    else:
-        parts.append(f"culprit {culprit.text}.")
-    return " ".join(parts)
-
-
-class SpikeGuard(WatchesLossOrGradNorm, _Guard):
+class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
     r"""Detect loss or gradient-norm spikes with a running z-score on device: warn, skip the step, or raise.
 
     Each optimizer step, the monitored value ``x`` (the loss averaged over the accumulation window and over ranks,
@@ -885,13 +513,13 @@ class SpikeGuard(WatchesLossOrGradNorm, _Guard):
         warmup_steps: int = 25,
         action: Literal["warn", "skip", "raise"] = "warn",
     ) -> None:
-        super().__init__(_choice("action", action, ("warn", "skip", "raise")))
-        self.monitor = _choice("monitor", monitor, ("loss", "grad_norm"))
-        self.z_threshold = _positive_float("z_threshold", z_threshold)
+        super().__init__(check_choice("action", action, ("warn", "skip", "raise")))
+        self.monitor = check_choice("monitor", monitor, ("loss", "grad_norm"))
+        self.z_threshold = check_float("z_threshold", z_threshold, above=0.0)
         self.alpha = check_float("alpha", alpha, above=0.0, below=1.0, hint="A typical value is 0.97.")
-        self.warmup_steps = _positive_int("warmup_steps", warmup_steps, minimum=2)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 2)
         if window is not None:
-            _positive_int("window", window)
+            check_int("window", window)
             if window < self.warmup_steps:
                 raise ValueError(
                     f"`window` must hold at least `warmup_steps` values, got window={window!r} and "

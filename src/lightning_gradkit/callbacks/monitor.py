@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
-from lightning_gradkit._arguments import check_bool, check_int, validate_norm_type
+from lightning_gradkit._arguments import check_bool, check_int, name_list, validate_norm_type
 from lightning_gradkit._compat import batches_that_stepped, epoch_ends_with_this_batch
 from lightning_gradkit.core.norms import (
     ParamIndex,
@@ -42,7 +42,6 @@ from lightning_gradkit.events import EVENTS_FILENAME, events_dir
 if TYPE_CHECKING:
     from lightning_gradkit.report import RunData
 
-_MAX_NAMES = 10
 
 #: Keys shown in Lightning's progress bar with ``prog_bar=True`` (short: the bar is one line).
 PROG_BAR_KEYS = ("grad_norm", "clipped", "skipped")
@@ -52,11 +51,6 @@ PROG_BAR_KEYS = ("grad_norm", "clipped", "skipped")
 #: with ``zero_init_residual``, a zero-init LayerScale or adapter) zeroes the gradients upstream of it until the first
 #: step moves it, and a warm-up from ``lr=0`` holds it one step more.
 ZERO_GRADIENT_STEPS = 4
-
-
-def _name_list(names: list[str]) -> str:
-    shown = ", ".join(names[:_MAX_NAMES])
-    return shown + (f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else "")
 
 
 # -- per-module grouping (pure functions of names and module classes) ---------------------------------------------
@@ -386,7 +380,7 @@ class GradNormMonitor(GradKitCallback):
             if missing:
                 rank_zero_warn(
                     f"GradNormMonitor: {len(missing)} trainable parameter(s) received no gradient at step "
-                    f"{trainer.global_step}: {_name_list(missing)}. They are not connected to the loss (or the "
+                    f"{trainer.global_step}: {name_list(missing)}. They are not connected to the loss (or the "
                     "forward ran under `torch.no_grad`). Freeze them (`requires_grad_(False)`) if that is intended."
                 )
         idx = plan.optimizer_idx
@@ -512,7 +506,7 @@ class GradNormMonitor(GradKitCallback):
         if names:
             rank_zero_warn(
                 f"GradNormMonitor: {len(names)} trainable parameter(s) had an all-zero gradient on each of the first "
-                f"{watch.steps} optimizer steps (up to step {trainer.global_step}): {_name_list(names)}. Check that "
+                f"{watch.steps} optimizer steps (up to step {trainer.global_step}): {name_list(names)}. Check that "
                 "the loss depends on them."
             )
 

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int
-from lightning_gradkit.callbacks.guards import WatchesLossOrGradNorm, WindowLoss
+from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss
 from lightning_gradkit.core.running import RunningMoments, spike_decision
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan
 from lightning_gradkit.events import EventLog, events_dir

@@ -19,12 +19,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_gradkit._arguments import check_bool, check_choice
+from lightning_gradkit._arguments import check_bool, check_choice, name_list
 from lightning_gradkit.events import EventLog, events_dir
 
 Fallback = Literal["no_grad", "raise"]
 OnInferenceTensors = Literal["clone", "raise"]
-_MAX_NAMES = 10
 _MAX_DEPTH = 3
 # Module internals that hold no user tensors (parameters and buffers are visited separately).
 _SKIP_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_trainer"})
@@ -35,11 +34,6 @@ _FRAMEWORK_PACKAGES = frozenset(
 )
 # What torch says when training meets an inference tensor (saved for backward, or updated in place).
 _INFERENCE_TENSOR_ERROR = re.compile(r"[Ii]nference tensors? ")
-
-
-def _name_list(names: list[str]) -> str:
-    shown = ", ".join(names[:_MAX_NAMES])
-    return shown + (f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else "")
 
 
 def _is_fsdp2(module: nn.Module) -> bool:
@@ -258,7 +252,7 @@ def _explain(pl_module: pl.LightningModule) -> str:
     owners = [*params, *on_model, *(f"the lru_cache of {c}" for c in caches)]
     owners += [f"the global {g}" for g in _globals_holding_inference_tensors()]
     where = (
-        f"Inference tensors are kept by: {_name_list(owners)}."
+        f"Inference tensors are kept by: {name_list(owners)}."
         if owners
         else "None was found on the model, in an `lru_cache` or in a module global (a closure or a class attribute "
         "may hold it)."
@@ -478,13 +472,13 @@ class InferenceModeValidation(pl.Callback):
         params, found = find_inference_tensors(pl_module, clone=clone)
         if params:
             raise RuntimeError(
-                f"InferenceModeValidation: parameter(s) {_name_list(params)} were replaced during validation by "
+                f"InferenceModeValidation: parameter(s) {name_list(params)} were replaced during validation by "
                 "tensors created under `torch.inference_mode`; the optimizer still holds the old ones and training "
                 "cannot use them. Do not assign parameters in validation hooks."
             )
         if found and not clone:
             raise RuntimeError(
-                f"InferenceModeValidation: validation left inference tensors on the model: {_name_list(found)}. "
+                f"InferenceModeValidation: validation left inference tensors on the model: {name_list(found)}. "
                 "Training cannot save them for backward or update them in place. Recreate them outside validation, "
                 "`.clone()` them before use in training, or pass `on_inference_tensors='clone'`."
             )
@@ -493,5 +487,5 @@ class InferenceModeValidation(pl.Callback):
             self._reported.update(new)
             rank_zero_info(
                 f"InferenceModeValidation: replaced inference tensors left by validation with normal clones: "
-                f"{_name_list(new)}."
+                f"{name_list(new)}."
             )

@@ -60,23 +60,6 @@ def clip_to_threshold(total_norm: Tensor, threshold: Tensor) -> Tensor:
     return torch.where(total_norm > threshold, threshold / (total_norm + NORM_EPS), torch.ones_like(total_norm))
 
 
-def unitwise_norm(t: Tensor, norm_type: float = 2.0) -> Tensor:
-    """Norm per output unit: over all dims but the first for ``t.ndim > 1`` (kept as size-1 dims), else whole.
-
-    The unit-wise norm of AGC (Brock et al. 2021) as in ``timm.utils.agc.unitwise_norm``: a linear or conv
-    weight of shape ``[out, ...]`` has one norm per output unit; biases, gains and scalars have one norm.
-
-    Example::
-
-        >>> unitwise_norm(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))
-        tensor([[5.],
-                [1.]])
-    """
-    if t.ndim <= 1:
-        return torch.linalg.vector_norm(t, norm_type)
-    return torch.linalg.vector_norm(t, norm_type, dim=tuple(range(1, t.ndim)), keepdim=True)
-
-
 def agc_coefficients(grad_norms: Tensor, weight_norms: Tensor, clip_factor: float, eps: float = 1e-3) -> Tensor:
     """Unit-wise AGC coefficients: ``min(1, clip_factor * max(|W_i|, eps) / max(|G_i|, 1e-6))``.
 
@@ -84,6 +67,9 @@ def agc_coefficients(grad_norms: Tensor, weight_norms: Tensor, clip_factor: floa
     gradient is rescaled when ``|G_i| / max(|W_i|, eps) > clip_factor``. The ``eps`` floor lets zero-initialised
     units (e.g. a zeroed last layer of a residual branch) still update. Multiplying by these coefficients gives
     bit-for-bit the result of ``timm.utils.agc.adaptive_clip_grad``.
+
+    A unit is a row along dim 0 of a weight (an output unit: :func:`~lightning_gradkit.core.norms.row_norms`), or a
+    whole bias, gain or scalar (its norm).
 
     Args:
         grad_norms: unit-wise norms of the gradients (any shape).

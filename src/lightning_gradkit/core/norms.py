@@ -180,6 +180,9 @@ def per_tensor_norms(
 def row_norms(t: Tensor) -> Tensor:
     """The 2-norm of every slice of ``t`` along dim 0 (an output unit, for AGC), as an fp32 vector of ``t.shape[0]``.
 
+    The one unit-wise norm of the package: ``timm.utils.agc.unitwise_norm`` for a weight with more than one dimension
+    (flattened; a bias, gain or scalar is one unit, whose norm is its norm).
+
     Low-precision tensors are reduced in fp32, float64 ones in float64 (then rounded to fp32), so every dtype works.
     For a sparse COO tensor these are the norms of its coalesced rows (0 for a row it does not hold): the squares of
     its values are summed per row index.

@@ -1,0 +1,169 @@
+"""How a guard learns of a flagged step and reports it: at the step (a host read), or later from a device ledger.
+
+Both guards (:class:`~lightning_gradkit.NonFiniteGuard`, :class:`~lightning_gradkit.SpikeGuard`) decide on device,
+in the engine's ``GUARD`` stage. What differs is when the host learns the decision:
+
+- ``action="skip"`` with an ordinary optimizer: the strategy reads the step's skip flag once anyway; the guard
+  shares that read and reads more only on a skipped step (to report it).
+- ``action="raise"``: one host read per step, before the optimizer steps (the bad update is never applied).
+- ``action="warn"``, and ``action="skip"`` with a fused optimizer (which skips on device through ``found_inf``):
+  the flagged steps are recorded in a :class:`_Ledger` on device and read on logging steps (and at the end of
+  training); the report covers every step flagged since the previous read.
+
+In this file: :class:`_Ledger` (the device record between two host reads) and :class:`GuardBase` (the wiring both
+guards share: the strategy check, the event log, which of the two ways applies, the saved count of skipped steps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan
+from lightning_gradkit.events import EventLog, events_dir
+from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint, handles_found_inf
+
+__all__ = ["GuardBase"]
+
+
+class _Ledger:
+    """Device-side record of the steps flagged between two host reads: recording never synchronizes.
+
+    Keeps the number of flagged steps, the first and last flagged step, the longest run of consecutive flagged
+    steps with its first and last step (a run that goes on across reads keeps its start), and named values captured
+    at the first flagged step.
+    """
+
+    def __init__(self) -> None:
+        self.t: dict[str, Tensor] = {}
+        self.firsts: dict[str, Tensor] = {}
+
+    def record(self, flag: Tensor, step: Tensor, firsts: dict[str, Tensor]) -> None:
+        f = flag.reshape(()).bool()
+        if not self.t:
+            zero = torch.zeros((), dtype=torch.float32, device=f.device)
+            none = zero - 1
+            self.t = {"count": zero, "first": none, "last": none, "run": zero, "run_first": none, "max_run": zero}
+            self.t.update(max_run_first=none, max_run_last=none)
+        t = self.t
+        new_first = f & (t["count"] == 0)
+        t["count"] = t["count"] + f
+        t["first"] = torch.where(new_first, step, t["first"])
+        t["last"] = torch.where(f, step, t["last"])
+        t["run_first"] = torch.where(f & (t["run"] == 0), step, t["run_first"])
+        t["run"] = torch.where(f, t["run"] + 1, 0.0)
+        longest = f & (t["run"] >= t["max_run"])
+        t["max_run"] = torch.maximum(t["max_run"], t["run"])
+        t["max_run_first"] = torch.where(longest, t["run_first"], t["max_run_first"])
+        t["max_run_last"] = torch.where(longest, step, t["max_run_last"])
+        for key, value in firsts.items():
+            value = value.detach().to(f.device, torch.float32)
+            previous = self.firsts.get(key, torch.zeros_like(value))
+            self.firsts[key] = torch.where(new_first, value, previous)
+
+    def read(self) -> dict[str, Any] | None:
+        """The record as Python values (one device-to-host transfer), then start a new period; ``None`` if empty."""
+        if not self.t:
+            return None
+        entries = {**self.t, **self.firsts}
+        flat = torch.cat([v.reshape(-1) for v in entries.values()]).tolist()
+        out: dict[str, Any] = {}
+        offset = 0
+        for key, value in entries.items():
+            n = value.numel()
+            out[key] = flat[offset] if value.dim() == 0 else flat[offset : offset + n]
+            offset += n
+        self.t["count"] = torch.zeros_like(self.t["count"])
+        self.t["first"] = torch.full_like(self.t["first"], -1.0)
+        # The next period's longest run starts as the run still going on (with its start, possibly before).
+        self.t["max_run"] = self.t["run"].clone()
+        self.t["max_run_first"] = self.t["run_first"].clone()
+        self.t["max_run_last"] = torch.where(self.t["run"] > 0, self.t["last"], -1.0)
+        return out if out["count"] > 0 else None
+
+
+class GuardBase(GradKitCallback):
+    """The wiring both guards share: the strategy check, the event log, host-read or ledger reporting.
+
+    A subclass decides in ``_decide`` and then either reads its flag at the step (``_reads_on_host()``: through
+    ``_flagged_on_host``) or records it with ``_advance_step`` and reports what the ledger holds in
+    ``_report_ledger`` on logging steps and at the end of training.
+    """
+
+    _stage = Stage.GUARD
+
+    def __init__(self, action: str) -> None:
+        self.action = action
+        self._events: EventLog | None = None
+        self._ledger = _Ledger()
+        self._dev_step: Tensor | None = None
+        self._fused = False
+        self._restored_skips: float | None = None
+        self._trainer_ref: pl.Trainer | None = None
+
+    # -- Lightning hooks ---------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and self.action == "skip" and not isinstance(trainer.strategy, GradKitStrategyMixin):
+            raise RuntimeError(
+                f"{type(self).__name__}(action='skip') needs a strategy that can skip an optimizer step, but the "
+                f"Trainer uses {type(trainer.strategy).__name__}. Use {gradkit_strategy_hint(trainer.strategy)}, "
+                "or `action='warn'`/`'raise'`, which work with any strategy."
+            )
+        self._events = EventLog(events_dir(trainer), rank=trainer.global_rank)
+        self._trainer_ref = trainer
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fused = any(handles_found_inf(opt) for opt in trainer.optimizers)
+        self._dev_step = torch.tensor(float(trainer.global_step), device=pl_module.device)
+        if self._restored_skips is not None:
+            engine = Engine.of(trainer)
+            engine.skipped_steps = torch.tensor(self._restored_skips, device=pl_module.device)
+            self._restored_skips = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._reads_on_host():
+            self._report_ledger(trainer)
+
+    # -- shared helpers ----------------------------------------------------------------------------------------
+    def _needs_step_control(self) -> bool:
+        return self.action == "skip"
+
+    def _reads_on_host(self) -> bool:
+        """Whether this guard learns of a flagged step at that step (else: on logging steps, from the ledger)."""
+        return self.action == "raise" or (self.action == "skip" and not self._fused)
+
+    def _flagged_on_host(self, plan: StepPlan, flag: Tensor) -> bool:
+        """Read this guard's flag when it acts at the step; shares the strategy's read of the skip decision."""
+        if self.action == "skip":
+            return plan.skip_on_host() and bool(flag)
+        return bool(flag)
+
+    def _advance_step(self, flag: Tensor, firsts: dict[str, Tensor]) -> None:
+        if self._dev_step is None:
+            self._dev_step = torch.zeros((), device=flag.device)
+        self._ledger.record(flag, self._dev_step, firsts)
+        self._dev_step = self._dev_step + 1
+
+    @property
+    def events_path(self) -> Path | None:
+        """The ``gradkit_events.jsonl`` file this guard writes to (known after ``setup``)."""
+        return self._events.path if self._events is not None else None
+
+    def _write(self, trainer: pl.Trainer, **fields: Any) -> None:
+        if self._events is not None:
+            fields.setdefault("step", trainer.global_step)
+            fields.setdefault("batch_idx", trainer.fit_loop.epoch_loop.batch_idx)
+            self._events.write(source=type(self).__name__, action=self.action, **fields)
+
+    def _report_ledger(self, trainer: pl.Trainer) -> None:
+        """Lazy mode: read what was counted on device since the last read and report it."""
+
+    def _skipped_state(self) -> dict[str, float]:
+        """The engine's count of skipped steps, saved by every guard (all hold the same value)."""
+        count = Engine.of(self._trainer_ref).skipped_steps if self._trainer_ref is not None else None
+        return {"skipped_steps": float(count) if count is not None else 0.0}
