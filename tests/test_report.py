@@ -396,3 +396,27 @@ def test_vit_root_parameters_get_rows_named_for_what_they_hold(tmp_path: Path) -
     ]
     drawn = [_heat_value_at(_heat(fig), 0, s) for s in range(4)]
     assert drawn == pytest.approx([math.log10(v) for v in model.cls_norms], rel=1e-5)
+
+
+def test_missing_matplotlib_hint_gives_the_install_command_that_works_from_a_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The package is on no index: `pip install lightning_gradkit[report]` finds nothing, the checkout's extra works."""
+    import importlib.util
+    import sys
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ModuleNotFoundError) as from_monitor:
+        GradNormMonitor(report=True)
+    monkeypatch.undo()
+    log_dir = _run(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    with pytest.raises(ModuleNotFoundError) as from_report:
+        render(log_dir)
+    for err in (from_monitor, from_report):
+        message = str(err.value)
+        assert "pip install -e '.[report]'" in message and "checkout" in message, message
+        assert "lightning_gradkit[report]" not in message

@@ -16,7 +16,8 @@ it logged, whatever the logger. The figure shows:
 3. every event of ``gradkit_events.jsonl`` (skipped steps, spikes, non-finite values, leaks, ...) as a line at its
    step, labelled with what happened.
 
-matplotlib is an optional dependency: ``pip install lightning_gradkit[report]``.
+matplotlib is an optional dependency, the ``report`` extra. The package is on no package index: run
+``pip install -e '.[report]'`` in a checkout of lightning_gradkit (or ``pip install matplotlib``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ from lightning_gradkit.events import EVENTS_FILENAME as EVENTS_FILE
 from lightning_gradkit.events import read_metadata
 
 REPORT_FILE = "gradient_report.png"
+#: How to install matplotlib, for error messages: lightning_gradkit is installed from a checkout, not an index.
+INSTALL_HINT = (
+    "run `pip install -e '.[report]'` in the lightning_gradkit checkout (the package is on no package index), or "
+    "`pip install 'matplotlib>=3.7'`"
+)
 _MODULE_PREFIX = "grad_norm/module/"
 _TOTAL = "grad_norm/total"
 _POST = "grad_norm/total_post_clip"
@@ -213,9 +219,9 @@ def _pyplot():
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ModuleNotFoundError as err:  # pragma: no cover - depends on the environment
+    except ModuleNotFoundError as err:
         raise ModuleNotFoundError(
-            "The gradient report needs matplotlib: `pip install lightning_gradkit[report]`."
+            f"The gradient report needs matplotlib, which is not installed: {INSTALL_HINT}."
         ) from err
     return plt
 
@@ -506,6 +512,11 @@ _EVENT_COLORS = ("tab:red", "tab:purple", "tab:orange", "tab:brown", "tab:pink",
 _VALIDATION_EVENT = re.compile(r"(^|_)val(idation)?(_|$)")
 
 
+def is_validation_event(event: dict) -> bool:
+    """Whether an event was found in validation, where no optimizer step is taken (nor skipped)."""
+    return bool(_VALIDATION_EVENT.search(str(event.get("what", ""))))
+
+
 def event_label(event: dict) -> str:
     """What an event of ``gradkit_events.jsonl`` says happened, for the legend.
 
@@ -517,7 +528,7 @@ def event_label(event: dict) -> str:
         'nonfinite_val_loss (in validation)'
     """
     what = str(event.get("what", "event"))
-    if _VALIDATION_EVENT.search(what):
+    if is_validation_event(event):
         return f"{what} (in validation{', training stopped' if event.get('stopped') else ''})"
     if event.get("action") == "skip":
         return f"{what} (step skipped)"
@@ -525,32 +536,28 @@ def event_label(event: dict) -> str:
 
 
 def _draw_events(ax, events: list[dict]) -> None:
-    """One dashed line per event at its step; the events of one step share the height of the panel between them."""
-    at_step: dict[int, list[str]] = defaultdict(list)
+    """A line per event at its step (dotted for validation); the events of one step split the panel's height."""
+    at_step: dict[int, dict[str, bool]] = defaultdict(dict)
     for event in events:
-        step, label = event.get("step"), event_label(event)
-        if isinstance(step, (int, float)) and label not in at_step[int(step)]:
-            at_step[int(step)].append(label)
-    colors = {
-        label: _EVENT_COLORS[i % len(_EVENT_COLORS)]
-        for i, label in enumerate(sorted(set(event_label(e) for e in events)))
-    }
+        step = event.get("step")
+        if isinstance(step, (int, float)):
+            at_step[int(step)].setdefault(event_label(event), is_validation_event(event))
+    labels = sorted({label for found in at_step.values() for label in found})
+    colors = {label: _EVENT_COLORS[i % len(_EVENT_COLORS)] for i, label in enumerate(labels)}
     labelled: set[str] = set()
-    for step in sorted(at_step):
-        labels = at_step[step]
-        for k, label in enumerate(labels):
-            legend = None if label in labelled else f"event: {label}"
-            labelled.add(label)
+    for step, found in sorted(at_step.items()):
+        for k, (label, validation) in enumerate(found.items()):
             ax.axvline(
                 step,
-                ymin=k / len(labels),
-                ymax=(k + 1) / len(labels),
+                ymin=k / len(found),
+                ymax=(k + 1) / len(found),
                 color=colors[label],
-                ls=":" if _VALIDATION_EVENT.search(label) else "--",
+                ls=":" if validation else "--",
                 lw=1.2,
                 alpha=0.9,
-                label=legend,
+                label=None if label in labelled else f"event: {label}",
             )
+            labelled.add(label)
 
 
 _CLI_DESCRIPTION = """\

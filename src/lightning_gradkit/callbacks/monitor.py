@@ -226,7 +226,8 @@ class GradNormMonitor(GradKitCallback):
         weight_norms: also log the weight norms (total and, with ``depth``, per module) on logging steps.
         report: at the end of ``fit``, render the gradient report (``lightning_gradkit.report``) to
             ``gradient_report.png`` in the log directory. The monitor keeps the values it logs (rank 0, on logging
-            steps), so any logger, or none, will do. Needs matplotlib (``pip install lightning_gradkit[report]``).
+            steps), so any logger, or none, will do. Needs matplotlib: ``pip install -e '.[report]'`` in the
+            lightning_gradkit checkout.
         log_every_n_steps: how often to log, in optimizer steps; defaults to the Trainer's
             ``log_every_n_steps``. With a period of its own the values go straight to ``trainer.loggers``
             (Lightning's ``self.log`` would re-send stale values on its own logging steps).
@@ -272,9 +273,11 @@ class GradNormMonitor(GradKitCallback):
         self.weight_norms = check_bool("weight_norms", weight_norms)
         self.report = check_bool("report", report)
         if report and importlib.util.find_spec("matplotlib") is None:
+            from lightning_gradkit.report import INSTALL_HINT
+
             raise ModuleNotFoundError(
                 "GradNormMonitor(report=True) draws the report with matplotlib, which is not installed: "
-                "`pip install lightning_gradkit[report]`, or leave `report=False`."
+                f"{INSTALL_HINT}; or leave `report=False`."
             )
         if log_every_n_steps is not None:
             check_int(
