@@ -8,13 +8,18 @@ guards write there. ``GradNormMonitor(report=True)`` renders the same figure at 
 it logged, whatever the logger. The figure shows:
 
 1. a heatmap of per-module gradient norms (``grad_norm/module/*``, log10) over optimizer steps, one row per module
-   in model order (from the monitor or a TensorBoard file; from ``metrics.csv``, whose columns ``CSVLogger``
-   sorts, in name order with numbers compared as numbers: ``blocks.2`` before ``blocks.10``);
-2. below it, on the same step axis, the total gradient norm before and after clipping with the clipped steps marked
-   (or "no step clipped"), the fraction of steps clipped (``grad_clip/clipped_fraction``) and the number of
-   skipped steps (``gradkit/skipped_steps``) where the run logged them;
+   in model order (from the monitor, the ``gradkit_run.json`` it writes next to the logs, or a TensorBoard file;
+   without them, from ``metrics.csv`` alone, whose columns ``CSVLogger`` sorts, in name order with numbers compared
+   as numbers: ``blocks.2`` before ``blocks.10``). Its title says how many steps logged norms. A logged value is
+   drawn over the steps nearest to it, at most 1% of the run either side: a sparse log (Lightning's default period
+   in a short run) shows blank columns where nothing was logged;
+2. below it, on the same step axis (integer ticks), the total gradient norm before and after clipping with the
+   clipped steps marked (or "no step clipped"), a marker on every logged point when the log is sparse and on each
+   point no line reaches (between two non-finite steps), the fraction of steps clipped
+   (``grad_clip/clipped_fraction``) and the number of skipped steps (``gradkit/skipped_steps``) where logged;
 3. every event of ``gradkit_events.jsonl`` (skipped steps, spikes, non-finite values, leaks, ...) as a line at its
-   step, labelled with what happened.
+   step, labelled with what happened ("step skipped" only for a training step a guard skipped; validation events
+   dash-dotted); the events of one step share the height of the panel instead of hiding each other.
 
 matplotlib is an optional dependency, the ``report`` extra. The package is on no package index: run
 ``pip install -e '.[report]'`` in a checkout of lightning_gradkit (or ``pip install matplotlib``).
@@ -353,8 +358,8 @@ def build_figure(data: RunData):
     _draw_events(ax_total, data.events)
     if span:
         ax_total.set_xlim(min(span) - 0.5, max(span) + 0.5)
-    # Optimizer steps are whole numbers: no tick at 2.5 in a short run.
-    ax_total.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+    # Optimizer steps are whole numbers: no tick at 2.5 in a short run (else the ticks of matplotlib's default).
+    ax_total.xaxis.set_major_locator(ticker.MaxNLocator(nbins="auto", steps=[1, 2, 2.5, 5, 10], integer=True))
     ax_total.set_xlabel("optimizer step")
     ax_total.set_ylabel("gradient norm")
     handles, labels = ax_total.get_legend_handles_labels()
@@ -536,7 +541,7 @@ def event_label(event: dict) -> str:
 
 
 def _draw_events(ax, events: list[dict]) -> None:
-    """A line per event at its step (dotted for validation); the events of one step split the panel's height."""
+    """A line per event at its step (dash-dot for validation); the events of one step split the panel's height."""
     at_step: dict[int, dict[str, bool]] = defaultdict(dict)
     for event in events:
         step = event.get("step")
@@ -552,9 +557,8 @@ def _draw_events(ax, events: list[dict]) -> None:
                 ymin=k / len(found),
                 ymax=(k + 1) / len(found),
                 color=colors[label],
-                ls=":" if validation else "--",
-                lw=1.2,
-                alpha=0.9,
+                ls="-." if validation else "--",
+                lw=1.6,
                 label=None if label in labelled else f"event: {label}",
             )
             labelled.add(label)
