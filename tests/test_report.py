@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,10 +61,10 @@ def test_missing_directory_and_empty_run_give_clear_errors(tmp_path: Path) -> No
 
 # -- the figure: model order, one step axis, fixed panels, clipping, skips ------------------------------------------
 def _heat_value_at(heat, row: int, step: float) -> float:
-    """The heatmap cell drawn at ``step`` (data x) in ``row``."""
+    """The heatmap cell drawn at ``step`` (data x) in ``row``; NaN for a blank cell (imshow masks NaN)."""
     image = heat.images[0]
     left, right, _, _ = image.get_extent()
-    grid = image.get_array()
+    grid = np.ma.filled(image.get_array().astype(float), np.nan)
     col = int((step - left) / (right - left) * grid.shape[1])
     return float(grid[row][col])
 
@@ -227,7 +228,7 @@ def _visible_xticks(ax) -> list[float]:
 def test_sparse_log_draws_markers_blank_columns_and_says_how_many_steps_were_logged(tmp_path: Path) -> None:
     """Lightning's default period (50) over a 10-step run logs steps 0 and 9 only: nothing may be drawn between."""
     trainer = make_trainer(tmp_path, callbacks=[GradNormMonitor(depth=2)], log_every_n_steps=50, max_steps=10)
-    with pytest.warns(UserWarning, match="logging period"):
+    with pytest.warns(UserWarning, match="logging period"), pytest.warns(UserWarning, match="logging interval"):
         trainer.fit(MLPModule(), loader(n=80))
     rows = read_metrics(trainer)
     logged = {int(r["step"]): float(r["grad_norm/total"]) for r in rows if r.get("grad_norm/total")}
@@ -366,6 +367,7 @@ def test_cli_on_a_csv_run_keeps_the_model_order_of_the_rows(tmp_path: Path) -> N
     assert (Path(trainer.logger.log_dir) / "gradient_report.png").exists()
 
 
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_vit_root_parameters_get_rows_named_for_what_they_hold(tmp_path: Path) -> None:
     from architectures import ArchModule, TinyViT, data_loader, image_data
 
