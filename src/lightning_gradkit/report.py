@@ -8,15 +8,21 @@ guards write there. ``GradNormMonitor(report=True)`` renders the same figure at 
 it logged, whatever the logger. The figure shows:
 
 1. a heatmap of per-module gradient norms (``grad_norm/module/*``, log10) over optimizer steps, one row per module
-   in model order (from the monitor or a TensorBoard file; from ``metrics.csv``, whose columns ``CSVLogger``
-   sorts, in name order with numbers compared as numbers: ``blocks.2`` before ``blocks.10``);
-2. below it, on the same step axis, the total gradient norm before and after clipping with the clipped steps marked
-   (or "no step clipped"), the fraction of steps clipped (``grad_clip/clipped_fraction``) and the number of
-   skipped steps (``gradkit/skipped_steps``) where the run logged them;
+   in model order (from the monitor, the ``gradkit_run.json`` it writes next to the logs, or a TensorBoard file;
+   without them, from ``metrics.csv`` alone, whose columns ``CSVLogger`` sorts, in name order with numbers compared
+   as numbers: ``blocks.2`` before ``blocks.10``). Its title says how many steps logged norms. A logged value is
+   drawn over the steps nearest to it, at most 1% of the run either side: a sparse log (Lightning's default period
+   in a short run) shows blank columns where nothing was logged;
+2. below it, on the same step axis (integer ticks), the total gradient norm before and after clipping with the
+   clipped steps marked (or "no step clipped"), a marker on every logged point when the log is sparse and on each
+   point no line reaches (between two non-finite steps), the fraction of steps clipped
+   (``grad_clip/clipped_fraction``) and the number of skipped steps (``gradkit/skipped_steps``) where logged;
 3. every event of ``gradkit_events.jsonl`` (skipped steps, spikes, non-finite values, leaks, ...) as a line at its
-   step, labelled with what happened.
+   step, labelled with what happened ("step skipped" only for a training step a guard skipped; validation events
+   dash-dotted); the events of one step share the height of the panel instead of hiding each other.
 
-matplotlib is an optional dependency: ``pip install lightning_gradkit[report]``.
+matplotlib is an optional dependency, the ``report`` extra. The package is on no package index: run
+``pip install -e '.[report]'`` in a checkout of lightning_gradkit (or ``pip install matplotlib``).
 """
 
 from __future__ import annotations
@@ -29,14 +35,21 @@ import itertools
 import json
 import math
 import re
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lightning_gradkit.events import EVENTS_FILENAME as EVENTS_FILE
+from lightning_gradkit.events import read_metadata
 
 REPORT_FILE = "gradient_report.png"
+#: How to install matplotlib, for error messages: lightning_gradkit is installed from a checkout, not an index.
+INSTALL_HINT = (
+    "run `pip install -e '.[report]'` in the lightning_gradkit checkout (the package is on no package index), or "
+    "`pip install 'matplotlib>=3.7'`"
+)
 _MODULE_PREFIX = "grad_norm/module/"
 _TOTAL = "grad_norm/total"
 _POST = "grad_norm/total_post_clip"
@@ -52,6 +65,7 @@ _MIN_HEAT_HEIGHT = 1.4
 _LABEL_HEIGHT = 0.12  # below this many inches per row, only every k-th module name is written
 _TOTAL_HEIGHT = 2.6
 _MAX_COLUMNS = 2000  # heatmap columns; longer runs show the logged step nearest each column
+_REACH_FRACTION = 0.01  # a logged value is drawn over at most this fraction of the run's steps either side
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -153,6 +167,10 @@ def load_run(log_dir: str | Path) -> RunData:
         else:
             _read_tensorboard(log_dir, data)
     data.events = RunData.read_events(events)
+    # GradNormMonitor writes the model order of the rows next to the logs (metrics.csv sorts its columns by name).
+    order = read_metadata(log_dir).get("module_order")
+    if isinstance(order, list):
+        data.module_order = [str(m) for m in order]
     return data
 
 
@@ -206,34 +224,68 @@ def _pyplot():
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ModuleNotFoundError as err:  # pragma: no cover - depends on the environment
+    except ModuleNotFoundError as err:
         raise ModuleNotFoundError(
-            "The gradient report needs matplotlib: `pip install lightning_gradkit[report]`."
+            f"The gradient report needs matplotlib, which is not installed: {INSTALL_HINT}."
         ) from err
     return plt
 
 
-def step_lattice(steps: list[int], max_columns: int = _MAX_COLUMNS) -> tuple[list[int], list[int]]:
+def cell_reach(steps: list[int]) -> float:
+    """How many steps either side of a logged step its value is drawn over: half a step, or 1% of the run.
+
+    A value stands for its own step only. Stretching it over the steps nearest to it keeps a dense log readable (a
+    column per logged step would be a hair's width in a long run), but in a sparse log it would paint blocks of
+    steps that logged nothing: a logged value reaches at most 1% of the run's steps either side.
+
+    Example::
+
+        >>> cell_reach([0, 9]), cell_reach([0, 500, 999])
+        (0.5, 9.99)
+    """
+    return max(0.5, _REACH_FRACTION * (steps[-1] - steps[0]))
+
+
+def is_sparse(steps: list[int]) -> bool:
+    """Whether the logged steps lie further apart than their values reach (:func:`cell_reach`): then the heatmap
+    shows blank columns between them and the lines of the lower panel mark every logged point.
+
+    Example::
+
+        >>> is_sparse([0, 9]), is_sparse(list(range(0, 300, 5)))
+        (True, False)
+    """
+    if len(steps) <= 2:
+        return True
+    return statistics.median(b - a for a, b in itertools.pairwise(steps)) > 2 * cell_reach(steps)
+
+
+def step_lattice(
+    steps: list[int], max_columns: int = _MAX_COLUMNS, reach: float = math.inf
+) -> tuple[list[int], list[int | None]]:
     """Evenly spaced heatmap columns over ``steps`` and, for each, the index of the nearest logged step.
 
     Logged steps are not evenly spaced (the first and last step of a run join the logging period), and ``imshow``
     draws evenly spaced columns: one column per step (or per ``width`` steps in a long run) puts every value at its
-    own step, the same x as in the panel below.
+    own step, the same x as in the panel below. A column further than ``reach`` steps from every logged step gets
+    ``None``: nothing was logged there.
 
     Example::
 
         >>> step_lattice([0, 4, 9])
         ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 0, 1, 1, 1, 1, 2, 2, 2])
+        >>> step_lattice([0, 4, 9], reach=0.5)[1]
+        [0, None, None, None, 1, None, None, None, None, 2]
     """
     first, last = steps[0], steps[-1]
     width = max(1, math.ceil((last - first + 1) / max_columns))
     columns = list(range(first, last + 1, width))
-    nearest = []
+    nearest: list[int | None] = []
     for x in columns:
         i = bisect.bisect_left(steps, x)
         if i == len(steps) or (i > 0 and x - steps[i - 1] <= steps[i] - x):
             i -= 1
-        nearest.append(i)
+        nearest.append(i if abs(steps[i] - x) <= reach else None)
     return columns, nearest
 
 
@@ -273,6 +325,8 @@ def build_figure(data: RunData):
     so a step in the heatmap lies straight above the same step below.
     """
     plt = _pyplot()
+    from matplotlib import ticker
+
     modules = data.modules
     layout = _Layout(rows=max(len(modules), 1), label_chars=max((len(m) for m in modules), default=10))
     fig = plt.figure(figsize=(_WIDTH, layout.height))
@@ -294,13 +348,18 @@ def build_figure(data: RunData):
         ax_heat.set_yticks([])
     in_model_order = set(modules) <= set(data.module_order)
     order = "modules in model order" if in_model_order else "modules by name (numbers as numbers)"
-    ax_heat.set_title(f"Per-module gradient norm (log10), {order}", fontsize=10)
+    parts = ["Per-module gradient norm (log10)", order]
+    if steps:
+        parts.append(logged_steps_text(steps))
+    ax_heat.set_title(", ".join(parts), fontsize=10)
     ax_heat.tick_params(labelbottom=False)
 
-    _draw_totals(ax_total, data)
+    _draw_totals(ax_total, data, sparse=bool(steps) and is_sparse(steps))
     _draw_events(ax_total, data.events)
     if span:
         ax_total.set_xlim(min(span) - 0.5, max(span) + 0.5)
+    # Optimizer steps are whole numbers: no tick at 2.5 in a short run (else the ticks of matplotlib's default).
+    ax_total.xaxis.set_major_locator(ticker.MaxNLocator(nbins="auto", steps=[1, 2, 2.5, 5, 10], integer=True))
     ax_total.set_xlabel("optimizer step")
     ax_total.set_ylabel("gradient norm")
     handles, labels = ax_total.get_legend_handles_labels()
@@ -315,14 +374,31 @@ def build_figure(data: RunData):
     return fig
 
 
+def logged_steps_text(steps: list[int]) -> str:
+    """How many optimizer steps logged gradient norms, for a title.
+
+    Example::
+
+        >>> logged_steps_text([0, 9])
+        '2 of 10 steps logged (0-9; blank: none logged)'
+        >>> logged_steps_text([0, 1, 2])
+        'every step logged (0-2)'
+    """
+    total = steps[-1] - steps[0] + 1
+    if len(steps) == total:
+        return f"every step logged ({steps[0]}-{steps[-1]})"
+    blank = "; blank: none logged" if None in step_lattice(steps, reach=cell_reach(steps))[1] else ""
+    return f"{len(steps)} of {total} steps logged ({steps[0]}-{steps[-1]}{blank})"
+
+
 def _draw_heatmap(fig, ax, data: RunData, modules: list[str], steps: list[int], layout: _Layout) -> None:
-    columns, nearest = step_lattice(steps)
+    columns, nearest = step_lattice(steps, reach=cell_reach(steps))
     width = columns[1] - columns[0] if len(columns) > 1 else 1
     grid = []
     for m in modules:
         values = data.series[_MODULE_PREFIX + m]
         logged = [_log10(values.get(s, math.nan)) for s in steps]
-        grid.append([logged[i] for i in nearest])
+        grid.append([math.nan if i is None else logged[i] for i in nearest])
     extent = (columns[0] - width / 2, columns[-1] + width / 2, len(modules) - 0.5, -0.5)
     image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent)
     every = max(1, math.ceil(_LABEL_HEIGHT * len(modules) / layout.heat_height))
@@ -356,7 +432,34 @@ def _clipped_count(fraction: dict[int, float]) -> tuple[int, int]:
     return round(sum(fraction[s] * n for s, n in zip(steps, lengths, strict=True))), sum(lengths)
 
 
-def _draw_totals(ax, data: RunData) -> None:
+def isolated_points(values: list[float]) -> list[int]:
+    """Positions of the finite values with no finite neighbour: a line through the others never reaches them.
+
+    Example::
+
+        >>> isolated_points([1.0, math.nan, 2.0, math.nan, 3.0, 4.0])
+        [0, 2]
+    """
+    finite = [math.isfinite(v) for v in values]
+    return [
+        i
+        for i, ok in enumerate(finite)
+        if ok and not (i > 0 and finite[i - 1]) and not (i + 1 < len(finite) and finite[i + 1])
+    ]
+
+
+def _plot_series(ax, series: dict[int, float], sparse: bool, **style: Any) -> None:
+    """A line through the logged values, with a marker on each when sparse, else on each isolated one."""
+    steps = sorted(series)
+    values = [series[s] for s in steps]
+    if sparse:
+        ax.plot(steps, values, marker="o", ms=3, **style)
+        return
+    isolated = isolated_points(values)
+    ax.plot(steps, values, marker="o" if isolated else None, ms=3, markevery=isolated or None, **style)
+
+
+def _draw_totals(ax, data: RunData, sparse: bool = False) -> None:
     parts = ["Total gradient norm"]
     pre = data.series.get(_TOTAL, {})
     post = data.series.get(_POST, {})
@@ -376,10 +479,10 @@ def _draw_totals(ax, data: RunData) -> None:
             label = "total (no logged step clipped)"
         elif post or fraction:
             label = "total (no step clipped)"
-        ax.plot(list(pre), list(pre.values()), label=label, color="tab:blue", lw=1)
+        _plot_series(ax, pre, sparse, label=label, color="tab:blue", lw=1)
         if clipped:
             # Dashed: where a logged step was not clipped, the pre-clip line shows through.
-            ax.plot(list(post), list(post.values()), label="total (post-clip)", color="tab:green", lw=1, ls="--")
+            _plot_series(ax, post, sparse, label="total (post-clip)", color="tab:green", lw=1, ls="--")
             ax.scatter(clipped, [post[s] for s in clipped], s=12, color="tab:green", label="clipped", zorder=3)
         finite = [v for v in pre.values() if v > 0 and math.isfinite(v)]
         if finite and max(finite) > 10 * min(finite):
@@ -392,6 +495,9 @@ def _draw_totals(ax, data: RunData) -> None:
     if fraction:
         twin = ax.twinx()
         twin.set_label("clip fraction")
+        # The fraction is background: the norms and the event lines are drawn over its edges, not under them.
+        ax.set_zorder(twin.get_zorder() + 1)
+        ax.patch.set_visible(False)
         # A fraction logged at step s covers the steps since the previous log: it is drawn over (previous, s].
         twin.step(list(fraction), list(fraction.values()), where="pre", color="tab:gray", lw=0.8, alpha=0.7)
         twin.fill_between(list(fraction), list(fraction.values()), step="pre", color="tab:gray", alpha=0.15)
@@ -403,21 +509,59 @@ def _draw_totals(ax, data: RunData) -> None:
     ax.set_title(", ".join(parts), fontsize=10)
 
 
-_EVENT_COLORS = ("tab:red", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+_EVENT_COLORS = ("tab:red", "tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 
-def _event_kind(event: dict) -> str:
-    kind = str(event.get("what", "event"))
-    return f"{kind} (step skipped)" if event.get("action") == "skip" else kind
+#: Events found in validation (``NonFiniteGuard``'s ``nonfinite_val_loss``, ``InferenceModeValidation``'s
+#: ``validation_non_finite``): they skip no optimizer step, whatever the guard's ``action``.
+_VALIDATION_EVENT = re.compile(r"(^|_)val(idation)?(_|$)")
+
+
+def is_validation_event(event: dict) -> bool:
+    """Whether an event was found in validation, where no optimizer step is taken (nor skipped)."""
+    return bool(_VALIDATION_EVENT.search(str(event.get("what", ""))))
+
+
+def event_label(event: dict) -> str:
+    """What an event of ``gradkit_events.jsonl`` says happened, for the legend.
+
+    Example::
+
+        >>> event_label({"what": "nonfinite_grads", "action": "skip"})
+        'nonfinite_grads (step skipped)'
+        >>> event_label({"what": "nonfinite_val_loss", "action": "skip", "stopped": False})
+        'nonfinite_val_loss (in validation)'
+    """
+    what = str(event.get("what", "event"))
+    if is_validation_event(event):
+        return f"{what} (in validation{', training stopped' if event.get('stopped') else ''})"
+    if event.get("action") == "skip":
+        return f"{what} (step skipped)"
+    return what
 
 
 def _draw_events(ax, events: list[dict]) -> None:
-    kinds = sorted({_event_kind(e) for e in events})
-    for i, kind in enumerate(kinds):
-        steps = [e["step"] for e in events if _event_kind(e) == kind and "step" in e]
-        color = _EVENT_COLORS[i % len(_EVENT_COLORS)]
-        for j, step in enumerate(steps):
-            ax.axvline(step, color=color, ls="--", lw=1, alpha=0.8, label=f"event: {kind}" if j == 0 else None)
+    """A line per event at its step (dash-dot for validation); the events of one step split the panel's height."""
+    at_step: dict[int, dict[str, bool]] = defaultdict(dict)
+    for event in events:
+        step = event.get("step")
+        if isinstance(step, (int, float)):
+            at_step[int(step)].setdefault(event_label(event), is_validation_event(event))
+    labels = sorted({label for found in at_step.values() for label in found})
+    colors = {label: _EVENT_COLORS[i % len(_EVENT_COLORS)] for i, label in enumerate(labels)}
+    labelled: set[str] = set()
+    for step, found in sorted(at_step.items()):
+        for k, (label, validation) in enumerate(found.items()):
+            ax.axvline(
+                step,
+                ymin=k / len(found),
+                ymax=(k + 1) / len(found),
+                color=colors[label],
+                ls="-." if validation else "--",
+                lw=1.6,
+                label=None if label in labelled else f"event: {label}",
+            )
+            labelled.add(label)
 
 
 _CLI_DESCRIPTION = """\

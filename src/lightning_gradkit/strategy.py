@@ -72,7 +72,7 @@ from torch.optim import Optimizer
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device, shadowed
 from lightning_gradkit.core._torch_compat import handles_found_inf
 from lightning_gradkit.core.buffers import BufferGuard
-from lightning_gradkit.engine import Engine, GradKitCallback, StepPlan
+from lightning_gradkit.engine import Engine, GradKitCallback, StepPlan, check_callback_instances
 from lightning_gradkit.replay import replaying
 
 # Checkpoint key of the LR-schedule counts (see the module docstring).
@@ -189,6 +189,13 @@ class GradKitStrategyMixin:
     _gradkit_buffers: BufferGuard | None = None
 
     # -- Lightning hooks -----------------------------------------------------------------------------------------
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)  # type: ignore[misc]
+        # The earliest hook with the Trainer: before Lightning calls any callback hook (`setup`).
+        trainer = model._trainer
+        if trainer is not None:
+            check_callback_instances(trainer)
+
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # type: ignore[misc]
         self._gradkit_trainer = trainer

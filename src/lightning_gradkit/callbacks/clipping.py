@@ -68,7 +68,8 @@ class _Decision:
     module-level function or a :class:`_Lazy`, never a closure, so that the callback (and a Trainer holding it)
     pickles and deep-copies (``torch.save(trainer)``). :func:`_resolve` reads either. ``clipped`` is the step's bool
     flag; ``None`` when it is ``pre > clip_above``, which is then worked out when the counts are summed, for many steps
-    in one comparison."""
+    in one comparison. ``threshold`` is the norm above which the step is clipped (logged), ``target`` the norm a
+    later evaluation of the step is clipped to (the threshold itself, except for ZClip's reciprocal rule)."""
 
     pre: Tensor
     post: Tensor | Callable[[], Tensor]
@@ -76,6 +77,7 @@ class _Decision:
     clipped: Tensor | None
     threshold: Tensor | None = None
     clip_above: float | None = None
+    target: Tensor | None = None
 
 
 def _resolve(value: Tensor | Callable[[], Tensor]) -> Tensor:
@@ -316,6 +318,7 @@ class _ScalarClip(_GradClipCallback):
             clipped=clipped,
             threshold=threshold,
             clip_above=policy.max_norm if clipped is None else None,
+            target=policy.target if isinstance(policy, ZClipPolicy) else threshold,
         )
 
     def _clip_again(self, policy: ClipPolicy, plan: StepPlan) -> None:
@@ -324,8 +327,8 @@ class _ScalarClip(_GradClipCallback):
             return
         # Adaptive: the threshold chosen on the step's first evaluation, without feeding the statistics again.
         decision = self._last.get(plan.optimizer_idx)
-        if decision is not None and decision.threshold is not None:
-            plan.clip_coef = clip_to_threshold(plan.pre_clip_total(policy.norm_type), decision.threshold)
+        if decision is not None and decision.target is not None:
+            plan.clip_coef = clip_to_threshold(plan.pre_clip_total(policy.norm_type), decision.target)
 
 
 class ClipGradNorm(_ScalarClip):
@@ -463,7 +466,9 @@ class ZClip(_ScalarClip):
     Unlike the reference callback, the statistics stay on the device (no ``.item()`` per step), a non-finite norm
     never enters them (one Inf would poison the mean forever), and they are saved in checkpoints.
 
-    Logs, besides the keys of :class:`ClipGradNorm`, ``grad_clip/threshold`` (the norm clipped to this step).
+    Logs, besides the keys of :class:`ClipGradNorm`, ``grad_clip/threshold``: the norm above which the step is
+    clipped, ``mu + z_threshold * sigma`` (capped by ``max_norm``; ``max_norm``, or ``inf`` without one, during
+    warm-up).
 
     Args:
         alpha: EMA smoothing factor in ``(0, 1)``.

@@ -37,7 +37,7 @@ from lightning_gradkit.engine import (
     is_logging_step,
     log_metrics,
 )
-from lightning_gradkit.events import EVENTS_FILENAME, events_dir
+from lightning_gradkit.events import EVENTS_FILENAME, events_dir, write_metadata
 
 if TYPE_CHECKING:
     from lightning_gradkit.report import RunData
@@ -87,12 +87,15 @@ def auto_module_keys(param_names: Sequence[str], blocks: Sequence[str]) -> list[
     A parameter inside a repeated block belongs to that block. Any other parameter belongs to the shortest prefix of
     its owner's name that holds no block: the other top-level modules (``head``), or, beside the blocks, their
     siblings (``model.wte``, ``encoder.embeddings``). A wrapper that holds the whole model (``self.model``) is looked
-    through.
+    through. A parameter of a module that holds other rows (a ViT's ``model.cls_token`` and ``model.pos_embed``, a
+    parameter of the LightningModule itself) is a row of its own, named by the parameter: a row named ``model``
+    would claim the whole model.
 
     Example::
 
-        >>> auto_module_keys(["model.wte.weight", "model.blocks.0.fc.weight", "head.bias"], ["model.blocks.0"])
-        ['model.wte', 'model.blocks.0', 'head']
+        >>> names = ["model.cls_token", "model.wte.weight", "model.blocks.0.fc.weight", "head.bias"]
+        >>> auto_module_keys(names, ["model.blocks.0"])
+        ['model.cls_token', 'model.wte', 'model.blocks.0', 'head']
     """
     owners = [name.split(".")[:-1] for name in param_names]
     ancestors = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
@@ -106,11 +109,12 @@ def auto_module_keys(param_names: Sequence[str], blocks: Sequence[str]) -> list[
     ancestors.update(".".join(common[:i]) for i in range(1, len(common) + 1))
     block_set = set(blocks)
     keys = []
-    for owner in owners:
-        key = "<root>"
+    for name, owner in zip(param_names, owners, strict=True):
+        key = name
         for i in range(1, len(owner) + 1):
-            key = ".".join(owner[:i])
-            if key in block_set or key not in ancestors:
+            prefix = ".".join(owner[:i])
+            if prefix in block_set or prefix not in ancestors:
+                key = prefix
                 break
         keys.append(key)
     return keys
@@ -217,7 +221,8 @@ class GradNormMonitor(GradKitCallback):
         weight_norms: also log the weight norms (total and, with ``depth``, per module) on logging steps.
         report: at the end of ``fit``, render the gradient report (``lightning_gradkit.report``) to
             ``gradient_report.png`` in the log directory. The monitor keeps the values it logs (rank 0, on logging
-            steps), so any logger, or none, will do. Needs matplotlib (``pip install lightning_gradkit[report]``).
+            steps), so any logger, or none, will do. Needs matplotlib: ``pip install -e '.[report]'`` in the
+            lightning_gradkit checkout.
         log_every_n_steps: how often to log, in optimizer steps; defaults to the Trainer's
             ``log_every_n_steps``. With a period of its own the values go straight to ``trainer.loggers``
             (Lightning's ``self.log`` would re-send stale values on its own logging steps).
@@ -263,9 +268,11 @@ class GradNormMonitor(GradKitCallback):
         self.weight_norms = check_bool("weight_norms", weight_norms)
         self.report = check_bool("report", report)
         if report and importlib.util.find_spec("matplotlib") is None:
+            from lightning_gradkit.report import INSTALL_HINT
+
             raise ModuleNotFoundError(
                 "GradNormMonitor(report=True) draws the report with matplotlib, which is not installed: "
-                "`pip install lightning_gradkit[report]`, or leave `report=False`."
+                f"{INSTALL_HINT}; or leave `report=False`."
             )
         if log_every_n_steps is not None:
             check_int(
@@ -290,6 +297,8 @@ class GradNormMonitor(GradKitCallback):
         self._steps_since_log: dict[int, int] = {}
         self._record: _Record | None = None
         self._report_dir: Path | None = None
+        self._metadata_dir: Path | None = None
+        self._written_rows: dict[int, list[str]] = {}
 
     @property
     def state_key(self) -> str:
@@ -315,9 +324,12 @@ class GradNormMonitor(GradKitCallback):
                 "keys. Keep exactly one and give it every option you need (`depth`, `param_groups`, `weight_norms`, "
                 "`report`, `prog_bar`)."
             )
+        # `trainer.log_dir` broadcasts rank 0's directory: every rank asks at the same point.
+        directory = events_dir(trainer) if self.report or trainer.loggers else None
         if self.report:
-            # `trainer.log_dir` broadcasts rank 0's directory: every rank asks at the same point.
-            self._report_dir = events_dir(trainer)
+            self._report_dir = directory
+        # The model order of the rows goes next to the logs (rank 0), for `python -m lightning_gradkit.report`.
+        self._metadata_dir = directory if trainer.loggers and trainer.is_global_zero else None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -334,6 +346,7 @@ class GradNormMonitor(GradKitCallback):
         self._model_order = [clean_name(n) for n, _ in pl_module.named_parameters()]
         self._blocks = repeated_blocks((clean_name(n), m) for n, m in pl_module.named_modules())
         self._rows.clear()
+        self._written_rows.clear()
         self._clipped.clear()
         self._steps_since_log.clear()
         self._first_pending = True
@@ -410,8 +423,21 @@ class GradNormMonitor(GradKitCallback):
                 logger.log_metrics(host, step=step)
         if watch.ready:
             self._warn_zero_gradients(watch, trainer)
+        self._write_row_order(idx, suffix)
         if self._record is not None or self.prog_bar:
             self._note(plan, trainer, pl_module, metrics, host, suffix)
+
+    def _write_row_order(self, idx: int, suffix: str) -> None:
+        """Record the per-module rows in model order in ``gradkit_run.json`` when they change (rank 0, a logger)."""
+        rows = self._rows.get(idx)
+        if self._metadata_dir is None or rows is None:
+            return
+        names = [name + suffix for name in rows[1]]
+        if self._written_rows.get(idx) == names:
+            return
+        self._written_rows[idx] = names
+        order = [name for i in sorted(self._written_rows) for name in self._written_rows[i]]
+        write_metadata(self._metadata_dir, module_order=order)
 
     def _count_clipped(self, plan: StepPlan) -> None:
         """Count clipped steps on device between logging steps (for the report and the progress bar)."""

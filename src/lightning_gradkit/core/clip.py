@@ -317,6 +317,11 @@ class ZClipPolicy(ScalarClipPolicy):
     - the statistics are updated with ``g*`` (not the raw spike): ``mu <- alpha mu + (1 - alpha) g*``, then
       ``var <- alpha var + (1 - alpha) (g* - mu)**2`` with the new ``mu``.
 
+    The threshold it returns (and ZClip logs as ``grad_clip/threshold``) is the norm above which a step is clipped,
+    ``mu + z_threshold * (sigma + 1e-6)`` from the statistics before the step (``z > z_threshold`` exactly when the
+    norm exceeds it), capped by ``max_norm``; during warm-up ``max_norm`` (``inf`` without one). The norm a clipped
+    step is scaled to, ``min(g*, max_norm)``, is kept in :attr:`target`.
+
     Defaults ``alpha=0.97``, ``z_threshold=2.5``, ``warmup_steps=25`` are the paper's. Unlike the reference code,
     everything stays on the device (no ``.item()``), a non-finite norm never enters the statistics (one Inf would
     otherwise poison the mean forever), and the state survives checkpoints.
@@ -344,6 +349,9 @@ class ZClipPolicy(ScalarClipPolicy):
         self.mean: Tensor | None = None
         self.var: Tensor | None = None
         self.count: Tensor | None = None
+        #: The norm the last step was clipped to when it was clipped (the reciprocal rule's ``g*``, or
+        #: ``max_norm``); a later evaluation of the same step is clipped to it too.
+        self.target: Tensor | None = None
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -386,9 +394,13 @@ class ZClipPolicy(ScalarClipPolicy):
         ema_mean = self.alpha * mean + (1 - self.alpha) * adjusted
         ema_var = self.alpha * var + (1 - self.alpha) * (adjusted - ema_mean) ** 2
 
-        threshold = torch.where(warming, ceiling, torch.minimum(adjusted, ceiling))
-        coef = clip_to_threshold(g, threshold)
-        clipped = g > threshold
+        # The norm above which this step is clipped (`z > z_threshold`, or above `max_norm`), and the norm it is
+        # then clipped to (the reciprocal rule's `g*`, or `max_norm`).
+        threshold = torch.where(warming, ceiling, torch.minimum(mean + self.z_threshold * (std + self.eps), ceiling))
+        target = torch.where(warming, ceiling, torch.minimum(adjusted, ceiling))
+        coef = clip_to_threshold(g, target)
+        clipped = g > target
+        self.target = target
         mean.copy_(torch.where(finite, torch.where(warming, warm_mean, ema_mean), mean))
         var.copy_(torch.where(finite, torch.where(warming, warm_var, ema_var), var))
         count.add_(finite.to(count.dtype))
