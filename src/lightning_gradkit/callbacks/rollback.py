@@ -9,6 +9,8 @@ from snapshots in host memory, on every rank alike.
 from __future__ import annotations
 
 import copy
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -19,11 +21,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
-from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int
+from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int, name_list
 from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss
+from lightning_gradkit.callbacks.monitor import auto_module_keys, module_rows, repeated_blocks
+from lightning_gradkit.core.norms import ParamIndex, clean_name, grouped_norms, host_to_device, local_tensor
 from lightning_gradkit.core.running import RunningMoments, spike_decision
-from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan
+from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan
 from lightning_gradkit.events import EventLog, events_dir
 from lightning_gradkit.replay import RNGState, capture_rng, restore_rng
 from lightning_gradkit.snapshot import HostSnapshot, trained_parameters
@@ -101,6 +107,76 @@ class _Trigger:
     std: Tensor
 
 
+def rewarmup_factor(start: float, done: int, steps: int) -> float:
+    """The learning-rate multiplier of the optimizer step that follows ``done`` applied steps since an escalation.
+
+    Linear from ``start`` (the first step after the escalation) to 1 over ``steps`` optimizer steps, then 1.
+
+    Example::
+
+        >>> [rewarmup_factor(0.25, k, 3) for k in range(5)]
+        [0.25, 0.5, 0.75, 1.0, 1.0]
+    """
+    if done >= steps:
+        return 1.0
+    return start + (1.0 - start) * done / steps
+
+
+def reset_optimizer_state_(optimizer: Optimizer, params: Sequence[Tensor]) -> int:
+    """Zero, in place, every tensor of the optimizer state of ``params`` (a fresh optimizer's state, for Adam).
+
+    Adam and AdamW: ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` and ``step``; the next step is then the first
+    step of a fresh Adam for these parameters, bias correction included. Zeroing in place keeps every reference to
+    the state tensors valid (FSDP2 zeroes each rank's shard). A parameter without state is left as it is.
+
+    Returns:
+        The number of parameters whose state was reset.
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.Adam(net.parameters())
+        >>> net(torch.ones(1, 2)).sum().backward()
+        >>> opt.step()
+        >>> reset_optimizer_state_(opt, [net.weight])
+        1
+        >>> float(opt.state[net.weight]["step"]), float(opt.state[net.weight]["exp_avg"].abs().sum())
+        (0.0, 0.0)
+    """
+    count = 0
+    for p in params:
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        for value in state.values():
+            if isinstance(value, Tensor):
+                local_tensor(value).zero_()
+        count += 1
+    return count
+
+
+def _scale_lrs(optimizer: Optimizer, factor: float) -> list[Any]:
+    """Multiply every param group's ``lr`` by ``factor``; returns the values to put back (a tensor ``lr`` in place)."""
+    saved: list[Any] = []
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            saved.append(lr.clone())
+            lr.mul_(factor)
+        else:
+            saved.append(lr)
+            group["lr"] = lr * factor
+    return saved
+
+
+def _put_back_lrs(optimizer: Optimizer, saved: list[Any]) -> None:
+    for group, lr in zip(optimizer.param_groups, saved, strict=True):
+        if isinstance(lr, Tensor):
+            group["lr"].copy_(lr)
+        else:
+            group["lr"] = lr
+
+
 def _rng_state_dict(rng: RNGState) -> dict[str, Any]:
     """RNG states as values ``torch.load(weights_only=True)`` accepts (NumPy's key array as a list)."""
     numpy = None
@@ -171,6 +247,35 @@ class SpikeRollback(WatchesLossOrGradNorm):
     ``rewound_steps``, ``skip_batches``, ``batches_skipped``, ``snapshot_origin`` and the trigger values), shown
     as a marker in the gradient report, and a warning.
 
+    **Escalation** (off by default). When a spike comes back after a rollback, rolling back again the same way
+    meets it again: PaLM, OPT and BLOOM restarted with a lower learning rate after persistent spikes, and SPAM
+    (Huang et al., 2025, "SPAM: Spike-Aware Adam with Momentum Reset") resets the Adam moments. A spike *comes back*
+    when a rollback fires within ``escalate_within_steps`` optimizer steps (``trainer.global_step``) after the end of
+    the previous rollback, i.e. after its last stepped-over batch (``from_step + skip_batches`` of its event). That
+    rollback *escalates*: after restoring the snapshot (it may restore the same one as the previous rollback: the
+    run from it now differs), it
+
+    - cuts the learning rate (``escalate_lr_factor``): the optimizer steps with ``lr * f`` in every param group,
+      where ``lr`` is what the LR scheduler set and ``f`` ramps linearly from the factor back to 1 over
+      ``escalate_rewarmup_steps`` applied optimizer steps (skipped steps do not count): :func:`rewarmup_factor`.
+      The factor is applied inside ``optimizer.step`` (a step pre-hook) and the scheduler's value put back after it
+      (a post-hook), so any scheduler composes with it, chainable ones included, and the param groups (a checkpoint,
+      ``LearningRateMonitor``) hold the schedule's value. An escalation during a ramp compounds: it starts from the
+      factor times the ramp's current multiplier;
+    - resets the optimizer moments (``escalate_reset_moments``) of the restored state: ``"all"`` parameters, or
+      the ``"spiking"`` modules: every optimizer step, the gradient 2-norm of each module (the rows of
+      ``GradNormMonitor(depth="auto")``: one per repeated block, plus the other top-level modules) gets a z-score
+      against its own running statistics (the EMA, ``alpha`` and ``warmup_steps`` of the trigger); a module spikes
+      when its largest z-score over the run of flagged steps that fired exceeds ``z_threshold`` or its norm is
+      non-finite; when none does, the module with the largest z-score. Every tensor of those parameters' optimizer
+      state is zeroed (:func:`reset_optimizer_state_`): for Adam, the moments and the step count, so each restarts
+      as a fresh Adam (for those parameters ``global_step - skipped_steps`` is then no longer the step count).
+
+    Each escalation is an event (``what="escalation"``, with ``lr_factor``, the multiplier of the next optimizer
+    step, ``rewarmup_steps``, ``reset_moments``, ``reset_modules`` and their ``module_z``, ``reset_params``, the
+    ``rollback`` it belongs to and ``steps_since_previous``), a marker in the gradient report and a warning. Its
+    state (the ramp, the module statistics) is saved in checkpoints and is the same on every rank.
+
     **Resume.** The callback's ``state_dict`` holds its statistics, counters, the count of skipped steps and the
     remaining batches to step over, so a run checkpointed after a rollback resumes exactly. With
     ``save_snapshots=True`` it holds the snapshot ring too, and a resumed run rolls back exactly as the
@@ -210,10 +315,18 @@ class SpikeRollback(WatchesLossOrGradNorm):
         max_rollbacks: rollbacks allowed; the next trigger raises (>= 0).
         save_snapshots: keep the snapshot ring in checkpoints, so a resumed run rolls back as the uninterrupted one
             (see **Resume** for the size).
+        escalate_lr_factor: on an escalation, multiply the learning rate by this factor in ``(0, 1)``, ramping back
+            to the schedule (``None``: no cut).
+        escalate_rewarmup_steps: applied optimizer steps over which the cut ramps back to 1 (>= 1).
+        escalate_reset_moments: on an escalation, reset the optimizer state of ``"all"`` parameters, of the
+            ``"spiking"`` modules, or ``"none"``.
+        escalate_within_steps: a rollback escalates when it fires within this many optimizer steps after the end
+            of the previous one (>= 1).
 
     Raises:
         ValueError: at construction, for an unknown ``monitor``, a non-finite or non-positive ``z_threshold``,
-            ``alpha`` outside ``(0, 1)``, or an integer argument that is not an ``int`` or below its minimum; at
+            ``alpha`` outside ``(0, 1)``, ``escalate_lr_factor`` outside ``(0, 1)``, an unknown
+            ``escalate_reset_moments``, or an integer argument that is not an ``int`` or below its minimum; at
             setup, for a second ``SpikeRollback`` on the Trainer, or ``save_snapshots=True`` under FSDP/FSDP2 with
             several ranks.
         RuntimeError: at setup, on a strategy that cannot skip an optimizer step (the message names the GradKit
@@ -250,6 +363,10 @@ class SpikeRollback(WatchesLossOrGradNorm):
         skip_batches: int = 0,
         max_rollbacks: int = 5,
         save_snapshots: bool = False,
+        escalate_lr_factor: float | None = None,
+        escalate_rewarmup_steps: int = 100,
+        escalate_reset_moments: Literal["none", "all", "spiking"] = "none",
+        escalate_within_steps: int = 1000,
     ) -> None:
         self.monitor = check_choice("monitor", monitor, ("loss", "grad_norm"))
         self.z_threshold = check_float(
@@ -270,6 +387,32 @@ class SpikeRollback(WatchesLossOrGradNorm):
             "max_rollbacks", max_rollbacks, 0, hint="Use 0 to stop training at the first persistent spike."
         )
         self.save_snapshots = check_bool("save_snapshots", save_snapshots)
+        self.escalate_lr_factor = (
+            None
+            if escalate_lr_factor is None
+            else check_float(
+                "escalate_lr_factor",
+                escalate_lr_factor,
+                above=0.0,
+                below=1.0,
+                hint="E.g. `escalate_lr_factor=0.5` halves the learning rate; None (default) leaves it as scheduled.",
+            )
+        )
+        self.escalate_rewarmup_steps = check_int(
+            "escalate_rewarmup_steps",
+            escalate_rewarmup_steps,
+            1,
+            hint="E.g. `escalate_rewarmup_steps=100`: the cut learning rate is back on schedule 100 steps later.",
+        )
+        self.escalate_reset_moments = check_choice(
+            "escalate_reset_moments", escalate_reset_moments, ("none", "all", "spiking")
+        )
+        self.escalate_within_steps = check_int(
+            "escalate_within_steps",
+            escalate_within_steps,
+            1,
+            hint="E.g. `escalate_within_steps=1000`: a rollback within 1000 steps of the previous one escalates.",
+        )
         self._stats = RunningMoments(self.alpha)
         self._ring: list[_Slot] = []
         self._events: EventLog | None = None
@@ -287,6 +430,21 @@ class SpikeRollback(WatchesLossOrGradNorm):
         self._last_restored_id = -1
         self._next_snapshot_at: int | None = None
         self._history: list[dict[str, Any]] = []
+        # Escalation: the end of the previous rollback (global step of its first trained step), the LR ramp and the
+        # per-module statistics of the "spiking" moment reset.
+        self._resumed_at: int | None = None
+        self._escalations = 0
+        self._ramp_start = 1.0
+        self._ramp_done = 0
+        self._module_stats = RunningMoments(self.alpha)
+        self._module_zmax: Tensor | None = None
+        # Per step, host only: the multiplier of this step's learning rate, and the schedule's values to put back.
+        self._step_factor = 1.0
+        self._saved_lrs: list[Any] | None = None
+        self._hooks: list[RemovableHandle] = []
+        self._blocks: list[str] = []
+        self._model_order: list[str] = []
+        self._rows: tuple[ParamIndex, list[str], Tensor] | None = None
         # From a checkpoint, adopted at the start of training.
         self._resumed = False
         self._saved_ring: list[dict[str, Any]] | None = None
@@ -338,10 +496,23 @@ class SpikeRollback(WatchesLossOrGradNorm):
                 "own shards. Use `save_snapshots=False`: a resumed run then takes its first snapshot at the resume."
             )
         self._events = EventLog(events_dir(trainer), rank=trainer.global_rank)
+        if self.escalate_reset_moments == "spiking":
+            # The rows of `GradNormMonitor(depth="auto")`, named as the engine cleans the parameter names.
+            self._model_order = [clean_name(n) for n, _ in pl_module.named_parameters()]
+            self._blocks = repeated_blocks((clean_name(n), m) for n, m in pl_module.named_modules())
+            self._rows = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = pl_module.device
         self._stats.to(device)
+        self._module_stats.to(device)
+        if self._module_zmax is not None:
+            self._module_zmax = self._module_zmax.to(device)
+        self._remove_hooks()
+        if self.escalate_lr_factor is not None:
+            for optimizer in trainer.optimizers:
+                self._hooks.append(optimizer.register_step_pre_hook(self._cut_lr))
+                self._hooks.append(optimizer.register_step_post_hook(self._restore_lr))
         self._run = torch.tensor(float(self._run), device=device)
         self._nonfinite_run = torch.tensor(float(self._nonfinite_run), device=device)
         if self._restored_skips is not None:
@@ -366,6 +537,28 @@ class SpikeRollback(WatchesLossOrGradNorm):
         # rollback restored (the newest: those after it were dropped, and none is taken while stepping over).
         self._anchor = max(self._ring, key=lambda s: s.id) if self._skip_left > 0 else None
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove_hooks()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _cut_lr(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """Step pre-hook: the learning rate the schedule set, times this step's escalation multiplier."""
+        if self._step_factor != 1.0:
+            self._saved_lrs = _scale_lrs(optimizer, self._step_factor)
+
+    def _restore_lr(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """Step post-hook: the schedule's values back, before the LR scheduler (which may read them) steps."""
+        if self._saved_lrs is not None:
+            _put_back_lrs(optimizer, self._saved_lrs)
+            self._saved_lrs = None
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -387,6 +580,11 @@ class SpikeRollback(WatchesLossOrGradNorm):
     def _needs_step_control(self) -> bool:
         return True
 
+    def _stats_request(self, request: StatsRequest) -> None:
+        super()._stats_request(request)
+        if self.escalate_reset_moments == "spiking":
+            request.norm_types.add(2.0)
+
     def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = plan.primary.total.device
         if self._skip_left > 0:
@@ -405,14 +603,59 @@ class SpikeRollback(WatchesLossOrGradNorm):
         self._run, self._nonfinite_run = run, nonfinite_run
         fire = (run >= self.patience) | (nonfinite_run >= self.nonfinite_patience)
         plan.add_skip(fire)
+        if self.escalate_reset_moments == "spiking":
+            self._track_modules(plan, flagged)
         self._trigger = _Trigger(fire, flagged, run, nonfinite_run, x.float(), z, mean, std)
+
+    def _track_modules(self, plan: StepPlan, flagged: Tensor) -> None:
+        """Per-module gradient norms against their running statistics; the largest z-score of the flagged run."""
+        names, row_of = self._module_rows(plan)
+        norms = grouped_norms(plan.scaled(plan.stats[2.0].param_norms), row_of, len(names), 2.0)
+        if self._module_stats.mean.shape != norms.shape:  # the first step, or the trained parameters changed
+            self._module_stats = RunningMoments(self.alpha).to(norms.device)
+            self._module_zmax = None
+        mean, var, count = self._module_stats.moments()
+        _, z, record, _ = spike_decision(norms, mean, var, count, self.z_threshold, self.warmup_steps)
+        self._module_stats.update(record)
+        z = torch.where(torch.isfinite(norms), z, math.inf)
+        previous = self._module_zmax if self._module_zmax is not None else torch.full_like(z, -math.inf)
+        self._module_zmax = torch.where(flagged, torch.maximum(previous, z), -math.inf)
+
+    def _module_rows(self, plan: StepPlan) -> tuple[list[str], Tensor]:
+        """The module (row) names and the row of every parameter of the plan's index, built once per index."""
+        if self._rows is None or self._rows[0] is not plan.index:
+            names = plan.index.names
+            rows, positions = module_rows(auto_module_keys(names, self._blocks), names, self._model_order)
+            self._rows = (plan.index, rows, host_to_device(positions, torch.long, plan.index.shard_weight.device))
+        return self._rows[1], self._rows[2]
+
+    def _spiking_modules(self) -> tuple[list[str], list[Tensor], dict[str, float]]:
+        """The modules whose norms spiked in the run that fired (one host read), their parameters and z-scores."""
+        assert self._rows is not None and self._module_zmax is not None
+        index, rows, row_of = self._rows
+        zmax = self._module_zmax.tolist()
+        chosen = [i for i, z in enumerate(zmax) if z > self.z_threshold]
+        if not chosen:
+            chosen = [max(range(len(zmax)), key=lambda i: zmax[i])]
+        params = [p for p, row in zip(index.params, row_of.tolist(), strict=True) if row in chosen]
+        return [rows[i] for i in chosen], params, {rows[i]: zmax[i] for i in chosen}
+
+    def _escalates(self, step: int) -> bool:
+        """Whether a rollback firing at ``step`` escalates: the spike came back soon after the previous rollback."""
+        enabled = self.escalate_lr_factor is not None or self.escalate_reset_moments != "none"
+        return enabled and self._resumed_at is not None and step - self._resumed_at < self.escalate_within_steps
 
     def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
         t = self._trigger
+        self._step_factor = 1.0
         if t is None:
             self._pending = {"kind": "skip"}
             return
+        if not plan.skip_on_host():
+            # An applied step: it takes the ramp's multiplier (set on the optimizer by the step pre-hook).
+            self._step_factor = rewarmup_factor(self._ramp_start, self._ramp_done, self.escalate_rewarmup_steps)
+            self._ramp_done += 1
         if plan.skip_on_host() and bool(t.fire):
             run, nonfinite_run, value, z, mean, std = torch.stack(
                 [t.run, t.nonfinite_run, t.value, t.z, t.mean, t.std]
@@ -430,8 +673,16 @@ class SpikeRollback(WatchesLossOrGradNorm):
                 "consecutive": int(run),
                 "nonfinite_consecutive": int(nonfinite_run),
             }
-            slot = self._choose(trainer, step, start, values)
-            self._pending = {"kind": "rollback", "step": step, "start": start, "slot": slot, "values": values}
+            escalate = self._escalates(step)
+            slot = self._choose(trainer, step, start, values, allow_last=escalate)
+            self._pending = {
+                "kind": "rollback",
+                "step": step,
+                "start": start,
+                "slot": slot,
+                "values": values,
+                "escalate": escalate,
+            }
         elif step + 1 >= self._next_snapshot_at and not plan.skip_on_host() and not bool(t.flagged):
             self._pending = {"kind": "snapshot"}
 
@@ -453,7 +704,7 @@ class SpikeRollback(WatchesLossOrGradNorm):
         # The host-side states first: their `state_dict` calls read device values (a synchronization), which then
         # does not wait for the tensor copies queued below.
         slot.callbacks = [(cb, copy.deepcopy(cb.state_dict())) for cb in self._stateful(trainer)]
-        slot.stats = copy.deepcopy(self._stats.state_dict())
+        slot.stats = copy.deepcopy(self._stats_state())
         slot.schedulers = [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
         slot.strategy = _gradkit_strategy(trainer).gradkit_state_dict()
         slot.rng = capture_rng(full=True)
@@ -466,9 +717,12 @@ class SpikeRollback(WatchesLossOrGradNorm):
         self._next_snapshot_at = self._next_multiple(trainer.global_step)
         return slot
 
-    def _choose(self, trainer: pl.Trainer, step: int, start: int, values: dict[str, Any]) -> _Slot:
-        """The newest snapshot taken before the spike began, not the one the previous rollback restored; failing
-        that, the state of a resume inside the run of flagged steps (from a checkpoint without snapshots)."""
+    def _choose(
+        self, trainer: pl.Trainer, step: int, start: int, values: dict[str, Any], allow_last: bool = False
+    ) -> _Slot:
+        """The newest snapshot taken before the spike began, not the one the previous rollback restored (unless the
+        rollback escalates, ``allow_last``); failing that, the state of a resume inside the run of flagged steps
+        (from a checkpoint without snapshots)."""
         if self._rollbacks >= self.max_rollbacks:
             self._stop(
                 trainer,
@@ -477,7 +731,7 @@ class SpikeRollback(WatchesLossOrGradNorm):
                 f"the budget of `max_rollbacks={self.max_rollbacks}` is spent. Look for the cause in the events "
                 "(a learning rate too high, bad data), or raise `max_rollbacks`.",
             )
-        usable = [s for s in self._ring if s.valid and s.id != self._last_restored_id]
+        usable = [s for s in self._ring if s.valid and (allow_last or s.id != self._last_restored_id)]
         candidates = [s for s in usable if s.step <= start] or [s for s in usable if s.origin == "resume"]
         if not candidates:
             kept = sorted(s.step for s in self._ring if s.valid)
@@ -518,7 +772,7 @@ class SpikeRollback(WatchesLossOrGradNorm):
             for config, state in zip(trainer.lr_scheduler_configs, slot.schedulers, strict=True):
                 config.scheduler.load_state_dict(copy.deepcopy(state))
             _gradkit_strategy(trainer).gradkit_load_state_dict(slot.strategy)
-            self._stats.load_state_dict(copy.deepcopy(slot.stats))
+            self._load_stats(copy.deepcopy(slot.stats))
         else:
             slot.tensors.restore_buffers(buffers)
         assert slot.rng is not None
@@ -535,12 +789,14 @@ class SpikeRollback(WatchesLossOrGradNorm):
         device = pl_module.device
         self._run = torch.zeros((), device=device)
         self._nonfinite_run = torch.zeros((), device=device)
+        self._module_zmax = None
         self._rollbacks += 1
         self._last_restored_id = slot.id
         self._anchor = slot
         self._skip_left = self.skip_batches
         self._next_snapshot_at = self._next_multiple(trainer.global_step + self.skip_batches)
         from_step = trainer.global_step
+        previous_end, self._resumed_at = self._resumed_at, from_step + self.skip_batches
         # The rewound steps join the skipped ones: `global_step - skipped_steps` stays the optimizer's step count.
         rewound = torch.tensor(float(from_step - slot.step), device=device)
         engine = Engine.of(trainer)
@@ -567,6 +823,9 @@ class SpikeRollback(WatchesLossOrGradNorm):
                 source=type(self).__name__,
                 **record,
             )
+        if pending["escalate"]:
+            assert previous_end is not None
+            self._escalate(trainer, pending, record, pending["step"] - previous_end)
         v = pending["values"]
         rank_zero_warn(
             f"SpikeRollback: {v['reason']} for {v['consecutive']} step(s) since step {pending['start']} "
@@ -576,12 +835,78 @@ class SpikeRollback(WatchesLossOrGradNorm):
             f"Events: {self.events_path}."
         )
 
+    def _escalate(self, trainer: pl.Trainer, pending: dict[str, Any], record: dict[str, Any], since: int) -> None:
+        """Cut the learning rate and/or reset optimizer moments of the restored state; one event and a warning."""
+        self._escalations += 1
+        lr_factor = None
+        if self.escalate_lr_factor is not None:
+            current = rewarmup_factor(self._ramp_start, self._ramp_done, self.escalate_rewarmup_steps)
+            self._ramp_start, self._ramp_done = self.escalate_lr_factor * current, 0
+            lr_factor = self._ramp_start
+        modules: list[str] = []
+        module_z: dict[str, float] = {}
+        reset = 0
+        if self.escalate_reset_moments == "all":
+            params = trained_parameters(trainer.optimizers)
+            reset = sum(reset_optimizer_state_(opt, params) for opt in trainer.optimizers)
+        elif self.escalate_reset_moments == "spiking":
+            modules, params, module_z = self._spiking_modules()
+            reset = sum(reset_optimizer_state_(opt, params) for opt in trainer.optimizers)
+        fields = {
+            "step": pending["step"],
+            "rollback": self._rollbacks,
+            "escalation": self._escalations,
+            "steps_since_previous": since,
+            "lr_factor": lr_factor,
+            "rewarmup_steps": self.escalate_rewarmup_steps if lr_factor is not None else None,
+            "reset_moments": self.escalate_reset_moments,
+            "reset_modules": modules,
+            "module_z": module_z,
+            "reset_params": reset,
+            "to_step": record["to_step"],
+        }
+        if self._events is not None:
+            self._events.write(
+                batch_idx=trainer.fit_loop.epoch_loop.batch_idx,
+                rank=None,
+                what="escalation",
+                culprit=modules[0] if modules else None,
+                values=pending["values"],
+                source=type(self).__name__,
+                **fields,
+            )
+        actions = []
+        if lr_factor is not None:
+            actions.append(
+                f"learning rate x{lr_factor:.3g}, back to the schedule over {self.escalate_rewarmup_steps} steps"
+            )
+        if self.escalate_reset_moments == "all":
+            actions.append(f"optimizer moments reset for all {reset} parameters")
+        elif self.escalate_reset_moments == "spiking":
+            actions.append(f"optimizer moments reset for {reset} parameters of {name_list(modules, quote=True)}")
+        rank_zero_warn(
+            f"SpikeRollback: the spike came back {since} step(s) after the previous rollback; escalating "
+            f"(escalation {self._escalations}): {'; '.join(actions)}. Events: {self.events_path}."
+        )
+
+    def _stats_state(self) -> dict[str, Tensor]:
+        """This callback's statistics: the trigger's, and the per-module ones of the "spiking" moment reset."""
+        state = self._stats.state_dict()
+        if self.escalate_reset_moments == "spiking":
+            state.update({f"module_{k}": v for k, v in self._module_stats.state_dict().items()})
+        return state
+
+    def _load_stats(self, state: dict[str, Tensor]) -> None:
+        self._stats.load_state_dict(state)
+        if "module_mean" in state:
+            self._module_stats.load_state_dict({k: state[f"module_{k}"] for k in ("mean", "var", "count")})
+
     # -- state -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         engine = getattr(self, "_engine", None)
         skipped = self._restored_skips if engine is None or self._restored_skips is not None else engine.skipped_steps
         state = {
-            "stats": self._stats.state_dict(),
+            "stats": self._stats_state(),
             "run": float(self._run),
             "nonfinite_run": float(self._nonfinite_run),
             "skip_left": self._skip_left,
@@ -591,13 +916,23 @@ class SpikeRollback(WatchesLossOrGradNorm):
             "next_snapshot_at": self._next_snapshot_at,
             "history": copy.deepcopy(self._history),
             "skipped_steps": float(skipped) if skipped is not None else 0.0,
+            "resumed_at": self._resumed_at,
+            "escalations": self._escalations,
+            "ramp_start": self._ramp_start,
+            "ramp_done": self._ramp_done,
+            "module_zmax": None if self._module_zmax is None else self._module_zmax.cpu(),
         }
         if self.save_snapshots:
             state["snapshots"] = [slot.state_dict() for slot in self._ring if slot.valid]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._stats.load_state_dict(state_dict["stats"])
+        self._load_stats(state_dict["stats"])
+        self._resumed_at = state_dict.get("resumed_at")  # absent from older checkpoints: no escalation state
+        self._escalations = int(state_dict.get("escalations", 0))
+        self._ramp_start = float(state_dict.get("ramp_start", 1.0))
+        self._ramp_done = int(state_dict.get("ramp_done", 0))
+        self._module_zmax = state_dict.get("module_zmax")
         self._run = float(state_dict["run"])
         self._nonfinite_run = float(state_dict["nonfinite_run"])
         self._skip_left = int(state_dict["skip_left"])
