@@ -682,6 +682,8 @@ class SpikeRollback(WatchesLossOrGradNorm):
                 "slot": slot,
                 "values": values,
                 "escalate": escalate,
+                # Read now: the rollback starts a new run of flagged steps.
+                "spiking": self._spiking_modules() if escalate and self.escalate_reset_moments == "spiking" else None,
             }
         elif step + 1 >= self._next_snapshot_at and not plan.skip_on_host() and not bool(t.flagged):
             self._pending = {"kind": "snapshot"}
@@ -850,7 +852,7 @@ class SpikeRollback(WatchesLossOrGradNorm):
             params = trained_parameters(trainer.optimizers)
             reset = sum(reset_optimizer_state_(opt, params) for opt in trainer.optimizers)
         elif self.escalate_reset_moments == "spiking":
-            modules, params, module_z = self._spiking_modules()
+            modules, params, module_z = pending["spiking"]
             reset = sum(reset_optimizer_state_(opt, params) for opt in trainer.optimizers)
         fields = {
             "step": pending["step"],
