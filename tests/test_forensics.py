@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from architectures import ArchModule, ResNet18Like, TiedTransformerLM, TinyViT, data_loader, image_data, token_data
 from helpers import MLPModule, loader, make_trainer
@@ -463,3 +463,58 @@ def test_a_model_that_refuses_hooks_gets_no_replay_and_says_why() -> None:
     assert (finding.culprit, finding.phase, ran) == (None, "unavailable", [])
     assert finding.describe() == "no replay: cannot hook the model's modules: RuntimeError: this module takes no hooks"
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())  # none left behind
+
+
+# -- transient or reproducible -----------------------------------------------------------------------------------
+class DictBatchNaN(MLPModule):
+    """Dict batches ``{"x", "y", "ids"}``; batch 2's loss is NaN. ``transient``: only the first time the batch is
+    computed (a flag flipped at the first occurrence), so the forensic replay computes it finite, as a one-off
+    hardware fault would; otherwise every time (a data or model fault)."""
+
+    def __init__(self, transient: bool) -> None:
+        super().__init__()
+        self.transient = transient
+        self.fired = False
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step((batch["x"], batch["y"]), batch_idx)
+        if batch_idx == 2 and not (self.transient and self.fired):
+            self.fired = True
+            return loss * float("nan")
+        return loss
+
+
+def dict_batches() -> DataLoader:
+    x, y = loader().dataset.tensors
+    batches = [{"x": x[i : i + 8], "y": y[i : i + 8], "ids": torch.arange(i, i + 8) + 1000} for i in range(0, 64, 8)]
+    return DataLoader(batches, batch_size=None)
+
+
+@pytest.mark.parametrize("transient", [False, True], ids=["reproducible", "transient"])
+def test_event_says_whether_the_replay_reproduced_the_nan_and_names_the_sample_ids(
+    tmp_path: Path, transient: bool
+) -> None:
+    trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[NonFiniteGuard(action="skip")], max_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(DictBatchNaN(transient), dict_batches())
+    (event,) = events(trainer)
+    assert event["batch_idx"] == 2 and event["sample_ids"] == {"0": list(range(1016, 1024))}
+    assert event["reproducible"] is (not transient)
+    assert event["values"]["replay_reproduced_ranks"] == ([] if transient else [0])
+    (line,) = [str(w.message) for w in caught if "NonFiniteGuard" in str(w.message)]
+    assert "Sample ids of batch 2: rank 0: [1016, 1017" in line
+    if transient:
+        assert "did not reproduce it: a transient fault (seen on rank(s) [0]) points at the hardware" in line
+    else:
+        assert "reproduced it on rank(s) [0]: a reproducible fault points at the data or the model" in line
+
+
+def test_without_a_replay_the_event_says_reproducible_is_unknown(tmp_path: Path) -> None:
+    guard = NonFiniteGuard(action="skip", forensics=False)
+    trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[guard], max_steps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(DictBatchNaN(transient=False), dict_batches())
+    (event,) = events(trainer)
+    assert event["reproducible"] is None and event["sample_ids"] == {"0": list(range(1016, 1024))}

@@ -6,17 +6,38 @@ Pure functions over what :class:`~lightning_gradkit.NonFiniteGuard` gathered fro
 - :func:`nonfinite_kind`: the event's ``what`` (loss, gradients or both).
 - :class:`Culprit` and :func:`locate_culprit`: the one meaning of ``culprit`` in every mode.
 - :func:`first_bad_batch`: the micro-batch where the non-finite value was first seen.
+- :func:`reproducibility`: whether the forensic replay reproduced the value, and on which ranks.
+- :func:`sample_ids` and :func:`id_list`: the sample ids a batch carries, for the event and the console line.
 - :func:`step_summary`: the console line; the error and the event say the same.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
+
+from torch import Tensor
 
 from lightning_gradkit._arguments import name_list
 
-__all__ = ["Culprit", "first_bad_batch", "locate_culprit", "nonfinite_kind", "step_summary"]
+__all__ = [
+    "SAMPLE_ID_KEYS",
+    "Culprit",
+    "first_bad_batch",
+    "id_list",
+    "locate_culprit",
+    "nonfinite_kind",
+    "reproducibility",
+    "sample_ids",
+    "step_summary",
+]
+
+#: Keys of a dict batch whose value names its samples (the first one present is used).
+SAMPLE_ID_KEYS = ("id", "ids", "index", "indices", "sample_id", "sample_ids")
+
+# Finding phases of a replay that did not see the non-finite value, or did not run to the end.
+_NOT_SEEN = ("not_reproduced", "failed", "unavailable")
 
 
 def nonfinite_kind(loss: bool, grads: bool) -> str:
@@ -73,6 +94,57 @@ def locate_culprit(
     return Culprit(None, None, f"not localized ({why})", None)
 
 
+def reproducibility(per_rank: list[dict[str, Any]]) -> tuple[bool | None, list[int]]:
+    """Whether the forensic replay reproduced the non-finite value, and the ranks whose replay did.
+
+    ``True`` when a rank's replay made it again (a data or model fault: it comes back with the same batch and
+    weights); ``False`` when every rank replayed the step to the end and none did (a transient fault: suspect the
+    hardware of the rank that saw it); ``None`` when no replay ran, or one failed or could not run and none
+    reproduced it (nothing is known).
+
+    Example::
+
+        >>> reproducibility([{"rank": 0, "finding": {"phase": "not_reproduced"}}])
+        (False, [])
+        >>> reproducibility([{"rank": 0, "finding": None}])
+        (None, [])
+    """
+    replays = [r for r in per_rank if r["finding"] is not None]
+    reproduced = [r["rank"] for r in replays if r["finding"]["phase"] not in _NOT_SEEN]
+    if reproduced:
+        return True, reproduced
+    if replays and all(r["finding"]["phase"] == "not_reproduced" for r in replays):
+        return False, []
+    return None, []
+
+
+def sample_ids(batch: Any) -> Any | None:
+    """The ids a batch carries for its samples: the value of its first key in :data:`SAMPLE_ID_KEYS` (a dict
+    batch), as it is (a tensor stays on its device: no host read), else ``None``. :func:`id_list` reads it."""
+    if not isinstance(batch, Mapping):
+        return None
+    key = next((k for k in SAMPLE_ID_KEYS if k in batch), None)
+    return None if key is None else batch[key]
+
+
+def id_list(ids: Any) -> list[Any] | None:
+    """Sample ids as a JSON-friendly list (a tensor is read to the host: call it on a flagged step only).
+
+    Example::
+
+        >>> id_list(sample_ids({"x": None, "ids": [7, 3]}))
+        [7, 3]
+        >>> id_list(sample_ids((None, None))) is None
+        True
+    """
+    if ids is None:
+        return None
+    if isinstance(ids, Tensor):
+        return ids.detach().reshape(-1).tolist()
+    values = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    return [i if isinstance(i, (int, str)) else str(i) for i in values]
+
+
 def first_bad_batch(per_rank: list[dict[str, Any]], window: list[int]) -> int:
     """The first micro-batch of the step whose loss was non-finite on some rank, else the step's last one."""
     firsts = [
@@ -91,8 +163,14 @@ def step_summary(
     grad_ranks: list[int],
     params: list[str],
     culprit: Culprit,
+    reproducible: bool | None = None,
+    reproduced_on: list[int] | None = None,
+    ids: dict[str, list[Any]] | None = None,
 ) -> str:
-    """The console line of a flagged step; errors and the event say the same."""
+    """The console line of a flagged step; errors and the event say the same.
+
+    ``reproducible`` and ``reproduced_on`` come from :func:`reproducibility`; ``ids`` are the sample ids of the
+    bad micro-batch per rank (:func:`sample_ids`)."""
     if what == "fp16_overflow":
         return f"fp16 gradient overflow at step {step}."
     where = f"batch {batch}" + (f" (the step's batches {window[0]}-{window[-1]})" if len(window) > 1 else "")
@@ -105,4 +183,17 @@ def step_summary(
         parts.append(f"culprit `{culprit.name}`: {culprit.text}.")
     else:
         parts.append(f"culprit {culprit.text}.")
+    if ids:
+        shown = "; ".join(f"rank {r}: {v[:16]}{' ...' if len(v) > 16 else ''}" for r, v in ids.items())
+        parts.append(f"Sample ids of batch {batch}: {shown}.")
+    if reproducible:
+        parts.append(
+            f"The replay reproduced it on rank(s) {reproduced_on}: a reproducible fault points at the data or the "
+            "model."
+        )
+    elif reproducible is False:
+        seen = sorted(set(bad_ranks) | set(grad_ranks))
+        parts.append(
+            f"The replay did not reproduce it: a transient fault (seen on rank(s) {seen}) points at the hardware."
+        )
     return " ".join(parts)

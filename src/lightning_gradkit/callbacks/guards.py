@@ -27,7 +27,16 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int
-from lightning_gradkit.callbacks.culprit import Culprit, first_bad_batch, locate_culprit, nonfinite_kind, step_summary
+from lightning_gradkit.callbacks.culprit import (
+    Culprit,
+    first_bad_batch,
+    id_list,
+    locate_culprit,
+    nonfinite_kind,
+    reproducibility,
+    sample_ids,
+    step_summary,
+)
 from lightning_gradkit.callbacks.guard_reporting import GuardBase
 from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss, unscaled_loss
 from lightning_gradkit.callbacks.nonfinite_validation import NonFiniteValidationCheck
@@ -188,6 +197,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         self._losses: list[Tensor] = []
         self._batches: list[tuple[Any, int, RNGState]] = []
         self._window: list[int] = []
+        self._ids: list[Any] = []
         self._flags: tuple[Tensor, Tensor | None, Tensor | None] | None = None
         self._consecutive: list[int] = []
         self._first_finding: dict[str, Any] | None = None
@@ -214,6 +224,8 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._window.append(batch_idx)
+        if self._reads_on_host():
+            self._ids.append(sample_ids(batch))  # a reference: read to the host on a flagged step only
         if self.forensics and not self._forensics_done and self._reads_on_host():
             # A reference (no copy) and the torch RNG state, so the replay repeats this batch's dropout masks.
             self._batches.append((batch, batch_idx, capture_rng(full=False)))
@@ -280,6 +292,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             self._losses = []
             self._batches = []
             self._window = []
+            self._ids = []
 
     # -- acting at the step (host knows) -----------------------------------------------------------------------
     def _act_at_step(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -311,6 +324,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             if finding is None
             else {"culprit": finding.culprit, "phase": finding.phase, **finding.detail},
             "described": None if finding is None else finding.describe(),
+            "ids": [id_list(ids) for ids in self._ids],
         }
         per_rank = _gather(local)
         # Gradients can differ between ranks (a rank's own hook after the all-reduce): report every rank's.
@@ -321,6 +335,13 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         culprit = locate_culprit(per_rank, bad_ranks, params, no_replay)
         window = list(self._window) or [trainer.fit_loop.epoch_loop.batch_idx]
         batch = culprit.batch if culprit.batch is not None else first_bad_batch(per_rank, window)
+        reproducible, reproduced_on = reproducibility(per_rank)
+        position = window.index(batch) if batch in window else -1
+        ids = {
+            str(r["rank"]): r["ids"][position]
+            for r in per_rank
+            if -len(r["ids"]) <= position < len(r["ids"]) and r["ids"][position] is not None
+        }
         what = "fp16_overflow" if overflow else nonfinite_kind(bool(bad_ranks), grads_nonfinite)
         values = {
             "loss_nonfinite_ranks": bad_ranks,
@@ -329,6 +350,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             "nonfinite_param_grads": params[:50],
             "grad_norm": float(stats.total),
             "consecutive": len(self._consecutive),
+            "replay_reproduced_ranks": reproduced_on,
         }
         findings = [dict(r["finding"], rank=r["rank"]) for r in per_rank if r["finding"] is not None]
         if findings:
@@ -341,9 +363,13 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             what=what,
             culprit=culprit.name,
             culprit_source=culprit.source,
+            reproducible=reproducible,
+            sample_ids=ids or None,
             values=values,
         )
-        summary = step_summary(step, batch, window, what, bad_ranks, grad_ranks, params, culprit)
+        summary = step_summary(
+            step, batch, window, what, bad_ranks, grad_ranks, params, culprit, reproducible, reproduced_on, ids
+        )
         if finding is not None and self._first_finding is None:
             self._first_finding = {"step": step, "culprit": culprit.name, "described": culprit.text}
         if self.action == "raise":
@@ -425,6 +451,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             what=what,
             culprit=culprit.name,
             culprit_source=culprit.source,
+            reproducible=None,
             values=values,
             first_step=first,
         )
