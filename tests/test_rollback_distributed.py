@@ -64,3 +64,22 @@ def test_rollback_is_identical_on_every_rank_and_exact_under_ddp_and_fsdp2(tmp_p
     assert ranks[0]["fsdp2"]["snapshot_bytes"] < ranks[0]["ddp"]["snapshot_bytes"]
     for r in ranks:
         assert "save_snapshots=False" in r["fsdp2_save_snapshots"], r["fsdp2_save_snapshots"]
+
+
+def test_escalation_is_identical_on_every_rank_under_ddp_and_follows_the_single_process_run(tmp_path: Path) -> None:
+    """The LR fault of ``test_rollback_escalation`` under DDP (each rank half of every global batch): both ranks
+    roll back and escalate at the same steps, cut and reset alike, and end with the same parameters, those of the
+    single-process escalated run (up to the rounding of DDP's gradient average)."""
+    from test_rollback_escalation import escalating, fit
+
+    (tmp_path / "ddp").mkdir()
+    ranks = run_distributed("escalation_script.py", tmp_path / "ddp", timeout=300)
+    single, _ = fit(tmp_path / "single", escalating(escalate_reset_moments="spiking"))
+    first, second, escalation = ranks[0]["events"]
+    assert [e["what"] for e in (first, second, escalation)] == ["rollback", "rollback", "escalation"]
+    assert (first["step"], second["step"], second["to_step"], escalation["step"]) == (27, 31, 24, 31)
+    assert escalation["lr_factor"] == 0.02 and escalation["reset_modules"] == ["net.blocks", "net.head"]
+    assert ranks[0]["ramp"] == ranks[1]["ramp"] == [0.02, 64 - 32, 1]
+    assert_bitwise(ranks[0]["params"], ranks[1]["params"])
+    for name, p in single.named_parameters():
+        torch.testing.assert_close(torch.tensor(ranks[0]["params"][name]), p.detach(), rtol=1e-4, atol=1e-5, msg=name)
