@@ -26,12 +26,8 @@ plan of the current step's gradients (``Engine.step_plan``): whoever ran the eng
 closure, what PyTorch's optimizers return).
 
 Optimizers that evaluate the closure several times per step (``LBFGS``, SAM, line searches): the skip is decided
-on the FIRST evaluation's gradients, which the gate runs before calling the optimizer. The optimizer's first call
-of the closure returns that evaluation's result (its gradients are already there); every later call runs the real
-closure (training step, backward, ``on_before_optimizer_step``), and the engine scales and clips those fresh
-gradients as Lightning's ``gradient_clip_val`` clips every evaluation, without deciding or logging again (adaptive
-clippers use the threshold of the first evaluation; guards are not fed twice). A later evaluation is not guarded:
-once the optimizer runs, the step is applied.
+on the first evaluation, which the gate runs before calling the optimizer; later evaluations are scaled and clipped,
+never decided. :mod:`lightning_gradkit._closure` holds the rule and both halves of its code.
 
 Step-interval LR schedulers follow the applied steps. Lightning steps one with ``frequency=f`` after an optimizer
 step when ``batch_idx + 1`` (batches of the epoch so far) is a multiple of ``f``. Under the gate the batches of
@@ -69,6 +65,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradkit._closure import first_evaluation
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device, shadowed
 from lightning_gradkit.core._torch_compat import handles_found_inf
 from lightning_gradkit.core.buffers import BufferGuard
@@ -291,9 +288,8 @@ class GradKitStrategyMixin:
         def gated_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
             result = None
             if closure is not None:
-                with torch.enable_grad():
-                    result = closure()
-                kwargs["closure"] = _later_evaluations(closure, result)
+                # Decide on the first evaluation before the optimizer can apply anything (see `_closure`).
+                result, kwargs["closure"] = first_evaluation(closure)
             plan: StepPlan | None = engine.step_plan(trainer, optimizer)
             if plan is None or plan.skip is None:
                 return inner(**kwargs)
@@ -379,19 +375,6 @@ class GradKitStrategyMixin:
         index = next((i for i, opt in enumerate(self._gradkit_trainer.optimizers) if opt is optimizer), 0)
         count = self._gradkit_counts.get(index)
         return count is None or not count.due(self._gradkit_frequencies[id(config)])
-
-
-def _later_evaluations(closure: Callable[[], Any], first: Any) -> Callable[[], Any]:
-    """The closure handed to the optimizer: its first call returns the evaluation the gate already ran (whose
-    gradients are in place); every later call runs the real closure again, for fresh gradients."""
-    calls = 0
-
-    def evaluate() -> Any:
-        nonlocal calls
-        calls += 1
-        return first if calls == 1 else closure()
-
-    return evaluate
 
 
 def _fused_step(optimizer: Optimizer, inner: Callable[..., Any], skip: Tensor, kwargs: dict[str, Any]) -> Any:
