@@ -44,7 +44,7 @@ SAM) produces new gradients within the same step: they are scaled and clipped, n
 (:mod:`lightning_gradkit._closure` states the rule and holds its code).
 
 Map of this file, in order: :class:`Stage`; :class:`UnitNorms` and :class:`StepPlan` (the plan, its one write and
-the write kernels); :class:`StatsRequest`; what the engine reads of the Trainer (:func:`pending_loss_scale`,
+the write kernels); :class:`StatsRequest`; what the engine reads of the Trainer (:func:`_pending_loss_scale`,
 :func:`is_logging_step`, :func:`flat_sharded`); :class:`Engine` (the per-Trainer registry, the policies, the
 parameter-index cache, :meth:`~Engine.run` and the phases); the gradient read (``_read_step``, ``_measure_units``,
 ``_param_norms``); :class:`GradKitCallback`, the base every policy derives from, and :func:`log_metrics`.
@@ -92,6 +92,20 @@ from lightning_gradkit.core.norms import (
     total_norm,
     world_size,
 )
+
+__all__ = [
+    "Engine",
+    "GradKitCallback",
+    "Stage",
+    "StatsRequest",
+    "StepPlan",
+    "UnitNorms",
+    "check_callback_instances",
+    "flat_sharded",
+    "is_logging_step",
+    "log_metrics",
+    "world_size",
+]
 
 
 # -- the plan and its one write ------------------------------------------------------------------------------------
@@ -384,10 +398,10 @@ class StatsRequest:
 
 
 # Key in `StepPlan.reduced` of the per-rank flags: `[world_size]`, 1.0 where a rank's own gradients were non-finite.
-NONFINITE_GRAD_RANKS = "gradkit/nonfinite_grad_ranks"
+_NONFINITE_GRAD_RANKS = "gradkit/nonfinite_grad_ranks"
 
 
-def pending_loss_scale(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor | None:
+def _pending_loss_scale(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor | None:
     """The AMP loss scale the optimizer's gradients are still multiplied by, or ``None`` when they are unscaled.
 
     Lightning unscales before ``on_before_optimizer_step`` except for optimizers that unscale inside ``step``
@@ -605,7 +619,7 @@ class Engine:
             self._forget_index(optimizer, request.depth)
             index = self._index(trainer, pl_module, optimizer, request.depth)
             grads, present, run_ids, bounds, absent = _read_step(index)
-        scale = pending_loss_scale(trainer, optimizer)
+        scale = _pending_loss_scale(trainer, optimizer)
         units = _measure_units(index, grads, present, request.unit_norm_names)
         local: dict[float, Tensor] = {}
         for p in sorted(request.norm_types):
@@ -641,11 +655,11 @@ class Engine:
         if request.rank_flags and world_size() > 1:
             # A rank's gradients can turn non-finite after the DDP all-reduce (a hook, `on_after_backward`, a faulty
             # kernel): its flags then differ from the others'. Summed in the one collective, every rank sees them all.
-            extras[NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(measured.local, index.shard_weight.device)
+            extras[_NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(measured.local, index.shard_weight.device)
         norms_by_p, reduced = reduce_sharded(index, measured.local, extras)
         stats = {p: derive_stats(index, norms_by_p[p], p, measured.missing) for p in measured.local}
-        if NONFINITE_GRAD_RANKS in reduced:
-            anywhere = reduced[NONFINITE_GRAD_RANKS].sum() > 0
+        if _NONFINITE_GRAD_RANKS in reduced:
+            anywhere = reduced[_NONFINITE_GRAD_RANKS].sum() > 0
             for grad_stats in stats.values():
                 grad_stats.finite = grad_stats.finite & ~anywhere
         primary = next((p for p in (policy._primary_norm_type() for policy in policies) if p is not None), None)

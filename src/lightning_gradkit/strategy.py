@@ -72,11 +72,23 @@ from lightning_gradkit.core.buffers import BufferGuard
 from lightning_gradkit.engine import Engine, GradKitCallback, StepPlan, check_callback_instances
 from lightning_gradkit.replay import replaying
 
+__all__ = [
+    "GradKitDDPStrategy",
+    "GradKitFSDPStrategy",
+    "GradKitModelParallelStrategy",
+    "GradKitSingleDeviceStrategy",
+    "GradKitStrategyMixin",
+    "gradkit_strategy_hint",
+    "handles_found_inf",
+    "register_strategies",
+]
+
+
 # Checkpoint key of the LR-schedule counts (see the module docstring).
 _SCHEDULE_KEY = "gradkit_lr_schedule"
 
 
-def needs_step_control(trainer: pl.Trainer) -> bool:
+def _needs_step_control(trainer: pl.Trainer) -> bool:
     """Whether any gradkit callback of ``trainer`` may ask for an optimizer step to be skipped."""
     return any(cb._needs_step_control() for cb in trainer.callbacks if isinstance(cb, GradKitCallback))
 
@@ -199,7 +211,7 @@ class GradKitStrategyMixin:
         self._gradkit_pending: dict[int, tuple[int, int, StepPlan | None]] = {}
         self._gradkit_counts: dict[int, _ScheduleCount] = {}
         self._gradkit_frequencies: dict[int, int] = {}
-        self._gradkit_gate_active = needs_step_control(trainer) and trainer.state.fn == TrainerFn.FITTING
+        self._gradkit_gate_active = _needs_step_control(trainer) and trainer.state.fn == TrainerFn.FITTING
         if not self._gradkit_gate_active:
             return
         module = trainer.lightning_module

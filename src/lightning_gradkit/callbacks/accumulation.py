@@ -37,6 +37,9 @@ from lightning_gradkit.core.norms import local_tensor
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan, is_logging_step, world_size
 from lightning_gradkit.replay import replaying
 
+__all__ = ["AccumulationGuard", "ManualAccumulator", "OnDirty"]
+
+
 OnDirty = Literal["warn", "raise"]
 _TOKENS_REDUCE_KEY = "accumulation/tokens"
 

@@ -55,6 +55,9 @@ from lightning_gradkit.engine import (
     world_size,
 )
 
+__all__ = ["AdaptiveGradClip", "AutoClip", "ClipGradNorm", "ClipGradValue", "ZClip", "clip_gradients"]
+
+
 #: Clipped-step flags wait in a list and are summed on device once per this many steps (and when logged or saved),
 #: not with an add kernel every step.
 _COUNT_EVERY = 64
