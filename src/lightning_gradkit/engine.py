@@ -588,10 +588,11 @@ class Engine:
         plan = self._reduce(trainer, pl_module, optimizer, policies, request, measured)
         _decide(plan, first, policies, trainer, pl_module)
         plan.apply()
+        # After the write, which bumps the gradients' versions: a later call must find these written ones the same.
         self._evaluations.record(optimizer, step, self.generation, shared=len(trainer.optimizers) > 1)
         if first is None:
             self._observe(plan, policies, trainer, pl_module)
-        plan.release_gradients()
+        plan.release_gradients()  # a plan kept after its step must not keep its gradients alive
         return plan
 
     # -- the phases ------------------------------------------------------------------------------------------------

@@ -43,6 +43,11 @@ scheduler is about to step, after the optimizer step has been queued. ``trainer.
 optimizer steps, as Lightning does when the ``GradScaler`` skips one: ``max_steps``, logging and checkpoint periods
 keep following batches, while ``gradkit/skipped_steps`` counts the skipped ones, and after a rollback the rewound
 ones too (applied steps = ``global_step - skipped_steps``).
+
+Map of this file, in order: which Trainers need the gate (``_needs_step_control``) and the strategy to name in
+errors (:func:`gradkit_strategy_hint`); the LR-schedule counts (``_ScheduleCount``) and the stand-in for
+``lr_scheduler_step`` (``_SchedulerGate``); :class:`GradKitStrategyMixin`: its Lightning hooks, the gate, the LR
+schedulers and its part of a step's state; ``_fused_step`` (the ``found_inf`` path); the four GradKit strategies.
 """
 
 from __future__ import annotations
@@ -303,11 +308,12 @@ class GradKitStrategyMixin:
                 # Decide on the first evaluation before the optimizer can apply anything (see `_closure`).
                 result, kwargs["closure"] = first_evaluation(closure)
             plan: StepPlan | None = engine.step_plan(trainer, optimizer)
-            if plan is None or plan.skip is None:
+            if plan is None or plan.skip is None:  # no policy asked for a skip this step: nothing to read
                 return inner(**kwargs)
             if fused:
+                # The kernel reads the flag on device: no host sync, and the skip is as exact as the GradScaler's.
                 return _fused_step(optimizer, inner, plan.skip, kwargs)
-            if plan.skip_on_host():
+            if plan.skip_on_host():  # the one host read the design allows, shared with whoever asks next
                 return result
             return inner(**kwargs)
 
