@@ -4,6 +4,7 @@ the public names and the strategy names are there after ``import lightning_gradk
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -116,3 +117,46 @@ def test_the_walk_catches_a_lightning_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from lightning.pytorch import Trainer\n")
     assert "lightning.pytorch" in _imports(bad)
+
+
+def _public_definitions(path: Path) -> tuple[set[str], list[str] | None]:
+    """The public names a module defines at its top level (not those it imports), and its ``__all__``."""
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    listed: list[str] | None = None
+
+    def add(target: ast.expr) -> None:
+        if isinstance(target, ast.Name):
+            names.add(target.id)
+        elif isinstance(target, ast.Tuple | ast.List):
+            for element in target.elts:
+                add(element)
+
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                listed = list(ast.literal_eval(node.value))
+                continue
+            for target in node.targets:
+                add(target)
+        elif isinstance(node, ast.AnnAssign):
+            add(node.target)
+    return {n for n in names if not n.startswith("_")}, listed
+
+
+def test_every_module_lists_its_public_names_in_all() -> None:
+    # A name without a leading `_` is public: `__all__` names every one, and a helper used only in its own module
+    # starts with `_`. Each listed name must exist (a re-export included).
+    for path in sorted(PACKAGE.rglob("*.py")):
+        public, listed = _public_definitions(path)
+        where = path.relative_to(PACKAGE)
+        if listed is None:
+            assert not public, f"{where} defines {sorted(public)} but has no `__all__`"
+            continue
+        assert sorted(public - set(listed)) == [], f"{where}: public names missing from `__all__`"
+        parts = [part for part in where.with_suffix("").parts if part != "__init__"]
+        module = importlib.import_module(".".join(["lightning_gradkit", *parts]))
+        missing = [name for name in listed if not hasattr(module, name)]
+        assert missing == [], f"{where}: `__all__` lists names it does not have"

@@ -17,12 +17,26 @@ import math
 import numbers
 from collections.abc import Sequence
 
+__all__ = [
+    "check_bool",
+    "check_choice",
+    "check_float",
+    "check_int",
+    "check_strings",
+    "name_list",
+    "validate_every_n",
+    "validate_memory_budget",
+    "validate_norm_type",
+    "validate_normalize",
+]
+
+
 #: How many names a message shows before "and N more".
-MAX_NAMES_SHOWN = 10
+_MAX_NAMES_SHOWN = 10
 
 
 def name_list(names: Sequence[str], quote: bool = False) -> str:
-    """The first :data:`MAX_NAMES_SHOWN` of ``names``, comma-separated, then how many more there are.
+    """The first :data:`_MAX_NAMES_SHOWN` of ``names``, comma-separated, then how many more there are.
 
     Args:
         names: the names, in the order to show them.
@@ -35,8 +49,8 @@ def name_list(names: Sequence[str], quote: bool = False) -> str:
         >>> name_list(["fc.weight"], quote=True)
         '`fc.weight`'
     """
-    shown = ", ".join(f"`{n}`" if quote else n for n in names[:MAX_NAMES_SHOWN])
-    more = len(names) - MAX_NAMES_SHOWN
+    shown = ", ".join(f"`{n}`" if quote else n for n in names[:_MAX_NAMES_SHOWN])
+    more = len(names) - _MAX_NAMES_SHOWN
     return shown + (f" and {more} more" if more > 0 else "")
 
 

@@ -88,6 +88,19 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
     from torch import nn
 
+__all__ = [
+    "batches_that_stepped",
+    "ddp_start_method",
+    "epoch_ends_with_this_batch",
+    "lightning_loaded",
+    "metric_state_names",
+    "register_strategy_names",
+    "register_when_lightning_loads",
+    "set_root_device",
+    "shadowed",
+]
+
+
 _MISSING = object()
 
 
@@ -174,7 +187,7 @@ def shadowed(obj: object, **attributes: Any) -> Iterator[None]:
 
 # -- strategy names ----------------------------------------------------------------------------------------------------
 # name: (class in `lightning_gradkit.strategy`, description, init params).
-STRATEGY_NAMES: dict[str, tuple[str, str, dict[str, Any]]] = {
+_STRATEGY_NAMES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gradkit": ("GradKitSingleDeviceStrategy", "Single device with gradkit step control", {}),
     "gradkit_ddp": ("GradKitDDPStrategy", "DDP with gradkit step control", {"start_method": "popen"}),
     "gradkit_ddp_spawn": ("GradKitDDPStrategy", "DDP (spawn) with gradkit step control", {"start_method": "spawn"}),
@@ -204,7 +217,7 @@ def register_strategy_names(strategies: ModuleType | None = None) -> None:
     """
     if strategies is None:
         strategies = importlib.import_module(_REGISTRY_MODULE)
-    for name, (class_name, description, init_params) in STRATEGY_NAMES.items():
+    for name, (class_name, description, init_params) in _STRATEGY_NAMES.items():
         strategies.StrategyRegistry.register(
             name, _strategy_factory(class_name), description=description, override=True, **init_params
         )

@@ -20,8 +20,10 @@ from torch.optim import Optimizer
 
 from lightning_gradkit.core.norms import clean_name
 
+__all__ = ["first_mismatch", "parameter_layout", "verify_same_layout"]
 
-def describe_parameter(param: torch.nn.Parameter, name: str) -> str:
+
+def _describe_parameter(param: torch.nn.Parameter, name: str) -> str:
     """What must agree across ranks for one parameter: name, global shape, dtype, device type and placements.
 
     The device index is left out (rank ``r`` trains on ``cuda:r``); for a DTensor the shape is the global one and the
@@ -43,7 +45,7 @@ def parameter_layout(optimizers: Sequence[Optimizer], names_by_id: dict[int, str
             for j, param in enumerate(group["params"]):
                 if param.requires_grad:
                     name = clean_name(names_by_id.get(id(param), f"param_group{g}.param{j}"))
-                    lines.append(f"optimizer {k}, group {g}: {describe_parameter(param, name)}")
+                    lines.append(f"optimizer {k}, group {g}: {_describe_parameter(param, name)}")
     return lines
 
 

@@ -18,9 +18,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
+__all__ = ["WindowPosition", "note_window_on_load", "note_window_on_save"]
+
+
 #: Key, in a Lightning checkpoint, of the open window: its position and, when it can be resumed exactly, the state
 #: ``AccumulationGuard`` needs for that (the gradients and counts accumulated so far).
-CHECKPOINT_KEY = "gradkit_accumulation_window"
+_CHECKPOINT_KEY = "gradkit_accumulation_window"
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class WindowPosition:
         return f"after micro-batch {self.micro_batch} of {self.window}, before optimizer step {self.step}"
 
 
-def open_window(trainer: pl.Trainer) -> WindowPosition | None:
+def _open_window(trainer: pl.Trainer) -> WindowPosition | None:
     """The accumulation window whose gradients are not stepped yet, or ``None`` at a window boundary.
 
     Counts the batches whose training step has run in this epoch (Lightning's ``batch_progress.current.processed``):
@@ -68,12 +71,12 @@ def _window_keeper(trainer: pl.Trainer) -> Any:
 def note_window_on_save(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
     """Save the open window's position (and, with ``AccumulationGuard`` on a single process, its state) in
     ``checkpoint``; warn when the window cannot be resumed exactly."""
-    position = open_window(trainer)
+    position = _open_window(trainer)
     if position is None:
         return
     keeper = _window_keeper(trainer)
     state = keeper._open_window_state(position) if keeper is not None and trainer.world_size == 1 else None
-    checkpoint[CHECKPOINT_KEY] = {**asdict(position), "state": state}
+    checkpoint[_CHECKPOINT_KEY] = {**asdict(position), "state": state}
     if state is not None:
         return
     fix = (
@@ -92,7 +95,7 @@ def note_window_on_save(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None
 
 def note_window_on_load(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
     """Hand a saved window to ``AccumulationGuard``; warn when none was saved or no guard can restore it."""
-    saved = checkpoint.get(CHECKPOINT_KEY)
+    saved = checkpoint.get(_CHECKPOINT_KEY)
     if not saved:
         return
     keeper = _window_keeper(trainer)

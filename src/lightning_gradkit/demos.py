@@ -18,6 +18,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+__all__ = [
+    "MLP",
+    "Block",
+    "ByteDataset",
+    "CausalSelfAttention",
+    "FaultInjector",
+    "GPTConfig",
+    "LossRecorder",
+    "SpikeInjector",
+    "StdlibTextDataModule",
+    "TinyGPT",
+    "TinyGPTModule",
+    "stdlib_text",
+]
+
+
 _DEFAULT_MODULES = ("functools.py", "collections/__init__.py", "argparse.py", "dataclasses.py", "textwrap.py")
 
 

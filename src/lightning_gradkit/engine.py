@@ -2,20 +2,28 @@
 
 Every gradkit callback derives from :class:`GradKitCallback`. Whichever of them Lightning calls first in
 ``on_before_optimizer_step`` (after AMP unscale and after the DDP all-reduce) runs the whole pipeline for all of
-them; the others find the step already done. So results never depend on the order of the ``callbacks`` list:
+them; the others find the step already done. So results never depend on the order of the ``callbacks`` list.
+:meth:`Engine._run` is the list of the phases, one method or function each:
 
-1. ``_reduce_request``: callbacks name per-rank scalars that need a cross-rank sum (window loss, token counts).
-2. The engine reads every gradient once into per-parameter norms, and performs at most ONE all-reduce carrying
-   the sharded norm contributions and those scalars together (and, when a guard asks for it, each rank's flag of
-   non-finite local gradients: the finite flag, and so every skip decision, is then the same on every rank). The
-   inf-norm of sharded gradients is a maximum, not a sum: when a callback asks for it, it takes a second all-reduce
-   (:func:`~lightning_gradkit.core.norms.reduce_sharded`).
-3. ``_decide`` in stage order: ``SCALE`` (accumulation) -> ``GUARD`` (skip flags) -> ``CLIP`` (coefficient)
-   -> ``OBSERVE``. Each reads :class:`StepPlan` and writes its decision to it; none reads the gradients.
-4. The engine writes the gradients once: one ``torch._foreach_mul_`` per (device, dtype) group with the product of
+1. **measure** (:meth:`Engine._measure`): every gradient is read once, into this rank's per-parameter norms (and the
+   unit norms AGC asks for), for the norm types the policies request (``_stats_request``).
+2. **reduce** (:meth:`Engine._reduce`): at most ONE all-reduce carries the sharded norm contributions and the
+   per-rank scalars the policies name (``_reduce_request``: window loss, token counts) together, and, when a guard
+   asks for it, each rank's flag of non-finite local gradients: the finite flag, and so every skip decision, is
+   then the same on every rank. The inf-norm of sharded gradients is a maximum, not a sum: when a policy asks for
+   it, it takes a second all-reduce (:func:`~lightning_gradkit.core.norms.reduce_sharded`). The result is the
+   :class:`StepPlan`.
+3. **decide** (:func:`_decide`): each policy's ``_decide`` in stage order, ``SCALE`` (accumulation) -> ``GUARD``
+   (skip flags) -> ``CLIP`` (coefficient) -> ``OBSERVE``. Each reads the plan and writes its decision to it; none
+   reads the gradients.
+4. **apply** (:meth:`StepPlan.apply`): one ``torch._foreach_mul_`` per (device, dtype) group with the product of
    all scales, kept in fp32 (per-parameter factors, if any, are folded into that same pass), plus a clamp for value
    clipping. Sparse gradients are written through their values.
-5. ``_observe``: logging, on logging steps only.
+5. **observe** (:meth:`Engine._observe`): the skip count, and each policy's ``_observe`` (logging, on logging steps
+   only).
+
+A phase that has nothing to do this step costs nothing: no unit norms unless asked, no collective in a single
+process (nor without sharded gradients and per-rank scalars), no write when no policy scales or clips.
 
 Under 16-mixed AMP with an optimizer that unscales inside its own ``step`` (``fused=True``), Lightning does not
 call ``GradScaler.unscale_`` before ``on_before_optimizer_step``: the gradients the engine sees are still multiplied
@@ -31,11 +39,15 @@ One entry point: :meth:`Engine.run`. Every caller goes through it: each :class:`
 that the next run folds in, or a run of its own at ``step``). Nothing else writes the gradients.
 
 Once per set of gradients: the pipeline runs at the first call for an optimizer step, whoever makes it, and later
-calls for the same step find it done. An optimizer that evaluates its closure again inside ``step`` (``LBFGS``,
-SAM, line searches) produces new gradients within the same step: every backward advances ``Engine.generation``,
-and a call that sees a new generation and changed gradients of its optimizer is such an evaluation. It gets the
-step's accumulation scale and each callback's ``_decide_again`` (clipping of the fresh gradients), never a second
-decision: the skip, the guards' statistics and the logs belong to the first evaluation.
+calls for the same gradients find it done. An optimizer that evaluates its closure again inside ``step`` (``LBFGS``,
+SAM) produces new gradients within the same step: they are scaled and clipped, never decided again
+(:mod:`lightning_gradkit._closure` states the rule and holds its code).
+
+Map of this file, in order: :class:`Stage`; :class:`UnitNorms` and :class:`StepPlan` (the plan, its one write and
+the write kernels); :class:`StatsRequest`; what the engine reads of the Trainer (:func:`_pending_loss_scale`,
+:func:`is_logging_step`, :func:`flat_sharded`); :class:`Engine` (the per-Trainer registry, the policies, the
+parameter-index cache, :meth:`~Engine.run` and the phases); the gradient read (``_read_step``, ``_measure_units``,
+``_param_norms``); :class:`GradKitCallback`, the base every policy derives from, and :func:`log_metrics`.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradkit._arguments import name_list
+from lightning_gradkit._closure import Evaluation, Evaluations, decide_again
 from lightning_gradkit._compat import batches_that_stepped
 from lightning_gradkit._layout import verify_same_layout
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
@@ -80,7 +93,22 @@ from lightning_gradkit.core.norms import (
     world_size,
 )
 
+__all__ = [
+    "Engine",
+    "GradKitCallback",
+    "Stage",
+    "StatsRequest",
+    "StepPlan",
+    "UnitNorms",
+    "check_callback_instances",
+    "flat_sharded",
+    "is_logging_step",
+    "log_metrics",
+    "world_size",
+]
 
+
+# -- the plan and its one write ------------------------------------------------------------------------------------
 class Stage(IntEnum):
     """The order in which policies decide within one step."""
 
@@ -242,8 +270,11 @@ class StepPlan:
         The common factor (accumulation scale times clip coefficient) stays fp32 and multiplies each (device, dtype)
         run of gradients as it is, as ``torch.nn.utils.clip_grad_norm_`` does: rounding it to a low-precision dtype
         would move the clip by up to 0.4% (bf16). Per-parameter factors (AGC) are multiplied by it in fp32, then
-        cast to their own gradient's dtype. Sparse gradients are written through their values.
+        cast to their own gradient's dtype. Sparse gradients are written through their values. A plan that asks for
+        no write (the monitor alone) touches nothing.
         """
+        if self.scale is None and not self.clipped:
+            return
         common = self.scale
         if self.clip_coef is not None:
             common = self.clip_coef if common is None else common * self.clip_coef
@@ -336,20 +367,41 @@ def _scale_sparse_(grad: Tensor, factor: Tensor) -> None:
         values.mul_(rows.view(-1, *([1] * (values.ndim - 1))))
 
 
+def _clamp_(tensors: list[Tensor], bound: float) -> None:
+    """Clamp every tensor to ``[-bound, bound]`` in place: one ``_foreach`` call per bound where the fused
+    multi-tensor kernel exists (CUDA), one ``clamp_`` pass per tensor on CPU, where ``_foreach`` would read each
+    tensor twice."""
+    if tensors[0].device.type == "cpu":
+        for t in tensors:
+            t.clamp_(-bound, bound)
+    else:
+        torch._foreach_clamp_min_(tensors, -bound)
+        torch._foreach_clamp_max_(tensors, bound)
+
+
+# -- what the engine reads of the policies and of the Trainer ------------------------------------------------------
 @dataclass
 class StatsRequest:
+    """What the measure phase reads this step: the union of the policies' ``_stats_request``.
+
+    Attributes:
+        norm_types: the norm types of the per-parameter norms (2.0 when no policy asks for one).
+        depth: module depth of the per-module norms (``ParamIndex`` groups).
+        unit_norm_names: parameters whose unit-wise 2-norms are measured (AGC), see :class:`UnitNorms`.
+        rank_flags: make the finite flag global: every rank's local flag travels in the step's collective.
+    """
+
     norm_types: set[float] = field(default_factory=set)
     depth: int = 0
     unit_norm_names: set[str] = field(default_factory=set)
-    # Make the finite flag global: every rank's local flag travels in the step's collective (see `Engine.run`).
     rank_flags: bool = False
 
 
 # Key in `StepPlan.reduced` of the per-rank flags: `[world_size]`, 1.0 where a rank's own gradients were non-finite.
-NONFINITE_GRAD_RANKS = "gradkit/nonfinite_grad_ranks"
+_NONFINITE_GRAD_RANKS = "gradkit/nonfinite_grad_ranks"
 
 
-def pending_loss_scale(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor | None:
+def _pending_loss_scale(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor | None:
     """The AMP loss scale the optimizer's gradients are still multiplied by, or ``None`` when they are unscaled.
 
     Lightning unscales before ``on_before_optimizer_step`` except for optimizers that unscale inside ``step``
@@ -381,6 +433,7 @@ def flat_sharded(trainer: pl.Trainer) -> bool:
     return isinstance(trainer.strategy, FSDPStrategy) and trainer.world_size > 1
 
 
+# -- the engine ----------------------------------------------------------------------------------------------------
 class Engine:
     """One per Trainer; shared by all gradkit callbacks of that Trainer."""
 
@@ -388,7 +441,7 @@ class Engine:
 
     def __init__(self) -> None:
         self._indexes: dict[tuple[int, int], _CachedIndex] = {}
-        self._runs: dict[int, _Run] = {}
+        self._evaluations = Evaluations()
         self.last_plans: dict[int, StepPlan] = {}
         self.skipped_steps: Tensor | None = None
         self._layout_verified = False
@@ -406,7 +459,7 @@ class Engine:
     def reset(self) -> None:
         """Forget the parameter indexes (parameters may be replaced between fits, e.g. by sharding)."""
         self._indexes.clear()
-        self._runs.clear()
+        self._evaluations.clear()
         self.last_plans.clear()
         self.skipped_steps = None
         self._layout_verified = False
@@ -428,13 +481,6 @@ class Engine:
     def discard_pending_scale(self, policy: GradKitCallback) -> None:
         """Forget ``policy`` if no run has used it."""
         self._pending_scales = [(p, o) for p, o in self._pending_scales if p is not policy]
-
-    def _with_pending_scales(self, cbs: list[GradKitCallback], optimizer: Optimizer) -> list[GradKitCallback]:
-        taken = [p for p, o in self._pending_scales if o is None or o is optimizer]
-        if not taken:
-            return cbs
-        self._pending_scales = [(p, o) for p, o in self._pending_scales if not (o is None or o is optimizer)]
-        return sorted([*cbs, *taken], key=lambda cb: cb._stage)
 
     @staticmethod
     def callbacks(trainer: pl.Trainer, extra: Sequence[GradKitCallback] = ()) -> list[GradKitCallback]:
@@ -496,8 +542,7 @@ class Engine:
 
     def step_plan(self, trainer: pl.Trainer, optimizer: Optimizer) -> StepPlan | None:
         """The plan decided for ``optimizer``'s current step (its first evaluation), ``None`` if none ran yet."""
-        run = self._runs.get(id(optimizer))
-        if run is None or run.step != _step_key(trainer):
+        if not self._evaluations.ran(optimizer, _step_key(trainer)):
             return None
         return self.last_plans.get(id(optimizer))
 
@@ -511,19 +556,15 @@ class Engine:
         """Run the step's pipeline once per set of gradients of an optimizer step; ``None`` when it already ran.
 
         A closure evaluated again within the step (new gradients) gets a plan that only scales and clips them (see
-        the module docstring); the step's decision stays in ``last_plans``.
+        :mod:`lightning_gradkit._closure`); the step's decision stays in ``last_plans``.
 
         ``extra`` adds policies that are not in ``trainer.callbacks`` (the manual-optimization entry point).
         """
         step = _step_key(trainer)
-        previous = self._runs.get(id(optimizer))
-        first: StepPlan | None = None
-        if previous is not None and previous.step == step:
-            if previous.generation == self.generation or (
-                previous.versions is not None and previous.versions == _grad_versions(optimizer)
-            ):
-                return None  # the same gradients, or a backward that did not touch this optimizer's
-            first = self.last_plans[id(optimizer)]
+        evaluation = self._evaluations.classify(optimizer, step, self.generation)
+        if evaluation is Evaluation.SAME:
+            return None
+        first = self.last_plans[id(optimizer)] if evaluation is Evaluation.LATER else None
         with torch.no_grad():
             return self._run(trainer, pl_module, optimizer, extra, step, first)
 
@@ -536,87 +577,170 @@ class Engine:
         step: tuple[int, int],
         first: StepPlan | None,
     ) -> StepPlan:
-        cbs = self.callbacks(trainer, extra)
-        cbs = self._with_pending_scales(cbs, optimizer)
-        request = StatsRequest()
-        for cb in cbs:
-            cb._stats_request(request)
-        if not request.norm_types:
-            request.norm_types.add(2.0)
+        """The phases of one set of gradients: measure -> reduce -> decide -> apply -> observe.
 
+        ``first`` is the step's plan when these gradients come from a later evaluation of its closure: they are
+        decided again (scaled and clipped) and not observed.
+        """
+        policies = self._policies(trainer, optimizer, extra)
+        request = _stats_request(policies)
+        measured = self._measure(trainer, pl_module, optimizer, request)
+        plan = self._reduce(trainer, pl_module, optimizer, policies, request, measured)
+        _decide(plan, first, policies, trainer, pl_module)
+        plan.apply()
+        # After the write, which bumps the gradients' versions: a later call must find these written ones the same.
+        self._evaluations.record(optimizer, step, self.generation, shared=len(trainer.optimizers) > 1)
+        if first is None:
+            self._observe(plan, policies, trainer, pl_module)
+        plan.release_gradients()  # a plan kept after its step must not keep its gradients alive
+        return plan
+
+    # -- the phases ------------------------------------------------------------------------------------------------
+    def _policies(
+        self, trainer: pl.Trainer, optimizer: Optimizer, extra: Sequence[GradKitCallback]
+    ) -> list[GradKitCallback]:
+        """The step's policies in stage order: the Trainer's gradkit callbacks, ``extra`` and the pending scales
+        for ``optimizer`` (taken: each is used by one run)."""
+        taken = [p for p, o in self._pending_scales if o is None or o is optimizer]
+        if taken:
+            self._pending_scales = [(p, o) for p, o in self._pending_scales if not (o is None or o is optimizer)]
+        return self.callbacks(trainer, [*extra, *taken])
+
+    def _measure(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, request: StatsRequest
+    ) -> _Measured:
+        """Measure: read every gradient once into this rank's per-parameter norms (and unit norms, if asked).
+
+        Norms are divided by the AMP loss scale while the gradients still carry it (see the module docstring), so
+        every later phase works in unscaled units.
+        """
         index = self._index(trainer, pl_module, optimizer, request.depth)
         grads, present, run_ids, bounds, absent = _read_step(index)
         if any(not steps_in_optimizer(index.params[i]) for i in absent):  # frozen since the index was built
             self._forget_index(optimizer, request.depth)
             index = self._index(trainer, pl_module, optimizer, request.depth)
             grads, present, run_ids, bounds, absent = _read_step(index)
-        missing = [index.names[i] for i in absent]
-
-        extras: dict[str, Tensor] = {}
-        for cb in cbs:
-            extras.update(cb._reduce_request(trainer, pl_module))
-
-        loss_scale = pending_loss_scale(trainer, optimizer)
-        unit_norms = _measure_units(index, grads, present, request.unit_norm_names)
+        scale = _pending_loss_scale(trainer, optimizer)
+        units = _measure_units(index, grads, present, request.unit_norm_names)
         local: dict[float, Tensor] = {}
         for p in sorted(request.norm_types):
-            norms = _param_norms(grads, p, unit_norms if p == 2.0 else None, bounds).to(index.shard_weight.device)
-            if loss_scale is not None:
-                norms = norms / loss_scale
+            # The unit norms already read the gradients AGC names: their 2-norms derive from them.
+            norms = _param_norms(grads, p, units if p == 2.0 else None, bounds).to(index.shard_weight.device)
+            if scale is not None:
+                norms = norms / scale
             local[p] = fill_present(norms, present, index.num_params)
-
-        if unit_norms is not None:
-            unit_norms = UnitNorms(
-                [present[j] for j in unit_norms.positions],
-                unit_norms.sizes,
-                unit_norms.flat if loss_scale is None else unit_norms.flat / loss_scale,
+        if units is not None:
+            units = UnitNorms(
+                [present[j] for j in units.positions], units.sizes, units.flat if scale is None else units.flat / scale
             )
+        return _Measured(index, grads, present, run_ids, bounds, [index.names[i] for i in absent], local, units, scale)
+
+    def _reduce(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: Optimizer,
+        policies: list[GradKitCallback],
+        request: StatsRequest,
+        measured: _Measured,
+    ) -> StepPlan:
+        """Reduce: one collective for the sharded norms and the policies' per-rank scalars; the plan's statistics.
+
+        Nothing is reduced in a single process, nor without sharded gradients and per-rank scalars
+        (:func:`~lightning_gradkit.core.norms.reduce_sharded`).
+        """
+        index = measured.index
+        extras: dict[str, Tensor] = {}
+        for policy in policies:
+            extras.update(policy._reduce_request(trainer, pl_module))
         if request.rank_flags and world_size() > 1:
             # A rank's gradients can turn non-finite after the DDP all-reduce (a hook, `on_after_backward`, a faulty
             # kernel): its flags then differ from the others'. Summed in the one collective, every rank sees them all.
-            extras[NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(local, index.shard_weight.device)
-        norms_by_p, reduced = reduce_sharded(index, local, extras)
-        stats = {p: derive_stats(index, norms_by_p[p], p, missing) for p in local}
-        if NONFINITE_GRAD_RANKS in reduced:
-            anywhere = reduced[NONFINITE_GRAD_RANKS].sum() > 0
+            extras[_NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(measured.local, index.shard_weight.device)
+        norms_by_p, reduced = reduce_sharded(index, measured.local, extras)
+        stats = {p: derive_stats(index, norms_by_p[p], p, measured.missing) for p in measured.local}
+        if _NONFINITE_GRAD_RANKS in reduced:
+            anywhere = reduced[_NONFINITE_GRAD_RANKS].sum() > 0
             for grad_stats in stats.values():
                 grad_stats.finite = grad_stats.finite & ~anywhere
-        primary = next((p for p in (cb._primary_norm_type() for cb in cbs) if p is not None), None)
-        plan = StepPlan(
+        primary = next((p for p in (policy._primary_norm_type() for policy in policies) if p is not None), None)
+        return StepPlan(
             optimizer=optimizer,
             optimizer_idx=_optimizer_index(trainer, optimizer),
             index=index,
-            grads=grads,
-            present=present,
+            grads=measured.grads,
+            present=measured.present,
             stats=stats,
             reduced=reduced,
             primary_norm_type=primary if primary is not None else min(stats),
             logging_step=is_logging_step(trainer, None),
-            loss_scale=loss_scale,
-            unit_norms=unit_norms,
-            run_ids=run_ids,
-            run_bounds=bounds,
+            loss_scale=measured.loss_scale,
+            unit_norms=measured.unit_norms,
+            run_ids=measured.run_ids,
+            run_bounds=measured.bounds,
         )
-        if first is not None:  # a later evaluation of the step's closure: clip again, decide nothing new
-            plan.scale = first.scale
-            for cb in cbs:
-                cb._decide_again(plan, first, trainer, pl_module)
-        else:
-            for cb in cbs:
-                cb._decide(plan, trainer, pl_module)
-        plan.apply()
-        self._runs[id(optimizer)] = _Run(step, self.generation, _versions_if_shared(trainer, optimizer))
-        if first is None:
-            if plan.skip is not None:
-                count = plan.skip.to(torch.float32)
-                self.skipped_steps = count if self.skipped_steps is None else self.skipped_steps + count
-            self.last_plans[id(optimizer)] = plan
-            for cb in cbs:
-                cb._observe(plan, trainer, pl_module)
-            if self.skipped_steps is not None and plan.logging_step:
-                log_metrics(trainer, pl_module, {"gradkit/skipped_steps": self.skipped_steps})
-        plan.release_gradients()
-        return plan
+
+    def _observe(
+        self, plan: StepPlan, policies: list[GradKitCallback], trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> None:
+        """Observe (a step's first evaluation only): keep the decision for the gate, count a skip, let the policies
+        log. Off logging steps nothing here reads a value to the host."""
+        if plan.skip is not None:
+            count = plan.skip.to(torch.float32)
+            self.skipped_steps = count if self.skipped_steps is None else self.skipped_steps + count
+        self.last_plans[id(plan.optimizer)] = plan
+        for policy in policies:
+            policy._observe(plan, trainer, pl_module)
+        if self.skipped_steps is not None and plan.logging_step:
+            log_metrics(trainer, pl_module, {"gradkit/skipped_steps": self.skipped_steps})
+
+
+def _stats_request(policies: list[GradKitCallback]) -> StatsRequest:
+    """What the measure phase reads: the union of the policies' requests (the 2-norm when none asks)."""
+    request = StatsRequest()
+    for policy in policies:
+        policy._stats_request(request)
+    if not request.norm_types:
+        request.norm_types.add(2.0)
+    return request
+
+
+def _decide(
+    plan: StepPlan,
+    first: StepPlan | None,
+    policies: list[GradKitCallback],
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+) -> None:
+    """Decide: each policy in stage order reads the plan's statistics and writes its decision (no gradient is read,
+    nothing syncs). A later evaluation of the step's closure decides nothing new (:func:`decide_again`)."""
+    if first is not None:
+        decide_again(plan, first, policies, trainer, pl_module)
+        return
+    for policy in policies:
+        policy._decide(plan, trainer, pl_module)
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What the measure phase read: the gradients (see :func:`_read_grads`) and this rank's norms of them.
+
+    Attributes:
+        missing: names of the indexed parameters without a gradient at this step.
+        local: per norm type, ``[P]`` per-parameter norms of this rank's gradients (local shards), unscaled.
+        unit_norms: AGC's unit norms, at index positions, unscaled.
+        loss_scale: the AMP loss scale the gradients still carry, or ``None``.
+    """
+
+    index: ParamIndex
+    grads: list[Tensor]
+    present: list[int]
+    run_ids: list[int]
+    bounds: list[tuple[int, int]] | None
+    missing: list[str]
+    local: dict[float, Tensor]
+    unit_norms: UnitNorms | None
+    loss_scale: Tensor | None
 
 
 @dataclass(frozen=True)
@@ -629,34 +753,17 @@ class _CachedIndex:
     index: ParamIndex
 
 
-@dataclass(frozen=True)
-class _Run:
-    """When the engine last ran for an optimizer: its step, the backward generation, its gradients after the write."""
-
-    step: tuple[int, int]
-    generation: int
-    versions: tuple[tuple[int, int], ...] | None
-
-
+# -- the gradient read and the measure phase's helpers -------------------------------------------------------------
 def _step_key(trainer: pl.Trainer) -> tuple[int, int]:
     """One optimizer step of one optimizer: ``global_step`` counts every attempted step (manual optimization too)."""
     return trainer.global_step, trainer.fit_loop.total_batch_idx
 
 
-def _versions_if_shared(trainer: pl.Trainer, optimizer: Optimizer) -> tuple[tuple[int, int], ...] | None:
-    """The gradient versions of ``optimizer`` when the Trainer has several optimizers, else ``None``.
-
-    With one optimizer every backward within its step writes its gradients, so the generation alone tells a new
-    evaluation; reading the versions of every gradient would cost a host call per tensor every step."""
-    return _grad_versions(optimizer) if len(trainer.optimizers) > 1 else None
-
-
-def _grad_versions(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
-    """Identity and in-place version of every gradient of ``optimizer``: a backward that wrote into them (or new
-    ones after ``zero_grad``) changes it, a backward into other parameters does not. Host metadata only."""
-    return tuple(
-        (id(p.grad), p.grad._version) for group in optimizer.param_groups for p in group["params"] if p.grad is not None
-    )
+def _optimizer_index(trainer: pl.Trainer, optimizer: Optimizer) -> int:
+    for i, opt in enumerate(trainer.optimizers):
+        if opt is optimizer or getattr(opt, "_optimizer", None) is optimizer:
+            return i
+    return 0
 
 
 def _local_nonfinite_flags(local: dict[float, Tensor], device: torch.device) -> Tensor:
@@ -765,25 +872,7 @@ def _param_norms(
     return out
 
 
-def _clamp_(tensors: list[Tensor], bound: float) -> None:
-    """Clamp every tensor to ``[-bound, bound]`` in place: one ``_foreach`` call per bound where the fused
-    multi-tensor kernel exists (CUDA), one ``clamp_`` pass per tensor on CPU, where ``_foreach`` would read each
-    tensor twice."""
-    if tensors[0].device.type == "cpu":
-        for t in tensors:
-            t.clamp_(-bound, bound)
-    else:
-        torch._foreach_clamp_min_(tensors, -bound)
-        torch._foreach_clamp_max_(tensors, bound)
-
-
-def _optimizer_index(trainer: pl.Trainer, optimizer: Optimizer) -> int:
-    for i, opt in enumerate(trainer.optimizers):
-        if opt is optimizer or getattr(opt, "_optimizer", None) is optimizer:
-            return i
-    return 0
-
-
+# -- the policies' base class --------------------------------------------------------------------------------------
 def check_callback_instances(trainer: pl.Trainer) -> None:
     """Refuse a callback class given to the Trainer instead of an instance (``callbacks=[ZClip]``).
 
@@ -846,37 +935,38 @@ class GradKitCallback(Callback):
     ) -> None:
         Engine.of(trainer).run(trainer, pl_module, optimizer)
 
-    # -- engine steps -------------------------------------------------------------------------------------------
+    # -- the engine's phases, as a policy takes part in them -------------------------------------------------------
     def _needs_step_control(self) -> bool:
         """Whether this callback may ask the strategy to skip an optimizer step (needs a GradKit strategy)."""
         return False
 
     def _stats_request(self, request: StatsRequest) -> None:
-        """Add the norm types and module depth this callback reads."""
+        """Measure: add the norm types and module depth this callback reads."""
 
     def _primary_norm_type(self) -> float | None:
         """The norm type whose statistics are logged as the step's gradient norm (the monitor's)."""
         return None
 
     def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
-        """Per-rank scalars to be summed across ranks in the step's single collective (keys must be unique)."""
+        """Reduce: per-rank scalars to be summed across ranks in the step's single collective (keys must be unique)."""
         return {}
 
     def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Read the plan's statistics and write a decision into it. Must not read gradients or sync."""
+        """Decide: read the plan's statistics and write a decision into it. Must not read gradients or sync."""
 
     def _decide_again(
         self, plan: StepPlan, first: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> None:
-        """A later evaluation of the closure within the same optimizer step (``LBFGS``, SAM): ``plan`` holds the
-        fresh gradients' statistics and the step's accumulation scale, ``first`` the step's decision. Write what
-        applies to every evaluation's gradients (clipping); forget what this evaluation's micro-batch hooks collected
-        for a decision (the step was decided on the first evaluation). Must not read gradients or sync."""
+        """Decide, for a later evaluation of the closure within the same optimizer step (``LBFGS``, SAM; see
+        :mod:`lightning_gradkit._closure`): ``plan`` holds the fresh gradients' statistics and the step's accumulation
+        scale, ``first`` the step's decision. Write what applies to every evaluation's gradients (clipping); forget
+        what this evaluation's micro-batch hooks collected for a decision (the step was decided on the first
+        evaluation). Must not read gradients or sync."""
 
     def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After the gradients are written: log on logging steps."""
+        """Observe, after the gradients are written: log on logging steps."""
 
-    # -- checkpoints inside an accumulation window ----------------------------------------------------------------
+    # -- checkpoints inside an accumulation window -----------------------------------------------------------------
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:

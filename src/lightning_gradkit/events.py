@@ -25,13 +25,24 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+__all__ = [
+    "EVENTS_FILENAME",
+    "METADATA_FILENAME",
+    "EventLog",
+    "events_dir",
+    "read_metadata",
+    "write_metadata",
+    "write_rank_event",
+]
+
+
 EVENTS_FILENAME = "gradkit_events.jsonl"
 #: A small JSON record next to the events file: what the logged metrics alone do not tell a reader of the run, such
 #: as the model order of the per-module rows (``CSVLogger`` sorts its columns by name).
 METADATA_FILENAME = "gradkit_run.json"
 # Where the events go when the Trainer has no logger and no `default_root_dir` of its own: Lightning's default log
 # folder (its default logger writes there too), never the bare working directory.
-FALLBACK_DIRNAME = "lightning_logs"
+_FALLBACK_DIRNAME = "lightning_logs"
 
 # Files whose write already failed once in this process: the warning is given once per file.
 _failed_paths: set[Path] = set()
@@ -51,20 +62,20 @@ def events_dir(trainer: pl.Trainer) -> Path:
         return Path(directory)
     root = Path(trainer.default_root_dir)
     if root.resolve() == Path.cwd().resolve():
-        return root / FALLBACK_DIRNAME
+        return root / _FALLBACK_DIRNAME
     return root
 
 
-def jsonable(value: Any) -> Any:
+def _jsonable(value: Any) -> Any:
     """``value`` as plain JSON: tensors become numbers or lists, non-finite floats the strings ``"nan"``/``"inf"``."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().tolist()
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
+        return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
+        return [_jsonable(v) for v in value]
     if isinstance(value, (str, int, bool)) or value is None:
         return value
     if isinstance(value, float):
@@ -122,7 +133,7 @@ class EventLog:
             **extra,
         }
         try:
-            self._append(json.dumps(jsonable(record), allow_nan=False) + "\n")
+            self._append(json.dumps(_jsonable(record), allow_nan=False) + "\n")
         except (OSError, TypeError, ValueError) as err:
             # A guard writes its event at the step it acts on: the event log must never be what stops training.
             self._warn_failed(err)
@@ -189,7 +200,7 @@ def write_metadata(directory: str | Path, **fields: Any) -> None:
     """
     path = Path(directory) / METADATA_FILENAME
     try:
-        record = {**read_metadata(directory), **jsonable(fields)}
+        record = {**read_metadata(directory), **_jsonable(fields)}
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")
         partial.write_text(json.dumps(record, indent=1) + "\n")

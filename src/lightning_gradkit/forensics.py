@@ -64,6 +64,8 @@ from torch.utils.hooks import RemovableHandle
 from lightning_gradkit.core.norms import clean_name, is_ddp_wrapped, loss_scale
 from lightning_gradkit.replay import RNGState, replay
 
+__all__ = ["Finding", "all_finite", "describe_error", "find_nonfinite_origin", "replay_training_step"]
+
 
 @dataclass
 class Finding:

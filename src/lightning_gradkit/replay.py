@@ -42,6 +42,9 @@ from torch import Tensor, nn
 
 from lightning_gradkit._compat import metric_state_names, shadowed
 
+__all__ = ["RNGState", "capture_rng", "preserved_state", "replay", "replaying", "restore_rng"]
+
+
 _depth = 0
 
 
@@ -156,7 +159,7 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 
 
 @contextmanager
-def silenced_logging(module: nn.Module) -> Iterator[None]:
+def _silenced_logging(module: nn.Module) -> Iterator[None]:
     """``self.log`` / ``self.log_dict`` of a LightningModule do nothing inside (instance attributes shadow them)."""
     with shadowed(module, log=_no_log, log_dict=_no_log):
         yield
@@ -182,7 +185,7 @@ def replay(module: nn.Module, rng: RNGState | None = None) -> Iterator[None]:
     global _depth
     _depth += 1
     try:
-        with preserved_state(module, rng), silenced_logging(module):
+        with preserved_state(module, rng), _silenced_logging(module):
             yield
     finally:
         _depth -= 1

@@ -44,6 +44,25 @@ from typing import Any
 from lightning_gradkit.events import EVENTS_FILENAME as EVENTS_FILE
 from lightning_gradkit.events import read_metadata
 
+__all__ = [
+    "INSTALL_HINT",
+    "REPORT_FILE",
+    "RunData",
+    "build_figure",
+    "cell_reach",
+    "event_label",
+    "is_sparse",
+    "is_validation_event",
+    "isolated_points",
+    "load_run",
+    "logged_steps_text",
+    "main",
+    "render",
+    "render_data",
+    "step_lattice",
+]
+
+
 REPORT_FILE = "gradient_report.png"
 #: How to install matplotlib, for error messages: lightning_gradkit is installed from a checkout, not an index.
 INSTALL_HINT = (

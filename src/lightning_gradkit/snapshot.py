@@ -33,6 +33,8 @@ from torch.optim import Optimizer
 
 from lightning_gradkit.core.norms import local_tensor
 
+__all__ = ["HostSnapshot", "trained_parameters"]
+
 
 @dataclass
 class _ParamState:

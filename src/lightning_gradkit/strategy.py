@@ -26,12 +26,8 @@ plan of the current step's gradients (``Engine.step_plan``): whoever ran the eng
 closure, what PyTorch's optimizers return).
 
 Optimizers that evaluate the closure several times per step (``LBFGS``, SAM, line searches): the skip is decided
-on the FIRST evaluation's gradients, which the gate runs before calling the optimizer. The optimizer's first call
-of the closure returns that evaluation's result (its gradients are already there); every later call runs the real
-closure (training step, backward, ``on_before_optimizer_step``), and the engine scales and clips those fresh
-gradients as Lightning's ``gradient_clip_val`` clips every evaluation, without deciding or logging again (adaptive
-clippers use the threshold of the first evaluation; guards are not fed twice). A later evaluation is not guarded:
-once the optimizer runs, the step is applied.
+on the first evaluation, which the gate runs before calling the optimizer; later evaluations are scaled and clipped,
+never decided. :mod:`lightning_gradkit._closure` holds the rule and both halves of its code.
 
 Step-interval LR schedulers follow the applied steps. Lightning steps one with ``frequency=f`` after an optimizer
 step when ``batch_idx + 1`` (batches of the epoch so far) is a multiple of ``f``. Under the gate the batches of
@@ -47,6 +43,11 @@ scheduler is about to step, after the optimizer step has been queued. ``trainer.
 optimizer steps, as Lightning does when the ``GradScaler`` skips one: ``max_steps``, logging and checkpoint periods
 keep following batches, while ``gradkit/skipped_steps`` counts the skipped ones, and after a rollback the rewound
 ones too (applied steps = ``global_step - skipped_steps``).
+
+Map of this file, in order: which Trainers need the gate (``_needs_step_control``) and the strategy to name in
+errors (:func:`gradkit_strategy_hint`); the LR-schedule counts (``_ScheduleCount``) and the stand-in for
+``lr_scheduler_step`` (``_SchedulerGate``); :class:`GradKitStrategyMixin`: its Lightning hooks, the gate, the LR
+schedulers and its part of a step's state; ``_fused_step`` (the ``found_inf`` path); the four GradKit strategies.
 """
 
 from __future__ import annotations
@@ -69,17 +70,30 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradkit._closure import first_evaluation
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device, shadowed
 from lightning_gradkit.core._torch_compat import handles_found_inf
 from lightning_gradkit.core.buffers import BufferGuard
 from lightning_gradkit.engine import Engine, GradKitCallback, StepPlan, check_callback_instances
 from lightning_gradkit.replay import replaying
 
+__all__ = [
+    "GradKitDDPStrategy",
+    "GradKitFSDPStrategy",
+    "GradKitModelParallelStrategy",
+    "GradKitSingleDeviceStrategy",
+    "GradKitStrategyMixin",
+    "gradkit_strategy_hint",
+    "handles_found_inf",
+    "register_strategies",
+]
+
+
 # Checkpoint key of the LR-schedule counts (see the module docstring).
 _SCHEDULE_KEY = "gradkit_lr_schedule"
 
 
-def needs_step_control(trainer: pl.Trainer) -> bool:
+def _needs_step_control(trainer: pl.Trainer) -> bool:
     """Whether any gradkit callback of ``trainer`` may ask for an optimizer step to be skipped."""
     return any(cb._needs_step_control() for cb in trainer.callbacks if isinstance(cb, GradKitCallback))
 
@@ -202,7 +216,7 @@ class GradKitStrategyMixin:
         self._gradkit_pending: dict[int, tuple[int, int, StepPlan | None]] = {}
         self._gradkit_counts: dict[int, _ScheduleCount] = {}
         self._gradkit_frequencies: dict[int, int] = {}
-        self._gradkit_gate_active = needs_step_control(trainer) and trainer.state.fn == TrainerFn.FITTING
+        self._gradkit_gate_active = _needs_step_control(trainer) and trainer.state.fn == TrainerFn.FITTING
         if not self._gradkit_gate_active:
             return
         module = trainer.lightning_module
@@ -291,15 +305,15 @@ class GradKitStrategyMixin:
         def gated_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
             result = None
             if closure is not None:
-                with torch.enable_grad():
-                    result = closure()
-                kwargs["closure"] = _later_evaluations(closure, result)
+                # Decide on the first evaluation before the optimizer can apply anything (see `_closure`).
+                result, kwargs["closure"] = first_evaluation(closure)
             plan: StepPlan | None = engine.step_plan(trainer, optimizer)
-            if plan is None or plan.skip is None:
+            if plan is None or plan.skip is None:  # no policy asked for a skip this step: nothing to read
                 return inner(**kwargs)
             if fused:
+                # The kernel reads the flag on device: no host sync, and the skip is as exact as the GradScaler's.
                 return _fused_step(optimizer, inner, plan.skip, kwargs)
-            if plan.skip_on_host():
+            if plan.skip_on_host():  # the one host read the design allows, shared with whoever asks next
                 return result
             return inner(**kwargs)
 
@@ -379,19 +393,6 @@ class GradKitStrategyMixin:
         index = next((i for i, opt in enumerate(self._gradkit_trainer.optimizers) if opt is optimizer), 0)
         count = self._gradkit_counts.get(index)
         return count is None or not count.due(self._gradkit_frequencies[id(config)])
-
-
-def _later_evaluations(closure: Callable[[], Any], first: Any) -> Callable[[], Any]:
-    """The closure handed to the optimizer: its first call returns the evaluation the gate already ran (whose
-    gradients are in place); every later call runs the real closure again, for fresh gradients."""
-    calls = 0
-
-    def evaluate() -> Any:
-        nonlocal calls
-        calls += 1
-        return first if calls == 1 else closure()
-
-    return evaluate
 
 
 def _fused_step(optimizer: Optimizer, inner: Callable[..., Any], skip: Tensor, kwargs: dict[str, Any]) -> Any:

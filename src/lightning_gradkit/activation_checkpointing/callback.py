@@ -37,6 +37,8 @@ from lightning_gradkit.activation_checkpointing.planner import (
 from lightning_gradkit.core.selection import parse_patterns
 from lightning_gradkit.replay import replay
 
+__all__ = ["ActivationCheckpointing"]
+
 
 class ActivationCheckpointing(Callback):
     r"""Checkpoint selected submodules of the model, or as few as a memory budget needs, with no model change.

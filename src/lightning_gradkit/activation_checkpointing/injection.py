@@ -40,6 +40,24 @@ from lightning_gradkit._arguments import validate_every_n
 from lightning_gradkit.core.norms import clean_name, is_ddp_wrapped
 from lightning_gradkit.core.selection import NamePattern, no_match_hint, parse_patterns
 
+__all__ = [
+    "MODES",
+    "SAVE_POLICIES",
+    "CheckpointMode",
+    "bypass_checkpointing",
+    "checkpointed_elsewhere",
+    "inject",
+    "inject_activation_checkpointing",
+    "injected_mode",
+    "module_ancestry",
+    "no_match_message",
+    "remove",
+    "select_modules",
+    "selective_policy",
+    "user_class",
+]
+
+
 CheckpointMode = Literal["full", "selective"]
 MODES: tuple[str, ...] = ("full", "selective")
 
@@ -125,7 +143,7 @@ def _ops(*names: str) -> frozenset[torch._ops.OpOverload]:
 
 # Compute-bound ops whose outputs selective checkpointing keeps (torchtitan's ``_save_list``; ``aten.linear`` and
 # ``aten.matmul`` decompose into these before the dispatcher sees them).
-SAVED_MATMUL_OPS = _ops(
+_SAVED_MATMUL_OPS = _ops(
     "aten.mm.default",
     "aten.addmm.default",
     "aten.bmm.default",
@@ -134,7 +152,7 @@ SAVED_MATMUL_OPS = _ops(
     "aten.convolution.default",
     "_c10d_functional.reduce_scatter_tensor.default",
 )
-SAVED_ATTENTION_OPS = _ops(
+_SAVED_ATTENTION_OPS = _ops(
     "aten._scaled_dot_product_flash_attention.default",
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_cudnn_attention.default",
@@ -164,9 +182,9 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoint
 
     Used with :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`.
     """
-    if op in SAVED_ATTENTION_OPS:
+    if op in _SAVED_ATTENTION_OPS:
         return CheckpointPolicy.MUST_SAVE if _dropout_p(op, args, kwargs) == 0.0 else CheckpointPolicy.PREFER_RECOMPUTE
-    if op in SAVED_MATMUL_OPS and torch.Tag.nondeterministic_seeded not in op.tags:
+    if op in _SAVED_MATMUL_OPS and torch.Tag.nondeterministic_seeded not in op.tags:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -285,7 +303,7 @@ def _composable_checkpointed(module: nn.Module) -> bool:
     return bool(registry) and "checkpoint" in registry
 
 
-def checkpointed_by(module: nn.Module, parent: nn.Module | None = None, own: bool = True) -> str | None:
+def _checkpointed_by(module: nn.Module, parent: nn.Module | None = None, own: bool = True) -> str | None:
     """Who already checkpoints ``module``: this package (unless ``own=False``), ``checkpoint_wrapper`` (``module``
     or ``parent`` is an ``ActivationWrapper``), composable ``checkpoint``, or Hugging Face's
     ``gradient_checkpointing_enable()``; None if nothing does."""
@@ -319,7 +337,7 @@ def checkpointed_elsewhere(
     ``ancestry`` is ``module_ancestry(root)``, computed once when checking many modules."""
     chain = (ancestry if ancestry is not None else module_ancestry(root)).get(id(module), [])
     for depth, (m, parent) in enumerate(zip([module, *chain], [*chain, None], strict=True)):
-        who = checkpointed_by(m, parent, own=own or depth > 0)
+        who = _checkpointed_by(m, parent, own=own or depth > 0)
         if who is not None:
             return who
     return None

@@ -28,6 +28,16 @@ from torch.utils.checkpoint import (
 
 from lightning_gradkit.activation_checkpointing.injection import SAVE_POLICIES, selective_policy
 
+__all__ = [
+    "ActivationProfile",
+    "budget_bytes",
+    "format_bytes",
+    "format_summary",
+    "measure_saved_activations",
+    "plan_checkpointing",
+]
+
+
 # Measurement
 # ----------------------------------------------------------------------------------------------------------------
 

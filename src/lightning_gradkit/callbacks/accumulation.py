@@ -4,6 +4,11 @@
 gradients early and checks that windows start clean; :class:`ManualAccumulator` does the same for manual
 optimization. The scale math is in :mod:`lightning_gradkit.core.accumulate`; both hand their factor to the engine,
 which applies it in its one gradient write.
+
+Map of this file, in order: :class:`AccumulationGuard` (a ``Stage.SCALE`` policy of the engine: its ``_decide``
+multiplies the plan's scale, its ``_decide_again`` forgets the token count of a later closure evaluation); the
+``_WindowScale`` policy, one ended manual window's scale, which :class:`ManualAccumulator` hands the engine as a
+pending scale (``Engine.add_pending_scale``); :class:`ManualAccumulator`.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from lightning_gradkit.core.accumulate import (
 from lightning_gradkit.core.norms import local_tensor
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan, is_logging_step, world_size
 from lightning_gradkit.replay import replaying
+
+__all__ = ["AccumulationGuard", "ManualAccumulator", "OnDirty"]
+
 
 OnDirty = Literal["warn", "raise"]
 _TOKENS_REDUCE_KEY = "accumulation/tokens"

@@ -4,6 +4,13 @@ Every clipping callback decides at the optimizer-step boundary (``on_before_opti
 the DDP all-reduce and the accumulation window) from the norms the engine measured once, writes a coefficient into
 the step's plan, and the engine multiplies the gradients once, with no host sync. The algorithms themselves live in
 :mod:`lightning_gradkit.core.clip`.
+
+Map of this file, in order: what a clipper keeps of a step for logging (``_Decision``, ``_Lazy``); the shared base
+``_GradClipCallback`` (per-optimizer policies, the one-clipper check, logging, state, and ``_decide_again`` for the
+later closure evaluations of :mod:`lightning_gradkit._closure`); the scalar clippers on the total norm
+(:class:`ClipGradNorm`, :class:`AutoClip`, :class:`ZClip`); :class:`ClipGradValue`; the unit-wise
+:class:`AdaptiveGradClip` and its parameter selection; :func:`clip_gradients`, the manual-optimization entry point,
+which runs the engine with the clipper as an ``extra`` policy.
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ from lightning_gradkit.engine import (
     log_metrics,
     world_size,
 )
+
+__all__ = ["AdaptiveGradClip", "AutoClip", "ClipGradNorm", "ClipGradValue", "ZClip", "clip_gradients"]
+
 
 #: Clipped-step flags wait in a list and are summed on device once per this many steps (and when logged or saved),
 #: not with an add kernel every step.

@@ -43,6 +43,16 @@ if TYPE_CHECKING:
     from lightning_gradkit.report import RunData
 
 
+__all__ = [
+    "PROG_BAR_KEYS",
+    "ZERO_GRADIENT_STEPS",
+    "GradNormMonitor",
+    "auto_module_keys",
+    "module_rows",
+    "repeated_blocks",
+]
+
+
 #: Keys shown in Lightning's progress bar with ``prog_bar=True`` (short: the bar is one line).
 PROG_BAR_KEYS = ("grad_norm", "clipped", "skipped")
 

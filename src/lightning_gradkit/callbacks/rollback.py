@@ -35,6 +35,9 @@ from lightning_gradkit.replay import RNGState, capture_rng, restore_rng
 from lightning_gradkit.snapshot import HostSnapshot, trained_parameters
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
 
+__all__ = ["SpikeRollback"]
+
+
 # How a snapshot came to be: at the start of training, every `snapshot_every_n_steps` steps, or at a resume from a
 # checkpoint that held no snapshots (a state the uninterrupted run did not keep).
 _Origin = Literal["start", "schedule", "resume"]

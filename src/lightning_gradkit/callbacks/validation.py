@@ -22,6 +22,15 @@ from torch import Tensor, nn
 from lightning_gradkit._arguments import check_bool, check_choice, name_list
 from lightning_gradkit.events import EventLog, events_dir
 
+__all__ = [
+    "Fallback",
+    "InferenceModeValidation",
+    "OnInferenceTensors",
+    "find_inference_tensors",
+    "inference_mode_unsafe_reason",
+]
+
+
 Fallback = Literal["no_grad", "raise"]
 OnInferenceTensors = Literal["clone", "raise"]
 _MAX_DEPTH = 3

@@ -13,6 +13,8 @@ from torch import Tensor
 from torch.amp.grad_scaler import GradScaler, OptState
 from torch.optim import Optimizer
 
+__all__ = ["gradients_still_scaled", "handles_found_inf", "loss_scale"]
+
 
 def loss_scale(scaler: GradScaler | None) -> Tensor | None:
     """The scale an AMP ``GradScaler`` multiplies losses (and so gradients) by, as its device tensor.

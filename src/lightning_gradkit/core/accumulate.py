@@ -28,6 +28,18 @@ from torch import Tensor
 
 from lightning_gradkit.core.norms import local_tensor, per_tensor_norms
 
+__all__ = [
+    "TOKENS_KEY",
+    "Normalize",
+    "TokenCount",
+    "is_window_boundary",
+    "mean_window_scale",
+    "micro_batches_in_window",
+    "nonzero_grad_flags",
+    "token_window_scale",
+]
+
+
 Normalize = Literal["mean", "tokens"]
 
 #: The key under which ``training_step`` returns the token count of its micro-batch in ``normalize="tokens"``.

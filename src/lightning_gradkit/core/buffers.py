@@ -38,6 +38,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
+__all__ = ["BufferGuard"]
+
 
 @dataclass
 class _Entry:

@@ -26,6 +26,23 @@ from torch import Tensor
 
 from lightning_gradkit._arguments import check_float, check_int, validate_norm_type
 
+__all__ = [
+    "MAX_HISTORY",
+    "NORM_EPS",
+    "AdaptiveGradClipPolicy",
+    "AutoClipPolicy",
+    "ClipPolicy",
+    "GradNormPolicy",
+    "GradValuePolicy",
+    "ScalarClipPolicy",
+    "ZClipPolicy",
+    "agc_coefficients",
+    "clip_coefficient",
+    "clip_to_threshold",
+    "nan_percentile",
+]
+
+
 #: Maximum ``AutoClip`` history: 10 million norms are 40 MB of device memory, far beyond any percentile's need.
 MAX_HISTORY = 10_000_000
 

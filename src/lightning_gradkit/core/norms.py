@@ -27,6 +27,35 @@ from torch import Tensor
 
 from lightning_gradkit.core._torch_compat import loss_scale as loss_scale  # re-exported: callers import it here
 
+__all__ = [
+    "GradStats",
+    "ParamIndex",
+    "build_param_index",
+    "clean_name",
+    "combine_sharded",
+    "derive_stats",
+    "fill_present",
+    "grouped_norms",
+    "host_to_device",
+    "is_ddp_wrapped",
+    "local_tensor",
+    "loss_scale",
+    "module_key",
+    "per_tensor_norms",
+    "positions_tensor",
+    "powered",
+    "reduce_sharded",
+    "replication",
+    "resolve_partial_grads",
+    "row_norms",
+    "run_bounds",
+    "sparse_values",
+    "steps_in_optimizer",
+    "total_norm",
+    "unpowered",
+    "world_size",
+]
+
 
 def local_tensor(t: Tensor) -> Tensor:
     """The tensor a rank holds: the local shard of a DTensor, the tensor itself otherwise.

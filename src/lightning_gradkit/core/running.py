@@ -15,6 +15,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+__all__ = [
+    "RunningMoments",
+    "WindowMoments",
+    "ema_update",
+    "spike_decision",
+    "std_of",
+    "window_moments",
+    "window_update",
+]
+
+
 # A standard deviation below this fraction of |mean| (plus an absolute epsilon) is treated as this value, so a
 # constant stream does not turn every tiny fluctuation into an infinite z-score.
 _RELATIVE_STD_FLOOR = 1e-6

@@ -21,16 +21,27 @@ import types
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
-if TYPE_CHECKING:
-    pass
-
 from lightning_gradkit.diagnostics.sources import FRAMEWORK_PACKAGES, LIBRARY_PACKAGES, short_path
+
+__all__ = [
+    "GraphFootprint",
+    "GraphTensor",
+    "OlderGraph",
+    "autograd_sequence_marker",
+    "gc_graph_tensors",
+    "graph_footprint",
+    "module_graph_tensors",
+    "object_graph_tensors",
+    "standard_attributes",
+    "steady_growth",
+    "storage_keys",
+]
+
 
 _THIS_FILE = os.path.realpath(__file__)
 

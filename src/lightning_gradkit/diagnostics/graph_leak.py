@@ -28,6 +28,9 @@ from lightning_gradkit.diagnostics.autograd_graph import (
 )
 from lightning_gradkit.events import events_dir, write_rank_event
 
+__all__ = ["GraphLeakGuard", "LeakReport"]
+
+
 _ACTIONS = ("warn", "raise")
 _MAX_LISTED = 5
 _MIN_TREND_BYTES = 1 << 20

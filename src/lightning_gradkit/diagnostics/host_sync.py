@@ -28,16 +28,27 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-if TYPE_CHECKING:
-    pass
-
 from lightning_gradkit.diagnostics.sources import USER, SourceClassifier, short_path
+
+__all__ = [
+    "SYNC_CALLS",
+    "HostSyncRecorder",
+    "SiteKey",
+    "SiteTally",
+    "StepSyncs",
+    "SyncSite",
+    "SyncTable",
+    "format_sync_table",
+    "site_row",
+    "sync_kind",
+]
+
 
 # -- host-sync interception --------------------------------------------------------------------------------------
 

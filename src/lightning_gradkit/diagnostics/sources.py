@@ -16,10 +16,18 @@ import site
 import sysconfig
 import types
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    pass
+__all__ = [
+    "FRAMEWORK",
+    "FRAMEWORK_PACKAGES",
+    "LIBRARY",
+    "LIBRARY_PACKAGES",
+    "USER",
+    "SourceClassifier",
+    "package_dirs",
+    "short_path",
+]
+
 
 # -- source attribution ------------------------------------------------------------------------------------------
 

@@ -20,6 +20,9 @@ from lightning_gradkit.diagnostics.host_sync import (
 from lightning_gradkit.diagnostics.sources import SourceClassifier, package_dirs
 from lightning_gradkit.events import events_dir, write_rank_event
 
+__all__ = ["SyncAudit"]
+
+
 _MODES = ("warn", "raise")
 _HOOK = "on_train_batch_end"
 
