@@ -35,7 +35,7 @@ from lightning_gradkit.replay import RNGState, capture_rng, restore_rng
 from lightning_gradkit.snapshot import HostSnapshot, trained_parameters
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
 
-__all__ = ["SpikeRollback"]
+__all__ = ["SpikeRollback", "reset_optimizer_state_", "rewarmup_factor"]
 
 
 # How a snapshot came to be: at the start of training, every `snapshot_every_n_steps` steps, or at a resume from a
