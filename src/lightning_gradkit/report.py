@@ -410,7 +410,8 @@ def build_figure(data: RunData):
 
     modules = data.modules
     ratio_rows = data.ratio_rows
-    incidents = incident_windows(data.events)
+    logged = [s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v]
+    incidents = incident_windows(data.events, run_end=max(logged) if logged else None)
     layout = _Layout(
         rows=max(len(modules), 1),
         label_chars=max((len(m) for m in modules), default=10),
@@ -593,9 +594,10 @@ class Incident:
         return sorted({int(e["step"]) for e in self.events})
 
 
-def incident_windows(events: list[dict], radius: int = INCIDENT_RADIUS) -> list[Incident]:
+def incident_windows(events: list[dict], radius: int = INCIDENT_RADIUS, run_end: int | None = None) -> list[Incident]:
     """One :class:`Incident` per group of incident events (:func:`is_incident`) whose windows of ``radius`` steps
-    either side overlap: a run of skipped steps and the rollback that ends it make one panel.
+    either side overlap: a run of skipped steps and the rollback that ends it make one panel. The windows stop at
+    step 0 and at ``run_end`` (the run's last step), when given.
 
     Example::
 
@@ -612,6 +614,9 @@ def incident_windows(events: list[dict], radius: int = INCIDENT_RADIUS) -> list[
             out[-1].last = step + radius
         else:
             out.append(Incident(max(0, step - radius), step + radius, [event]))
+    if run_end is not None:
+        for incident in out:
+            incident.last = max(min(incident.last, run_end), incident.event_steps[-1])
     return out
 
 
@@ -751,7 +756,7 @@ def _incident_title(incident: Incident, rise: Rise | None, rows: int) -> str:
     labels = list(dict.fromkeys(event_label(e) for e in incident.events))
     steps = incident.event_steps
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]} ({len(incident.events)} events)"
-    what = labels[0] if len(labels) == 1 else f"{labels[0]} + {len(labels) - 1} more"
+    what = ", ".join(labels) if len(labels) <= 2 else f"{labels[0]}, {labels[1]} + {len(labels) - 2} more"
     culprits = list(dict.fromkeys(str(e["culprit"]) for e in incident.events if e.get("culprit")))
     lines = [f"{where}: {what}"]
     if culprits:
