@@ -20,6 +20,13 @@ it logged, whatever the logger. The figure shows:
 3. every event of ``gradkit_events.jsonl`` (skipped steps, spikes, non-finite values, leaks, ...) as a line at its
    step, labelled with what happened ("step skipped" only for a training step a guard skipped; validation events
    dash-dotted); the events of one step share the height of the panel instead of hiding each other.
+4. with ``GradNormMonitor(update_ratio=True)``, between the two: the update-to-weight ratio per module
+   (``update_ratio/*``, log10) on the same step axis, coloured around the ``1e-3`` rule of thumb;
+5. below them, one incident panel per group of events that skipped a step, rolled back or escalated
+   (:func:`is_incident`; events within ``INCIDENT_RADIUS`` steps share a panel): each module's gradient norm over its
+   usual norm (its median before the first event) for the 10 steps either side, the event steps framed, and in the
+   title what happened, the culprit a replay named and the module that rose first (:func:`first_rise`). The
+   panels need per-module norms at those steps: log every step to see an incident step by step.
 
 matplotlib is an optional dependency, the ``report`` extra. The package is on no package index: run
 ``pip install -e '.[report]'`` in a checkout of lightning_gradkit (or ``pip install matplotlib``).
@@ -915,8 +922,9 @@ def _draw_events(ax, events: list[dict]) -> None:
 
 _CLI_DESCRIPTION = """\
 Render the gradient report of a run to a PNG: a heatmap of per-module gradient norms over optimizer steps, the
-total norm before and after clipping (clipped steps marked, the clipped fraction and skipped steps where logged)
-and the events that gradkit's guards wrote (gradkit_events.jsonl), on one step axis.
+update-to-weight ratios (when logged), the total norm before and after clipping (clipped steps marked, the clipped
+fraction and skipped steps where logged) and the events that gradkit's guards wrote (gradkit_events.jsonl), on one
+step axis; below, one incident panel per skipped step, rollback or escalation: the per-module norms around it.
 
 LOG_DIR is the directory of one run: a CSVLogger's (metrics.csv) or a TensorBoardLogger's (events.out.tfevents.*,
 needs tensorboard), e.g. lightning_logs/version_0. The run must have used GradNormMonitor, which logs the
