@@ -42,3 +42,41 @@ def test_all_ranks_log_the_single_process_reference(tmp_path: Path, strategy: st
         assert got.keys() == ref.keys()
         for key in ref:
             assert got[key] == pytest.approx(ref[key], rel=1e-5), key
+
+
+def _ratio(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], prefix: str) -> float:
+    names = [n for n in before if n.startswith(prefix)]
+    update = sum((after[n] - before[n]).double().square().sum() for n in names).sqrt()
+    return (update / sum(before[n].double().square().sum() for n in names).sqrt()).item()
+
+
+def reference_update_ratios() -> list[dict[str, float]]:
+    """The same plain loop with Adam: ``||w_after - w_before|| / ||w_before||`` from the state dicts of each step."""
+    torch.manual_seed(0)
+    model = MLPModule(optimizer="adam", lr=0.01)
+    opt = torch.optim.Adam(model.parameters(), lr=model.lr)
+    rows = []
+    for x, y in loader(n=32, batch_size=8):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.step()
+        after = model.state_dict()
+        row = {"update_ratio/total": _ratio(before, after, "")}
+        row.update({f"update_ratio/module/{m}": _ratio(before, after, m + ".") for m in ("encoder", "head")})
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_update_ratio_on_all_ranks_equals_the_single_process_state_dicts(tmp_path: Path, strategy: str) -> None:
+    """Under FSDP2 each rank holds half of every weight (the head's one row: one rank holds all of it, the other an
+    empty shard): the ratio must sum the shards' squares across ranks, not divide this rank's update by its weights."""
+    ranks = run_distributed("monitor_script.py", tmp_path, "--strategy", strategy, "--update-ratio")
+    expected = reference_update_ratios()
+    assert ranks[0] == ranks[1]
+    assert len(ranks[0]) == len(expected) == 4
+    for got, ref in zip(ranks[0], expected, strict=True):
+        assert got.keys() == ref.keys()
+        for key in ref:
+            assert got[key] == pytest.approx(ref[key], rel=1e-4), key

@@ -20,6 +20,13 @@ it logged, whatever the logger. The figure shows:
 3. every event of ``gradkit_events.jsonl`` (skipped steps, spikes, non-finite values, leaks, ...) as a line at its
    step, labelled with what happened ("step skipped" only for a training step a guard skipped; validation events
    dash-dotted); the events of one step share the height of the panel instead of hiding each other.
+4. with ``GradNormMonitor(update_ratio=True)``, between the two: the update-to-weight ratio per module
+   (``update_ratio/*``, log10) on the same step axis, coloured around the ``1e-3`` rule of thumb;
+5. below them, one incident panel per group of events that skipped a step, rolled back or escalated
+   (:func:`is_incident`; events within ``INCIDENT_RADIUS`` steps share a panel): each module's gradient norm over its
+   usual norm (its median before the first event) for the 10 steps either side, the event steps framed, and in the
+   title what happened, the culprit a replay named and the module that rose first (:func:`first_rise`). The
+   panels need per-module norms at those steps: log every step to see an incident step by step.
 
 matplotlib is an optional dependency, the ``report`` extra. The package is on no package index: run
 ``pip install -e '.[report]'`` in a checkout of lightning_gradkit (or ``pip install matplotlib``).
@@ -74,6 +81,10 @@ _TOTAL = "grad_norm/total"
 _POST = "grad_norm/total_post_clip"
 _CLIP_FRACTION = "grad_clip/clipped_fraction"
 _SKIPPED = "gradkit/skipped_steps"
+_RATIO_TOTAL = "update_ratio/total"
+_RATIO_MODULE_PREFIX = "update_ratio/module/"
+#: The update-to-weight ratio that the ratio panel centres its colours on (Karpathy's rule of thumb).
+RATIO_GUIDE = 1e-3
 _TB_GLOB = "events.out.tfevents.*"
 
 # Figure geometry, in inches: panel heights stay fixed whatever the number of modules (the figure grows instead).
@@ -85,6 +96,19 @@ _LABEL_HEIGHT = 0.12  # below this many inches per row, only every k-th module n
 _TOTAL_HEIGHT = 2.6
 _MAX_COLUMNS = 2000  # heatmap columns; longer runs show the logged step nearest each column
 _REACH_FRACTION = 0.01  # a logged value is drawn over at most this fraction of the run's steps either side
+# Incident panels: the steps either side of an event, panels per row, at most this many panels, rows' height.
+INCIDENT_RADIUS = 10
+_INCIDENT_COLUMNS = 2
+_MAX_INCIDENTS = 8
+_INCIDENT_ROW_HEIGHT = 0.16
+_INCIDENT_MIN_HEIGHT = 0.9
+_INCIDENT_MAX_HEIGHT = 4.0
+_INCIDENT_TITLE = 0.62  # inches above each panel for its title (up to three lines)
+_INCIDENT_BELOW = 0.45  # inches below each panel for its step labels
+_INCIDENT_HEADER = 0.6  # inches above the first row for the section title (two lines)
+_INCIDENT_RANGE = 2.0  # the colour scale spans 10**-2 .. 10**2 times a module's median
+#: A module counts as risen when its norm is this many times its usual norm (its median before the incident).
+RISE_FACTOR = 5.0
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -112,6 +136,17 @@ class RunData:
         logged = {k[len(_MODULE_PREFIX) :] for k in self.series if k.startswith(_MODULE_PREFIX)}
         known = [m for m in self.module_order if m in logged]
         return known + sorted(logged.difference(known), key=_natural_key)
+
+    @property
+    def ratio_rows(self) -> list[str]:
+        """The rows of the update-ratio panel: ``total`` (when logged), then the modules in :attr:`modules` order."""
+        logged = {k[len(_RATIO_MODULE_PREFIX) :] for k in self.series if k.startswith(_RATIO_MODULE_PREFIX)}
+        order = [m for m in self.modules if m in logged] + sorted(logged.difference(self.modules), key=_natural_key)
+        return (["total"] if _RATIO_TOTAL in self.series else []) + order
+
+    def ratio_series(self, row: str) -> dict[int, float]:
+        """The logged update ratios of a row of :attr:`ratio_rows`."""
+        return self.series.get(_RATIO_TOTAL if row == "total" else _RATIO_MODULE_PREFIX + row, {})
 
     @property
     def has_grad_norms(self) -> bool:
@@ -310,14 +345,24 @@ def step_lattice(
 
 @dataclass
 class _Layout:
-    """Axes rectangles in inches, so both panels get the same x extent whatever their labels."""
+    """Axes rectangles in inches, so all step panels get the same x extent whatever their labels.
+
+    From the top: the module heatmap, the update-ratio heatmap (when logged), the totals with the events, then the
+    incident panels (when there are incidents), ``_INCIDENT_COLUMNS`` to a row.
+    """
 
     rows: int
     label_chars: int
+    ratio_rows: int = 0
+    incidents: int = 0
 
     @property
     def heat_height(self) -> float:
         return min(max(self.rows * _ROW_HEIGHT, _MIN_HEAT_HEIGHT), _MAX_HEAT_HEIGHT)
+
+    @property
+    def ratio_height(self) -> float:
+        return min(max(self.ratio_rows * _ROW_HEIGHT, _MIN_HEAT_HEIGHT), _MAX_HEAT_HEIGHT) if self.ratio_rows else 0.0
 
     @property
     def left(self) -> float:
@@ -327,36 +372,93 @@ class _Layout:
     top = 0.45
     gap = 0.55
     bottom = 1.35
+    incident_gap = 0.3  # inches between incident panels side by side
+
+    @property
+    def ratio_top(self) -> float:
+        return self.top + self.heat_height + self.gap
+
+    @property
+    def total_top(self) -> float:
+        return self.ratio_top + (self.ratio_height + self.gap if self.ratio_rows else 0.0)
+
+    @property
+    def incident_top(self) -> float:
+        return self.total_top + _TOTAL_HEIGHT + self.bottom
+
+    @property
+    def incident_height(self) -> float:
+        return min(max(self.rows * _INCIDENT_ROW_HEIGHT, _INCIDENT_MIN_HEIGHT), _INCIDENT_MAX_HEIGHT)
+
+    @property
+    def incident_row_height(self) -> float:
+        return _INCIDENT_TITLE + self.incident_height + _INCIDENT_BELOW
 
     @property
     def height(self) -> float:
-        return self.top + self.heat_height + self.gap + _TOTAL_HEIGHT + self.bottom
+        rows = math.ceil(self.incidents / _INCIDENT_COLUMNS)
+        incidents = _INCIDENT_HEADER + rows * self.incident_row_height if rows else 0.0
+        return self.incident_top + incidents
 
     def rect(self, y_from_top: float, h: float, fig_w: float = _WIDTH) -> list[float]:
         width = fig_w - self.left - self.right
         return [self.left / fig_w, 1 - (y_from_top + h) / self.height, width / fig_w, h / self.height]
 
+    def bar_rect(self, y_from_top: float, h: float) -> list[float]:
+        """A colour bar in the right margin, beside a panel."""
+        return [
+            (_WIDTH - self.right + 0.12) / _WIDTH,
+            1 - (y_from_top + h) / self.height,
+            0.15 / _WIDTH,
+            h / self.height,
+        ]
+
+    def incident_rect(self, i: int) -> list[float]:
+        """The ``i``-th incident panel: ``_INCIDENT_COLUMNS`` to a row, the first column under the step panels."""
+        row, col = divmod(i, _INCIDENT_COLUMNS)
+        width = (_WIDTH - self.left - self.right - (_INCIDENT_COLUMNS - 1) * self.incident_gap) / _INCIDENT_COLUMNS
+        x = self.left + col * (width + self.incident_gap)
+        y = self.incident_top + _INCIDENT_HEADER + row * self.incident_row_height + _INCIDENT_TITLE
+        h = self.incident_height
+        return [x / _WIDTH, 1 - (y + h) / self.height, width / _WIDTH, h / self.height]
+
 
 def build_figure(data: RunData):
-    """The report's matplotlib figure: module heatmap on top, total norms, clipping, skips and events below.
+    """The report's matplotlib figure: module heatmap on top, the update-ratio heatmap (when logged), the total
+    norms, clipping, skips and events, then one incident panel per event that skipped, rolled back or escalated.
 
-    Both panels span the same x range at the same horizontal position (the colour bar sits in the right margin),
-    so a step in the heatmap lies straight above the same step below.
+    The step panels span the same x range at the same horizontal position (the colour bars sit in the right
+    margin), so a step in a heatmap lies straight above the same step below. Every axes has a label that says what
+    it is (``"gradient norm"``, ``"update ratio"``, ``"totals"``, ``"incident"``), for readers of the figure object.
     """
     plt = _pyplot()
     from matplotlib import ticker
 
     modules = data.modules
-    layout = _Layout(rows=max(len(modules), 1), label_chars=max((len(m) for m in modules), default=10))
+    ratio_rows = data.ratio_rows
+    logged = [s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v]
+    incidents = incident_windows(data.events, run_end=max(logged) if logged else None)
+    layout = _Layout(
+        rows=max(len(modules), 1),
+        label_chars=max((len(m) for m in modules), default=10),
+        ratio_rows=len(ratio_rows),
+        incidents=min(len(incidents), _MAX_INCIDENTS),
+    )
     fig = plt.figure(figsize=(_WIDTH, layout.height))
-    ax_heat = fig.add_axes(layout.rect(layout.top, layout.heat_height))
-    ax_total = fig.add_axes(layout.rect(layout.top + layout.heat_height + layout.gap, _TOTAL_HEIGHT), sharex=ax_heat)
+    ax_heat = fig.add_axes(layout.rect(layout.top, layout.heat_height), label="gradient norm")
+    ax_total = fig.add_axes(layout.rect(layout.total_top, _TOTAL_HEIGHT), sharex=ax_heat, label="totals")
 
     steps = sorted({s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v})
     event_steps = [int(e["step"]) for e in data.events if isinstance(e.get("step"), (int, float))]
     span = steps + event_steps
     if modules and steps:
-        _draw_heatmap(fig, ax_heat, data, modules, steps, layout)
+        grid, extent = _heat_grid([data.series[_MODULE_PREFIX + m] for m in modules], steps)
+        image = ax_heat.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent)
+        _row_labels(ax_heat, modules, layout.heat_height)
+        fig.colorbar(
+            image, cax=fig.add_axes(layout.bar_rect(layout.top, layout.heat_height)), label="log10 gradient norm"
+        )
+        _mark_nonfinite(ax_heat, [data.series[_MODULE_PREFIX + m] for m in modules])
     else:
         reason = (
             "no per-module norms logged: GradNormMonitor(depth=0)?"
@@ -372,6 +474,11 @@ def build_figure(data: RunData):
         parts.append(logged_steps_text(steps))
     ax_heat.set_title(", ".join(parts), fontsize=10)
     ax_heat.tick_params(labelbottom=False)
+    if ratio_rows:
+        ax_ratio = fig.add_axes(
+            layout.rect(layout.ratio_top, layout.ratio_height), sharex=ax_heat, label="update ratio"
+        )
+        _draw_ratios(fig, ax_ratio, data, ratio_rows, steps, layout)
 
     _draw_totals(ax_total, data, sparse=bool(steps) and is_sparse(steps))
     _draw_events(ax_total, data.events)
@@ -390,6 +497,8 @@ def build_figure(data: RunData):
         ax_total.legend(
             handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=min(len(handles), 4), fontsize=8
         )
+    if incidents:
+        _draw_incidents(fig, data, incidents, layout)
     return fig
 
 
@@ -410,38 +519,285 @@ def logged_steps_text(steps: list[int]) -> str:
     return f"{len(steps)} of {total} steps logged ({steps[0]}-{steps[-1]}{blank})"
 
 
-def _draw_heatmap(fig, ax, data: RunData, modules: list[str], steps: list[int], layout: _Layout) -> None:
+def _heat_grid(series: list[dict[int, float]], steps: list[int]) -> tuple[list[list[float]], tuple[float, ...]]:
+    """log10 of each series on the heatmap's columns over ``steps`` (NaN where nothing was logged), and the extent."""
     columns, nearest = step_lattice(steps, reach=cell_reach(steps))
     width = columns[1] - columns[0] if len(columns) > 1 else 1
     grid = []
-    for m in modules:
-        values = data.series[_MODULE_PREFIX + m]
+    for values in series:
         logged = [_log10(values.get(s, math.nan)) for s in steps]
         grid.append([math.nan if i is None else logged[i] for i in nearest])
-    extent = (columns[0] - width / 2, columns[-1] + width / 2, len(modules) - 0.5, -0.5)
-    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent)
-    every = max(1, math.ceil(_LABEL_HEIGHT * len(modules) / layout.heat_height))
-    shown = range(0, len(modules), every)
-    ax.set_yticks(list(shown), [modules[i] for i in shown], fontsize=7)
-    bar = fig.add_axes(
-        [
-            (_WIDTH - layout.right + 0.12) / _WIDTH,
-            1 - (layout.top + layout.heat_height) / layout.height,
-            0.15 / _WIDTH,
-            layout.heat_height / layout.height,
-        ]
-    )
-    fig.colorbar(image, cax=bar, label="log10 gradient norm")
-    # Logged but non-finite (NaN/Inf) cells in red; cells with nothing logged stay blank.
-    bad = [
-        (s, row)
-        for row, m in enumerate(modules)
-        for s, v in data.series[_MODULE_PREFIX + m].items()
-        if not math.isfinite(v)
-    ]
+    return grid, (columns[0] - width / 2, columns[-1] + width / 2, len(series) - 0.5, -0.5)
+
+
+def _row_labels(ax, rows: list[str], height: float) -> None:
+    """Name the rows, every k-th one when the rows are too thin for a label each."""
+    every = max(1, math.ceil(_LABEL_HEIGHT * len(rows) / height))
+    shown = range(0, len(rows), every)
+    ax.set_yticks(list(shown), [rows[i] for i in shown], fontsize=7)
+
+
+def _mark_nonfinite(ax, series: list[dict[int, float]]) -> None:
+    """Logged but non-finite (NaN/Inf) cells in red; cells with nothing logged stay blank."""
+    bad = [(s, row) for row, values in enumerate(series) for s, v in values.items() if not math.isfinite(v)]
     if bad:
         ax.scatter([b[0] for b in bad], [b[1] for b in bad], marker="s", color="red", s=14, label="non-finite")
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, -0.02), fontsize=7, frameon=False)
+
+
+def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layout: _Layout) -> None:
+    """The update-to-weight ratio per module (log10), coloured around :data:`RATIO_GUIDE`: white at 1e-3, red
+    above (large updates: a high learning rate), blue below (small updates: a low one, or a module that does not
+    train). A step that applied no update logged 0 and stays blank, like a step that logged nothing."""
+    from matplotlib import ticker
+    from matplotlib.colors import TwoSlopeNorm
+
+    plt = _pyplot()
+    series = [data.ratio_series(row) for row in rows]
+    ratio_steps = sorted({s for values in series for s in values})
+    grid, extent = _heat_grid(series, steps or ratio_steps)
+    guide = math.log10(RATIO_GUIDE)
+    finite = [v for row in grid for v in row if math.isfinite(v)]
+    low = min([*finite, guide - 1.0])
+    high = max([*finite, guide + 1.0])
+    cmap = plt.get_cmap("RdBu_r").copy()
+    cmap.set_bad("0.85")
+    norm = TwoSlopeNorm(vcenter=guide, vmin=low, vmax=high)
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, extent=extent)
+    _row_labels(ax, rows, layout.ratio_height)
+    bar = fig.colorbar(image, cax=fig.add_axes(layout.bar_rect(layout.ratio_top, layout.ratio_height)))
+    bar.set_label("update / weight", fontsize=8)
+    bar.ax.axhline(guide, color="black", lw=1.2)
+    bar.ax.yaxis.set_major_locator(ticker.MultipleLocator(1))
+    bar.ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"1e{v:.0f}"))
+    ax.set_title(
+        "Update-to-weight ratio ||Δw|| / ||w|| per step (log10; white: the 1e-3 rule of thumb, red: larger, "
+        "blue: smaller; grey: not logged or no update)",
+        fontsize=10,
+    )
+    ax.tick_params(labelbottom=False)
+
+
+# -- incidents: the per-module norms around each event that skipped, rolled back or escalated ------------------------
+#: Events that are incidents whatever their ``action``.
+_INCIDENT_WHATS = ("rollback", "rollback_stopped", "escalation")
+
+
+def is_incident(event: dict) -> bool:
+    """Whether an event gets an incident panel: a training step a guard skipped or stopped on, a rollback, an
+    escalation (validation events and warnings do not).
+
+    Example::
+
+        >>> is_incident({"what": "spike", "action": "skip", "step": 4}), is_incident({"what": "spike", "step": 4})
+        (True, False)
+    """
+    if not isinstance(event.get("step"), (int, float)) or is_validation_event(event):
+        return False
+    return event.get("action") in ("skip", "raise") or event.get("what") in _INCIDENT_WHATS
+
+
+@dataclass
+class Incident:
+    """Events close together and the steps their panel shows.
+
+    Attributes:
+        first: the first step shown (``INCIDENT_RADIUS`` before the first event, or the run's first step).
+        last: the last step shown.
+        events: the events, in step order.
+    """
+
+    first: int
+    last: int
+    events: list[dict]
+
+    @property
+    def steps(self) -> list[int]:
+        return list(range(self.first, self.last + 1))
+
+    @property
+    def event_steps(self) -> list[int]:
+        return sorted({int(e["step"]) for e in self.events})
+
+
+def incident_windows(events: list[dict], radius: int = INCIDENT_RADIUS, run_end: int | None = None) -> list[Incident]:
+    """One :class:`Incident` per group of incident events (:func:`is_incident`) whose windows of ``radius`` steps
+    either side overlap: a run of skipped steps and the rollback that ends it make one panel. The windows stop at
+    step 0 and at ``run_end`` (the run's last step), when given.
+
+    Example::
+
+        >>> events = [{"step": s, "what": "spike", "action": "skip"} for s in (3, 5, 40)]
+        >>> [(i.first, i.last, i.event_steps) for i in incident_windows(events)]
+        [(0, 15, [3, 5]), (30, 50, [40])]
+    """
+    found = sorted((e for e in events if is_incident(e)), key=lambda e: int(e["step"]))
+    out: list[Incident] = []
+    for event in found:
+        step = int(event["step"])
+        if out and step - radius <= out[-1].last:
+            out[-1].events.append(event)
+            out[-1].last = step + radius
+        else:
+            out.append(Incident(max(0, step - radius), step + radius, [event]))
+    if run_end is not None:
+        for incident in out:
+            incident.last = max(min(incident.last, run_end), incident.event_steps[-1])
+    return out
+
+
+def incident_grid(series: list[dict[int, float]], steps: list[int], before: int | None = None) -> list[list[float]]:
+    """log10 of each series over ``steps`` divided by its median before the incident (NaN where nothing finite was
+    logged).
+
+    Each row is normalized by the median of its own finite positive values at the steps before ``before`` (the
+    first event's step: the module's usual norm before the incident; the whole window when no step precedes it),
+    so a module that went ten times its usual norm reads +1 whatever its scale. A non-finite value stays
+    non-finite (NaN or inf).
+
+    Example::
+
+        >>> incident_grid([{0: 1.0, 1: 1.0, 2: 100.0}, {0: 5.0, 2: 5.0}], [0, 1, 2], before=2)
+        [[0.0, 0.0, 2.0], [0.0, nan, 0.0]]
+    """
+    grid = []
+    for values in series:
+        window = [values.get(s, math.nan) for s in steps]
+        finite = [v for s, v in zip(steps, window, strict=True) if math.isfinite(v) and v > 0]
+        usual = [values[s] for s in steps if before is not None and s < before and values.get(s, 0.0) > 0]
+        usual = [v for v in usual if math.isfinite(v)] or finite
+        median = statistics.median(usual) if usual else math.nan
+        grid.append(
+            [(v if v == math.inf else math.nan) if not math.isfinite(v) else _log10(v / median) for v in window]
+        )
+    return grid
+
+
+@dataclass
+class Rise:
+    """Where an incident began: the earliest step at which some module rose, and which modules rose there.
+
+    Attributes:
+        step: the step.
+        rows: the modules that rose there, most first (a non-finite one before any finite one).
+        factors: for each, its norm over its usual (median) norm; ``inf`` for a non-finite value.
+    """
+
+    step: int
+    rows: list[str]
+    factors: list[float]
+
+
+def first_rise(
+    rows: list[str], series: list[dict[int, float]], grid: list[list[float]], steps: list[int]
+) -> Rise | None:
+    """The modules whose norm rose first: the earliest step at which a row is non-finite or :data:`RISE_FACTOR`
+    times its usual norm (``grid``, from :func:`incident_grid`), with every row that rose there; ``None`` if none
+    rose.
+
+    Example::
+
+        >>> series = [{0: 1.0, 1: 1.0, 2: 50.0}, {0: 1.0, 1: 1.0, 2: 1.0}]
+        >>> first_rise(["a", "b"], series, incident_grid(series, [0, 1, 2], before=2), [0, 1, 2])
+        Rise(step=2, rows=['a'], factors=[50.0])
+    """
+    threshold = math.log10(RISE_FACTOR)
+    for j, step in enumerate(steps):
+        risen = []
+        for i, row in enumerate(rows):
+            raw = series[i].get(step)
+            if raw is not None and not math.isfinite(raw):
+                risen.append((math.inf, -i, row))
+            elif math.isfinite(grid[i][j]) and grid[i][j] >= threshold:
+                risen.append((10 ** grid[i][j], -i, row))
+        if risen:
+            risen.sort(reverse=True)  # most first; equal factors in model order
+            return Rise(step, [r[2] for r in risen], [round(r[0], 6) for r in risen])
+    return None
+
+
+def _draw_incidents(fig, data: RunData, incidents: list[Incident], layout: _Layout) -> None:
+    plt = _pyplot()
+    from matplotlib import ticker
+    from matplotlib.patches import Rectangle
+
+    modules = data.modules
+    rows = modules or ["total"]
+    series = [data.series[_MODULE_PREFIX + m] for m in modules] or [data.series.get(_TOTAL, {})]
+    shown = incidents[:_MAX_INCIDENTS]
+    more = f" (the first {len(shown)} of {len(incidents)})" if len(incidents) > len(shown) else ""
+    header_y = 1 - (layout.incident_top + _INCIDENT_HEADER - 0.05) / layout.height
+    fig.text(
+        layout.left / _WIDTH,
+        header_y,
+        f"Incidents{more}: per-module gradient norm / its usual norm (its median before the first event), log10;\n"
+        "event steps framed, red: above usual, blue: below, grey: not logged, x: non-finite",
+        fontsize=10,
+    )
+    cmap = plt.get_cmap("RdBu_r").copy()
+    cmap.set_bad("0.85")
+    image = None
+    for k, incident in enumerate(shown):
+        ax = fig.add_axes(layout.incident_rect(k), label="incident")
+        steps = incident.steps
+        grid = incident_grid(series, steps, before=incident.event_steps[0])
+        extent = (steps[0] - 0.5, steps[-1] + 0.5, len(rows) - 0.5, -0.5)
+        image = ax.imshow(
+            grid,
+            aspect="auto",
+            interpolation="nearest",
+            cmap=cmap,
+            vmin=-_INCIDENT_RANGE,
+            vmax=_INCIDENT_RANGE,
+            extent=extent,
+        )
+        if k % _INCIDENT_COLUMNS == 0:
+            _row_labels(ax, rows, layout.incident_height)
+        else:
+            ax.set_yticks([])
+        _mark_nonfinite_cells(ax, series, steps)
+        for step in incident.event_steps:
+            ax.add_patch(
+                Rectangle((step - 0.5, -0.5), 1, len(rows), fill=False, edgecolor="black", lw=1.5, label="event")
+            )
+        ax.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("optimizer step", fontsize=7, labelpad=1)
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(nbins=5, integer=True))
+        ax.set_title(_incident_title(incident, first_rise(rows, series, grid, steps), len(rows)), fontsize=7.5)
+    if image is not None:
+        top = layout.incident_top + _INCIDENT_HEADER + _INCIDENT_TITLE
+        bar = fig.colorbar(image, cax=fig.add_axes(layout.bar_rect(top, layout.incident_height)), extend="both")
+        bar.set_label("log10 norm / usual norm", fontsize=8)
+
+
+def _mark_nonfinite_cells(ax, series: list[dict[int, float]], steps: list[int]) -> None:
+    bad = [(s, row) for row, values in enumerate(series) for s in steps if not math.isfinite(values.get(s, 0.0))]
+    if bad:
+        ax.scatter([b[0] for b in bad], [b[1] for b in bad], marker="x", color="black", s=12, lw=1, label="non-finite")
+
+
+def _incident_title(incident: Incident, rise: Rise | None, rows: int) -> str:
+    """What happened at which step(s), the culprit a replay named (if any), and where it began."""
+    labels = list(dict.fromkeys(event_label(e) for e in incident.events))
+    steps = incident.event_steps
+    where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]} ({len(incident.events)} events)"
+    what = ", ".join(labels) if len(labels) <= 2 else f"{labels[0]}, {labels[1]} + {len(labels) - 2} more"
+    culprits = list(dict.fromkeys(str(e["culprit"]) for e in incident.events if e.get("culprit")))
+    lines = [f"{where}: {what}"]
+    if culprits:
+        lines.append(
+            "culprit: " + ", ".join(culprits[:2]) + (f" (+{len(culprits) - 2} more)" if len(culprits) > 2 else "")
+        )
+    if rise is None:
+        first = f"no module above {RISE_FACTOR:g}x its usual norm"
+    elif math.isinf(rise.factors[0]):
+        n = sum(math.isinf(f) for f in rise.factors)
+        first = f"non-finite from step {rise.step}: " + (f"all {n} modules" if n == rows else ", ".join(rise.rows[:n]))
+    else:
+        more = f" (+{len(rise.rows) - 1} more)" if len(rise.rows) > 1 else ""
+        first = f"first at step {rise.step}: {rise.rows[0]} {rise.factors[0]:.3g}x its usual norm{more}"
+    return "\n".join([*lines, first])
 
 
 def _clipped_count(fraction: dict[int, float]) -> tuple[int, int]:
@@ -585,8 +941,9 @@ def _draw_events(ax, events: list[dict]) -> None:
 
 _CLI_DESCRIPTION = """\
 Render the gradient report of a run to a PNG: a heatmap of per-module gradient norms over optimizer steps, the
-total norm before and after clipping (clipped steps marked, the clipped fraction and skipped steps where logged)
-and the events that gradkit's guards wrote (gradkit_events.jsonl), on one step axis.
+update-to-weight ratios (when logged), the total norm before and after clipping (clipped steps marked, the clipped
+fraction and skipped steps where logged) and the events that gradkit's guards wrote (gradkit_events.jsonl), on one
+step axis; below, one incident panel per skipped step, rollback or escalation: the per-module norms around it.
 
 LOG_DIR is the directory of one run: a CSVLogger's (metrics.csv) or a TensorBoardLogger's (events.out.tfevents.*,
 needs tensorboard), e.g. lightning_logs/version_0. The run must have used GradNormMonitor, which logs the

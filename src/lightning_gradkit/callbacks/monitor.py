@@ -2,29 +2,34 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_gradkit._arguments import check_bool, check_int, name_list, validate_norm_type
 from lightning_gradkit._compat import batches_that_stepped, epoch_ends_with_this_batch
 from lightning_gradkit.core.norms import (
     ParamIndex,
     clean_name,
+    combine_sharded,
     grouped_norms,
     host_to_device,
     local_tensor,
     module_key,
     per_tensor_norms,
+    powered,
     reduce_sharded,
     total_norm,
 )
@@ -207,6 +212,21 @@ class GradNormMonitor(GradKitCallback):
     - ``grad_norm/module/<name>``: per module (see ``depth``).
     - ``grad_norm/param_group_<i>``: per optimizer param group.
     - ``weight_norm/total`` and ``weight_norm/module/<name>``: with ``weight_norms=True``.
+    - ``update_ratio/total`` and ``update_ratio/module/<name>``: with ``update_ratio=True``, the update-to-weight
+      ratio ``||w_after - w_before|| / ||w_before||`` (2-norms, whatever ``norm_type``) of this optimizer step.
+
+    **Update-to-weight ratio.** The ratio of the size of a step's update to the size of the weights is the usual
+    learning-rate health signal: about ``1e-3`` per step is healthy (Karpathy, CS231n "ratio of weights:updates");
+    far below, the learning rate is too low or the module does not train; far above, it is too high. On a logging
+    step the monitor copies this optimizer's parameters (the local shards under FSDP/FSDP2) after the gradients are
+    written and before the optimizer steps, and computes the ratio right after ``optimizer.step()`` returns (a
+    ``torch.optim`` step post-hook, removed at the end of the batch, which logs it): one ``_foreach_sub_`` and two
+    ``_foreach_norm`` passes, and under sharding one all-reduce. The ratio divides by the weights before the step (a
+    module whose weights are all zero gets ``inf``, or ``nan`` if it did not move either). Cost: on logging steps
+    only, one copy of the (local) parameters held during the optimizer step, so peak memory grows by the parameter
+    bytes there; other steps cost nothing (no hook, no copy, no sync). A step the optimizer did not apply (a guard
+    skipped it, the ``GradScaler`` found an inf, a fused optimizer was told ``found_inf``) logs ``0``: its update
+    was zero.
 
     Trainable parameters that receive no gradient, or an all-zero gradient, are named in a warning, once each
     (the classic "training under ``no_grad``" or "loss not connected" failures). A gradient counts as all-zero when
@@ -229,6 +249,8 @@ class GradNormMonitor(GradKitCallback):
             children, and so on); 0 turns per-module logging off.
         param_groups: also log one norm per optimizer param group.
         weight_norms: also log the weight norms (total and, with ``depth``, per module) on logging steps.
+        update_ratio: also log the update-to-weight ratio (total and, with ``depth``, per module) on logging steps;
+            see above for what it costs. The report draws it as a panel of its own.
         report: at the end of ``fit``, render the gradient report (``lightning_gradkit.report``) to
             ``gradient_report.png`` in the log directory. The monitor keeps the values it logs (rank 0, on logging
             steps), so any logger, or none, will do. Needs matplotlib: ``pip install -e '.[report]'`` in the
@@ -260,6 +282,7 @@ class GradNormMonitor(GradKitCallback):
         depth: int | Literal["auto"] = "auto",
         param_groups: bool = False,
         weight_norms: bool = False,
+        update_ratio: bool = False,
         report: bool = False,
         log_every_n_steps: int | None = None,
         prog_bar: bool = False,
@@ -276,6 +299,7 @@ class GradNormMonitor(GradKitCallback):
         self.depth: int | Literal["auto"] = depth
         self.param_groups = check_bool("param_groups", param_groups)
         self.weight_norms = check_bool("weight_norms", weight_norms)
+        self.update_ratio = check_bool("update_ratio", update_ratio)
         self.report = check_bool("report", report)
         if report and importlib.util.find_spec("matplotlib") is None:
             from lightning_gradkit.report import INSTALL_HINT
@@ -309,6 +333,9 @@ class GradNormMonitor(GradKitCallback):
         self._report_dir: Path | None = None
         self._metadata_dir: Path | None = None
         self._written_rows: dict[int, list[str]] = {}
+        # Update ratio: the parameters before the step of a logging step, per optimizer, and the step hooks.
+        self._before: dict[int, _Before] = {}
+        self._step_hooks: dict[int, RemovableHandle] = {}
 
     @property
     def state_key(self) -> str:
@@ -332,7 +359,7 @@ class GradNormMonitor(GradKitCallback):
             raise ValueError(
                 f"The Trainer has {len(monitors)} GradNormMonitor callbacks: each would log the same `grad_norm/*` "
                 "keys. Keep exactly one and give it every option you need (`depth`, `param_groups`, `weight_norms`, "
-                "`report`, `prog_bar`)."
+                "`update_ratio`, `report`, `prog_bar`)."
             )
         # `trainer.log_dir` broadcasts rank 0's directory: every rank asks at the same point.
         directory = events_dir(trainer) if self.report or trainer.loggers else None
@@ -436,6 +463,76 @@ class GradNormMonitor(GradKitCallback):
         self._write_row_order(idx, suffix)
         if self._record is not None or self.prog_bar:
             self._note(plan, trainer, pl_module, metrics, host, suffix)
+        if self.update_ratio:
+            self._keep_before(plan, trainer, pl_module, suffix, on_period)
+
+    # -- update-to-weight ratio (logging steps only) --------------------------------------------------------------
+    def _keep_before(
+        self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule, suffix: str, on_period: bool
+    ) -> None:
+        """Copy the parameters before the step and arm the hook that measures the update after it."""
+        index = plan.index
+        before = [local_tensor(p.detach()).clone() for p in index.params]
+        weight_norms = per_tensor_norms(before, 2.0, index.run_bounds).to(index.shard_weight.device)
+        idx = plan.optimizer_idx
+        self._before[idx] = _Before(index, before, weight_norms, self._module_rows(plan), suffix, on_period)
+        if idx not in self._step_hooks:
+            hook = functools.partial(self._after_step, idx)
+            self._step_hooks[idx] = plan.optimizer.register_step_post_hook(hook)
+
+    def _after_step(self, idx: int, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """``optimizer.step()`` returned (a ``torch.optim`` step post-hook): measure the update of a logging step.
+
+        The ratios are logged at the batch end, with those of a step that did not happen, from one hook: Lightning
+        keeps a logged key per hook, and the same key logged from two hooks would be re-sent stale.
+        """
+        before = self._before.get(idx)
+        if before is None or before.ratios is not None:  # another step of the same batch (manual optimization)
+            return
+        with torch.no_grad():
+            before.ratios = update_ratios(before.index, before.params, before.weight_norms, before.rows)
+        before.params = []
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._step_hooks:  # not a logging step with `update_ratio`: nothing to do
+            return
+        for handle in self._step_hooks.values():
+            handle.remove()
+        self._step_hooks.clear()
+        for before in self._before.values():
+            ratios = before.ratios
+            if ratios is None:
+                # The step hook did not run: the optimizer did not step (a guard skipped it, the GradScaler found an
+                # inf). The update was zero. The parameters are not read here: a rollback may have restored them.
+                zero = torch.zeros((), device=before.weight_norms.device)
+                rows = before.rows[0] if before.rows is not None else []
+                ratios = {f"update_ratio/{name}": zero for name in ["total", *(f"module/{r}" for r in rows)]}
+            self._log_ratios(trainer, pl_module, before, ratios)
+        self._before.clear()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for handle in self._step_hooks.values():  # a fit that raised inside a logging step's batch
+            handle.remove()
+        self._step_hooks.clear()
+        self._before.clear()
+
+    def _log_ratios(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, before: _Before, ratios: dict[str, Tensor]
+    ) -> None:
+        """Log the ratios as the step's other values were logged (one host transfer off the Trainer's period)."""
+        metrics = {k + before.suffix: v for k, v in ratios.items()}
+        step = batches_that_stepped(trainer)
+        host: dict[str, float] | None = None
+        if before.on_period:
+            log_metrics(trainer, pl_module, metrics, self.log_every_n_steps)
+        else:
+            host = _to_host(metrics)
+            for logger in trainer.loggers:
+                logger.log_metrics(host, step=step)
+        if self._record is not None:
+            self._record.merge(step, host or _to_host(metrics))
 
     def _write_row_order(self, idx: int, suffix: str) -> None:
         """Record the per-module rows in model order in ``gradkit_run.json`` when they change (rank 0, a logger)."""
@@ -564,6 +661,66 @@ class GradNormMonitor(GradKitCallback):
         return {f"{prefix}/module/{name}": norms[i] for i, name in enumerate(names)}
 
 
+def update_ratios(
+    index: ParamIndex, before: list[Tensor], weight_norms: Tensor, rows: tuple[list[str], Tensor] | None
+) -> dict[str, Tensor]:
+    """The update-to-weight ratios ``||w - w_before|| / ||w_before||`` (2-norms), total and per row.
+
+    Overwrites ``before`` with the update (one ``_foreach_sub_``), takes its per-parameter norms (one
+    ``_foreach_norm`` per device/dtype group) and, when some parameter is sharded, sums the shards' squares in one
+    all-reduce (:func:`~lightning_gradkit.core.norms.reduce_sharded`, the weights' squares riding along as an extra).
+
+    Args:
+        index: the parameters of one optimizer.
+        before: copies of this rank's (local) parameters, taken before the step, in ``index`` order.
+        weight_norms: this rank's per-parameter 2-norms of ``before``.
+        rows: the per-module rows and the row of every parameter, or None for the total only.
+
+    Example::
+
+        >>> from lightning_gradkit.core.norms import build_param_index
+        >>> w = torch.nn.Parameter(torch.full((4,), 2.0))
+        >>> index = build_param_index([{"params": [w]}], {id(w): "w"}, 0, torch.device("cpu"))
+        >>> before = [w.detach().clone()]
+        >>> with torch.no_grad():
+        ...     _ = w.sub_(0.004)
+        >>> update_ratios(index, before, per_tensor_norms(before, 2.0), None)["update_ratio/total"]
+        tensor(0.0020)
+    """
+    device = index.shard_weight.device
+    torch._foreach_sub_(before, [local_tensor(p.detach()) for p in index.params])
+    update_local = per_tensor_norms(before, 2.0, index.run_bounds).to(device)
+    extras = {_WEIGHT_SQUARES: powered(weight_norms, 2.0) * index.shard_weight} if index.any_sharded else {}
+    norms, reduced = reduce_sharded(index, {2.0: update_local}, extras)
+    update = norms[2.0]
+    weights = (
+        combine_sharded(weight_norms, index.shard_weight, reduced[_WEIGHT_SQUARES], 2.0) if extras else weight_norms
+    )
+    out = {"update_ratio/total": total_norm(update, 2.0) / total_norm(weights, 2.0)}
+    if rows is not None:
+        names, row_index = rows
+        ratio = grouped_norms(update, row_index, len(names), 2.0) / grouped_norms(weights, row_index, len(names), 2.0)
+        out.update({f"update_ratio/module/{name}": ratio[i] for i, name in enumerate(names)})
+    return out
+
+
+_WEIGHT_SQUARES = "update_ratio.weight_squares"
+
+
+@dataclass
+class _Before:
+    """What a logging step keeps of one optimizer's parameters for the update ratio: the copies until the step
+    returns, then the ratios until the batch ends."""
+
+    index: ParamIndex
+    params: list[Tensor]
+    weight_norms: Tensor
+    rows: tuple[list[str], Tensor] | None
+    suffix: str
+    on_period: bool
+    ratios: dict[str, Tensor] | None = None
+
+
 @dataclass
 class _ZeroWatch:
     """The all-zero-gradient check of one parameter index over its first :data:`ZERO_GRADIENT_STEPS` steps.
@@ -631,6 +788,11 @@ class _Record:
         if len(self.steps) > self.max_steps:
             self.steps, self.values = self.steps[::2], self.values[::2]
             self._stride *= 2
+
+    def merge(self, step: int, values: dict[str, float]) -> None:
+        """Add values measured after the step (the update ratio) to the record of ``step``, if it was kept."""
+        if self.steps and self.steps[-1] == step:
+            self.values[-1].update(values)
 
     def run_data(self, events: list[dict]) -> RunData:
         from lightning_gradkit.report import RunData
