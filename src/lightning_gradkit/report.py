@@ -52,12 +52,21 @@ from lightning_gradkit.events import EVENTS_FILENAME as EVENTS_FILE
 from lightning_gradkit.events import read_metadata
 
 __all__ = [
+    "INCIDENT_RADIUS",
     "INSTALL_HINT",
+    "RATIO_GUIDE",
     "REPORT_FILE",
+    "RISE_FACTOR",
+    "Incident",
+    "Rise",
     "RunData",
     "build_figure",
     "cell_reach",
     "event_label",
+    "first_rise",
+    "incident_grid",
+    "incident_windows",
+    "is_incident",
     "is_sparse",
     "is_validation_event",
     "isolated_points",

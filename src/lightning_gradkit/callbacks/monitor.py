@@ -55,6 +55,7 @@ __all__ = [
     "auto_module_keys",
     "module_rows",
     "repeated_blocks",
+    "update_ratios",
 ]
 
 
