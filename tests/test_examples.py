@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import re
+import warnings
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -11,11 +14,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_module
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import column, make_trainer, read_metrics
+from helpers import MLPModule, column, loader, make_trainer, read_metrics
 from lightning_gradkit import ClipGradNorm, GradNormMonitor
+from lightning_gradkit.demos import LossRecorder, ProgressPrinter
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 CONFIGS = EXAMPLES / "configs"
@@ -112,6 +117,47 @@ def test_demo_skips_the_injected_nan_names_the_culprit_and_writes_the_report(
     assert at_3 and any(e.get("culprit") == "model.blocks.0.mlp" for e in at_3), events
     report = log_dir / "gradient_report.png"
     assert report.stat().st_size > 10_000
+
+
+def progress_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+
+
+def test_progress_printer_prints_the_loss_and_the_logged_norm_every_n_steps_and_at_the_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    recorder = LossRecorder()
+    trainer = make_trainer(tmp_path, max_steps=5, callbacks=[GradNormMonitor(), recorder, ProgressPrinter(2)])
+    trainer.fit(MLPModule(), loader())
+
+    lines = progress_lines(caplog)
+    totals = column(read_metrics(trainer), "grad_norm/total")  # logged at optimizer steps 1..5
+    expected = [
+        rf"step    {s}/5  loss {recorder.losses[s - 1]:.4f}  grad_norm/total {totals[s - 1]:.4f}  \d+ s"
+        for s in (2, 4, 5)
+    ]
+    assert len(lines) == len(expected), lines
+    for line, pattern in zip(lines, expected, strict=True):
+        assert re.fullmatch(pattern, line), (line, pattern)
+
+
+def test_demo_prints_progress_and_hides_lightnings_leafspec_warning_and_litlogger_tip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.INFO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = load_example("tiny_gpt.py").main(quick_args("demo.yaml", tmp_path, "tiny_gpt.py"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("`Trainer.fit` stopped" in m for m in messages)  # Lightning's other lines still show
+    assert not [m for m in messages if "litlogger" in m.lower()]
+    assert not [w for w in caught if "LeafSpec" in str(w.message)]
+    final = progress_lines(caplog)[-1]
+    total = column(read_metrics(cli.trainer), "grad_norm/total")[-1]
+    assert final.startswith("step   12/12  loss ") and f"grad_norm/total {total:.4f}  skipped 0  " in final
+    assert not rank_zero_module.log.filters  # hidden only while the example runs
 
 
 class TinyEncoder(nn.Module):
