@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import logging
@@ -13,6 +14,7 @@ from types import ModuleType, SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_module
 from torch import Tensor, nn
@@ -72,10 +74,20 @@ def test_every_preset_is_covered() -> None:
 
 
 @pytest.mark.parametrize("config", [c for c, s in PRESETS.items() if s == "tiny_gpt.py"])
-def test_tiny_gpt_presets_run(config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_gpt_presets_run_with_their_callbacks_and_log_every_step(
+    config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     cli = load_example("tiny_gpt.py").main(quick_args(config, tmp_path, "tiny_gpt.py"))
     assert cli.trainer.global_step == 12
+    listed = [c["class_path"] for c in yaml.safe_load((CONFIGS / config).read_text())["trainer"]["callbacks"]]
+    classes = [getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in listed]
+    assert sorted(type(c).__name__ for c in cli.trainer.callbacks if type(c) in classes) == sorted(
+        c.__name__ for c in classes
+    )
+    # `--trainer.log_every_n_steps=1`: the monitor logged the total norm of each of the 12 optimizer steps
+    totals = column(read_metrics(cli.trainer), "grad_norm/total")
+    assert len(totals) == 12 and all(0 < t < float("inf") for t in totals)
 
 
 @SKIP_MINILM
@@ -107,7 +119,8 @@ def test_demo_skips_the_injected_nan_names_the_culprit_and_writes_the_report(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     args = [*quick_args("demo.yaml", tmp_path, "tiny_gpt.py"), "--inject-nan-at=3", "--inject-into=model.blocks.0.mlp"]
-    cli = load_example("tiny_gpt.py").main(args)
+    with pytest.warns(UserWarning, match=r"NonFiniteGuard: non-finite values at step 3: .* step was skipped"):
+        cli = load_example("tiny_gpt.py").main(args)
     trainer = cli.trainer
     assert trainer.global_step == 12
     assert all(torch.isfinite(p).all() for p in cli.model.parameters())
