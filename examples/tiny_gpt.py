@@ -1,19 +1,30 @@
 """Train a tiny GPT from scratch on the Python standard library's source, with gradkit guarding the run.
 
     python examples/tiny_gpt.py fit --config examples/configs/demo.yaml            # the `make demo` run
-    python examples/tiny_gpt.py fit --config examples/configs/demo.yaml --inject-nan-at 40
+    python examples/tiny_gpt.py fit --config examples/configs/demo.yaml --inject-nan-at 150 \
+        --inject-into model.blocks.3.attn                     # a second fault: demo.yaml's injects at step 40
     python examples/tiny_gpt.py fit --config examples/configs/demo.yaml --model.lr 0.3   # provoke spikes
     python examples/tiny_gpt.py fit --config examples/configs/demo.yaml --inject-spike-at 200 \
         --trainer.callbacks+=lightning_gradkit.SpikeRollback --trainer.callbacks.z_threshold=3.0
     python examples/tiny_gpt.py fit --help                                          # every option, documented
 
 Everything the run does to the gradient path comes from callbacks listed in the YAML (or added on the command
-line with ``--trainer.callbacks+=lightning_gradkit.ZClip``); the LightningModule is plain.
+line with ``--trainer.callbacks+=lightning_gradkit.GraphLeakGuard``); the LightningModule is plain.
+
+Two messages of third-party libraries are hidden while the example runs, since a newcomer takes them for
+gradkit's: Lightning 2.6's ``FutureWarning`` about torch's deprecated ``LeafSpec`` (Lightning's own code builds
+one) and Lightning's "Tip" advertising its LitLogger service. Every other line is shown.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_module
 
 import lightning_gradkit  # noqa: F401  (registers the "gradkit*" strategy names)
 from lightning_gradkit.demos import FaultInjector, SpikeInjector, StdlibTextDataModule, TinyGPTModule
@@ -45,8 +56,28 @@ class TinyGPTCLI(LightningCLI):
             self.trainer.callbacks.insert(0, injector)
 
 
+def _not_a_litlogger_tip(record: logging.LogRecord) -> bool:
+    return "Tip: For seamless cloud logging" not in record.getMessage()
+
+
+@contextmanager
+def third_party_noise_hidden() -> Iterator[None]:
+    """Hide Lightning's ``LeafSpec`` deprecation warning and its LitLogger tip, for the duration of the block."""
+    logger = rank_zero_module.log  # the logger Lightning's `rank_zero_info` writes to
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+        )
+        logger.addFilter(_not_a_litlogger_tip)
+        try:
+            yield
+        finally:
+            logger.removeFilter(_not_a_litlogger_tip)
+
+
 def main(args: list[str] | None = None) -> TinyGPTCLI:
-    return TinyGPTCLI(TinyGPTModule, StdlibTextDataModule, args=args, save_config_kwargs={"overwrite": True})
+    with third_party_noise_hidden():
+        return TinyGPTCLI(TinyGPTModule, StdlibTextDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":

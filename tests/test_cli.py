@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,10 @@ from lightning_gradkit import GradNormMonitor
 from lightning_gradkit.demos import StdlibTextDataModule, TinyGPTModule
 
 BASE = [
+    "--seed_everything=0",  # else Lightning warns "No seed found"
     "--trainer.accelerator=cpu",
     "--trainer.max_steps=2",
+    "--trainer.log_every_n_steps=1",  # a run shorter than the logging period makes GradNormMonitor warn
     "--trainer.limit_val_batches=0",
     "--trainer.enable_progress_bar=false",
     "--trainer.logger=false",
@@ -92,23 +96,28 @@ def test_help_shows_each_arguments_documentation(capsys: pytest.CaptureFixture[s
     assert "the p of the norm" in out
 
 
-# Every public callback, with the arguments it needs, as a user would type them.
-CALLBACK_ARGS = {
-    "GradNormMonitor": [],
-    "ClipGradNorm": ["--trainer.callbacks.max_norm=1.0"],
-    "ClipGradValue": ["--trainer.callbacks.clip_value=0.5"],
-    "AdaptiveGradClip": ["--trainer.callbacks.clip_factor=0.02"],
-    "AutoClip": ["--trainer.callbacks.percentile=20.0"],
-    "ZClip": ["--trainer.callbacks.z_threshold=3.0"],
-    "NonFiniteGuard": ["--trainer.callbacks.action=warn"],
-    "SpikeGuard": ["--trainer.callbacks.monitor=grad_norm"],
-    "SpikeRollback": ["--trainer.callbacks.skip_batches=10"],
-    "ActivationCheckpointing": ["--trainer.callbacks.targets=[Block]"],
-    "InferenceModeValidation": [],
-    "AccumulationGuard": ["--trainer.callbacks.normalize=mean"],
-    "SyncAudit": ["--trainer.callbacks.every_n_steps=5"],
-    "GraphLeakGuard": ["--trainer.callbacks.check_every_n_steps=5"],
+# Every public callback, with arguments a user would type (the required ones, and one other than its default).
+CALLBACK_ARGS: dict[str, dict[str, object]] = {
+    "GradNormMonitor": {"depth": 1, "norm_type": 1.0},
+    "ClipGradNorm": {"max_norm": 1.0, "norm_type": 1.0},
+    "ClipGradValue": {"clip_value": 0.5},
+    "AdaptiveGradClip": {"clip_factor": 0.02, "exclude": ["re:^head"]},
+    "AutoClip": {"percentile": 20.0, "history_size": 50},
+    "ZClip": {"z_threshold": 3.0, "max_norm": 2.0},
+    "NonFiniteGuard": {"action": "warn", "max_consecutive": 3},
+    "SpikeGuard": {"monitor": "grad_norm", "window": 30},
+    "SpikeRollback": {"skip_batches": 10, "keep": 3},
+    "ActivationCheckpointing": {"targets": ["Block"], "mode": "selective"},
+    "InferenceModeValidation": {"fallback": "raise"},
+    "AccumulationGuard": {"normalize": "tokens", "tokens_key": "n"},
+    "SyncAudit": {"every_n_steps": 5, "mode": "raise", "max_syncs_per_step": 2},
+    "GraphLeakGuard": {"check_every_n_steps": 5, "gc_scan": True},
 }
+
+
+def stored(callback: object, name: str) -> object:
+    """The value a callback keeps for a constructor argument (the clipping callbacks keep theirs on ``policy``)."""
+    return getattr(callback, name) if hasattr(callback, name) else getattr(callback.policy, name)
 
 
 def test_every_public_callback_is_covered() -> None:
@@ -125,9 +134,16 @@ def test_every_public_callback_is_covered() -> None:
 def test_every_callback_builds_from_the_command_line(name: str) -> None:
     import lightning_gradkit
 
-    result = cli([*BASE, f"--trainer.callbacks+=lightning_gradkit.{name}", *CALLBACK_ARGS[name]], run=False)
-    built = [c for c in result.trainer.callbacks if type(c) is getattr(lightning_gradkit, name)]
-    assert len(built) == 1
+    cls = getattr(lightning_gradkit, name)
+    arguments = CALLBACK_ARGS[name]
+    typed = [f"--trainer.callbacks.{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in arguments.items()]
+    result = cli([*BASE, f"--trainer.callbacks+=lightning_gradkit.{name}", *typed], run=False)
+    (built,) = [c for c in result.trainer.callbacks if type(c) is cls]
+    reference = cls(**arguments)  # the same arguments, in Python
+    defaults = inspect.signature(cls.__init__).parameters
+    for key, value in arguments.items():
+        assert value != defaults[key].default  # else the check below could not tell the value was passed
+        assert stored(built, key) == stored(reference, key) == value, key
 
 
 CLIP_ARGUMENTS = {

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import logging
+import re
+import warnings
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_module
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import column, make_trainer, read_metrics
+from helpers import MLPModule, column, loader, make_trainer, read_metrics
 from lightning_gradkit import ClipGradNorm, GradNormMonitor
+from lightning_gradkit.demos import LossRecorder, ProgressPrinter
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 CONFIGS = EXAMPLES / "configs"
@@ -68,10 +75,20 @@ def test_every_preset_is_covered() -> None:
 
 
 @pytest.mark.parametrize("config", [c for c, s in PRESETS.items() if s == "tiny_gpt.py"])
-def test_tiny_gpt_presets_run(config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_gpt_presets_run_with_their_callbacks_and_log_every_step(
+    config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     cli = load_example("tiny_gpt.py").main(quick_args(config, tmp_path, "tiny_gpt.py"))
     assert cli.trainer.global_step == 12
+    listed = [c["class_path"] for c in yaml.safe_load((CONFIGS / config).read_text())["trainer"]["callbacks"]]
+    classes = [getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in listed]
+    assert sorted(type(c).__name__ for c in cli.trainer.callbacks if type(c) in classes) == sorted(
+        c.__name__ for c in classes
+    )
+    # `--trainer.log_every_n_steps=1`: the monitor logged the total norm of each of the 12 optimizer steps
+    totals = column(read_metrics(cli.trainer), "grad_norm/total")
+    assert len(totals) == 12 and all(0 < t < float("inf") for t in totals)
 
 
 @SKIP_MINILM
@@ -103,7 +120,8 @@ def test_demo_skips_the_injected_nan_names_the_culprit_and_writes_the_report(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     args = [*quick_args("demo.yaml", tmp_path, "tiny_gpt.py"), "--inject-nan-at=3", "--inject-into=model.blocks.0.mlp"]
-    cli = load_example("tiny_gpt.py").main(args)
+    with pytest.warns(UserWarning, match=r"NonFiniteGuard: non-finite values at step 3: .* step was skipped"):
+        cli = load_example("tiny_gpt.py").main(args)
     trainer = cli.trainer
     assert trainer.global_step == 12
     assert all(torch.isfinite(p).all() for p in cli.model.parameters())
@@ -113,6 +131,47 @@ def test_demo_skips_the_injected_nan_names_the_culprit_and_writes_the_report(
     assert at_3 and any(e.get("culprit") == "model.blocks.0.mlp" for e in at_3), events
     report = log_dir / "gradient_report.png"
     assert report.stat().st_size > 10_000
+
+
+def progress_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+
+
+def test_progress_printer_prints_the_loss_and_the_logged_norm_every_n_steps_and_at_the_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    recorder = LossRecorder()
+    trainer = make_trainer(tmp_path, max_steps=5, callbacks=[GradNormMonitor(), recorder, ProgressPrinter(2)])
+    trainer.fit(MLPModule(), loader())
+
+    lines = progress_lines(caplog)
+    totals = column(read_metrics(trainer), "grad_norm/total")  # logged at optimizer steps 1..5
+    expected = [
+        rf"step    {s}/5  loss {recorder.losses[s - 1]:.4f}  grad_norm/total {totals[s - 1]:.4f}  \d+ s"
+        for s in (2, 4, 5)
+    ]
+    assert len(lines) == len(expected), lines
+    for line, pattern in zip(lines, expected, strict=True):
+        assert re.fullmatch(pattern, line), (line, pattern)
+
+
+def test_demo_prints_progress_and_hides_lightnings_leafspec_warning_and_litlogger_tip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.INFO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = load_example("tiny_gpt.py").main(quick_args("demo.yaml", tmp_path, "tiny_gpt.py"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("`Trainer.fit` stopped" in m for m in messages)  # Lightning's other lines still show
+    assert not [m for m in messages if "litlogger" in m.lower()]
+    assert not [w for w in caught if "LeafSpec" in str(w.message)]
+    final = progress_lines(caplog)[-1]
+    total = column(read_metrics(cli.trainer), "grad_norm/total")[-1]
+    assert final.startswith("step   12/12  loss ") and f"grad_norm/total {total:.4f}  skipped 0  " in final
+    assert not rank_zero_module.log.filters  # hidden only while the example runs
 
 
 class TinyEncoder(nn.Module):

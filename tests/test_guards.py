@@ -324,8 +324,12 @@ def test_warn_applies_the_update_and_reports_on_logging_steps(tmp_path: Path) ->
     torch.manual_seed(0)
     model = FaultModule(Fault("grad", INF, target="head.bias"), optimizer="sgd")
     trainer = make_trainer(tmp_path, callbacks=[NonFiniteGuard(action="warn")], log_every_n_steps=4)
-    # The Inf update is applied, so step 3 is non-finite as well; the logging step 3 reports both.
-    with pytest.warns(UserWarning, match=r"2 optimizer step\(s\) with non-finite values between steps 2 and 3"):
+    # The Inf update is applied, so step 3 is non-finite as well; the logging step 3 reports both, and the logging
+    # step 7 the four after them.
+    with (
+        pytest.warns(UserWarning, match=r"2 optimizer step\(s\) with non-finite values between steps 2 and 3"),
+        pytest.warns(UserWarning, match=r"4 optimizer step\(s\) with non-finite values between steps 4 and 7"),
+    ):
         trainer.fit(model, loader())
     assert not math.isfinite(model.head.bias.detach().sum().item())
     first = events(trainer)[0]

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import MLPModule, loader, make_trainer, run_distributed
-from lightning_gradkit import GradNormMonitor
-from lightning_gradkit._layout import first_mismatch, parameter_layout
+from lightning_gradkit import GradNormMonitor, _layout, engine
+from lightning_gradkit._layout import first_mismatch, parameter_layout, verify_same_layout
 
 
 def test_layout_lists_trainable_parameters_in_optimizer_order() -> None:
@@ -36,10 +37,23 @@ def test_first_mismatch_names_position_and_every_differing_rank() -> None:
     assert first_mismatch([same, ["a", "b"]]) == "position 2: rank 0 has `c`; rank 1 has `<no parameter>`"
 
 
-def test_single_process_fit_is_not_affected(tmp_path: Path) -> None:
-    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[GradNormMonitor()])
-    trainer.fit(MLPModule(), loader())
+def test_single_process_fit_skips_the_check_and_trains_as_plain_lightning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks, described = [], []
+    monkeypatch.setattr(engine, "verify_same_layout", lambda *a: checks.append(a) or verify_same_layout(*a))
+    monkeypatch.setattr(_layout, "parameter_layout", lambda *a: described.append(a) or parameter_layout(*a))
+    torch.manual_seed(0)
+    model = MLPModule()
+    trainer = make_trainer(tmp_path / "gradkit", max_steps=2, callbacks=[GradNormMonitor()])
+    trainer.fit(model, loader())
+    torch.manual_seed(0)
+    plain = MLPModule()
+    make_trainer(tmp_path / "plain", max_steps=2).fit(plain, loader())
+
+    assert len(checks) == 1 and described == []  # the check ran once, and returned before describing or gathering
     assert trainer.global_step == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
 
 
 @pytest.mark.distributed

@@ -141,7 +141,8 @@ def test_sync_inside_pytorch_is_charged_to_the_calling_line(tmp_path: Path) -> N
 
 def test_raise_mode_fails_the_step_over_budget_and_restores(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, callbacks=[SyncAudit(every_n_steps=2, mode="raise", max_syncs_per_step=2)])
-    trainer.fit(SyncingModule(), loader(n=32))  # 2 syncs per step: within budget
+    with pytest.warns(UserWarning, match=r"your code makes 2\.00 host-device syncs per step"):  # the report
+        trainer.fit(SyncingModule(), loader(n=32))  # 2 syncs per step: within budget
 
     model = SyncingModule()
     audit = SyncAudit(every_n_steps=2, mode="raise", max_syncs_per_step=1)
@@ -213,7 +214,8 @@ def test_resumed_run_reports_as_uninterrupted(tmp_path: Path) -> None:
     resumed = SyncAudit(every_n_steps=2)
     model = SyncingModule()
     trainer = make_trainer(tmp_path / "b", callbacks=[resumed])
-    trainer.fit(model, loader(), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=4.ckpt")
+    with pytest.warns(UserWarning, match=r"audited step 5, .* 2\.00 host-device syncs per step"):
+        trainer.fit(model, loader(), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=4.ckpt")
     assert len(model.values) == 4  # batches 4..7 ran after the resume
     assert resumed.step_counts == full.step_counts == [2, 2, 2, 2]
     assert [(r.lineno, r.syncs, r.steps) for r in resumed.report] == [(r.lineno, r.syncs, r.steps) for r in full.report]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -15,6 +16,7 @@ from typing import Literal
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -300,6 +302,67 @@ class SpikeInjector(pl.Callback):
                 for group, lr in zip(opt.param_groups, lrs, strict=True):
                     group["lr"] = lr
             self._saved = None
+
+
+class ProgressPrinter(pl.Callback):
+    """Print one line every ``every_n_steps`` optimizer steps, for runs without a progress bar (``make demo``).
+
+    Each line has the step, the training loss of the step's last batch, the latest logged ``grad_norm/total`` and
+    ``gradkit/skipped_steps`` (when a :class:`~lightning_gradkit.GradNormMonitor` logs them), the latest
+    ``val_loss`` and the time since training started::
+
+        step  100/300  loss 2.3016  grad_norm/total 0.4312  skipped 1  val_loss 2.4170  12 s
+
+    Reads the loss and the metrics to the host on the printed steps only (a synchronization there on a GPU).
+
+    Args:
+        every_n_steps: print after every ``every_n_steps``-th optimizer step (``trainer.global_step``), and after
+            the last one when ``max_steps`` is set.
+
+    Raises:
+        ValueError: if ``every_n_steps`` < 1.
+
+    Example::
+
+        Trainer(enable_progress_bar=False, callbacks=[GradNormMonitor(), ProgressPrinter(every_n_steps=50)])
+    """
+
+    def __init__(self, every_n_steps: int = 25) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"`every_n_steps` must be >= 1, got {every_n_steps!r}.")
+        self.every_n_steps = every_n_steps
+        self._printed_step = -1
+        self._start = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, idx: int) -> None:
+        step = trainer.global_step
+        last = step == trainer.max_steps
+        if step == self._printed_step or not (step % self.every_n_steps == 0 or last):
+            return
+        self._printed_step = step
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        rank_zero_info(progress_line(step, trainer.max_steps, loss, trainer.callback_metrics, self._elapsed()))
+
+    def _elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+
+def progress_line(step: int, max_steps: int, loss: Tensor | None, metrics: dict[str, Tensor], elapsed: float) -> str:
+    """The line :class:`ProgressPrinter` prints: the step (``/max_steps`` when set), the loss and the metrics known."""
+    total = f"/{max_steps}" if max_steps > 0 else ""
+    parts = [f"step {step:>4}{total}", f"loss {float(loss):.4f}" if loss is not None else "loss -"]
+    for key, label, fmt in (
+        ("grad_norm/total", "grad_norm/total", ".4f"),
+        ("gradkit/skipped_steps", "skipped", ".0f"),
+        ("val_loss", "val_loss", ".4f"),
+    ):
+        if key in metrics:
+            parts.append(f"{label} {float(metrics[key]):{fmt}}")
+    parts.append(f"{elapsed:.0f} s")
+    return "  ".join(parts)
 
 
 class LossRecorder(pl.Callback):

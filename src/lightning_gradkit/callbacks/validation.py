@@ -231,7 +231,9 @@ def _holds_inference_tensor(root: object) -> bool:
 def _lru_caches_holding_inference_tensors() -> list[str]:
     """Qualified names of the ``functools.lru_cache`` (and ``functools.cache``) functions whose cache holds an
     inference tensor. Slow (it walks every object the garbage collector tracks): for error messages."""
-    caches = [o for o in gc.get_objects() if isinstance(o, functools._lru_cache_wrapper)]
+    # `type(o) is`, not `isinstance`: it reads no attribute of `o` (an object like torch's deprecated
+    # `torch.distributed.reduce_op` warns on every attribute read); the wrapper type cannot be subclassed.
+    caches = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]
     return [
         f"{cache.__module__}.{cache.__qualname__}"
         for cache in caches
@@ -248,7 +250,7 @@ def _globals_holding_inference_tensors() -> list[str]:
             continue
         search = _InferenceTensorSearch(clone=False)
         for name, value in list(vars(module).items()):
-            if not name.startswith("__") and not isinstance(value, functools._lru_cache_wrapper):
+            if not name.startswith("__") and type(value) is not functools._lru_cache_wrapper:
                 search.visit(value, f"{module_name}.{name}", 1)
         found += search.found
     return found

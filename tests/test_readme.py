@@ -1,0 +1,98 @@
+"""The README's argument table names every constructor argument of every public callback."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import re
+import shlex
+from collections import Counter
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+
+import lightning_gradkit
+
+ROOT = Path(__file__).parents[1]
+README = ROOT / "README.md"
+
+
+def argument_table() -> dict[str, str]:
+    """The rows of the table under "## Callbacks and strategies": each class named in a row's first cell -> the row's
+    second cell (``ClipGradNorm`` and ``ClipGradValue`` share one row)."""
+    section = README.read_text().split("## Callbacks and strategies", 1)[1]
+    table = section.split("| name | arguments (defaults) |", 1)[1].split("\n\n", 1)[0]
+    rows: dict[str, str] = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]  # `\|` is a pipe in a cell
+        if not line.startswith("| `") or len(cells) != 2:
+            continue
+        for name in re.findall(r"`(\w+)`", cells[0]):
+            rows[name] = cells[1]
+    return rows
+
+
+def public_callbacks() -> list[type[pl.Callback]]:
+    classes = [getattr(lightning_gradkit, n) for n in lightning_gradkit.__all__]
+    return [c for c in classes if isinstance(c, type) and issubclass(c, pl.Callback)]
+
+
+def test_readme_table_names_every_argument_of_every_public_callback() -> None:
+    rows = argument_table()
+    missing = {}
+    for cls in public_callbacks():
+        assert cls.__name__ in rows, f"README table has no row for `{cls.__name__}`"
+        arguments = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        absent = [a for a in arguments if not re.search(rf"`{a}[=`]", rows[cls.__name__])]
+        if absent:
+            missing[cls.__name__] = absent
+    assert not missing, f"arguments missing from the README table: {missing}"
+
+
+def test_readme_table_gives_each_default_the_constructor_has() -> None:
+    rows = argument_table()
+    wrong = {}
+    for cls in public_callbacks():
+        for parameter in inspect.signature(cls.__init__).parameters.values():
+            # `name=default` or `name="a"\|"b"` (the default first); a bare `name` states no default
+            written = re.search(rf"`{parameter.name}=([^`]*)`", rows[cls.__name__])
+            if written is None:
+                continue
+            default = ast.literal_eval(written.group(1).split("\\|")[0])
+            if default != parameter.default:
+                wrong[f"{cls.__name__}.{parameter.name}"] = (written.group(1), parameter.default)
+    assert not wrong, f"README default differs from the constructor's (README, constructor): {wrong}"
+
+
+def readme_commands(prefix: str) -> list[list[str]]:
+    """The README's shell commands that start with ``prefix``, continuation lines joined, split into arguments."""
+    text = README.read_text().replace("\\\n", " ")
+    return [shlex.split(line.strip()) for line in text.splitlines() if line.strip().startswith(prefix)]
+
+
+def test_readme_cli_example_adds_a_callback_the_demo_preset_does_not_have(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (command,) = readme_commands("python examples/tiny_gpt.py fit --config examples/configs/demo.yaml")
+    monkeypatch.setattr("sys.argv", ["tiny_gpt.py"])
+    monkeypatch.chdir(tmp_path)
+    spec = importlib.util.spec_from_file_location("tiny_gpt", ROOT / "examples" / "tiny_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert command[:3] == ["python", "examples/tiny_gpt.py", "fit"]
+    args = [a.replace("examples/", f"{ROOT}/examples/") for a in command[3:]]  # without `fit`: run=False
+    preset = example.TinyGPTCLI(example.TinyGPTModule, example.StdlibTextDataModule, args=args[:2], run=False)
+    result = example.TinyGPTCLI(example.TinyGPTModule, example.StdlibTextDataModule, args=args, run=False)
+
+    before = Counter(type(c).__name__ for c in preset.trainer.callbacks)
+    after = Counter(type(c).__name__ for c in result.trainer.callbacks)
+    added = after - before
+    assert sum(added.values()) == 1 and before == after - added, (before, after)
+    (name,) = added
+    assert after[name] == 1  # a callback the preset does not already have
+    overrides = {a.split("=")[0].removeprefix("--trainer.callbacks."): a.split("=")[1] for a in args[3:]}
+    (callback,) = [c for c in result.trainer.callbacks if type(c).__name__ == name]
+    for key, value in overrides.items():
+        assert str(getattr(callback, key)) == value  # the override reached the added callback
