@@ -185,7 +185,14 @@ def test_report_without_any_logger(tmp_path: Path) -> None:
     make_trainer(tmp_path, logger=False, default_root_dir=tmp_path, callbacks=[monitor], max_steps=3).fit(
         MLPModule(), loader()
     )
-    assert (tmp_path / "gradient_report.png").exists()
+    # Without a logger the monitor keeps what it would have logged, and the figure is drawn from that.
+    assert sorted(monitor.report_data.series["grad_norm/total"]) == [0, 1, 2]
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(tmp_path / "gradient_report.png").shape
+    fig = build_figure(monitor.report_data)
+    # The PNG is that figure, saved at 110 dpi: the same size in inches.
+    assert (width, height) == pytest.approx(tuple(fig.get_size_inches() * 110), abs=2)
 
 
 def test_run_without_grad_norms_says_so_in_the_figure(tmp_path: Path) -> None:
