@@ -22,6 +22,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal
 
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_module
@@ -44,6 +45,13 @@ class TinyGPTCLI(LightningCLI):
         )
         parser.add_argument("--inject-spike-steps", type=int, default=4, help="optimizer steps the raised rate lasts")
         parser.add_argument("--inject-spike-factor", type=float, default=100.0, help="learning-rate multiplier")
+        parser.add_argument(
+            "--inject-spike-clock",
+            type=Literal["global_step", "optimizer"],
+            default="global_step",
+            help='what counts the steps of --inject-spike-at: "optimizer" (its step count) rewinds with a rollback, '
+            "so the spike comes back after it",
+        )
         parser.link_arguments("model.block_size", "data.block_size")
 
     def before_fit(self) -> None:
@@ -52,7 +60,9 @@ class TinyGPTCLI(LightningCLI):
             self.trainer.callbacks.append(FaultInjector(config.inject_nan_at, config.inject_into))
         if config.inject_spike_at is not None:
             # First: it puts the learning rate back before a SpikeRollback snapshot reads the optimizer.
-            injector = SpikeInjector(config.inject_spike_at, config.inject_spike_steps, config.inject_spike_factor)
+            injector = SpikeInjector(
+                config.inject_spike_at, config.inject_spike_steps, config.inject_spike_factor, config.inject_spike_clock
+            )
             self.trainer.callbacks.insert(0, injector)
 
 

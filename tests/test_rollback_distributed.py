@@ -5,6 +5,7 @@ ends like a single-process Adam loop that never saw the rewound and stepped-over
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,20 +67,58 @@ def test_rollback_is_identical_on_every_rank_and_exact_under_ddp_and_fsdp2(tmp_p
         assert "save_snapshots=False" in r["fsdp2_save_snapshots"], r["fsdp2_save_snapshots"]
 
 
-def test_escalation_is_identical_on_every_rank_under_ddp_and_follows_the_single_process_run(tmp_path: Path) -> None:
-    """The LR fault of ``test_rollback_escalation`` under DDP (each rank half of every global batch): both ranks
-    roll back and escalate at the same steps, cut and reset alike, and end with the same parameters, those of the
-    single-process escalated run (up to the rounding of DDP's gradient average)."""
+@pytest.fixture(scope="module")
+def escalation_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One launch of ``escalation_script.py`` (DDP, then FSDP2) for the escalation tests below."""
+    return run_distributed("escalation_script.py", tmp_path_factory.mktemp("escalation"), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def single_escalated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The final parameters of the single-process escalated run of ``test_rollback_escalation``."""
     from test_rollback_escalation import escalating, fit
 
-    (tmp_path / "ddp").mkdir()
-    ranks = run_distributed("escalation_script.py", tmp_path / "ddp", timeout=300)
-    single, _ = fit(tmp_path / "single", escalating(escalate_reset_moments="spiking"))
+    model, _ = fit(tmp_path_factory.mktemp("single"), escalating(escalate_reset_moments="spiking"))
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", ["ddp", "fsdp2"])
+def test_escalation_is_identical_on_every_rank_under_ddp_and_fsdp2_and_follows_the_single_process_run(
+    escalation_ranks: list[dict[str, Any]], single_escalated: dict[str, torch.Tensor], case: str
+) -> None:
+    """The LR fault of ``test_rollback_escalation`` on 2 ranks (each half of every global batch): both ranks roll
+    back and escalate at the same steps, cut and reset alike, and end with the same (FSDP2: gathered) parameters,
+    those of the single-process escalated run (up to the rounding of the gradient average over the ranks)."""
+    ranks = [r[case] for r in escalation_ranks]
     first, second, escalation = ranks[0]["events"]
     assert [e["what"] for e in (first, second, escalation)] == ["rollback", "rollback", "escalation"]
     assert (first["step"], second["step"], second["to_step"], escalation["step"]) == (27, 31, 24, 31)
     assert escalation["lr_factor"] == 0.02 and escalation["reset_modules"] == ["net.blocks", "net.head"]
+    assert escalation["reset_params"] == len(single_escalated)
     assert ranks[0]["ramp"] == ranks[1]["ramp"] == [0.02, 64 - 32, 1]
-    assert_bitwise(ranks[0]["params"], ranks[1]["params"])
-    for name, p in single.named_parameters():
-        torch.testing.assert_close(torch.tensor(ranks[0]["params"][name]), p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    assert_bitwise(ranks[0]["params"], ranks[1]["params"], case)
+    for name, p in single_escalated.items():
+        torch.testing.assert_close(torch.tensor(ranks[0]["params"][name]), p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_escalation_under_fsdp2_zeroes_every_ranks_shard_of_the_reset_moments(
+    escalation_ranks: list[dict[str, Any]],
+) -> None:
+    """Each rank holds a shard of every parameter and of its Adam state (the shards add up to the whole); the snapshot
+    of step 24 has moments, and after the escalation at step 31 (its restore, then the reset of both modules) every
+    rank's shard of every moment and step count is zero, empty shards (the 1-row head on rank 1) left as they are."""
+    ranks = [r["fsdp2"]["moments"] for r in escalation_ranks]
+    assert ranks[0]["24"].keys() == ranks[0]["32"].keys() == ranks[1]["32"].keys()
+    for name, whole in ranks[0]["32"].items():
+        assert sum(r["32"][name]["local_numel"] for r in ranks) == whole["numel"], name
+        assert whole["local_numel"] > 0 and whole["state"].keys() == {"step", "exp_avg", "exp_avg_sq"}, name
+        for r in ranks:
+            before, after = r["24"][name]["state"], r["32"][name]["state"]
+            assert before["step"] == 24 and after["step"] == 0, name
+            for key in ("exp_avg", "exp_avg_sq"):
+                if r["32"][name]["local_numel"]:
+                    assert before[key] > 0 and after[key] == 0, (name, key)
+                else:
+                    assert before[key] is None and after[key] is None, (name, key)
+    # FSDP2 really sharded: the blocks' weights are split between the ranks, half each.
+    assert ranks[1]["32"]["net.blocks.0.weight"]["local_numel"] == ranks[0]["32"]["net.blocks.0.weight"]["numel"] // 2

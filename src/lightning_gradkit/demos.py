@@ -28,10 +28,13 @@ __all__ = [
     "FaultInjector",
     "GPTConfig",
     "LossRecorder",
+    "ProgressPrinter",
     "SpikeInjector",
     "StdlibTextDataModule",
     "TinyGPT",
     "TinyGPTModule",
+    "optimizer_step_count",
+    "progress_line",
     "stdlib_text",
 ]
 
@@ -265,32 +268,59 @@ class SpikeInjector(pl.Callback):
     rolling back to a snapshot from before ``step`` can (see :class:`~lightning_gradkit.SpikeRollback`). A stand-in,
     for demos and tests, for the instabilities that make large runs diverge.
 
+    With ``clock="global_step"`` the fault happens once: a rollback does not rewind ``trainer.global_step``. With
+    ``clock="optimizer"`` the steps are counted by the optimizer itself (the largest ``step`` in its state, e.g.
+    Adam's), which a rollback restores with the snapshot: the fault comes back after every rollback to a snapshot
+    from before it, as a fault of the configuration (a learning-rate schedule too steep at that point) does in a
+    real run, and only an escalation (a cut learning rate) goes through it. A reset of all the optimizer moments
+    restarts that count. The clock reads the optimizer's step count to the host at every batch: for demos only.
+
     Put it first in the ``callbacks`` list: its ``on_train_batch_end`` puts the learning rate back before another
     callback (a snapshot) reads the optimizer's hyperparameters.
 
     Args:
-        step: the first optimizer step (``trainer.global_step``) with the raised learning rate.
+        step: the first optimizer step with the raised learning rate, counted by ``clock``.
         steps: how many optimizer steps it lasts (>= 1).
         factor: the multiplier (> 0).
+        clock: ``"global_step"`` (``trainer.global_step``) or ``"optimizer"`` (the first optimizer's step count).
 
     Raises:
-        ValueError: if ``step`` < 0, ``steps`` < 1 or ``factor`` <= 0.
+        ValueError: if ``step`` < 0, ``steps`` < 1, ``factor`` <= 0 or ``clock`` is not one of the two.
+
+    Example::
+
+        >>> SpikeInjector(180, steps=4, factor=100.0, clock="optimizer").clock
+        'optimizer'
     """
 
-    def __init__(self, step: int, steps: int = 3, factor: float = 30.0) -> None:
+    def __init__(
+        self,
+        step: int,
+        steps: int = 3,
+        factor: float = 30.0,
+        clock: Literal["global_step", "optimizer"] = "global_step",
+    ) -> None:
         if step < 0:
             raise ValueError(f"`step` must be >= 0, got {step!r}.")
         if steps < 1:
             raise ValueError(f"`steps` must be >= 1, got {steps!r}.")
         if not factor > 0:
             raise ValueError(f"`factor` must be > 0, got {factor!r}.")
+        if clock not in ("global_step", "optimizer"):
+            raise ValueError(f'`clock` must be "global_step" or "optimizer", got {clock!r}.')
         self.step = step
         self.steps = steps
         self.factor = factor
+        self.clock = clock
         self._saved: list[list[float]] | None = None
 
+    def _now(self, trainer: pl.Trainer) -> int:
+        if self.clock == "global_step":
+            return trainer.global_step
+        return optimizer_step_count(trainer.optimizers[0])
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
-        if self.step <= trainer.global_step < self.step + self.steps and self._saved is None:
+        if self.step <= self._now(trainer) < self.step + self.steps and self._saved is None:
             self._saved = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
             for opt in trainer.optimizers:
                 for group in opt.param_groups:
@@ -363,6 +393,24 @@ def progress_line(step: int, max_steps: int, loss: Tensor | None, metrics: dict[
             parts.append(f"{label} {float(metrics[key]):{fmt}}")
     parts.append(f"{elapsed:.0f} s")
     return "  ".join(parts)
+
+
+def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int:
+    """The steps the optimizer has applied: the largest ``step`` in its state (0 before the first step).
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.Adam(net.parameters())
+        >>> optimizer_step_count(opt)
+        0
+        >>> net(torch.ones(1, 2)).sum().backward()
+        >>> opt.step()
+        >>> optimizer_step_count(opt)
+        1
+    """
+    steps = [state["step"] for state in optimizer.state.values() if "step" in state]
+    return int(max(float(s) for s in steps)) if steps else 0
 
 
 class LossRecorder(pl.Callback):
