@@ -68,14 +68,16 @@ def test_a_checkpoint_of_the_previous_layout_resumes_with_every_state(tmp_path: 
         trainer.fit(ScheduledMLP(lr=0.05), loader(n=128, batch_size=8), ckpt_path=path)
 
     # every stateful gradkit callback found its state under its old key, value for value; a key added since holds
-    # the value the checkpoint implies (SpikeRollback now saves the count of skipped steps, as the guards did)
+    # the value the checkpoint implies: SpikeRollback now saves the count of skipped steps, as the guards did, and
+    # its resume and escalation state, which a checkpoint from before they existed leaves at "never escalated"
     assert probe.states.keys() == saved["callbacks"].keys()
     (skipped,) = {state["skipped_steps"] for state in saved["callbacks"].values() if "skipped_steps" in state}
+    never_escalated = {"resumed_at": None, "escalations": 0, "ramp_start": 1.0, "ramp_done": 0, "module_zmax": None}
     for key, state in probe.states.items():
         old = saved["callbacks"][key]
         assert _same({k: state[k] for k in old}, old), (key, state, old)
         added = {k: state[k] for k in state.keys() - old.keys()}
-        assert added in ({}, {"skipped_steps": skipped}), (key, added)
+        assert added in ({}, {"skipped_steps": skipped, **never_escalated}), (key, added)
     # the strategy's scheduler counts and the open window (batch SAVE_AT_BATCH's gradients) came back
     assert probe.schedule == saved["gradkit_lr_schedule"]
     window = saved["gradkit_accumulation_window"]
