@@ -96,7 +96,8 @@ def test_update_ratio_costs_no_sync_and_keeps_no_copy_off_logging_steps(tmp_path
         before_step = counter.watch_per_call(monitor, "on_before_optimizer_step")
         batch_end = counter.watch_per_call(monitor, "on_train_batch_end")
         trainer = make_trainer(tmp_path, callbacks=[monitor], log_every_n_steps=1000)
-        trainer.fit(MLPModule(), loader())
+        with pytest.warns(UserWarning, match="fewer than the logging period"):
+            trainer.fit(MLPModule(), loader())
     # 8 steps, a period of 1000: only the first and the last step log.
     assert len(before_step) == len(batch_end) == 8
     assert before_step[1:-1] == [0] * 6 and batch_end[1:-1] == [0] * 6, (before_step, batch_end)

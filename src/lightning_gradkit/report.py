@@ -569,8 +569,7 @@ def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layo
     finite = [v for row in grid for v in row if math.isfinite(v)]
     low = min([*finite, guide - 1.0])
     high = max([*finite, guide + 1.0])
-    cmap = plt.get_cmap("RdBu_r").copy()
-    cmap.set_bad("0.85")
+    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="0.85")
     norm = TwoSlopeNorm(vcenter=guide, vmin=low, vmax=high)
     image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, extent=extent)
     _row_labels(ax, rows, layout.ratio_height)
@@ -743,8 +742,7 @@ def _draw_incidents(fig, data: RunData, incidents: list[Incident], layout: _Layo
         "event steps framed, red: above usual, blue: below, grey: not logged, x: non-finite",
         fontsize=10,
     )
-    cmap = plt.get_cmap("RdBu_r").copy()
-    cmap.set_bad("0.85")
+    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="0.85")
     image = None
     for k, incident in enumerate(shown):
         ax = fig.add_axes(layout.incident_rect(k), label="incident")
