@@ -32,6 +32,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tiny_gpt
@@ -108,20 +109,40 @@ def smooth(values: list[float], window: int = 9) -> list[float]:
     return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
 
 
-def plot(runs: dict[str, tuple[list[float], list[dict]]], spike_at: int, out: Path) -> Path:
+def loss_axes(runs: dict[str, tuple[list[float], list[dict]]], styles: dict[str, dict]) -> tuple[Any, Any]:
+    """A figure with each run's smoothed loss curve drawn in its style."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 3.6))
-    styles = {
-        "no fault": dict(color="0.6", lw=1.2, label="no fault"),
-        "skip": dict(color="tab:red", lw=1.4, label='injected spike, SpikeGuard(action="skip")'),
-        "rollback": dict(color="tab:blue", lw=1.4, label="injected spike, + SpikeRollback"),
-    }
     for name, (losses, _) in runs.items():
         ax.plot(range(len(losses)), smooth(losses), **styles[name])
+    return fig, ax
+
+
+def save(fig: Any, ax: Any, out: Path) -> Path:
+    """Add the legend, write the figure to ``out`` and close it."""
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=8, loc="upper right", framealpha=1.0)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def plot(runs: dict[str, tuple[list[float], list[dict]]], spike_at: int, out: Path) -> Path:
+    fig, ax = loss_axes(
+        runs,
+        {
+            "no fault": dict(color="0.6", lw=1.2, label="no fault"),
+            "skip": dict(color="tab:red", lw=1.4, label='injected spike, SpikeGuard(action="skip")'),
+            "rollback": dict(color="tab:blue", lw=1.4, label="injected spike, + SpikeRollback"),
+        },
+    )
     ax.axvspan(spike_at, spike_at + 4, color="tab:orange", alpha=0.3, label="learning rate x100 (4 steps)")
     for event in (e for e in runs["rollback"][1] if e["what"] == "rollback"):
         ax.axvline(event["from_step"], color="tab:blue", ls="--", lw=1)
@@ -138,28 +159,18 @@ def plot(runs: dict[str, tuple[list[float], list[dict]]], spike_at: int, out: Pa
     ax.set_xlabel("optimizer step (trainer.global_step)")
     ax.set_ylabel("training loss (mean of 9 batches)")
     ax.set_title("A spike that skipping does not cure: tiny GPT on CPU")
-    ax.legend(fontsize=8, loc="upper right", framealpha=1.0)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return save(fig, ax, out)
 
 
 def plot_escalation(runs: dict[str, tuple[list[float], list[dict]]], spike_at: int, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    styles = {
-        "no fault": dict(color="0.6", lw=1.2, label="no fault"),
-        "rollback": dict(color="tab:red", lw=1.4, label="recurring spike, SpikeRollback alone"),
-        "escalation": dict(color="tab:blue", lw=1.4, label="recurring spike, SpikeRollback with escalation"),
-    }
-    for name, (losses, _) in runs.items():
-        ax.plot(range(len(losses)), smooth(losses), **styles[name])
+    fig, ax = loss_axes(
+        runs,
+        {
+            "no fault": dict(color="0.6", lw=1.2, label="no fault"),
+            "rollback": dict(color="tab:red", lw=1.4, label="recurring spike, SpikeRollback alone"),
+            "escalation": dict(color="tab:blue", lw=1.4, label="recurring spike, SpikeRollback with escalation"),
+        },
+    )
     for name, color in (("rollback", "tab:red"), ("escalation", "tab:blue")):
         for event in (e for e in runs[name][1] if e["what"] == "rollback"):
             ax.axvline(event["from_step"], color=color, ls="--", lw=0.8, alpha=0.7)
@@ -181,12 +192,7 @@ def plot_escalation(runs: dict[str, tuple[list[float], list[dict]]], spike_at: i
         f"A spike that comes back after every rollback (learning rate x100 at the optimizer's step {spike_at})",
         fontsize=10,
     )
-    ax.legend(fontsize=8, loc="upper right", framealpha=1.0)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return save(fig, ax, out)
 
 
 def main() -> None:
