@@ -96,3 +96,27 @@ def test_readme_cli_example_adds_a_callback_the_demo_preset_does_not_have(
     (callback,) = [c for c in result.trainer.callbacks if type(c).__name__ == name]
     for key, value in overrides.items():
         assert str(getattr(callback, key)) == value  # the override reached the added callback
+
+
+def test_quick_start_runs_without_jsonargparse(tmp_path: Path) -> None:
+    """The README's quick start, as written (two optimizer steps instead of 48), in a process where `jsonargparse`
+    cannot be imported: only LightningCLI needs it (the `cli` extra)."""
+    import subprocess
+    import sys
+
+    (snippet,) = re.findall(r"## Quick start\n\n```python\n(.*?)```", README.read_text(), re.S)
+    assert "max_steps=48" in snippet
+    blocker = (
+        "import sys\n"
+        "class _NoJsonargparse:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'jsonargparse':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _NoJsonargparse())\n"
+    )
+    script = blocker + snippet.replace("max_steps=48", "max_steps=2") + "assert 'jsonargparse' not in sys.modules\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list(tmp_path.glob("lightning_logs/version_*/gradient_report.png"))
