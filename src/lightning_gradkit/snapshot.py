@@ -153,10 +153,6 @@ class HostSnapshot:
             pairs += self._optimizer_targets(optimizer, saved)
         self._copy_back([*pairs, *self._buffer_pairs(buffers)])
 
-    def restore_buffers(self, buffers: Sequence[Tensor]) -> None:
-        """Copy the captured buffers back into ``buffers`` (the sequence given to :meth:`capture`), in place."""
-        self._copy_back(self._buffer_pairs(buffers))
-
     def state_dict(self) -> dict[str, Any]:
         """The captured values, for a checkpoint: the host tensors themselves (not copies) and plain values.
 

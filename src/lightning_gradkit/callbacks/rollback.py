@@ -225,8 +225,9 @@ class SpikeRollback(WatchesLossOrGradNorm):
     taken before the spike began is restored bitwise, in place, and snapshots newer than it are dropped. The data
     stream is not rewound: the batches consumed since the snapshot are not replayed, and ``skip_batches`` more
     optimizer steps' batches are stepped over: they run forward and backward, their optimizer steps are skipped,
-    and the buffers (BatchNorm running statistics included), RNG states and gradkit callback states they touched
-    are restored from the snapshot after each, so the run continues as one that never saw them (their compute is
+    the buffers they wrote (BatchNorm running statistics included) are put back as for any skipped step (by the
+    strategy), and the RNG states and gradkit callback states are restored from the snapshot after each, so the
+    run continues as one that never saw them (their compute is
     spent, as with any skipped step); an LR scheduler with a ``frequency`` steps as in that run too. A rollback
     never restores the snapshot that the previous rollback restored (it takes the older one, or stops), and after
     ``max_rollbacks`` rollbacks the next trigger stops training with a ``RuntimeError``.
@@ -769,17 +770,15 @@ class SpikeRollback(WatchesLossOrGradNorm):
         )
 
     def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, slot: _Slot, full: bool) -> None:
-        """Put back a snapshot: everything (``full``), or what a stepped-over batch may have touched."""
-        buffers = list(pl_module.buffers())
+        """Put back a snapshot: everything (``full``), or what a stepped-over batch may have touched besides the
+        module buffers, which the strategy puts back for every skipped step (``core.buffers.BufferGuard``)."""
         if full:
             optimizers = trainer.optimizers
-            slot.tensors.restore(trained_parameters(optimizers), buffers, optimizers)
+            slot.tensors.restore(trained_parameters(optimizers), list(pl_module.buffers()), optimizers)
             for config, state in zip(trainer.lr_scheduler_configs, slot.schedulers, strict=True):
                 config.scheduler.load_state_dict(copy.deepcopy(state))
             _gradkit_strategy(trainer).gradkit_load_state_dict(slot.strategy)
             self._load_stats(copy.deepcopy(slot.stats))
-        else:
-            slot.tensors.restore_buffers(buffers)
         assert slot.rng is not None
         restore_rng(slot.rng)
         for cb, state in slot.callbacks:
