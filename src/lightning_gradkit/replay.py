@@ -14,9 +14,12 @@ The first two are *replays*: the training never sees them. :func:`replay` runs t
 - every module buffer (BatchNorm running statistics), every ``.grad``, the train/eval mode of every submodule and
   the state of every ``torchmetrics`` metric among the submodules restored;
 - ``self.log`` / ``self.log_dict`` doing nothing;
-- :func:`replaying` true, so every gradkit piece that collects per-micro-batch statistics (the token count of
-  ``AccumulationGuard(normalize="tokens")``, the window loss of ``SpikeGuard`` / ``SpikeRollback``, the losses
-  ``NonFiniteGuard`` checks, the window-start buffer capture of the GradKit strategies) ignores them.
+- :func:`replaying` true, so the gradkit pieces that see ``training_step`` itself ignore them: the token count
+  of ``AccumulationGuard(normalize="tokens")`` (read from its output) and the window-start buffer capture of the
+  GradKit strategies (in ``Strategy.training_step``). The statistics fed by Lightning's backward hooks (the window
+  loss of ``SpikeGuard`` / ``SpikeRollback``, the losses ``NonFiniteGuard`` checks) never see a replay: a replay
+  runs no Lightning hook (the culprit replay differentiates with ``torch.autograd.grad``, the measuring forwards
+  have no backward).
 
 A later closure evaluation is not a replay: the optimizer consumes it. The model's own state follows plain
 Lightning there (its buffers, RNG draws and ``self.log`` calls count, as they do without gradkit), and every

@@ -43,7 +43,7 @@ from lightning_gradkit.callbacks.nonfinite_validation import NonFiniteValidation
 from lightning_gradkit.core.running import RunningMoments, WindowMoments, spike_decision
 from lightning_gradkit.engine import StatsRequest, StepPlan, world_size
 from lightning_gradkit.forensics import Finding, describe_error, replay_training_step
-from lightning_gradkit.replay import RNGState, capture_rng, replaying
+from lightning_gradkit.replay import RNGState, capture_rng
 
 __all__ = ["NonFiniteGuard", "SpikeGuard"]
 
@@ -231,7 +231,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             self._batches.append((batch, batch_idx, capture_rng(full=False)))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if not self.check_loss or replaying():
+        if not self.check_loss:
             return
         loss = loss.detach()
         bad = ~torch.isfinite(loss).all()

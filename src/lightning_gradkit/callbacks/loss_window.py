@@ -19,7 +19,6 @@ from torch import Tensor
 from lightning_gradkit.core.accumulate import mean_window_scale
 from lightning_gradkit.core.norms import loss_scale
 from lightning_gradkit.engine import GradKitCallback, StatsRequest, StepPlan, world_size
-from lightning_gradkit.replay import replaying
 
 __all__ = ["WatchesLossOrGradNorm", "WindowLoss", "unscaled_loss"]
 
@@ -79,7 +78,7 @@ class WatchesLossOrGradNorm(GradKitCallback):
     _window_loss: WindowLoss
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self.monitor == "loss" and not replaying():
+        if self.monitor == "loss":
             self._window_loss.add(trainer, loss)
 
     def _stats_request(self, request: StatsRequest) -> None:
