@@ -38,9 +38,7 @@ import torch
 from torch.optim import Optimizer
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
-    from lightning_gradkit.engine import GradKitCallback, StepPlan
+    from lightning_gradkit.core.pipeline import Policy, StepContext, StepPlan
 
 __all__ = ["Evaluation", "Evaluations", "decide_again", "first_evaluation"]
 
@@ -57,7 +55,7 @@ class Evaluation(Enum):
 class _Run:
     """When the engine last ran for an optimizer: its step, the backward generation, its gradients after the write."""
 
-    step: tuple[int, int]
+    step: tuple[int, ...]
     generation: int
     versions: tuple[tuple[int, int], ...] | None
 
@@ -71,12 +69,12 @@ class Evaluations:
     def clear(self) -> None:
         self._runs.clear()
 
-    def ran(self, optimizer: Optimizer, step: tuple[int, int]) -> bool:
+    def ran(self, optimizer: Optimizer, step: tuple[int, ...]) -> bool:
         """Whether the engine has run for ``optimizer`` at ``step``."""
         run = self._runs.get(id(optimizer))
         return run is not None and run.step == step
 
-    def classify(self, optimizer: Optimizer, step: tuple[int, int], generation: int) -> Evaluation:
+    def classify(self, optimizer: Optimizer, step: tuple[int, ...], generation: int) -> Evaluation:
         """What a run for ``optimizer`` at ``step``, after backward number ``generation``, meets."""
         run = self._runs.get(id(optimizer))
         if run is None or run.step != step:
@@ -85,7 +83,7 @@ class Evaluations:
             return Evaluation.SAME
         return Evaluation.LATER
 
-    def record(self, optimizer: Optimizer, step: tuple[int, int], generation: int, shared: bool) -> None:
+    def record(self, optimizer: Optimizer, step: tuple[int, ...], generation: int, shared: bool) -> None:
         """Note a run for ``optimizer`` at ``step``, once its gradients are written.
 
         ``shared``: whether several optimizers share the backward passes. With one optimizer every backward within
@@ -106,9 +104,8 @@ def _grad_versions(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
 def decide_again(
     plan: StepPlan,
     first: StepPlan,
-    policies: list[GradKitCallback],
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
+    policies: list[Policy],
+    ctx: StepContext,
 ) -> None:
     """The decide phase of a later evaluation: the step's accumulation scale, then each policy's ``_decide_again``.
 
@@ -116,12 +113,11 @@ def decide_again(
         plan: the later evaluation's plan (its fresh gradients' statistics).
         first: the step's plan, decided on its first evaluation.
         policies: the step's policies, in stage order.
-        trainer: the Trainer the step belongs to.
-        pl_module: its LightningModule.
+        ctx: the loop the step runs in.
     """
     plan.scale = first.scale
     for policy in policies:
-        policy._decide_again(plan, first, trainer, pl_module)
+        policy._decide_again(plan, first, ctx)
 
 
 def first_evaluation(closure: Callable[[], Any]) -> tuple[Any, Callable[[], Any]]:

@@ -28,13 +28,15 @@ and the FSDP2/composable-checkpoint lookups that fall back to private paths on t
 (``callbacks/validation.py``, ``activation_checkpointing/injection.py``).
 
 **Runtime patches**. Each shadows an INSTANCE attribute (never a class attribute) and puts back what was there;
-the short-lived ones go through :func:`shadowed`.
+the short-lived ones go through :func:`~lightning_gradkit.core.gate.shadowed` (Lightning-free, so the Fabric and
+plain-PyTorch door use it too).
 
 1. ``optimizer.step`` is the strategy's gate while ``Strategy.optimizer_step`` runs (``strategy.py``,
-   :func:`shadowed`). Why: a callback cannot cancel a step, and every precision plugin ends in ``optimizer.step``
+   ``shadowed``); :class:`~lightning_gradkit.loop.GradKit` shadows it the same way while its ``step`` runs. Why: a
+   callback cannot cancel a step, and every precision plugin ends in ``optimizer.step``
    (``Precision.optimizer_step`` calls ``optimizer.step(closure=...)``; ``MixedPrecision`` calls
    ``scaler.step(optimizer)``, which calls ``optimizer.step()``), so the gate is the one place that sees them all.
-2. ``optimizer.found_inf`` while a fused optimizer steps (``strategy.py``, :func:`shadowed`): the attribute
+2. ``optimizer.found_inf`` while a fused optimizer steps (``core/gate.py``, ``shadowed``): the attribute
    ``GradScaler.step`` itself sets for fused optimizers; the gate raises it on a skip (combined with the scaler's),
    so the fused kernel skips on device without a host sync.
 3. ``LightningModule.lr_scheduler_step`` from ``setup`` to ``teardown`` (``strategy.py``): Lightning calls this
@@ -53,7 +55,7 @@ the short-lived ones go through :func:`shadowed`.
 6. ``module.forward`` of each checkpointed module (``activation_checkpointing/injection.py``): keeps every module
    and parameter name (``checkpoint_wrapper`` adds ``_checkpoint_wrapped_module.``) and leaves forward hooks (FSDP2,
    DDP) outside the checkpointed region. Plain PyTorch; removed by ``remove``.
-7. ``LightningModule.log``/``log_dict`` do nothing during a replay (``replay.py``, :func:`shadowed`): a replayed
+7. ``LightningModule.log``/``log_dict`` do nothing during a replay (``replay.py``, ``shadowed``): a replayed
    ``training_step`` must not log twice, and Lightning has no switch for it.
 8. ``LightningModule.on_train_batch_end`` for one audited step (``diagnostics/sync_audit.py``): Lightning calls
    the module's hook after every callback's, so the audit keeps recording until it returns.
@@ -73,8 +75,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from importlib.abc import MetaPathFinder
 from importlib.machinery import ModuleSpec
 from types import ModuleType
@@ -97,11 +98,7 @@ __all__ = [
     "register_strategy_names",
     "register_when_lightning_loads",
     "set_root_device",
-    "shadowed",
 ]
-
-
-_MISSING = object()
 
 
 # -- private reads ---------------------------------------------------------------------------------------------------
@@ -151,38 +148,6 @@ def metric_state_names(metric: nn.Module) -> Sequence[str]:
     ``_defaults``. Checked on torchmetrics 1.0.0 and 1.9.0.
     """
     return list(metric._defaults)
-
-
-# -- runtime patches -------------------------------------------------------------------------------------------------
-@contextmanager
-def shadowed(obj: object, **attributes: Any) -> Iterator[None]:
-    """Set instance attributes of ``obj`` for the body, then put back what the instance had (or remove them).
-
-    Only the instance is touched: an attribute that was not in ``obj.__dict__`` is deleted afterwards, so the class
-    attribute shows through again.
-
-    Example::
-
-        >>> class Plain:
-        ...     def log(self):
-        ...         return "logged"
-        >>> p = Plain()
-        >>> with shadowed(p, log=lambda: None):
-        ...     p.log()
-        >>> p.log(), "log" in vars(p)
-        ('logged', False)
-    """
-    previous = {name: obj.__dict__.get(name, _MISSING) for name in attributes}
-    for name, value in attributes.items():
-        setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is _MISSING:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, value)
 
 
 # -- strategy names ----------------------------------------------------------------------------------------------------

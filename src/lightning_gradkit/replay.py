@@ -43,7 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gradkit._compat import metric_state_names, shadowed
+from lightning_gradkit._compat import metric_state_names
+from lightning_gradkit.core.gate import shadowed
 
 __all__ = ["RNGState", "capture_rng", "preserved_state", "replay", "replaying", "restore_rng"]
 

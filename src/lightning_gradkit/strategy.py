@@ -46,8 +46,9 @@ ones too (applied steps = ``global_step - skipped_steps``).
 
 Map of this file, in order: which Trainers need the gate (``_needs_step_control``) and the strategy to name in
 errors (:func:`gradkit_strategy_hint`); the LR-schedule counts (``_ScheduleCount``) and the stand-in for
-``lr_scheduler_step`` (``_SchedulerGate``); :class:`GradKitStrategyMixin`: its Lightning hooks, the gate, the LR
-schedulers and its part of a step's state; ``_fused_step`` (the ``found_inf`` path); the four GradKit strategies.
+``lr_scheduler_step`` (``_SchedulerGate``); :class:`GradKitStrategyMixin`: its Lightning hooks, the gate (its
+rule is :func:`~lightning_gradkit.core.gate.step_as_decided`), the LR schedulers and its part of a step's state; the
+four GradKit strategies.
 """
 
 from __future__ import annotations
@@ -67,13 +68,13 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
-from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradkit._closure import first_evaluation
-from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device, shadowed
+from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device
 from lightning_gradkit.core._torch_compat import handles_found_inf
 from lightning_gradkit.core.buffers import BufferGuard
+from lightning_gradkit.core.gate import shadowed, step_as_decided
 from lightning_gradkit.engine import Engine, GradKitCallback, StepPlan, check_callback_instances
 from lightning_gradkit.replay import replaying
 
@@ -299,7 +300,6 @@ class GradKitStrategyMixin:
 
     # -- the gate ------------------------------------------------------------------------------------------------
     def _gradkit_gate(self, optimizer: Optimizer, inner: Callable[..., Any], engine: Engine) -> Callable[..., Any]:
-        fused = handles_found_inf(optimizer)
         trainer = self._gradkit_trainer
 
         def gated_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
@@ -307,15 +307,7 @@ class GradKitStrategyMixin:
             if closure is not None:
                 # Decide on the first evaluation before the optimizer can apply anything (see `_closure`).
                 result, kwargs["closure"] = first_evaluation(closure)
-            plan: StepPlan | None = engine.step_plan(trainer, optimizer)
-            if plan is None or plan.skip is None:  # no policy asked for a skip this step: nothing to read
-                return inner(**kwargs)
-            if fused:
-                # The kernel reads the flag on device: no host sync, and the skip is as exact as the GradScaler's.
-                return _fused_step(optimizer, inner, plan.skip, kwargs)
-            if plan.skip_on_host():  # the one host read the design allows, shared with whoever asks next
-                return result
-            return inner(**kwargs)
+            return step_as_decided(optimizer, inner, engine.step_plan(trainer, optimizer), kwargs, result)
 
         return gated_step
 
@@ -393,14 +385,6 @@ class GradKitStrategyMixin:
         index = next((i for i, opt in enumerate(self._gradkit_trainer.optimizers) if opt is optimizer), 0)
         count = self._gradkit_counts.get(index)
         return count is None or not count.due(self._gradkit_frequencies[id(config)])
-
-
-def _fused_step(optimizer: Optimizer, inner: Callable[..., Any], skip: Tensor, kwargs: dict[str, Any]) -> Any:
-    """Step a fused optimizer with ``found_inf`` raised on a skip: its kernel leaves parameters and state alone."""
-    existing = optimizer.__dict__.get("found_inf")  # set by GradScaler.step for the duration of the call
-    flag = skip.to(torch.float32)
-    with shadowed(optimizer, found_inf=flag if existing is None else torch.maximum(existing, flag.to(existing.device))):
-        return inner(**kwargs)
 
 
 class GradKitSingleDeviceStrategy(GradKitStrategyMixin, SingleDeviceStrategy):

@@ -39,6 +39,7 @@ from lightning_gradkit.core.accumulate import (
     token_window_scale,
 )
 from lightning_gradkit.core.norms import local_tensor
+from lightning_gradkit.core.pipeline import StepContext
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan, is_logging_step, world_size
 from lightning_gradkit.replay import replaying
 
@@ -129,6 +130,11 @@ class AccumulationGuard(GradKitCallback):
 
     _stage = Stage.SCALE
     _restores_open_window = True
+
+    _needs_trainer_because = (
+        "it reads the Trainer's accumulation window and `training_step` batches; in your own loop divide the summed "
+        "loss by the window's token count (`lightning_gradkit.core.accumulate`) before `backward`"
+    )
 
     def __init__(
         self,
@@ -384,15 +390,15 @@ class AccumulationGuard(GradKitCallback):
         self._expect_clean = False  # the window does not start here: its gradients are the restored ones
 
     # -- engine steps -------------------------------------------------------------------------------------------
-    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
-        if self.normalize != "tokens" or not pl_module.automatic_optimization:
+    def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
+        if self.normalize != "tokens" or not ctx.pl_module.automatic_optimization:
             return {}
-        return {_TOKENS_REDUCE_KEY: self._tokens.total(pl_module.device)}
+        return {_TOKENS_REDUCE_KEY: self._tokens.total(ctx.device)}
 
-    def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not pl_module.automatic_optimization:
+    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
+        if not ctx.pl_module.automatic_optimization:
             return
-        window = trainer.accumulate_grad_batches
+        window = ctx.trainer.accumulate_grad_batches
         device = plan.index.shard_weight.device
         if self.normalize == "tokens":
             tokens = plan.reduced[_TOKENS_REDUCE_KEY].to(device)
@@ -403,9 +409,7 @@ class AccumulationGuard(GradKitCallback):
         if factor != 1.0:
             plan.multiply_scale(self._scalar(factor, device))
 
-    def _decide_again(
-        self, plan: StepPlan, first: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> None:
+    def _decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # A later closure evaluation (LBFGS, SAM) ran `training_step` again: the step was normalized by the first
         # evaluation's tokens, and these must not count toward the next window.
         self._tokens.reset()
@@ -435,10 +439,10 @@ class _WindowScale(GradKitCallback):
         self.applied = False
         self._key = f"ManualAccumulator/tokens/{id(self)}"
 
-    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
+    def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         return {} if self.tokens is None else {self._key: self.tokens}
 
-    def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
         self.applied = True
         device = plan.index.shard_weight.device
         if self.normalize == "tokens":

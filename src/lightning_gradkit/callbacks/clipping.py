@@ -50,6 +50,7 @@ from lightning_gradkit.core.norms import (
     replication,
     row_norms,
 )
+from lightning_gradkit.core.pipeline import StepContext
 from lightning_gradkit.core.selection import NamePattern, no_match_hint, parameters_selected, parse_patterns
 from lightning_gradkit.engine import (
     Engine,
@@ -57,8 +58,6 @@ from lightning_gradkit.engine import (
     Stage,
     StatsRequest,
     StepPlan,
-    flat_sharded,
-    log_metrics,
     world_size,
 )
 
@@ -177,7 +176,7 @@ class _GradClipCallback(GradKitCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        self._prepare(trainer, pl_module)
+        self._prepare(Engine.of(trainer).context(trainer, pl_module), pl_module)
         self._prepared_for = weakref.ref(trainer)
 
     def state_dict(self) -> dict[str, Any]:
@@ -197,18 +196,21 @@ class _GradClipCallback(GradKitCallback):
         self._steps = {int(i): int(n) for i, n in state_dict.get("steps", {}).items()}
 
     # -- engine steps -----------------------------------------------------------------------------------------
-    def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _prepare(self, ctx: StepContext, model: torch.nn.Module) -> None:
         """Model-dependent checks and selections, once the model is configured (sharded, wrapped)."""
 
     def _prepare_once(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._prepared_for is None or self._prepared_for() is not trainer:
-            self._prepare(trainer, pl_module)
+            self._prepare(Engine.of(trainer).context(trainer, pl_module), pl_module)
             self._prepared_for = weakref.ref(trainer)
+
+    def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+        self._prepare(ctx, model)
 
     def _stats_request(self, request: StatsRequest) -> None:
         request.norm_types.add(self.policy.norm_type)
 
-    def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
         if not plan.grads:
             return
         idx = plan.optimizer_idx
@@ -230,9 +232,7 @@ class _GradClipCallback(GradKitCallback):
             count = self._clipped.get(idx)
             self._clipped[idx] = added if count is None else count.to(added.device) + added
 
-    def _decide_again(
-        self, plan: StepPlan, first: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> None:
+    def _decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # Every evaluation of a re-evaluating closure is clipped, as Lightning's `gradient_clip_val` clips each one;
         # nothing is counted or logged again, and adaptive policies are fed once per step (see `_clip_again`).
         if plan.grads:
@@ -242,13 +242,13 @@ class _GradClipCallback(GradKitCallback):
         """Clip a later evaluation's gradients; stateless policies (the default here) simply decide again."""
         self._clip(policy, plan)
 
-    def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
         idx = plan.optimizer_idx
         decision = self._last.get(idx)
         if not plan.logging_step or decision is None:
             return
-        suffix = f"/opt{idx}" if len(trainer.optimizers) > 1 else ""
-        log_metrics(trainer, pl_module, {k + suffix: v for k, v in self.metrics(idx).items()})
+        suffix = f"/opt{idx}" if len(ctx.optimizers) > 1 else ""
+        ctx.log({k + suffix: v for k, v in self.metrics(idx).items()})
         # A fresh counter: the logged fraction may still refer to the old one until Lightning reads it.
         self._clipped.pop(idx, None)
         self._steps[idx] = 0
@@ -529,19 +529,19 @@ class _UnitwiseClip(_GradClipCallback):
         self._cache: dict[tuple[Any, ...], Any] = {}
         self._cache_index: ParamIndex | None = None
 
-    def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if flat_sharded(trainer):
+    def _prepare(self, ctx: StepContext, model: torch.nn.Module) -> None:
+        if ctx.flat_sharded():
             raise RuntimeError(
                 "AdaptiveGradClip needs every parameter in its original shape to find its output units, and FSDP1 "
                 "(`strategy='fsdp'`) flattens them into shards. Use FSDP2 (`ModelParallelStrategy` with "
                 "`fully_shard` in `configure_model`) or a norm-based clipping callback such as ClipGradNorm."
             )
-        self._selected = _select_parameters(pl_module, self._exclude)
+        self._selected = _select_parameters(model, self._exclude)
         self._sharded_1d = []
         self._sharded_1d_factors = None
         self._cache = {}
         self._cache_index = None
-        for name, param in pl_module.named_parameters():
+        for name, param in model.named_parameters():
             name = clean_name(name)
             placements = getattr(param, "placements", None)
             if name not in self._selected or placements is None:
@@ -562,7 +562,7 @@ class _UnitwiseClip(_GradClipCallback):
         if self._selected is not None:
             request.unit_norm_names |= self._selected
 
-    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
+    def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         # Sharded biases and gains are one unit spread over ranks: their weight norms join the step's all-reduce.
         if not self._sharded_1d or world_size() == 1:
             return {}

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_gradkit.core.pipeline import StepContext, unwrapped
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan
 from lightning_gradkit.events import EventLog, events_dir
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint, handles_found_inf
@@ -126,8 +127,18 @@ class GuardBase(GradKitCallback):
             self._restored_skips = None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(Engine.of(trainer).context(trainer, pl_module))
+
+    # -- outside a Trainer (the Fabric and plain-PyTorch door) ---------------------------------------------------
+    def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+        log_dir = getattr(ctx, "log_dir", None)
+        self._events = EventLog(log_dir, rank=ctx.global_rank) if log_dir is not None else None
+        self._fused = any(handles_found_inf(unwrapped(opt)) for opt in ctx.optimizers)
+        self._dev_step = torch.tensor(float(ctx.global_step), device=ctx.device)
+
+    def _finish(self, ctx: StepContext) -> None:
         if not self._reads_on_host():
-            self._report_ledger(trainer)
+            self._report_ledger(ctx)
 
     # -- shared helpers ----------------------------------------------------------------------------------------
     def _needs_step_control(self) -> bool:
@@ -154,13 +165,18 @@ class GuardBase(GradKitCallback):
         """The ``gradkit_events.jsonl`` file this guard writes to (known after ``setup``)."""
         return self._events.path if self._events is not None else None
 
-    def _write(self, trainer: pl.Trainer, **fields: Any) -> None:
+    @property
+    def _events_note(self) -> str:
+        """`` Events: <file>.`` for messages, or nothing where no event file is written (a loop without a log_dir)."""
+        return f" Events: {self._events.path}." if self._events is not None else ""
+
+    def _write(self, ctx: StepContext, **fields: Any) -> None:
         if self._events is not None:
-            fields.setdefault("step", trainer.global_step)
-            fields.setdefault("batch_idx", trainer.fit_loop.epoch_loop.batch_idx)
+            fields.setdefault("step", ctx.global_step)
+            fields.setdefault("batch_idx", ctx.batch_idx)
             self._events.write(source=type(self).__name__, action=self.action, **fields)
 
-    def _report_ledger(self, trainer: pl.Trainer) -> None:
+    def _report_ledger(self, ctx: StepContext) -> None:
         """Lazy mode: read what was counted on device since the last read and report it."""
 
     def _skipped_state(self) -> dict[str, float]:

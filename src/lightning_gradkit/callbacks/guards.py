@@ -40,6 +40,7 @@ from lightning_gradkit.callbacks.culprit import (
 from lightning_gradkit.callbacks.guard_reporting import GuardBase
 from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss, unscaled_loss
 from lightning_gradkit.callbacks.nonfinite_validation import NonFiniteValidationCheck
+from lightning_gradkit.core.pipeline import StepContext
 from lightning_gradkit.core.running import RunningMoments, WindowMoments, spike_decision
 from lightning_gradkit.engine import StatsRequest, StepPlan, world_size
 from lightning_gradkit.forensics import Finding, describe_error, replay_training_step
@@ -61,7 +62,9 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def _last_checkpoint(trainer: pl.Trainer) -> str:
+def _last_checkpoint(trainer: pl.Trainer | None) -> str:
+    if trainer is None:
+        return "keep checkpoints of the loop to resume from"
     paths = [cb.last_model_path or cb.best_model_path for cb in trainer.checkpoint_callbacks]
     paths = [p for p in paths if p]
     if not paths:
@@ -69,8 +72,10 @@ def _last_checkpoint(trainer: pl.Trainer) -> str:
     return "last checkpoint saved: " + ", ".join(paths)
 
 
-def _replay_available(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+def _replay_available(trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> str | None:
     """Why a forensic replay cannot run here, or ``None`` when it can."""
+    if trainer is None or pl_module is None:
+        return "no Lightning Trainer: the loop's step cannot be replayed (run the step under a Trainer to replay it)"
     if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
         return "sharded parameters: a replay would need the strategy's collectives"
     if not pl_module.automatic_optimization:
@@ -220,6 +225,10 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             )
 
     # -- per micro-batch ---------------------------------------------------------------------------------------
+    def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+        super()._attach(ctx, model)
+        self._scaler = ctx.loss_scale_source() is not None
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -231,9 +240,15 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             self._batches.append((batch, batch_idx, capture_rng(full=False)))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if not self.check_loss:
-            return
-        loss = loss.detach()
+        if self.check_loss:
+            self._add_loss(unscaled_loss(trainer, loss))
+
+    def _note_loss(self, loss: Tensor, ctx: StepContext) -> None:
+        if self.check_loss:
+            self._add_loss(loss.detach().float())
+
+    def _add_loss(self, loss: Tensor) -> None:
+        """Check a micro-batch loss (without the AMP scale) on device: no host sync."""
         bad = ~torch.isfinite(loss).all()
         self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         self._losses.append(loss)
@@ -243,15 +258,15 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         if self.check_grads:
             request.rank_flags = True
 
-    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
+    def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         if not self.check_loss:
             return {}
-        ranks = torch.zeros(max(world_size(), 1), dtype=torch.float32, device=pl_module.device)
+        ranks = torch.zeros(max(world_size(), 1), dtype=torch.float32, device=ctx.device)
         if self._loss_bad is not None:
             ranks[_rank()] = self._loss_bad.to(torch.float32)
         return {self._key: ranks}
 
-    def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
         device = plan.primary.total.device
         bad = torch.zeros((), dtype=torch.bool, device=device)
         loss_ranks = None
@@ -274,19 +289,17 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             self._param_names = plan.primary.names
             self._advance_step(bad, firsts)
 
-    def _decide_again(
-        self, plan: StepPlan, first: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> None:
+    def _decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # A re-evaluated closure's loss belongs to no decision: the step was decided on its first evaluation.
         self._loss_bad = None
         self._losses = []
 
-    def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
         try:
             if self._reads_on_host():
-                self._act_at_step(plan, trainer, pl_module)
+                self._act_at_step(plan, ctx)
             elif plan.logging_step:
-                self._report_ledger(trainer)
+                self._report_ledger(ctx)
         finally:
             self._loss_bad = None
             self._losses = []
@@ -295,13 +308,13 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             self._ids = []
 
     # -- acting at the step (host knows) -----------------------------------------------------------------------
-    def _act_at_step(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _act_at_step(self, plan: StepPlan, ctx: StepContext) -> None:
         assert self._flags is not None
         bad, loss_ranks, grads_bad = self._flags
         if not self._flagged_on_host(plan, bad):
             self._consecutive = []
             return
-        step = trainer.global_step
+        step = ctx.global_step
         self._consecutive.append(step)
         bad_ranks = [r for r, v in enumerate(loss_ranks.tolist()) if v > 0] if loss_ranks is not None else []
         grads_nonfinite = bool(grads_bad) if grads_bad is not None else False
@@ -310,15 +323,11 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         overflow = self._scaler and grads_nonfinite and not bad_ranks
         finding: Finding | None = None
         if self.forensics and not self._forensics_done and not overflow:
-            finding = self._replay(trainer, pl_module)
+            finding = self._replay(ctx)
         local = {
-            "rank": trainer.global_rank,
+            "rank": ctx.global_rank,
             # As training_step returned them (Lightning divides by the accumulation count before the backward).
-            "losses": [
-                v * trainer.accumulate_grad_batches
-                for t in self._losses
-                for v in unscaled_loss(trainer, t).reshape(-1).tolist()
-            ],
+            "losses": [v * ctx.accumulate_grad_batches for t in self._losses for v in t.reshape(-1).tolist()],
             "params": nonfinite.nonzero().flatten().tolist(),
             "finding": None
             if finding is None
@@ -333,7 +342,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         grad_ranks = [r["rank"] for r in per_rank if r["params"]]
         no_replay = "forensics=False" if not self.forensics else "the replay runs at the first detection only"
         culprit = locate_culprit(per_rank, bad_ranks, params, no_replay)
-        window = list(self._window) or [trainer.fit_loop.epoch_loop.batch_idx]
+        window = list(self._window) or [ctx.batch_idx]
         batch = culprit.batch if culprit.batch is not None else first_bad_batch(per_rank, window)
         reproducible, reproduced_on = reproducibility(per_rank)
         position = window.index(batch) if batch in window else -1
@@ -356,7 +365,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         if findings:
             values["forensics"] = findings
         self._write(
-            trainer,
+            ctx,
             batch_idx=batch,
             batches=[window[0], window[-1]],
             rank=bad_ranks or None,
@@ -373,22 +382,23 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         if finding is not None and self._first_finding is None:
             self._first_finding = {"step": step, "culprit": culprit.name, "described": culprit.text}
         if self.action == "raise":
-            raise RuntimeError(f"NonFiniteGuard: {summary} Events: {self.events_path}.")
+            raise RuntimeError(f"NonFiniteGuard: {summary}{self._events_note}")
         if len(self._consecutive) >= self.max_consecutive:
-            self._stop(trainer, len(self._consecutive), self._consecutive[0], step, summary)
+            self._stop(ctx, len(self._consecutive), self._consecutive[0], step, summary)
         if not overflow:
-            rank_zero_warn(
+            ctx.warn(
                 f"NonFiniteGuard: {summary} The optimizer step was {'skipped' if self.action == 'skip' else 'applied'}."
-                f" Events: {self.events_path}."
+                f"{self._events_note}"
             )
 
-    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Finding:
+    def _replay(self, ctx: StepContext) -> Finding:
         """Replay the step's micro-batches; the first one that reproduces a non-finite value names the culprit.
 
         Collective-safe: every rank replays every micro-batch, in order, whatever it found before, so the
         collectives that ``training_step`` issues pair up across ranks as they did in training.
         """
         self._forensics_done = True
+        trainer, pl_module = ctx.trainer, ctx.pl_module
         reason = _replay_available(trainer, pl_module)
         if reason is not None:
             return Finding(None, "unavailable", {"reason": reason})
@@ -409,7 +419,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
                 failed = finding
         return first or failed or Finding(None, "not_reproduced")
 
-    def _stop(self, trainer: pl.Trainer, count: int, first: int, last: int, summary: str) -> None:
+    def _stop(self, ctx: StepContext, count: int, first: int, last: int, summary: str) -> None:
         first_found = ""
         if self._first_finding is not None and self._first_finding["step"] != last:
             f = self._first_finding
@@ -419,12 +429,12 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         )
         raise RuntimeError(
             f"NonFiniteGuard: {count} consecutive optimizer steps had non-finite values (steps {first}-{last}); "
-            f"giving up. Last one: {summary}{first_found}{applied} {_last_checkpoint(trainer)}. "
-            f"Events: {self.events_path}."
+            f"giving up. Last one: {summary}{first_found}{applied} {_last_checkpoint(ctx.trainer)}."
+            f"{self._events_note}"
         )
 
     # -- lazy reporting (device ledger) ------------------------------------------------------------------------
-    def _report_ledger(self, trainer: pl.Trainer) -> None:
+    def _report_ledger(self, ctx: StepContext) -> None:
         record = self._ledger.read()
         if record is None:
             return
@@ -446,7 +456,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         else:
             culprit = Culprit(param, "gradients" if param is not None else None, "", None)
         self._write(
-            trainer,
+            ctx,
             rank=bad_ranks or None,
             what=what,
             culprit=culprit.name,
@@ -468,9 +478,9 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             f"at step {first}: {'; '.join(detail) or 'non-finite values'}."
         )
         if run >= self.max_consecutive:
-            self._stop(trainer, run, run_first, run_last, summary)
+            self._stop(ctx, run, run_first, run_last, summary)
         if what != "fp16_overflow":
-            rank_zero_warn(f"NonFiniteGuard: {summary} Events: {self.events_path}.")
+            ctx.warn(f"NonFiniteGuard: {summary}{self._events_note}")
 
     # -- state -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -564,7 +574,7 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
     def state_key(self) -> str:
         return self._generate_state_key(monitor=self.monitor, window=self.window, alpha=self.alpha)
 
-    def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
         x = self._watched_value(plan)
         if self._device != x.device:
             self._stats.to(x.device)
@@ -578,7 +588,7 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
         if not self._reads_on_host():
             self._advance_step(spike, {"value": x, "z": z, "mean": mean, "std": std})
 
-    def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
         assert self._step is not None
         spike, x, z, mean, std = self._step
         if self._reads_on_host():
@@ -590,18 +600,18 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
             if self.monitor == "grad_norm":
                 norms = plan.stats[2.0].param_norms
                 culprit = plan.stats[2.0].names[int(norms.argmax())] if norms.numel() else None
-            self._report(trainer, trainer.global_step, trainer.global_step, 1, value, zv, mv, sv, culprit)
+            self._report(ctx, ctx.global_step, ctx.global_step, 1, value, zv, mv, sv, culprit)
         elif plan.logging_step:
-            self._report_ledger(trainer)
+            self._report_ledger(ctx)
 
-    def _report_ledger(self, trainer: pl.Trainer) -> None:
+    def _report_ledger(self, ctx: StepContext) -> None:
         record = self._ledger.read()
         if record is None:
             return
         count = int(record["count"])
         self._spikes += count
         self._report(
-            trainer,
+            ctx,
             int(record["first"]),
             int(record["last"]),
             count,
@@ -614,7 +624,7 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
 
     def _report(
         self,
-        trainer: pl.Trainer,
+        ctx: StepContext,
         first: int,
         last: int,
         count: int,
@@ -626,7 +636,7 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
     ) -> None:
         what = f"{self.monitor}_spike"
         values = {"value": value, "z": z, "mean": mean, "std": std, "z_threshold": self.z_threshold, "spikes": count}
-        self._write(trainer, step=first, rank=None, what=what, culprit=culprit, values=values, last_step=last)
+        self._write(ctx, step=first, rank=None, what=what, culprit=culprit, values=values, last_step=last)
         steps = f"step {first}" if count == 1 else f"{count} steps between {first} and {last} (first at {first})"
         where = f"; largest gradient: `{culprit}`" if culprit else ""
         text = (
@@ -634,9 +644,9 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
             f"running mean {mean:.6g} (std {std:.3g}, threshold {self.z_threshold}){where}."
         )
         if self.action == "raise":
-            raise RuntimeError(f"{text} Events: {self.events_path}.")
+            raise RuntimeError(f"{text}{self._events_note}")
         verb = "skipped" if self.action == "skip" else "applied"
-        rank_zero_warn(f"{text} The update was {verb}. Events: {self.events_path}.")
+        ctx.warn(f"{text} The update was {verb}.{self._events_note}")
 
     # -- state -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lightning_gradkit.core.accumulate import mean_window_scale
 from lightning_gradkit.core.norms import loss_scale
+from lightning_gradkit.core.pipeline import StepContext
 from lightning_gradkit.engine import GradKitCallback, StatsRequest, StepPlan, world_size
 
 __all__ = ["WatchesLossOrGradNorm", "WindowLoss", "unscaled_loss"]
@@ -42,27 +43,28 @@ class WindowLoss:
         self.sum: Tensor | None = None
         self.count = 0
 
-    def add(self, trainer: pl.Trainer, loss: Tensor) -> None:
-        loss = unscaled_loss(trainer, loss).reshape(())
+    def add(self, loss: Tensor) -> None:
+        """Add a micro-batch loss, without the AMP loss scale (see :func:`unscaled_loss`)."""
+        loss = loss.detach().float().reshape(())
         self.sum = loss if self.sum is None else self.sum.to(loss.device) + loss
         self.count += 1
 
-    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Tensor:
+    def take(self, ctx: StepContext) -> Tensor:
         """The window's mean loss on this rank, shape ``(1,)`` (NaN for a window without a loss); starts a new one.
 
-        Lightning divides each micro-batch loss by N before ``on_before_backward`` (automatic optimization only):
-        the window's sum is then k / N of its mean, too small for the short last window of an epoch.
+        Lightning divides each micro-batch loss by N before ``on_before_backward`` (automatic optimization only,
+        ``ctx.accumulate_grad_batches``): the window's sum is then k / N of its mean, too small for the short last
+        window of an epoch.
         """
         value = self.sum
         if value is None:
-            value = torch.full((), math.nan, device=pl_module.device)
+            value = torch.full((), math.nan, device=ctx.device)
         else:
-            divisor = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            factor = mean_window_scale(divisor, self.count)
+            factor = mean_window_scale(ctx.accumulate_grad_batches, self.count)
             if factor != 1.0:
                 value = value * factor
         self.sum, self.count = None, 0
-        return value.reshape(1).to(pl_module.device)
+        return value.reshape(1).to(ctx.device)
 
 
 class WatchesLossOrGradNorm(GradKitCallback):
@@ -79,16 +81,20 @@ class WatchesLossOrGradNorm(GradKitCallback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.monitor == "loss":
-            self._window_loss.add(trainer, loss)
+            self._window_loss.add(unscaled_loss(trainer, loss))
+
+    def _note_loss(self, loss: Tensor, ctx: StepContext) -> None:
+        if self.monitor == "loss":
+            self._window_loss.add(loss)
 
     def _stats_request(self, request: StatsRequest) -> None:
         if self.monitor == "grad_norm":
             request.norm_types.add(2.0)
 
-    def _reduce_request(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
+    def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         if self.monitor != "loss":
             return {}
-        return {self._key: self._window_loss.take(trainer, pl_module)}
+        return {self._key: self._window_loss.take(ctx)}
 
     def _watched_value(self, plan: StepPlan) -> Tensor:
         if self.monitor == "loss":

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_gradkit._arguments import check_bool, check_int, name_list, validate_norm_type
-from lightning_gradkit._compat import batches_that_stepped, epoch_ends_with_this_batch
+from lightning_gradkit._compat import batches_that_stepped
 from lightning_gradkit.core.norms import (
     ParamIndex,
     clean_name,
@@ -33,13 +33,13 @@ from lightning_gradkit.core.norms import (
     reduce_sharded,
     total_norm,
 )
+from lightning_gradkit.core.pipeline import StepContext
 from lightning_gradkit.engine import (
     Engine,
     GradKitCallback,
     Stage,
     StatsRequest,
     StepPlan,
-    is_logging_step,
     log_metrics,
 )
 from lightning_gradkit.events import EVENTS_FILENAME, events_dir, write_metadata
@@ -155,20 +155,6 @@ def module_rows(keys: Sequence[str], names: Sequence[str], model_order: Sequence
     rows = sorted(dict.fromkeys(keys), key=lambda k: first[k])
     lookup = {k: i for i, k in enumerate(rows)}
     return rows, [lookup[k] for k in keys]
-
-
-def _is_last_step(trainer: pl.Trainer) -> bool:
-    """Whether the optimizer step under way is the last of ``fit``, as far as ``max_steps``/``max_epochs`` say.
-
-    Called in ``on_before_optimizer_step``, before ``global_step`` counts this step. A stop that Lightning decides
-    after the step (early stopping, ``max_time``) is not foreseen.
-    """
-    if trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps:
-        return True
-    max_epochs = trainer.max_epochs
-    if max_epochs is None or max_epochs == -1 or trainer.current_epoch + 1 < max_epochs:
-        return False
-    return epoch_ends_with_this_batch(trainer)
 
 
 def _clipped_flag(plan: StepPlan) -> Tensor | None:
@@ -380,15 +366,29 @@ class GradNormMonitor(GradKitCallback):
                 "parameters up when they join (unfrozen with `requires_grad_(True)` or added with `add_param_group`) "
                 "and logs their norms from then on."
             )
+        self._start(pl_module)
+        self._record = _Record() if self.report and trainer.is_global_zero else None
+
+    def _start(self, model: torch.nn.Module) -> None:
+        """What a fit starts from: the model's parameter order and blocks, nothing logged yet."""
         # Names as the engine cleans them (no FSDP / checkpoint-wrapper / compile components), in registration order.
-        self._model_order = [clean_name(n) for n, _ in pl_module.named_parameters()]
-        self._blocks = repeated_blocks((clean_name(n), m) for n, m in pl_module.named_modules())
+        self._model_order = [clean_name(n) for n, _ in model.named_parameters()]
+        self._blocks = repeated_blocks((clean_name(n), m) for n, m in model.named_modules())
         self._rows.clear()
         self._written_rows.clear()
         self._clipped.clear()
         self._steps_since_log.clear()
         self._first_pending = True
-        self._record = _Record() if self.report and trainer.is_global_zero else None
+
+    def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+        needs_trainer = [name for name in ("report", "prog_bar", "update_ratio") if getattr(self, name)]
+        if needs_trainer:
+            raise ValueError(
+                f"GradNormMonitor({needs_trainer[0]}=True) needs a Lightning `Trainer` (its loggers' directory, "
+                "progress bar or batch hooks); outside one, set it to False. The gradient norms are logged through "
+                "the loop's `log` function."
+            )
+        self._start(model)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         period = trainer.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
@@ -422,16 +422,16 @@ class GradNormMonitor(GradKitCallback):
     def _primary_norm_type(self) -> float | None:
         return self.norm_type
 
-    def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
         missing = plan.stats[self.norm_type].missing
         if missing and plan.index is not self._missing_checked:
             self._missing_checked = plan.index
             missing = [n for n in missing if n not in self._reported_missing]
             self._reported_missing.update(missing)
             if missing:
-                rank_zero_warn(
+                ctx.warn(
                     f"GradNormMonitor: {len(missing)} trainable parameter(s) received no gradient at step "
-                    f"{trainer.global_step}: {name_list(missing)}. They are not connected to the loss (or the "
+                    f"{ctx.global_step}: {name_list(missing)}. They are not connected to the loss (or the "
                     "forward ran under `torch.no_grad`). Freeze them (`requires_grad_(False)`) if that is intended."
                 )
         idx = plan.optimizer_idx
@@ -441,36 +441,32 @@ class GradNormMonitor(GradKitCallback):
         watch.add(plan, self.norm_type)
         if self._record is not None or self.prog_bar:
             self._count_clipped(plan)
-        on_period = is_logging_step(trainer, self.log_every_n_steps)
-        period = trainer.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
-        extra = not on_period and period != 0 and (self._first_pending or _is_last_step(trainer))
+        on_period = ctx.is_logging_step(self.log_every_n_steps)
+        period = ctx.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
+        extra = not on_period and period != 0 and (self._first_pending or ctx.is_last_step())
         if not (on_period or extra):
             return
         self._first_pending = False
-        suffix = f"/opt{idx}" if len(trainer.optimizers) > 1 else ""
+        suffix = f"/opt{idx}" if len(ctx.optimizers) > 1 else ""
         metrics = {k + suffix: v for k, v in self.metrics(plan).items()}
         if self.weight_norms:
             metrics.update({k + suffix: v for k, v in self._weight_metrics(plan).items()})
         host: dict[str, float] | None = None
         if on_period:
-            log_metrics(trainer, pl_module, metrics, self.log_every_n_steps)
+            ctx.log(metrics, self.log_every_n_steps)
         else:
             host = _to_host(metrics)
-            step = batches_that_stepped(trainer)
-            for logger in trainer.loggers:
-                logger.log_metrics(host, step=step)
+            ctx.log_values(host)
         if watch.ready:
-            self._warn_zero_gradients(watch, trainer)
+            self._warn_zero_gradients(watch, ctx)
         self._write_row_order(idx, suffix)
         if self._record is not None or self.prog_bar:
-            self._note(plan, trainer, pl_module, metrics, host, suffix)
+            self._note(plan, ctx.trainer, ctx.pl_module, metrics, host, suffix)
         if self.update_ratio:
-            self._keep_before(plan, trainer, pl_module, suffix, on_period)
+            self._keep_before(plan, suffix, on_period)
 
     # -- update-to-weight ratio (logging steps only) --------------------------------------------------------------
-    def _keep_before(
-        self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule, suffix: str, on_period: bool
-    ) -> None:
+    def _keep_before(self, plan: StepPlan, suffix: str, on_period: bool) -> None:
         """Copy the parameters before the step and arm the hook that measures the update after it."""
         index = plan.index
         before = [local_tensor(p.detach()).clone() for p in index.params]
@@ -633,14 +629,14 @@ class GradNormMonitor(GradKitCallback):
         self._rows[plan.optimizer_idx] = (plan.index, rows, index)
         return rows, index
 
-    def _warn_zero_gradients(self, watch: _ZeroWatch, trainer: pl.Trainer) -> None:
+    def _warn_zero_gradients(self, watch: _ZeroWatch, ctx: StepContext) -> None:
         """Name the parameters whose gradient stayed all zero through the watch (a logging step: one host read)."""
         names = [n for n in watch.read() if n not in self._reported_zero]
         self._reported_zero.update(names)
         if names:
-            rank_zero_warn(
+            ctx.warn(
                 f"GradNormMonitor: {len(names)} trainable parameter(s) had an all-zero gradient on each of the first "
-                f"{watch.steps} optimizer steps (up to step {trainer.global_step}): {name_list(names)}. Check that "
+                f"{watch.steps} optimizer steps (up to step {ctx.global_step}): {name_list(names)}. Check that "
                 "the loss depends on them."
             )
 

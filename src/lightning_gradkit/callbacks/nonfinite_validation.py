@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_gradkit._arguments import check_bool
 from lightning_gradkit.callbacks.guard_reporting import GuardBase
+from lightning_gradkit.engine import Engine
 
 __all__ = ["NonFiniteValidationCheck"]
 
@@ -85,7 +86,8 @@ class NonFiniteValidationCheck(GuardBase):
             return
         stop = self.stop_on_nonfinite_validation and not trainer.sanity_checking
         values = {"first_nonfinite_loss": {str(r): gathered[r][1] for r in bad_ranks}, "logged": bad_metrics}
-        self._write(trainer, rank=bad_ranks, what="nonfinite_val_loss", culprit=None, values=values, stopped=stop)
+        ctx = Engine.of(trainer).context(trainer, pl_module)
+        self._write(ctx, rank=bad_ranks, what="nonfinite_val_loss", culprit=None, values=values, stopped=stop)
         message = (
             f"NonFiniteGuard: non-finite validation loss at step {trainer.global_step} on rank(s) {bad_ranks}"
             f"{' (' + ', '.join(bad_metrics) + ')' if bad_metrics else ''}."
@@ -93,4 +95,4 @@ class NonFiniteValidationCheck(GuardBase):
         if stop:
             trainer.should_stop = True
             message += " Training stops (`stop_on_nonfinite_validation=True`)."
-        rank_zero_warn(f"{message} Events: {self.events_path}.")
+        rank_zero_warn(f"{message}{self._events_note}")

@@ -28,6 +28,7 @@ from lightning_gradkit._arguments import check_bool, check_choice, check_float, 
 from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss
 from lightning_gradkit.callbacks.monitor import auto_module_keys, module_rows, repeated_blocks
 from lightning_gradkit.core.norms import ParamIndex, clean_name, grouped_norms, host_to_device, local_tensor
+from lightning_gradkit.core.pipeline import StepContext
 from lightning_gradkit.core.running import RunningMoments, spike_decision
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan
 from lightning_gradkit.events import EventLog, events_dir
@@ -354,6 +355,11 @@ class SpikeRollback(WatchesLossOrGradNorm):
 
     _stage = Stage.GUARD
 
+    _needs_trainer_because = (
+        "a rollback restores the model, optimizers, schedulers, RNG and the Trainer's counters and steps over batches "
+        "of the Trainer's loop; in your own loop use `SpikeGuard(action='skip')` and load a checkpoint of your own"
+    )
+
     def __init__(
         self,
         monitor: Literal["loss", "grad_norm"] = "loss",
@@ -589,7 +595,7 @@ class SpikeRollback(WatchesLossOrGradNorm):
         if self.escalate_reset_moments == "spiking":
             request.norm_types.add(2.0)
 
-    def _decide(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
         device = plan.primary.total.device
         if self._skip_left > 0:
             # Stepping over a batch after a rollback: no statistics, no trigger; the strategy skips the step.
@@ -649,7 +655,8 @@ class SpikeRollback(WatchesLossOrGradNorm):
         enabled = self.escalate_lr_factor is not None or self.escalate_reset_moments != "none"
         return enabled and self._resumed_at is not None and step - self._resumed_at < self.escalate_within_steps
 
-    def _observe(self, plan: StepPlan, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
+        trainer = ctx.trainer
         step = trainer.global_step
         t = self._trigger
         self._step_factor = 1.0

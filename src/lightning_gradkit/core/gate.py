@@ -1,0 +1,98 @@
+"""Step the optimizer, or do not, as the step's plan decided: the one rule behind every front door.
+
+The Lightning strategy mixin (:class:`~lightning_gradkit.GradKitStrategyMixin`) and the Fabric / plain-PyTorch door
+(:class:`~lightning_gradkit.loop.GradKit`) both put :func:`step_as_decided` in place of ``optimizer.step`` for the
+duration of the step, so that whatever calls it (the precision plugin, a ``GradScaler``, Fabric's strategy) reaches
+the same decision:
+
+- no policy asked for a skip (``plan.skip is None``): the optimizer steps, nothing is read;
+- fused optimizer (``Adam/AdamW/SGD/Adagrad(fused=True)``): the flag is passed as the optimizer's ``found_inf``
+  (combined with the ``GradScaler``'s), and the fused kernel skips the update on device: no host synchronization;
+- otherwise one host read of the flag (shared with whoever asks next, :meth:`StepPlan.skip_on_host`): on a skip
+  the optimizer is not called, so parameters and optimizer state stay bitwise as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_gradkit.core._torch_compat import handles_found_inf
+from lightning_gradkit.core.pipeline import StepPlan
+
+__all__ = ["fused_step", "shadowed", "step_as_decided"]
+
+_MISSING = object()
+
+
+def step_as_decided(
+    optimizer: Optimizer,
+    inner: Callable[..., Any],
+    plan: StepPlan | None,
+    kwargs: dict[str, Any],
+    skipped_result: Any = None,
+) -> Any:
+    """Call ``inner`` (the optimizer's own ``step``) with ``kwargs`` unless ``plan`` skips the step.
+
+    Args:
+        optimizer: the optimizer (not a wrapper): its ``found_inf`` attribute carries a fused optimizer's skip.
+        inner: its original ``step``.
+        plan: the step's plan, ``None`` when the pipeline did not run for it.
+        kwargs: the arguments of the call (``closure``, ...).
+        skipped_result: what a skipped step returns (PyTorch's optimizers return the closure's result).
+
+    Returns:
+        What ``inner`` returned, or ``skipped_result`` on a skipped step.
+    """
+    if plan is None or plan.skip is None:  # no policy asked for a skip this step: nothing to read
+        return inner(**kwargs)
+    if handles_found_inf(optimizer):
+        # The kernel reads the flag on device: no host sync, and the skip is as exact as the GradScaler's.
+        return fused_step(optimizer, inner, plan.skip, kwargs)
+    if plan.skip_on_host():  # the one host read the design allows, shared with whoever asks next
+        return skipped_result
+    return inner(**kwargs)
+
+
+def fused_step(optimizer: Optimizer, inner: Callable[..., Any], skip: Tensor, kwargs: dict[str, Any]) -> Any:
+    """Step a fused optimizer with ``found_inf`` raised on a skip: its kernel leaves parameters and state alone."""
+    existing = optimizer.__dict__.get("found_inf")  # set by GradScaler.step for the duration of the call
+    flag = skip.to(torch.float32)
+    with shadowed(optimizer, found_inf=flag if existing is None else torch.maximum(existing, flag.to(existing.device))):
+        return inner(**kwargs)
+
+
+@contextmanager
+def shadowed(obj: object, **attributes: Any) -> Iterator[None]:
+    """Set instance attributes of ``obj`` for the body, then put back what the instance had (or remove them).
+
+    Only the instance is touched: an attribute that was not in ``obj.__dict__`` is deleted afterwards, so the class
+    attribute shows through again.
+
+    Example::
+
+        >>> class Plain:
+        ...     def log(self):
+        ...         return "logged"
+        >>> p = Plain()
+        >>> with shadowed(p, log=lambda: None):
+        ...     p.log()
+        >>> p.log(), "log" in vars(p)
+        ('logged', False)
+    """
+    previous = {name: obj.__dict__.get(name, _MISSING) for name in attributes}
+    for name, value in attributes.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)

@@ -1,0 +1,379 @@
+"""The Fabric and plain-PyTorch front door: gradkit's step pipeline in a loop you write yourself.
+
+The Lightning ``Trainer`` reaches the pipeline through callbacks and a strategy; a loop of your own (plain PyTorch,
+``torch.distributed`` or not, or Lightning Fabric, as litgpt's pretraining script is) reaches the same pipeline
+through :class:`GradKit`: the same policy objects (``GradNormMonitor``, ``ClipGradNorm``, ``ZClip``,
+``NonFiniteGuard``, ``SpikeGuard``, ...), the same one read and one write of the gradients, the same skip decided
+identically on every rank, the same logged values. For the same model, data and seed the three doors give the same
+parameters bitwise (``tests/test_front_doors.py``).
+
+Where a step stands in your loop::
+
+    loss = model(batch)                 # (AMP autocast, as you like)
+    fabric.backward(loss)               # or loss.backward(), or scaler.scale(loss).backward()
+    kit.note_loss(loss)                 # optional: loss checks and loss spikes need it
+    kit.step(optimizer)                 # measure, decide, write the gradients once, step unless skipped
+    optimizer.zero_grad(set_to_none=True)
+
+With gradient accumulation, call :meth:`GradKit.step` once per window, after its last backward (the loss you pass
+to :meth:`~GradKit.note_loss` is each micro-batch's, before any division).
+
+Map of this file: :class:`LoopContext` (what the pipeline reads of the loop: a step counter, the optimizers, the
+scaler, the log function) and :class:`GradKit` (the door: setup checks, :meth:`~GradKit.step` and its gate, the
+buffers a skipped step put back, state for checkpoints).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_gradkit._layout import verify_same_layout
+from lightning_gradkit.core._torch_compat import gradients_still_scaled, loss_scale
+from lightning_gradkit.core.buffers import BufferGuard
+from lightning_gradkit.core.gate import shadowed, step_as_decided
+from lightning_gradkit.core.pipeline import Pipeline, Policy, Stage, StepContext, StepPlan, unwrapped
+
+__all__ = ["GradKit", "LoopContext"]
+
+#: ``log(metrics, step)``: where logged values go (``fabric.log_dict`` has this signature).
+_LogFn = Callable[[dict[str, float], int], Any]
+
+
+def _root_module(model: nn.Module) -> nn.Module:
+    """The user's module inside Fabric's ``_FabricModule`` or a ``DistributedDataParallel`` wrapper (the names
+    the Trainer door reports are the LightningModule's own, unwrapped ones)."""
+    wrappers = sys.modules.get("lightning.fabric.wrappers") or sys.modules.get("lightning_fabric.wrappers")
+    if wrappers is not None and wrappers.is_wrapped(model):
+        model = model.module
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def _fabric_scaler(fabric: Any) -> torch.amp.GradScaler | None:
+    """The ``GradScaler`` of Fabric's 16-mixed precision plugin, else ``None``."""
+    return getattr(fabric.strategy.precision, "scaler", None)
+
+
+def _fabric_flat_sharded(fabric: Any) -> bool:
+    """Whether Fabric runs FSDP1 over several ranks (every gradient a flat local shard)."""
+    from lightning.fabric.strategies import FSDPStrategy
+
+    return isinstance(fabric.strategy, FSDPStrategy) and fabric.world_size > 1
+
+
+class LoopContext(StepContext):
+    """The loop as :class:`GradKit` sees it: its own step counter, the optimizers, the scaler and a log function.
+
+    Args:
+        model: the module being trained (wrappers removed).
+        optimizers: every optimizer the loop steps, in a fixed order.
+        log: ``log(metrics, step)`` called on logging steps with host floats; ``None`` drops them.
+        log_every_n_steps: the logging period in optimizer steps (0: never).
+        scaler: the fp16 ``GradScaler`` whose scale the gradients carry until it unscales them, or ``None``.
+        max_steps: the loop's last step, if known (the monitor then also logs the last step).
+        log_dir: where the guards write ``gradkit_events.jsonl``; ``None``: no event file.
+        flat_sharded: whether every gradient is a flat FSDP1 shard.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: Sequence[Optimizer],
+        log: _LogFn | None,
+        log_every_n_steps: int,
+        scaler: torch.amp.GradScaler | None,
+        max_steps: int | None,
+        log_dir: Path | None,
+        flat_sharded: bool,
+    ) -> None:
+        self.model = model
+        self._optimizers = list(optimizers)
+        self._log = log
+        self._log_every_n_steps = log_every_n_steps
+        self.scaler = scaler
+        self.max_steps = max_steps
+        self.log_dir = log_dir
+        self._flat_sharded = flat_sharded
+        self.step = 0
+        first = next(model.parameters(), None)
+        self._device = first.device if first is not None else torch.device("cpu")
+
+    @property
+    def optimizers(self) -> Sequence[Optimizer]:
+        return self._optimizers
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def global_step(self) -> int:
+        return self.step
+
+    @property
+    def log_every_n_steps(self) -> int:
+        return self._log_every_n_steps
+
+    def param_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.model.named_parameters()}
+
+    def flat_sharded(self) -> bool:
+        return self._flat_sharded
+
+    def loss_scale(self, optimizer: Optimizer) -> Tensor | None:
+        scale = loss_scale(self.scaler)
+        if scale is None or not gradients_still_scaled(self.scaler, optimizer):
+            return None
+        return scale
+
+    def loss_scale_source(self) -> object | None:
+        return self.scaler
+
+    def is_last_step(self) -> bool:
+        return self.max_steps is not None and self.step + 1 >= self.max_steps
+
+    def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
+        if self._log is None or not metrics:
+            return
+        first = next(iter(metrics.values()))
+        # One device-to-host transfer for all values of the step.
+        values = torch.stack([v.detach().reshape(()).to(first.device, torch.float32) for v in metrics.values()])
+        self.log_values(dict(zip(metrics, values.tolist(), strict=True)))
+
+    def log_values(self, values: dict[str, float]) -> None:
+        if self._log is not None:
+            self._log(values, self.step)
+
+
+class GradKit:
+    r"""gradkit's engine in a loop of your own: plain PyTorch (``torch.distributed`` optional) or Lightning Fabric.
+
+    Give it the model, the optimizers and the policies, the same objects a ``Trainer`` takes as callbacks. Each
+    optimizer step, :meth:`step` runs the pipeline once (measure the gradients once, one all-reduce under DDP/FSDP,
+    decide, write the gradients once) and steps the optimizer, or, when a guard decided to skip, leaves parameters,
+    optimizer state and module buffers exactly as they were. No host synchronization off logging steps, except the
+    one read of the skip flag with an ordinary optimizer when a policy may skip (none with a fused optimizer).
+
+    Policies that work here: ``GradNormMonitor`` (without ``report``/``prog_bar``/``update_ratio``, which need a
+    Trainer), ``ClipGradNorm``, ``ClipGradValue``, ``AutoClip``, ``ZClip``, ``AdaptiveGradClip``,
+    ``NonFiniteGuard`` (``skip``/``warn``/``raise``; the culprit replay of ``training_step`` needs a Trainer, the
+    first non-finite parameter is still named) and ``SpikeGuard``. Callbacks that drive the Trainer's loop
+    (``AccumulationGuard``, ``SpikeRollback``, ``ActivationCheckpointing``, ...) are refused with the reason.
+
+    Args:
+        model: the module being trained (Fabric's wrapper or a ``DistributedDataParallel`` is fine).
+        optimizers: the optimizer, or a list of them (Fabric's wrappers are fine).
+        policies: the gradkit policies (instances).
+        log: ``log(metrics: dict[str, float], step: int)``, called on logging steps; ``fabric.log_dict`` fits.
+            ``None``: the values are not logged (the policies still act).
+        log_every_n_steps: logging period in optimizer steps (0: never), as ``Trainer(log_every_n_steps=...)``.
+        scaler: the fp16 ``GradScaler`` of a plain loop; :meth:`step` then calls ``scaler.step`` and
+            ``scaler.update``. Under Fabric leave it ``None``: it is read from ``fabric``.
+        fabric: the ``Fabric`` object of a Fabric loop: its logger, precision plugin and strategy are used.
+        max_steps: the loop's number of optimizer steps, if known (the monitor then also logs the last step).
+        log_dir: directory of the guards' ``gradkit_events.jsonl``; ``None``: no event file.
+
+    Raises:
+        TypeError: if a policy is a class instead of an instance, or not a gradkit policy.
+        ValueError: if a policy needs a Lightning ``Trainer``, two clippers are given, or ``log_every_n_steps`` < 0.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard
+        >>> from lightning_gradkit.loop import GradKit
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> logged = []
+        >>> kit = GradKit(model, optimizer, [GradNormMonitor(), ClipGradNorm(1.0), NonFiniteGuard()],
+        ...               log=lambda metrics, step: logged.append(metrics), log_every_n_steps=1)
+        >>> model(torch.ones(2, 4)).sum().backward()
+        >>> kit.step(optimizer)
+        True
+        >>> sorted(logged[0])[:2]
+        ['grad_clip/clipped_fraction', 'grad_clip/coef']
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: Optimizer | Sequence[Optimizer],
+        policies: Sequence[Policy],
+        *,
+        log: _LogFn | None = None,
+        log_every_n_steps: int = 50,
+        scaler: torch.amp.GradScaler | None = None,
+        fabric: Any = None,
+        max_steps: int | None = None,
+        log_dir: str | Path | None = None,
+    ) -> None:
+        optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
+            raise ValueError(
+                f"`log_every_n_steps` must be an int >= 0, got {log_every_n_steps!r}. Use e.g. 50 (Lightning's "
+                "default), or 0 to log nothing."
+            )
+        self.policies = _checked_policies(policies)
+        if fabric is not None:
+            log = fabric.log_dict if log is None else log
+            scaler = _fabric_scaler(fabric) if scaler is None else scaler
+        self._fabric = fabric
+        self._own_scaler = fabric is None and scaler is not None
+        root = _root_module(model)
+        flat = _fabric_flat_sharded(fabric) if fabric is not None else False
+        self.ctx = LoopContext(
+            root, optimizers, log, log_every_n_steps, scaler, max_steps, Path(log_dir) if log_dir else None, flat
+        )
+        self.pipeline = Pipeline()
+        inner = [unwrapped(opt) for opt in optimizers]
+        verify_same_layout(inner, self.ctx.param_names())
+        for policy in self.policies:
+            policy._attach(self.ctx, root)
+        self._buffers: BufferGuard | None = None
+        if any(policy._needs_step_control() for policy in self.policies):
+            # What a skipped step's forwards wrote into the buffers (BatchNorm statistics) is put back: captured
+            # before the first forward of each window.
+            self._buffers = BufferGuard(root)
+            root.register_forward_pre_hook(self._open_window)
+
+    def _open_window(self, module: nn.Module, args: Any) -> None:
+        buffers = self._buffers
+        if buffers is not None and not buffers.open and torch.is_grad_enabled():
+            buffers.capture()
+
+    def note_loss(self, loss: Tensor) -> None:
+        """Hand a micro-batch loss (as the loss function returned it, without an AMP scale) to the policies that
+        watch it: ``NonFiniteGuard``'s loss check and ``SpikeGuard(monitor="loss")``. No host sync."""
+        loss = loss.detach()
+        for policy in self.policies:
+            policy._note_loss(loss, self.ctx)
+
+    def step(self, optimizer: Optimizer | None = None, **kwargs: Any) -> bool | None:
+        """Run the pipeline for ``optimizer``'s gradients and step it, unless a policy decided to skip the step.
+
+        Args:
+            optimizer: the optimizer to step (one of those given; Fabric's wrapper is fine). Optional with one.
+            kwargs: passed on to ``optimizer.step``.
+
+        Returns:
+            Whether the step was applied; ``None`` when that is only known on device (a fused optimizer skipped
+            through ``found_inf``, never read to the host).
+
+        Raises:
+            ValueError: if ``optimizer`` is not one of the loop's optimizers.
+        """
+        optimizer = self._optimizer(optimizer)
+        inner = unwrapped(optimizer)
+        plan = self.pipeline.run(self.ctx, inner, self.policies)
+        gate = functools.partial(_gated_step, inner, inner.step, plan)
+        with shadowed(inner, step=gate):
+            if self._own_scaler:
+                assert self.ctx.scaler is not None
+                self.ctx.scaler.step(optimizer, **kwargs)
+                self.ctx.scaler.update()
+            else:
+                optimizer.step(**kwargs)
+        skipped = plan.skip_known_on_host() if plan is not None else False
+        if skipped:
+            inner.zero_grad(set_to_none=True)
+        self._close_window(plan, skipped)
+        self.ctx.step += 1
+        return None if skipped is None else not skipped
+
+    def finish(self) -> None:
+        """End of the loop: the guards report what their device ledgers still hold (as at ``on_train_end``)."""
+        for policy in self.policies:
+            policy._finish(self.ctx)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far (one host read)."""
+        count = self.pipeline.skipped_steps
+        return 0 if count is None else int(count)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The door's state for a checkpoint: the step counter, the skip count and every policy's state."""
+        return {
+            "step": self.ctx.step,
+            "skipped_steps": self.skipped_steps,
+            "policies": [policy.state_dict() for policy in self.policies],  # type: ignore[attr-defined]
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: give the policies in the same order as when it was saved."""
+        self.ctx.step = int(state_dict["step"])
+        self.pipeline.skipped_steps = torch.tensor(float(state_dict["skipped_steps"]), device=self.ctx.device)
+        for policy, state in zip(self.policies, state_dict["policies"], strict=True):
+            policy.load_state_dict(state)  # type: ignore[attr-defined]
+            policy._attach(self.ctx, self.ctx.model)
+
+    def _optimizer(self, optimizer: Optimizer | None) -> Optimizer:
+        optimizers = self.ctx.optimizers
+        if optimizer is None:
+            if len(optimizers) != 1:
+                raise ValueError(f"`step()` needs the optimizer to step: this loop has {len(optimizers)} of them.")
+            return optimizers[0]
+        for opt in optimizers:
+            if opt is optimizer or unwrapped(opt) is unwrapped(optimizer):
+                return opt
+        raise ValueError(
+            f"`step(optimizer)` got a {type(optimizer).__name__} that is not one of the optimizers given to GradKit. "
+            "Pass every optimizer the loop steps to `GradKit(model, optimizers=[...], ...)`."
+        )
+
+    def _close_window(self, plan: StepPlan | None, skipped: bool | None) -> None:
+        """Put back the buffers of a skipped step (on device for a fused optimizer), keep them otherwise."""
+        buffers = self._buffers
+        if buffers is None or not buffers.open:
+            return
+        if skipped is None:
+            assert plan is not None and plan.skip is not None
+            buffers.restore(plan.skip)
+        elif skipped:
+            buffers.restore()
+        else:
+            buffers.keep()
+
+
+def _gated_step(optimizer: Optimizer, inner: Callable[..., Any], plan: StepPlan | None, **kwargs: Any) -> Any:
+    """``optimizer.step`` while :meth:`GradKit.step` runs: whatever calls it (Fabric's strategy, a ``GradScaler``)
+    meets the plan's decision."""
+    return step_as_decided(optimizer, inner, plan, kwargs)
+
+
+def _checked_policies(policies: Sequence[Policy]) -> list[Policy]:
+    """The policies as given, after the checks a Trainer makes at setup.
+
+    Raises:
+        TypeError: a class instead of an instance, or an object that is not a gradkit policy.
+        ValueError: more than one clipper.
+    """
+    out = list(policies)
+    for policy in out:
+        if isinstance(policy, type):
+            raise TypeError(
+                f"`policies` holds the class `{policy.__name__}`, not an instance of it: use `{policy.__name__}()`, "
+                "with its arguments in the parentheses."
+            )
+        if not isinstance(policy, Policy):
+            raise TypeError(
+                f"`policies` holds a {type(policy).__name__}, which takes no part in the optimizer step's pipeline "
+                "(a Trainer callback such as `ActivationCheckpointing` or `InferenceModeValidation` works only as "
+                "one). Give gradkit policies such as `GradNormMonitor()`, `ClipGradNorm(1.0)` or `NonFiniteGuard()`."
+            )
+    clippers = [type(p).__name__ for p in out if p._stage is Stage.CLIP]
+    if len(clippers) > 1:
+        raise ValueError(
+            f"`policies` holds {len(clippers)} gradient clippers ({', '.join(clippers)}); each would rescale the "
+            "gradients the other already clipped. Keep exactly one of them."
+        )
+    return out

@@ -1,0 +1,283 @@
+"""One engine, three front doors: the Trainer callbacks, Lightning Fabric and a plain PyTorch loop give the same
+parameters, buffers, logged norms and skip decisions, bitwise, for the same model, data and seed.
+
+The references are independent of each other: the Trainer runs its own loop (closure, hooks, strategy gate), Fabric
+its strategy's ``optimizer_step`` and precision plugin, the plain loop nothing but ``torch``. A plain loop with
+``torch.nn.utils.clip_grad_norm_`` and a hand-written skip pins down that all three compute the right thing, not
+only the same thing.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import Logger as FabricLogger
+from lightning.pytorch.loggers import Logger
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from helpers import make_trainer
+from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, SpikeRollback, ZClip
+from lightning_gradkit.loop import GradKit
+
+pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning", "ignore:SpikeGuard:UserWarning")
+
+NAN_BATCH = 5
+BATCHES = 12
+
+
+def _build(module: nn.Module) -> None:
+    module.encoder = nn.Linear(8, 16)
+    module.norm = nn.BatchNorm1d(16)
+    module.head = nn.Linear(16, 1)
+
+
+def _forward(module: Any, x: Tensor) -> Tensor:
+    return module.head(torch.relu(module.norm(module.encoder(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        _build(self)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _forward(self, x)
+
+
+class NetModule(pl.LightningModule):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        _build(self)
+        self.optimizer_name = optimizer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _forward(self, x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _optimizer(self.optimizer_name, self.parameters())
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adam_fused":
+        return torch.optim.Adam(params, lr=0.05, fused=True)
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def _batches() -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(BATCHES):
+        x = torch.randn(8, 8, generator=g) * (1.0 + 2.0 * (i % 4 == 3))  # some steps clip, some do not
+        y = torch.randn(8, 1, generator=g)
+        if i == NAN_BATCH:
+            x[2, 3] = math.nan
+        out.append((x, y))
+    return out
+
+
+def _initial_state() -> dict[str, Tensor]:
+    torch.manual_seed(0)
+    return copy.deepcopy(Net().state_dict())
+
+
+def _policies(clipper: str) -> list[Any]:
+    clip = ZClip(alpha=0.9, z_threshold=1.5, warmup_steps=3) if clipper == "zclip" else ClipGradNorm(max_norm=0.5)
+    return [
+        GradNormMonitor(depth=1),
+        clip,
+        NonFiniteGuard(action="skip"),
+        SpikeGuard(monitor="loss", warmup_steps=3, z_threshold=2.0, action="warn"),
+    ]
+
+
+class RecordingLogger(Logger):
+    """A Lightning logger that keeps every logged row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append(dict(metrics))
+
+
+class RecordingFabricLogger(FabricLogger):
+    """A Fabric logger that keeps every logged row (``fabric.log_dict`` reaches it)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append(dict(metrics))
+
+
+def _series(rows: list[dict[str, float]]) -> dict[str, list[float]]:
+    """Every gradkit key's values in logging order (Lightning adds ``epoch``; only gradkit's keys compare)."""
+    out: dict[str, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.split("/")[0] in ("grad_norm", "grad_clip", "gradkit"):
+                out.setdefault(key, []).append(float(value))
+    return out
+
+
+def run_trainer(tmp_path: Path, clipper: str, optimizer: str) -> tuple[dict[str, Tensor], dict[str, list[float]]]:
+    module = NetModule(optimizer)
+    module.load_state_dict(_initial_state())
+    logger = RecordingLogger()
+    trainer = make_trainer(
+        tmp_path, strategy="gradkit", callbacks=_policies(clipper), logger=logger, max_steps=BATCHES
+    )
+    trainer.fit(module, DataLoader(_batches(), batch_size=None))
+    return module.state_dict(), _series(logger.rows)
+
+
+def run_plain(clipper: str, optimizer: str) -> tuple[dict[str, Tensor], dict[str, list[float]]]:
+    model = Net()
+    model.load_state_dict(_initial_state())
+    opt = _optimizer(optimizer, model.parameters())
+    rows: list[dict[str, float]] = []
+    kit = GradKit(
+        model,
+        opt,
+        _policies(clipper),
+        log=lambda metrics, step: rows.append(metrics),
+        log_every_n_steps=1,
+        max_steps=BATCHES,
+    )
+    model.train()
+    for x, y in _batches():
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        kit.note_loss(loss)
+        kit.step(opt)
+        opt.zero_grad(set_to_none=True)
+    kit.finish()
+    return model.state_dict(), _series(rows)
+
+
+def run_fabric(clipper: str, optimizer: str) -> tuple[dict[str, Tensor], dict[str, list[float]]]:
+    logger = RecordingFabricLogger()
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=[logger])
+    net = Net()
+    net.load_state_dict(_initial_state())
+    model, opt = fabric.setup(net, _optimizer(optimizer, net.parameters()))
+    kit = GradKit(model, opt, _policies(clipper), fabric=fabric, log_every_n_steps=1, max_steps=BATCHES)
+    model.train()
+    for x, y in _batches():
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        kit.note_loss(loss)
+        kit.step(opt)
+        opt.zero_grad(set_to_none=True)
+    kit.finish()
+    return net.state_dict(), _series(logger.rows)
+
+
+def run_reference(clipper: str, optimizer: str) -> dict[str, Tensor]:
+    """Plain PyTorch without gradkit: ``clip_grad_norm_``, and the NaN batch left out with the buffers it wrote."""
+    assert clipper == "norm"
+    model = Net()
+    model.load_state_dict(_initial_state())
+    opt = _optimizer(optimizer, model.parameters())
+    model.train()
+    for i, (x, y) in enumerate(_batches()):
+        if i == NAN_BATCH:
+            continue
+        nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model.state_dict()
+
+
+def _assert_same_state(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize(("clipper", "optimizer"), [("norm", "sgd"), ("zclip", "sgd"), ("norm", "adam_fused")])
+def test_three_doors_give_the_same_parameters_logs_and_skips(tmp_path: Path, clipper: str, optimizer: str) -> None:
+    trainer_state, trainer_logs = run_trainer(tmp_path, clipper, optimizer)
+    plain_state, plain_logs = run_plain(clipper, optimizer)
+    fabric_state, fabric_logs = run_fabric(clipper, optimizer)
+
+    # Parameters and BatchNorm statistics (the NaN batch's writes put back), bitwise.
+    _assert_same_state(plain_state, trainer_state)
+    _assert_same_state(fabric_state, trainer_state)
+    assert all(torch.isfinite(v).all() for v in trainer_state.values() if v.is_floating_point())
+
+    # Logged norms, clip values and skip counts: the same keys, the same values in the same order.
+    assert trainer_logs.keys() == plain_logs.keys() == fabric_logs.keys()
+    for key in ("grad_norm/total", "grad_norm/module/encoder", "grad_clip/pre_clip_norm", "grad_clip/coef"):
+        assert len(trainer_logs[key]) == BATCHES, key
+    for key, values in trainer_logs.items():
+        assert plain_logs[key] == pytest.approx(values, nan_ok=True, rel=0, abs=0), key
+        assert fabric_logs[key] == pytest.approx(values, nan_ok=True, rel=0, abs=0), key
+    assert math.isnan(trainer_logs["grad_norm/total"][NAN_BATCH])
+    # The skip decision: the count steps from 0 to 1 at the NaN batch, on the fused (device-only) path too.
+    skipped = trainer_logs["gradkit/skipped_steps"]
+    assert skipped[NAN_BATCH - 1 : NAN_BATCH + 1] == [0.0, 1.0] and skipped[-1] == 1.0
+    clipped = trainer_logs["grad_clip/coef"]
+    assert min(c for c in clipped if not math.isnan(c)) < 1.0  # the clipper acted on some steps
+
+
+def test_plain_door_equals_a_hand_written_loop_with_clip_grad_norm(tmp_path: Path) -> None:
+    plain_state, _ = run_plain("norm", "sgd")
+    reference = run_reference("norm", "sgd")
+    for key, value in reference.items():
+        if key.endswith("num_batches_tracked"):
+            # gradkit puts back the skipped batch's counter too, as the reference never saw that batch.
+            assert plain_state[key] == value
+            continue
+        torch.testing.assert_close(plain_state[key], value, rtol=1e-6, atol=1e-7)
+
+
+def test_door_refuses_trainer_only_callbacks_and_classes() -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="SpikeRollback works only as a Lightning Trainer callback"):
+        GradKit(model, opt, [SpikeRollback()])
+    with pytest.raises(TypeError, match="holds the class `ZClip`"):
+        GradKit(model, opt, [ZClip])
+    with pytest.raises(ValueError, match="2 gradient clippers"):
+        GradKit(model, opt, [ZClip(), ClipGradNorm(1.0)])
+    with pytest.raises(ValueError, match=r"GradNormMonitor\(report=True\) needs a Lightning `Trainer`"):
+        GradKit(model, opt, [GradNormMonitor(report=True)])
+    with pytest.raises(ValueError, match="`log_every_n_steps` must be an int >= 0, got -1"):
+        GradKit(model, opt, [GradNormMonitor()], log_every_n_steps=-1)
