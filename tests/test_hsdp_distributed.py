@@ -27,7 +27,7 @@ from torch import nn
 
 from clip_reference import AGCRef, NormRef, ZClipRef
 from helpers import loader, run_distributed
-from test_scale_distributed import DEPTH, MAX_NORM, TPBlocks, assert_params_close, module_norms
+from test_scale_distributed import MAX_NORM, TPBlocks, assert_params_close, module_norms
 
 pytestmark = pytest.mark.distributed
 
@@ -51,9 +51,7 @@ class HSDPBlocks(TPBlocks):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(
-            self.device_mesh.device_type, (REPLICATE, SHARD), mesh_dim_names=("replicate", "shard")
-        )
+        mesh = init_device_mesh(self.device_mesh.device_type, (REPLICATE, SHARD), mesh_dim_names=("replicate", "shard"))
         for block in self.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self, mesh=mesh)
@@ -149,13 +147,6 @@ def test_hsdp_norms_clipping_skip_and_accumulation_equal_one_process(tmp_path: P
     for rank in ranks:
         assert_params_close(rank["guard"]["params"], ref["params"])
 
-    # HSDP + tensor parallelism on a 3-D (replicate 2, shard 1, tensor_parallel 2) mesh of the 4 ranks: the same run
-    # as ClipGradNorm's above.
-    ref = reference(NormRef(MAX_NORM), [[k] for k in range(STEPS["norm"])])
-    assert_logged(ranks[0]["hsdp_tp"]["logged"], ref["steps"], "hsdp_tp")
-    for rank in ranks:
-        assert_params_close(rank["hsdp_tp"]["params"], ref["params"])
-
     # One collective over the world per optimizer step (FSDP2's own reduce-scatters and all-reduces run on the shard
     # and replicate groups and are not counted). AdaptiveGradClip adds a scalar all-reduce on logging steps (here
     # every step) for its post-clip total, whose clipped rows are spread over the shards.
@@ -163,3 +154,16 @@ def test_hsdp_norms_clipping_skip_and_accumulation_equal_one_process(tmp_path: P
         for case, result in rank.items():
             expected = 2 if case == "agc" else 1
             assert result["world_collectives"] == [expected] * len(result["logged"]), case
+
+
+def test_hsdp_with_tensor_parallelism_on_a_3d_mesh_equals_one_process(tmp_path: Path) -> None:
+    """8 processes, a (replicate 2, shard 2, tensor_parallel 2) mesh: the projections' gradients are
+    ``(Replicate(), _StridedShard(0), Shard(...))``, the others ``(Replicate(), Shard(0))`` on the 2-D sub-mesh that
+    two tensor-parallel ranks share. Logged norms and ClipGradNorm's parameters equal one process; one collective over
+    the world per step."""
+    ranks = run_distributed("hsdp_script.py", tmp_path, "--world", "8", nprocs=8, timeout=240)
+    ref = reference(NormRef(MAX_NORM), [[k] for k in range(STEPS["norm"])])
+    for rank in ranks:
+        assert_logged(rank["hsdp_tp"]["logged"], ref["steps"], "hsdp_tp")
+        assert_params_close(rank["hsdp_tp"]["params"], ref["params"])
+        assert rank["hsdp_tp"]["world_collectives"] == [1] * STEPS["norm"]

@@ -1,9 +1,11 @@
-"""4-process CPU job (gloo): gradkit under HSDP, FSDP2 on a 2 x 2 (replicate x shard) mesh.
+"""CPU job (gloo): gradkit under HSDP, FSDP2 on a 2 x 2 (replicate x shard) mesh of 4 processes, or HSDP with
+tensor parallelism on a 2 x 2 x 2 (replicate x shard x tensor_parallel) mesh of 8 (``--world 8``).
 
-One fit per case in one launch (each launch costs seconds): the monitor with ClipGradNorm, ZClip and
+On 4 processes, one fit per case in one launch (each launch costs seconds): the monitor with ClipGradNorm, ZClip and
 AdaptiveGradClip, then NonFiniteGuard + AccumulationGuard + ClipGradNorm with a NaN written into one rank's gradient
-shard. Each rank records per case what was logged at every optimizer step, the collectives over the whole world
-during every training batch, and its final (full) parameters in ``rank<r>.json``.
+shard. On 8, the monitor with ClipGradNorm. Each rank records per case what was logged at every optimizer step, the
+collectives over the whole world during the batches of every step, and its final (full) parameters in
+``rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from mesh2d_script import PoisonOneShard, full_params
 from torch.optim import Optimizer
 
 from helpers import distributed_trainer, rank_loader, script_parser, write_rank_result
@@ -28,7 +31,6 @@ from lightning_gradkit import (
     NonFiniteGuard,
     ZClip,
 )
-from mesh2d_script import PoisonOneShard, full_params
 from test_hsdp_distributed import AGC_FACTOR, GLOBAL_BATCH, REPLICATE, SHARD, STEPS, ZCLIP, HSDPBlocks, HSDPTPBlocks
 from test_scale_distributed import DEPTH, MAX_NORM
 
@@ -81,17 +83,17 @@ class Record(pl.Callback):
 
 
 def fit(
-    callbacks: list[pl.Callback], batches: int, accumulate: int = 1, tensor_parallel: int = 1
+    callbacks: list[pl.Callback], batches: int, accumulate: int = 1, tensor_parallel: int = 1, world: int = WORLD
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     model = HSDPBlocks() if tensor_parallel == 1 else HSDPTPBlocks()
-    data_parallel = WORLD // tensor_parallel
+    data_parallel = world // tensor_parallel
     strategy = GradKitModelParallelStrategy(
         data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel, timeout=timedelta(seconds=60)
     )
     record = Record()
     trainer = distributed_trainer(
-        devices=WORLD,
+        devices=world,
         strategy=strategy,
         accumulate_grad_batches=accumulate,
         callbacks=[*callbacks, record],
@@ -107,8 +109,15 @@ def fit(
 
 
 def main() -> None:
-    args = script_parser().parse_args()
+    parser = script_parser()
+    parser.add_argument("--world", type=int, default=WORLD, help=f"{WORLD}: the HSDP cases; 8: HSDP + TP, 2 x 2 x 2")
+    args = parser.parse_args()
     Record.wrap_collectives()
+    if args.world != WORLD:
+        monitor_and_clip = [GradNormMonitor(depth=DEPTH), ClipGradNorm(MAX_NORM)]
+        out = {"hsdp_tp": fit(monitor_and_clip, STEPS["norm"], tensor_parallel=2, world=args.world)}
+        write_rank_result(args.out, dist.get_rank(), out)
+        return
     clippers = {
         "norm": lambda: ClipGradNorm(MAX_NORM),
         "zclip": lambda: ZClip(**ZCLIP),
@@ -117,7 +126,6 @@ def main() -> None:
     out = {case: fit([GradNormMonitor(depth=DEPTH), make()], STEPS[case]) for case, make in clippers.items()}
     guard = [PoisonOneShard(), NonFiniteGuard(action="skip"), AccumulationGuard(), GradNormMonitor(depth=DEPTH)]
     out["guard"] = fit([*guard, ClipGradNorm(MAX_NORM)], batches=5, accumulate=2)
-    out["hsdp_tp"] = fit([GradNormMonitor(depth=DEPTH), ClipGradNorm(MAX_NORM)], STEPS["norm"], tensor_parallel=2)
     write_rank_result(args.out, dist.get_rank(), out)
 
 
