@@ -5,7 +5,8 @@
 data-parallel rank, each parameter is split in two along dim 0 and every half is held by the two ranks of a
 replicate group. A norm that summed the ranks' shard contributions over the whole world would count every shard
 twice (the over-count of VeOmni #184 / #862): a total norm ``sqrt(2)`` too large. The head's weight has one row, so
-one rank of every shard group holds an empty shard.
+one rank of every shard group holds an empty shard. A second test combines HSDP with tensor parallelism on a
+2 x 2 x 2 (replicate x shard x tensor_parallel) mesh of 8 processes.
 
 The reference is one process with the same initial weights on the same global batches of 8 (each rank gets 2
 samples of every global batch). Tolerance: FSDP2 averages the gradients over the ranks (reduce-scatter, then
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ class HSDPTPBlocks(TPBlocks):
 
 
 def reference(
-    clip: Callable[[nn.Module], None], windows: list[list[int]], skip: set[int] = frozenset(), accumulate: int = 1
+    clip: Callable[[nn.Module], None], windows: list[list[int]], skip: Collection[int] = (), accumulate: int = 1
 ) -> dict[str, Any]:
     """One process, global batches of 8: per optimizer step the total and module norms (of the gradients after the
     exact-accumulation scale ``accumulate / len(window)``), ``clip``, the post-clip total, and SGD unless the step
