@@ -457,7 +457,9 @@ def replication(param: Tensor, world: int | None = None) -> int:
     that is only ``fully_shard``-ed lives on the 1-D data-parallel sub-mesh: the tensor-parallel ranks that hold the
     same shard belong to other sub-meshes of the same size. The number of distinct pieces is the product of the
     mesh sizes along which the placement does not replicate; every rank holds one of them, so each is held by
-    ``world / pieces`` ranks.
+    ``world / pieces`` ranks. Under HSDP (``fully_shard`` on a (replicate, shard) mesh) the placements are
+    ``(Replicate(), Shard(0))``: a shard held by every rank of a replicate group counts once, not once per replica
+    (the over-count of VeOmni #184 / #862).
 
     Args:
         param: a parameter; plain tensors count as held once per rank (1).
