@@ -141,6 +141,13 @@ class NonFiniteGuard(NonFiniteValidationCheck):
     are skipped, recorded as ``"fp16_overflow"`` events and counted toward ``max_consecutive``, without a warning
     or a replay.
 
+    Under Lightning's ``DeepSpeedStrategy`` (see :mod:`lightning_gradkit._deepspeed`): ``"warn"`` and ``"raise"``
+    only (``"skip"`` is refused at setup: the DeepSpeed engine steps inside ``engine.step()``). The loss of each
+    micro-batch is checked before DeepSpeed steps (``"raise"`` stops with the parameters unchanged), the gradients
+    through DeepSpeed's global norm after its step (``engine.get_global_grad_norm()``; DeepSpeed's own overflow check
+    has then skipped the step, or, without one, applied it). A step DeepSpeed skips under fp16 is its loss scaler's
+    routine and not flagged. No replay runs.
+
     Validation (``check_validation``): a non-finite validation loss (the tensor returned by ``validation_step``
     or its ``"loss"`` entry, and logged metrics whose name starts with ``val`` and contains ``loss``) is reported
     as an event and a warning once per validation run; with ``stop_on_nonfinite_validation`` training stops

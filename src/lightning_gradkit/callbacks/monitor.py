@@ -217,6 +217,19 @@ class GradNormMonitor(GradKitCallback):
     - ``update_ratio/total`` and ``update_ratio/module/<name>``: with ``update_ratio=True``, the update-to-weight
       ratio ``||w_after - w_before|| / ||w_before||`` (2-norms, whatever ``norm_type``) of this optimizer step.
 
+    **Under Lightning's** ``DeepSpeedStrategy`` the DeepSpeed engine owns the step (see
+    :mod:`lightning_gradkit._deepspeed`); the monitor logs what it measures, after ``engine.step()``:
+
+    - ``grad_norm/total``: ``engine.get_global_grad_norm()``, the global 2-norm of the gradients after unscaling and
+      before DeepSpeed's ``gradient_clipping`` (``inf`` on a step DeepSpeed skipped). Not logged, with one warning,
+      where DeepSpeed computes none (ZeRO stage 0 in full precision).
+    - ``deepspeed/skipped_steps``: ``engine.skipped_steps``, the steps DeepSpeed did not apply (fp16 overflow).
+
+    Logging steps count DeepSpeed's optimizer steps (``engine.global_steps``, one per accumulation window), plus the
+    first; the values go to ``trainer.loggers`` directly. A non-logging step reads two Python ints of the engine and
+    nothing from the device. ``depth`` is not used; ``norm_type`` other than 2, ``param_groups``, ``weight_norms``,
+    ``update_ratio``, ``report`` and ``prog_bar`` are refused at setup.
+
     **Update-to-weight ratio.** The ratio of the size of a step's update to the size of the weights is the usual
     learning-rate health signal: about ``1e-3`` per step is healthy (Karpathy, CS231n "ratio of weights:updates");
     far below, the learning rate is too low or the module does not train; far above, it is too high. On a logging
