@@ -72,6 +72,7 @@ from torch.optim import Optimizer
 
 from lightning_gradkit._closure import first_evaluation
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device
+from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, clipping_instead, is_deepspeed_strategy
 from lightning_gradkit.core._torch_compat import handles_found_inf
 from lightning_gradkit.core.buffers import BufferGuard
 from lightning_gradkit.core.gate import shadowed, step_as_decided
@@ -205,6 +206,13 @@ class GradKitStrategyMixin:
 
     # -- Lightning hooks -----------------------------------------------------------------------------------------
     def connect(self, model: pl.LightningModule) -> None:
+        if is_deepspeed_strategy(self):
+            raise RuntimeError(
+                f"`{type(self).__name__}` mixes GradKitStrategyMixin into DeepSpeedStrategy, which cannot work: the "
+                "mixin gates `optimizer.step` and skips the step there, but the DeepSpeed engine steps, counts and "
+                "zeroes the gradients inside `engine.step()`, and under ZeRO keeps them in its own buffers. Use "
+                f"`DeepSpeedStrategy` itself. {SKIPPING_INSTEAD} Clipping: {clipping_instead()}"
+            )
         super().connect(model)  # type: ignore[misc]
         # The earliest hook with the Trainer: before Lightning calls any callback hook (`setup`).
         trainer = model._trainer

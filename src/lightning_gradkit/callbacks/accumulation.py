@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradkit._arguments import check_bool, check_choice, check_int, name_list, validate_normalize
+from lightning_gradkit._deepspeed import refuse_under_deepspeed
 from lightning_gradkit._window import WindowPosition
 from lightning_gradkit.core.accumulate import (
     TOKENS_KEY,
@@ -176,6 +177,14 @@ class AccumulationGuard(GradKitCallback):
                 "Keep one."
             )
         automatic = pl_module.automatic_optimization
+        refuse_under_deepspeed(
+            trainer,
+            f"`AccumulationGuard(normalize={self.normalize!r})`",
+            "the DeepSpeed engine accumulates the micro-batches itself and scales their gradients inside "
+            "`engine.backward`, so no callback sees the window",
+            "Set the window with `Trainer(accumulate_grad_batches=...)`, which Lightning passes to DeepSpeed as "
+            "`gradient_accumulation_steps` (the DeepSpeed config must not set that key itself).",
+        )
         if automatic and trainer.strategy.handles_gradient_accumulation:
             raise RuntimeError(
                 f"AccumulationGuard: the strategy `{type(trainer.strategy).__name__}` accumulates gradients itself "

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradkit._deepspeed import clipping_instead, refuse_under_deepspeed
 from lightning_gradkit.core.clip import (
     AdaptiveGradClipPolicy,
     AutoClipPolicy,
@@ -172,7 +173,23 @@ class _GradClipCallback(GradKitCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._set_up = True
         super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            refuse_under_deepspeed(
+                trainer,
+                f"`{self._setting()}`",
+                "the DeepSpeed engine clips inside `engine.step()`, after every callback hook, and under ZeRO stage "
+                "2/3 the gradients are not in `.grad` before it",
+                clipping_instead(self._deepspeed_max_norm()),
+            )
         _check_single_clipper(trainer)
+
+    def _setting(self) -> str:
+        """The callback as an error message names it."""
+        return f"{type(self).__name__}(...)"
+
+    def _deepspeed_max_norm(self) -> float | None:
+        """The ``gradient_clipping`` value that does what this callback does under DeepSpeed, if one does."""
+        return None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -372,6 +389,12 @@ class ClipGradNorm(_ScalarClip):
     def __init__(self, max_norm: float, norm_type: float = 2.0) -> None:
         super().__init__(GradNormPolicy(max_norm, norm_type))
 
+    def _setting(self) -> str:
+        return f"ClipGradNorm(max_norm={self.max_norm!r}, norm_type={self.norm_type!r})"
+
+    def _deepspeed_max_norm(self) -> float | None:
+        return self.max_norm if self.norm_type == 2.0 else None
+
     @property
     def max_norm(self) -> float:
         return self.policy.max_norm
@@ -423,6 +446,9 @@ class ClipGradValue(_ValueClip):
 
     def __init__(self, clip_value: float) -> None:
         super().__init__(GradValuePolicy(clip_value))
+
+    def _setting(self) -> str:
+        return f"ClipGradValue(clip_value={self.clip_value!r})"
 
     @property
     def clip_value(self) -> float:

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, refuse_under_deepspeed
 from lightning_gradkit.core.pipeline import StepContext, unwrapped
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan
 from lightning_gradkit.events import EventLog, events_dir
@@ -109,6 +110,8 @@ class GuardBase(GradKitCallback):
     # -- Lightning hooks ---------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            self._refuse_deepspeed(trainer)
         if stage == "fit" and self.action == "skip" and not isinstance(trainer.strategy, GradKitStrategyMixin):
             raise RuntimeError(
                 f"{type(self).__name__}(action='skip') needs a strategy that can skip an optimizer step, but the "
@@ -141,6 +144,18 @@ class GuardBase(GradKitCallback):
             self._report_ledger(ctx)
 
     # -- shared helpers ----------------------------------------------------------------------------------------
+    def _refuse_deepspeed(self, trainer: pl.Trainer) -> None:
+        """Under DeepSpeed a guard cannot skip: the engine steps in ``engine.step()``, which no callback can hold."""
+        if self.action == "skip":
+            refuse_under_deepspeed(
+                trainer,
+                f"`{type(self).__name__}(action='skip')`",
+                "no callback can hold back the DeepSpeed engine's optimizer step (Lightning calls `engine.step()` "
+                "right after `on_before_optimizer_step`, and the engine steps, counts and zeroes the gradients inside "
+                "it)",
+                f"{SKIPPING_INSTEAD} Or use `action='warn'`/`'raise'`.",
+            )
+
     def _needs_step_control(self) -> bool:
         return self.action == "skip"
 

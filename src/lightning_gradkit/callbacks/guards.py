@@ -25,8 +25,10 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int
+from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, deepspeed_step, refuse_under_deepspeed, uses_deepspeed
 from lightning_gradkit.callbacks.culprit import (
     Culprit,
     first_bad_batch,
@@ -42,7 +44,7 @@ from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, Windo
 from lightning_gradkit.callbacks.nonfinite_validation import NonFiniteValidationCheck
 from lightning_gradkit.core.pipeline import StepContext
 from lightning_gradkit.core.running import RunningMoments, WindowMoments, spike_decision
-from lightning_gradkit.engine import StatsRequest, StepPlan, world_size
+from lightning_gradkit.engine import StatsRequest, StepPlan, is_logging_step, world_size
 from lightning_gradkit.forensics import Finding, describe_error, replay_training_step
 from lightning_gradkit.replay import RNGState, capture_rng
 
@@ -144,6 +146,13 @@ class NonFiniteGuard(NonFiniteValidationCheck):
     are skipped, recorded as ``"fp16_overflow"`` events and counted toward ``max_consecutive``, without a warning
     or a replay.
 
+    Under Lightning's ``DeepSpeedStrategy`` (see :mod:`lightning_gradkit._deepspeed`): ``"warn"`` and ``"raise"``
+    only (``"skip"`` is refused at setup: the DeepSpeed engine steps inside ``engine.step()``). The loss of each
+    micro-batch is checked before DeepSpeed steps (``"raise"`` stops with the parameters unchanged), the gradients
+    through DeepSpeed's global norm after its step (``engine.get_global_grad_norm()``; DeepSpeed's own overflow check
+    has then skipped the step, or, without one, applied it). A step DeepSpeed skips under fp16 is its loss scaler's
+    routine and not flagged. No replay runs.
+
     Validation (``check_validation``): a non-finite validation loss (the tensor returned by ``validation_step``
     or its ``"loss"`` entry, and logged metrics whose name starts with ``val`` and contains ``loss``) is reported
     as an event and a warning once per validation run; with ``stop_on_nonfinite_validation`` training stops
@@ -209,6 +218,15 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         self._forensics_done = False
         self._param_names: list[str] = []
         self._key = f"{self.state_key}/loss_nonfinite_ranks"
+        # Under DeepSpeed: the engine's step and skip counts at the last batch end, the flagged steps counted on
+        # device (warn) and how many of them were reported.
+        self._deepspeed = False
+        self._ds_steps = 0
+        self._ds_skipped = 0
+        self._ds_flagged: Tensor | None = None
+        self._ds_reported = 0
+        self._ds_skipped_reported = 0
+        self._ds_warned_no_norm = False
 
     @property
     def state_key(self) -> str:
@@ -217,6 +235,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        self._deepspeed = uses_deepspeed(trainer)
         if stage == "fit" and self.forensics and self.detect_anomaly and trainer.world_size > 1:
             rank_zero_warn(
                 "NonFiniteGuard(detect_anomaly=True): anomaly mode is not used for the replay in a multi-process run "
@@ -232,6 +251,8 @@ class NonFiniteGuard(NonFiniteValidationCheck):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._deepspeed:  # no replay under DeepSpeed: nothing of the batch is kept
+            return
         self._window.append(batch_idx)
         if self._reads_on_host():
             self._ids.append(sample_ids(batch))  # a reference: read to the host on a flagged step only
@@ -252,6 +273,99 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         bad = ~torch.isfinite(loss).all()
         self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         self._losses.append(loss)
+
+    # -- under DeepSpeed: the loss before its step, its global norm after -------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._deepspeed:
+            super().on_fit_start(trainer, pl_module)
+            return
+        step = deepspeed_step(trainer.strategy)
+        self._ds_steps, self._ds_skipped = step.steps, step.skipped
+        self._ds_flagged = None
+        self._ds_reported = 0
+        self._ds_skipped_reported = step.skipped
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        if not self._deepspeed:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        elif self.action == "raise" and self._loss_bad is not None and bool(self._loss_bad):
+            self._deepspeed_flagged(trainer, "loss", "DeepSpeed has not stepped: the parameters are unchanged.")
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._deepspeed:
+            self._check_deepspeed_step(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._deepspeed:
+            self._report_deepspeed(trainer)
+        else:
+            super().on_train_end(trainer, pl_module)
+
+    def _check_deepspeed_step(self, trainer: pl.Trainer) -> None:
+        """After a DeepSpeed optimizer step: flag a non-finite loss of its window or a non-finite global norm.
+
+        DeepSpeed's optimizers that measure the norm skip a step whose norm is not finite (``engine.skipped_steps``
+        moves, the norm reads ``inf``); under fp16 that is the loss scaler's routine overflow and is not flagged for
+        its gradients. ``raise`` reads the flag every step; ``warn`` counts on device and reports on logging steps.
+        """
+        step = deepspeed_step(trainer.strategy)
+        if step.steps == self._ds_steps:  # inside an accumulation window: the loss flag waits for the step
+            return
+        skipped_by_deepspeed = step.skipped > self._ds_skipped
+        self._ds_steps, self._ds_skipped = step.steps, step.skipped
+        loss_bad, self._loss_bad, self._losses = self._loss_bad, None, []
+        fp16 = str(trainer.precision_plugin.precision).startswith("16")
+        grads_bad = None
+        if self.check_grads and step.grad_norm is not None and not (skipped_by_deepspeed and fp16):
+            grads_bad = ~torch.isfinite(step.grad_norm)
+        elif self.check_grads and step.grad_norm is None and not self._ds_warned_no_norm:
+            self._ds_warned_no_norm = True
+            rank_zero_warn(
+                "NonFiniteGuard: the DeepSpeed engine computed no global gradient norm (ZeRO stage 0 in full "
+                "precision steps the torch optimizer directly), so only the loss is checked under this config."
+            )
+        flags = [f for f in (loss_bad, grads_bad) if f is not None]
+        if not flags:
+            return
+        device = flags[0].device
+        bad = torch.stack([f.to(device) for f in flags]).any()
+        if self.action == "raise":
+            if bool(bad):
+                applied = "DeepSpeed skipped this step itself." if skipped_by_deepspeed else "DeepSpeed applied it."
+                self._deepspeed_flagged(trainer, "loss or global gradient norm", applied)
+            return
+        bad = bad.to(torch.float32)
+        self._ds_flagged = bad if self._ds_flagged is None else self._ds_flagged + bad
+        if is_logging_step(trainer, None):
+            self._report_deepspeed(trainer)
+
+    def _deepspeed_flagged(self, trainer: pl.Trainer, what: str, applied: str) -> None:
+        """``action="raise"`` under DeepSpeed: record the event and raise."""
+        self._write(trainer, rank=None, what="nonfinite", culprit=None, values={"deepspeed_step": self._ds_steps})
+        raise RuntimeError(
+            f"NonFiniteGuard: non-finite {what} at optimizer step {trainer.global_step} under DeepSpeed. {applied} "
+            "Under DeepSpeed the guard checks each micro-batch's loss before the step and DeepSpeed's global norm "
+            f"after it (no replay names the culprit module). {_last_checkpoint(trainer)}. Events: {self.events_path}."
+        )
+
+    def _report_deepspeed(self, trainer: pl.Trainer) -> None:
+        """``action="warn"`` under DeepSpeed: one host read of the device count; warn about new flagged steps."""
+        if self._ds_flagged is None:
+            return
+        count = int(self._ds_flagged)
+        new, self._ds_reported = count - self._ds_reported, count
+        skipped, self._ds_skipped_reported = self._ds_skipped - self._ds_skipped_reported, self._ds_skipped
+        if new > 0:
+            self._write(trainer, rank=None, what="nonfinite", culprit=None, values={"flagged_steps": new})
+            rank_zero_warn(
+                f"NonFiniteGuard: {new} DeepSpeed optimizer step(s) up to step {trainer.global_step} had a non-finite "
+                f"loss or global gradient norm. DeepSpeed skipped {skipped} step(s) itself since the last report "
+                f"(its overflow check, `deepspeed/skipped_steps`) and applied the others. Events: {self.events_path}."
+            )
 
     # -- engine steps ------------------------------------------------------------------------------------------
     def _stats_request(self, request: StatsRequest) -> None:
@@ -573,6 +687,21 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(monitor=self.monitor, window=self.window, alpha=self.alpha)
+
+    def _refuse_deepspeed(self, trainer: pl.Trainer) -> None:
+        skip = self.action == "skip"
+        refuse_under_deepspeed(
+            trainer,
+            f"`SpikeGuard(monitor={self.monitor!r}, action={self.action!r})`",
+            "it decides inside gradkit's per-step engine, before the optimizer steps, from the gradients in `.grad`; "
+            "the DeepSpeed engine keeps the gradients in its own buffers (ZeRO) and steps in `engine.step()`, so that "
+            "engine does not run" + (", and no callback can hold back DeepSpeed's step" if skip else ""),
+            (
+                f"DeepSpeed has no spike skip: {SKIPPING_INSTEAD}"
+                if skip
+                else "Watch the spikes in GradNormMonitor's `grad_norm/total` (DeepSpeed's global norm) instead."
+            ),
+        )
 
     def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
         x = self._watched_value(plan)

@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_gradkit._arguments import check_bool, check_int, name_list, validate_norm_type
 from lightning_gradkit._compat import batches_that_stepped
+from lightning_gradkit._deepspeed import deepspeed_step, refuse_under_deepspeed, uses_deepspeed
 from lightning_gradkit.core.norms import (
     ParamIndex,
     clean_name,
@@ -202,6 +203,19 @@ class GradNormMonitor(GradKitCallback):
     - ``update_ratio/total`` and ``update_ratio/module/<name>``: with ``update_ratio=True``, the update-to-weight
       ratio ``||w_after - w_before|| / ||w_before||`` (2-norms, whatever ``norm_type``) of this optimizer step.
 
+    **Under Lightning's** ``DeepSpeedStrategy`` the DeepSpeed engine owns the step (see
+    :mod:`lightning_gradkit._deepspeed`); the monitor logs what it measures, after ``engine.step()``:
+
+    - ``grad_norm/total``: ``engine.get_global_grad_norm()``, the global 2-norm of the gradients after unscaling and
+      before DeepSpeed's ``gradient_clipping`` (``inf`` on a step DeepSpeed skipped). Not logged, with one warning,
+      where DeepSpeed computes none (ZeRO stage 0 in full precision).
+    - ``deepspeed/skipped_steps``: ``engine.skipped_steps``, the steps DeepSpeed did not apply (fp16 overflow).
+
+    Logging steps count DeepSpeed's optimizer steps (``engine.global_steps``, one per accumulation window), plus the
+    first; the values go to ``trainer.loggers`` directly. A non-logging step reads two Python ints of the engine and
+    nothing from the device. ``depth`` is not used; ``norm_type`` other than 2, ``param_groups``, ``weight_norms``,
+    ``update_ratio``, ``report`` and ``prog_bar`` are refused at setup.
+
     **Update-to-weight ratio.** The ratio of the size of a step's update to the size of the weights is the usual
     learning-rate health signal: about ``1e-3`` per step is healthy (Karpathy, CS231n "ratio of weights:updates");
     far below, the learning rate is too low or the module does not train; far above, it is too high. On a logging
@@ -320,6 +334,10 @@ class GradNormMonitor(GradKitCallback):
         self._report_dir: Path | None = None
         self._metadata_dir: Path | None = None
         self._written_rows: dict[int, list[str]] = {}
+        # Under DeepSpeed: the engine's step count at the last batch end, and whether a missing norm was reported.
+        self._deepspeed = False
+        self._deepspeed_steps = 0
+        self._warned_no_deepspeed_norm = False
         # Update ratio: the parameters before the step of a logging step, per optimizer, and the step hooks.
         self._before: dict[int, _Before] = {}
         self._step_hooks: dict[int, RemovableHandle] = {}
@@ -348,6 +366,9 @@ class GradNormMonitor(GradKitCallback):
                 "keys. Keep exactly one and give it every option you need (`depth`, `param_groups`, `weight_norms`, "
                 "`update_ratio`, `report`, `prog_bar`)."
             )
+        self._deepspeed = uses_deepspeed(trainer)
+        if self._deepspeed and stage == "fit":
+            self._refuse_deepspeed_options(trainer)
         # `trainer.log_dir` broadcasts rank 0's directory: every rank asks at the same point.
         directory = events_dir(trainer) if self.report or trainer.loggers else None
         if self.report:
@@ -356,6 +377,10 @@ class GradNormMonitor(GradKitCallback):
         self._metadata_dir = directory if trainer.loggers and trainer.is_global_zero else None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._deepspeed:
+            self._first_pending = True
+            self._deepspeed_steps = deepspeed_step(trainer.strategy).steps
+            return
         super().on_fit_start(trainer, pl_module)
         if not any(p.requires_grad for p in pl_module.parameters()):
             # Valid in Lightning: a `BaseFinetuning` callback may freeze everything in `setup` and unfreeze at an epoch
@@ -415,6 +440,67 @@ class GradNormMonitor(GradKitCallback):
             rank_zero_warn(f"GradNormMonitor: no gradient report written: {err}")
             return
         rank_zero_info(f"GradNormMonitor: gradient report written to {path}")
+
+    # -- under DeepSpeed: the engine's own values, after its step -------------------------------------------------
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        if not self._deepspeed:  # DeepSpeed measures inside `engine.step()`, which comes after this hook
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+    def _refuse_deepspeed_options(self, trainer: pl.Trainer) -> None:
+        """Refuse the options DeepSpeed's one global 2-norm per step cannot serve."""
+        options = {
+            "norm_type": (self.norm_type, 2.0),
+            "param_groups": (self.param_groups, False),
+            "weight_norms": (self.weight_norms, False),
+            "update_ratio": (self.update_ratio, False),
+            "report": (self.report, False),
+            "prog_bar": (self.prog_bar, False),
+        }
+        for name, (value, supported) in options.items():
+            if value != supported:
+                refuse_under_deepspeed(
+                    trainer,
+                    f"`GradNormMonitor({name}={value!r})`",
+                    "under DeepSpeed the monitor logs what the DeepSpeed engine measures inside its step, one global "
+                    "2-norm per optimizer step (`engine.get_global_grad_norm()`), since the gradients live in "
+                    "DeepSpeed's own buffers (ZeRO)",
+                    f"Leave `{name}={supported!r}` (the default): `grad_norm/total` and `deepspeed/skipped_steps` "
+                    "are logged.",
+                )
+
+    def _log_deepspeed(self, trainer: pl.Trainer) -> None:
+        """Log DeepSpeed's global norm and skipped steps after a DeepSpeed optimizer step, on logging steps only.
+
+        Counted in DeepSpeed optimizer steps (``engine.global_steps``): with ``accumulate_grad_batches``, Lightning
+        calls ``engine.step()`` after every micro-batch and DeepSpeed steps once per window. A non-logging step reads
+        two Python ints of the engine and nothing from the device.
+        """
+        step = deepspeed_step(trainer.strategy)
+        if step.steps == self._deepspeed_steps:  # inside an accumulation window: DeepSpeed did not step
+            return
+        self._deepspeed_steps = step.steps
+        period = trainer.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
+        last = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
+        if period == 0 or not (step.steps % period == 0 or self._first_pending or last or trainer.should_stop):
+            return
+        self._first_pending = False
+        metrics: dict[str, float] = {}
+        if step.grad_norm is not None:
+            metrics["grad_norm/total"] = float(step.grad_norm)  # the one device read, on logging steps only
+        elif not self._warned_no_deepspeed_norm:
+            self._warned_no_deepspeed_norm = True
+            rank_zero_warn(
+                "GradNormMonitor: the DeepSpeed engine computed no global gradient norm "
+                "(`engine.get_global_grad_norm()` is None), so `grad_norm/total` is not logged. DeepSpeed computes it "
+                "under ZeRO stage 1-3 or with fp16/bf16; with ZeRO stage 0 in full precision it steps the torch "
+                "optimizer directly and measures nothing."
+            )
+        metrics["deepspeed/skipped_steps"] = float(step.skipped)
+        logged_at = batches_that_stepped(trainer)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=logged_at)
 
     def _stats_request(self, request: StatsRequest) -> None:
         request.norm_types.add(self.norm_type)
@@ -493,6 +579,9 @@ class GradNormMonitor(GradKitCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._deepspeed:
+            self._log_deepspeed(trainer)
+            return
         if not self._step_hooks:  # not a logging step with `update_ratio`: nothing to do
             return
         for handle in self._step_hooks.values():

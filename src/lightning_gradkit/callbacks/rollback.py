@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int, name_list
+from lightning_gradkit._deepspeed import refuse_under_deepspeed
 from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss
 from lightning_gradkit.callbacks.monitor import auto_module_keys, module_rows, repeated_blocks
 from lightning_gradkit.core.norms import ParamIndex, clean_name, grouped_norms, host_to_device, local_tensor
@@ -484,6 +485,14 @@ class SpikeRollback(WatchesLossOrGradNorm):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        refuse_under_deepspeed(
+            trainer,
+            "`SpikeRollback(...)`",
+            "it restores the parameters and optimizer state from a snapshot and skips the triggering step, but the "
+            "DeepSpeed engine owns the optimizer state (partitioned under ZeRO) and its step",
+            "DeepSpeed has no rollback (no config key does it). Save checkpoints (`ModelCheckpoint(every_n_train_steps="
+            "...)`) and resume from the last good one with `trainer.fit(..., ckpt_path=...)`.",
+        )
         if not isinstance(trainer.strategy, GradKitStrategyMixin):
             raise RuntimeError(
                 f"SpikeRollback skips the optimizer step that triggers a rollback, which needs a GradKit strategy, but "
