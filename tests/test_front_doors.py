@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import Logger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from helpers import make_trainer
+from helpers import count_syncs, make_trainer
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, SpikeRollback, ZClip
 from lightning_gradkit.loop import GradKit
 
@@ -279,3 +279,29 @@ def test_door_refuses_trainer_only_callbacks_and_classes() -> None:
         GradKit(model, opt, [GradNormMonitor(report=True)])
     with pytest.raises(ValueError, match="`log_every_n_steps` must be an int >= 0, got -1"):
         GradKit(model, opt, [GradNormMonitor()], log_every_n_steps=-1)
+
+
+@pytest.mark.parametrize(("optimizer", "reads"), [("adam_fused", 0), ("sgd", 1)])
+def test_door_step_syncs_only_to_read_the_skip_of_an_ordinary_optimizer(optimizer: str, reads: int) -> None:
+    model = Net()
+    model.load_state_dict(_initial_state())
+    opt = _optimizer(optimizer, model.parameters())
+    policies = [GradNormMonitor(depth=1), ClipGradNorm(max_norm=0.5), NonFiniteGuard(action="skip")]
+    kit = GradKit(model, opt, policies, log=lambda metrics, step: None, log_every_n_steps=1000)
+    with count_syncs() as counter:
+        per_step = counter.watch_per_call(kit, "step")
+        counter.watch(kit, "note_loss")
+        for x, y in _batches():
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            kit.note_loss(loss)
+            kit.step(opt)
+            opt.zero_grad(set_to_none=True)
+    # Step 0 logs the monitor's first values (one transfer); the skipped NaN step of an ordinary optimizer is
+    # reported at the step (its host reads). Every other step: the one read of the skip flag, or none when fused.
+    quiet = [n for i, n in enumerate(per_step) if i not in (0, NAN_BATCH)]
+    assert quiet == [reads] * (BATCHES - 2), per_step
+    assert per_step[0] == 1 + reads
+    if optimizer == "adam_fused":
+        assert counter.total == 1 and per_step[NAN_BATCH] == 0  # skipped on device, reported at `finish`
+    assert kit.skipped_steps == 1
