@@ -24,7 +24,16 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from helpers import count_syncs, make_trainer
-from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, SpikeRollback, ZClip
+from lightning_gradkit import (
+    AccumulationGuard,
+    ActivationCheckpointing,
+    ClipGradNorm,
+    GradNormMonitor,
+    NonFiniteGuard,
+    SpikeGuard,
+    SpikeRollback,
+    ZClip,
+)
 from lightning_gradkit.loop import GradKit
 
 pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning", "ignore:SpikeGuard:UserWarning")
@@ -269,8 +278,10 @@ def test_plain_door_equals_a_hand_written_loop_with_clip_grad_norm(tmp_path: Pat
 def test_door_refuses_trainer_only_callbacks_and_classes() -> None:
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="SpikeRollback works only as a Lightning Trainer callback"):
-        GradKit(model, opt, [SpikeRollback()])
+    with pytest.raises(ValueError, match="AccumulationGuard works only as a Lightning Trainer callback"):
+        GradKit(model, opt, [AccumulationGuard()])
+    with pytest.raises(TypeError, match="takes no part in the optimizer step's pipeline"):
+        GradKit(model, opt, [ActivationCheckpointing(targets=["Linear"])])
     with pytest.raises(TypeError, match="holds the class `ZClip`"):
         GradKit(model, opt, [ZClip])
     with pytest.raises(ValueError, match="2 gradient clippers"):
@@ -305,3 +316,85 @@ def test_door_step_syncs_only_to_read_the_skip_of_an_ordinary_optimizer(optimize
     if optimizer == "adam_fused":
         assert counter.total == 1 and per_step[NAN_BATCH] == 0  # skipped on device, reported at `finish`
     assert kit.skipped_steps == 1
+
+
+# -- rollback behind every door --------------------------------------------------------------------------------------
+SPIKE = (7, 8, 9)  # three steps with a loss spike: SpikeRollback(patience=3) rolls back at the third
+
+
+def _spike_batches() -> list[tuple[Tensor, Tensor]]:
+    batches = [(x.nan_to_num(0.0), y) for x, y in _batches()] + _batches()[:4]
+    return [(x * 30.0, y * 30.0) if i in SPIKE else (x, y) for i, (x, y) in enumerate(batches)]
+
+
+def _rollback() -> SpikeRollback:
+    return SpikeRollback(
+        monitor="loss", z_threshold=3.0, warmup_steps=3, patience=3, snapshot_every_n_steps=2, keep=2, skip_batches=1
+    )
+
+
+def _scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.95)
+
+
+class ScheduledNetModule(NetModule):
+    def configure_optimizers(self) -> Any:
+        opt = _optimizer(self.optimizer_name, self.parameters())
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": _scheduler(opt), "interval": "step"}}
+
+
+@pytest.mark.filterwarnings("ignore:SpikeRollback:UserWarning")
+def test_rollback_behind_the_three_doors_restores_the_same_state(tmp_path: Path) -> None:
+    batches = _spike_batches()
+    steps = len(batches)
+
+    module = ScheduledNetModule("sgd")
+    module.load_state_dict(_initial_state())
+    trainer_rollback = _rollback()
+    trainer = make_trainer(
+        tmp_path,
+        default_root_dir=tmp_path,
+        strategy="gradkit",
+        callbacks=[trainer_rollback],
+        logger=False,
+        max_steps=steps,
+    )
+    trainer.fit(module, DataLoader(batches, batch_size=None))
+
+    def loop(fabric: Fabric | None) -> tuple[dict[str, Tensor], SpikeRollback, float]:
+        net = Net()
+        net.load_state_dict(_initial_state())
+        opt = _optimizer("sgd", net.parameters())
+        sched = _scheduler(opt)
+        model: nn.Module = net
+        if fabric is not None:
+            model, opt = fabric.setup(net, opt)
+        rollback = _rollback()
+        kit = GradKit(model, opt, [rollback], schedulers=sched, fabric=fabric)
+        model.train()
+        for x, y in batches:
+            loss = nn.functional.mse_loss(model(x), y)
+            fabric.backward(loss) if fabric is not None else loss.backward()
+            kit.note_loss(loss)
+            kit.step(opt)
+            opt.zero_grad(set_to_none=True)
+        return net.state_dict(), rollback, sched.get_last_lr()[0]
+
+    torch.manual_seed(0)
+    plain_state, plain_rollback, plain_lr = loop(None)
+    torch.manual_seed(0)
+    fabric_state, fabric_rollback, fabric_lr = loop(Fabric(accelerator="cpu", devices=1))
+
+    history = trainer_rollback.state_dict()["history"]
+    assert trainer_rollback.rollbacks == 1 and history[0]["to_step"] <= SPIKE[0]
+    for other in (plain_rollback, fabric_rollback):
+        assert other.state_dict()["history"] == history
+    _assert_same_state(plain_state, module.state_dict())
+    _assert_same_state(fabric_state, module.state_dict())
+    # The scheduler was rewound with the rest and held on the skipped steps: its LR follows the applied steps.
+    trainer_lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+    assert plain_lr == fabric_lr == trainer_lr
+    record = history[0]
+    # Applied: the steps before the restored snapshot, then the batches after the rollback and the stepped-over ones.
+    applied = record["to_step"] + steps - record["from_step"] - record["skip_batches"]
+    assert trainer_lr == pytest.approx(0.2 * 0.95**applied, rel=1e-12)

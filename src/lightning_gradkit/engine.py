@@ -196,6 +196,29 @@ class TrainerContext(StepContext):
     def warn(self, message: str) -> None:
         rank_zero_warn(message)
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.pl_module
+
+    @property
+    def pipeline(self) -> Engine:
+        return Engine.of(self.trainer)
+
+    def policies(self) -> list[Policy]:
+        return [cb for cb in self.trainer.callbacks if isinstance(cb, GradKitCallback)]
+
+    def schedulers(self) -> list[object]:
+        return [config.scheduler for config in self.trainer.lr_scheduler_configs]
+
+    def step_state(self) -> dict[str, object]:
+        state = getattr(self.trainer.strategy, "gradkit_state_dict", None)
+        return state() if state is not None else {}
+
+    def load_step_state(self, state: dict[str, object]) -> None:
+        load = getattr(self.trainer.strategy, "gradkit_load_state_dict", None)
+        if load is not None:
+            load(state)
+
     def optimizer_index(self, optimizer: Optimizer) -> int:
         for i, opt in enumerate(self.trainer.optimizers):
             if opt is optimizer or getattr(opt, "_optimizer", None) is optimizer:

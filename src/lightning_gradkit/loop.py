@@ -94,8 +94,12 @@ class LoopContext(StepContext):
         max_steps: int | None,
         log_dir: Path | None,
         flat_sharded: bool,
+        schedulers: Sequence[Any] = (),
     ) -> None:
-        self.model = model
+        self._model = model
+        self._schedulers = list(schedulers)
+        self._pipeline = Pipeline()
+        self._policies: list[Policy] = []
         self._optimizers = list(optimizers)
         self._log = log
         self._log_every_n_steps = log_every_n_steps
@@ -123,8 +127,22 @@ class LoopContext(StepContext):
     def log_every_n_steps(self) -> int:
         return self._log_every_n_steps
 
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self._pipeline
+
+    def policies(self) -> list[Policy]:
+        return self._policies
+
+    def schedulers(self) -> list[object]:
+        return self._schedulers
+
     def param_names(self) -> dict[int, str]:
-        return {id(p): n for n, p in self.model.named_parameters()}
+        return {id(p): n for n, p in self._model.named_parameters()}
 
     def flat_sharded(self) -> bool:
         return self._flat_sharded
@@ -166,8 +184,14 @@ class GradKit:
     Policies that work here: ``GradNormMonitor`` (without ``report``/``prog_bar``/``update_ratio``, which need a
     Trainer), ``ClipGradNorm``, ``ClipGradValue``, ``AutoClip``, ``ZClip``, ``AdaptiveGradClip``,
     ``NonFiniteGuard`` (``skip``/``warn``/``raise``; the culprit replay of ``training_step`` needs a Trainer, the
-    first non-finite parameter is still named) and ``SpikeGuard``. Callbacks that drive the Trainer's loop
-    (``AccumulationGuard``, ``SpikeRollback``, ``ActivationCheckpointing``, ...) are refused with the reason.
+    first non-finite parameter is still named), ``SpikeGuard`` and ``SpikeRollback`` (its snapshots hold the model's
+    parameters and buffers, the optimizer state, the ``schedulers`` given here, RNG and the other policies' state).
+    Callbacks that drive the Trainer's loop (``AccumulationGuard``, ``ActivationCheckpointing``, ...) are refused
+    with the reason.
+
+    LR schedulers given as ``schedulers`` are stepped by :meth:`step` after every applied optimizer step and held on
+    a skipped one (as the Trainer's gradkit strategy holds step-interval schedulers); step other schedulers yourself,
+    e.g. only when :meth:`step` returned ``True``.
 
     Args:
         model: the module being trained (Fabric's wrapper or a ``DistributedDataParallel`` is fine).
@@ -178,6 +202,7 @@ class GradKit:
         log_every_n_steps: logging period in optimizer steps (0: never), as ``Trainer(log_every_n_steps=...)``.
         scaler: the fp16 ``GradScaler`` of a plain loop; :meth:`step` then calls ``scaler.step`` and
             ``scaler.update``. Under Fabric leave it ``None``: it is read from ``fabric``.
+        schedulers: step-interval LR schedulers that :meth:`step` steps after applied steps (one or a list).
         fabric: the ``Fabric`` object of a Fabric loop: its logger, precision plugin and strategy are used.
         max_steps: the loop's number of optimizer steps, if known (the monitor then also logs the last step).
         log_dir: directory of the guards' ``gradkit_events.jsonl``; ``None``: no event file.
@@ -212,6 +237,7 @@ class GradKit:
         log: _LogFn | None = None,
         log_every_n_steps: int = 50,
         scaler: torch.amp.GradScaler | None = None,
+        schedulers: Any = (),
         fabric: Any = None,
         max_steps: int | None = None,
         log_dir: str | Path | None = None,
@@ -231,9 +257,18 @@ class GradKit:
         root = _root_module(model)
         flat = _fabric_flat_sharded(fabric) if fabric is not None else False
         self.ctx = LoopContext(
-            root, optimizers, log, log_every_n_steps, scaler, max_steps, Path(log_dir) if log_dir else None, flat
+            root,
+            optimizers,
+            log,
+            log_every_n_steps,
+            scaler,
+            max_steps,
+            Path(log_dir) if log_dir else None,
+            flat,
+            [schedulers] if hasattr(schedulers, "state_dict") and hasattr(schedulers, "step") else list(schedulers),
         )
-        self.pipeline = Pipeline()
+        self.ctx._policies = self.policies
+        self.pipeline = self.ctx.pipeline
         inner = [unwrapped(opt) for opt in optimizers]
         verify_same_layout(inner, self.ctx.param_names())
         for policy in self.policies:
@@ -286,8 +321,21 @@ class GradKit:
         if skipped:
             inner.zero_grad(set_to_none=True)
         self._close_window(plan, skipped)
-        self.ctx.step += 1
+        self._step_schedulers(plan)
+        self.ctx.step += 1  # the step is done: what follows sees it counted, as `on_train_batch_end` does
+        for policy in self.policies:
+            policy._after_optimizer_step(self.ctx)
         return None if skipped is None else not skipped
+
+    def _step_schedulers(self, plan: StepPlan | None) -> None:
+        """Step the loop's LR schedulers after an applied optimizer step only (a fused optimizer's skip flag is
+        read here, when a scheduler needs it), as the Trainer's gate holds step-interval schedulers."""
+        if not self.ctx.schedulers():
+            return
+        if plan is not None and plan.skip is not None and plan.skip_on_host():
+            return
+        for scheduler in self.ctx.schedulers():
+            scheduler.step()  # type: ignore[attr-defined]
 
     def finish(self) -> None:
         """End of the loop: the guards report what their device ledgers still hold (as at ``on_train_end``)."""

@@ -19,7 +19,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -29,7 +28,7 @@ from lightning_gradkit._deepspeed import refuse_under_deepspeed
 from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss
 from lightning_gradkit.callbacks.monitor import auto_module_keys, module_rows, repeated_blocks
 from lightning_gradkit.core.norms import ParamIndex, clean_name, grouped_norms, host_to_device, local_tensor
-from lightning_gradkit.core.pipeline import StepContext
+from lightning_gradkit.core.pipeline import StepContext, unwrapped
 from lightning_gradkit.core.running import RunningMoments, spike_decision
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan
 from lightning_gradkit.events import EventLog, events_dir
@@ -356,11 +355,6 @@ class SpikeRollback(WatchesLossOrGradNorm):
 
     _stage = Stage.GUARD
 
-    _needs_trainer_because = (
-        "a rollback restores the model, optimizers, schedulers, RNG and the Trainer's counters and steps over batches "
-        "of the Trainer's loop; in your own loop use `SpikeGuard(action='skip')` and load a checkpoint of your own"
-    )
-
     def __init__(
         self,
         monitor: Literal["loss", "grad_norm"] = "loss",
@@ -480,6 +474,10 @@ class SpikeRollback(WatchesLossOrGradNorm):
         """The ``gradkit_events.jsonl`` file the rollbacks are written to (known after ``setup``)."""
         return self._events.path if self._events is not None else None
 
+    @property
+    def _events_note(self) -> str:
+        return f" Events: {self._events.path}." if self._events is not None else ""
+
     # -- Lightning hooks ---------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -521,21 +519,39 @@ class SpikeRollback(WatchesLossOrGradNorm):
             self._blocks = repeated_blocks((clean_name(n), m) for n, m in pl_module.named_modules())
             self._rows = None
 
+    def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+        # The Fabric / plain-PyTorch door: what `setup` and `on_train_start` do under a Trainer.
+        if sum(isinstance(p, SpikeRollback) for p in ctx.policies()) > 1:
+            raise ValueError("`policies` holds more than one SpikeRollback; each would restore its own snapshots.")
+        log_dir = getattr(ctx, "log_dir", None)
+        self._events = EventLog(log_dir, rank=ctx.global_rank) if log_dir is not None else None
+        self._engine = ctx.pipeline  # whose skip count the state saves
+        if self.escalate_reset_moments == "spiking":
+            self._model_order = [clean_name(n) for n, _ in model.named_parameters()]
+            self._blocks = repeated_blocks((clean_name(n), m) for n, m in model.named_modules())
+            self._rows = None
+        self._start(ctx)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        device = pl_module.device
+        self._start(Engine.of(trainer).context(trainer, pl_module))
+
+    def _start(self, ctx: StepContext) -> None:
+        """Where training starts or resumes: the statistics on the device, the LR hooks, the first snapshot."""
+        device = ctx.device
         self._stats.to(device)
         self._module_stats.to(device)
         if self._module_zmax is not None:
             self._module_zmax = self._module_zmax.to(device)
         self._remove_hooks()
         if self.escalate_lr_factor is not None:
-            for optimizer in trainer.optimizers:
+            for optimizer in ctx.optimizers:
+                optimizer = unwrapped(optimizer)
                 self._hooks.append(optimizer.register_step_pre_hook(self._cut_lr))
                 self._hooks.append(optimizer.register_step_post_hook(self._restore_lr))
         self._run = torch.tensor(float(self._run), device=device)
         self._nonfinite_run = torch.tensor(float(self._nonfinite_run), device=device)
         if self._restored_skips is not None:
-            Engine.of(trainer).skipped_steps = torch.tensor(self._restored_skips, device=device)
+            ctx.pipeline.skipped_steps = torch.tensor(self._restored_skips, device=device)
             self._restored_skips = None
         self._ring = self._ring[: self.keep] + [_Slot() for _ in range(self.keep - len(self._ring))]
         for slot in self._ring:
@@ -545,13 +561,13 @@ class SpikeRollback(WatchesLossOrGradNorm):
         resumed, self._resumed = self._resumed, False
         if saved:
             # The newest `keep` snapshots of the checkpoint: the ring of the uninterrupted run.
-            callbacks = {cb.state_key: cb for cb in self._stateful(trainer)}
+            callbacks = {cb.state_key: cb for cb in self._stateful(ctx)}
             newest = sorted(saved, key=lambda state: int(state["id"]), reverse=True)[: self.keep]
             for slot, state in zip(self._ring, newest, strict=False):
                 slot.load_state_dict(state, callbacks, device)
         else:
             # No snapshots came with the run: the state it starts or resumes from is the first one.
-            self._capture(trainer, pl_module, "resume" if resumed else "start")
+            self._capture(ctx, "resume" if resumed else "start")
         # While batches are still to be stepped over, the state to return to after each of them: the snapshot the
         # rollback restored (the newest: those after it were dropped, and none is taken while stepping over).
         self._anchor = max(self._ring, key=lambda s: s.id) if self._skip_left > 0 else None
@@ -583,17 +599,20 @@ class SpikeRollback(WatchesLossOrGradNorm):
     ) -> None:
         # After the optimizer step (skipped or not) and the LR schedulers, before ModelCheckpoint (which Lightning
         # always calls last): a checkpoint saved at this batch holds the restored state.
+        self._after_optimizer_step(Engine.of(trainer).context(trainer, pl_module))
+
+    def _after_optimizer_step(self, ctx: StepContext) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             return
         if pending["kind"] == "snapshot":
-            self._capture(trainer, pl_module)
+            self._capture(ctx)
         elif pending["kind"] == "skip":
             assert self._anchor is not None
-            self._restore(trainer, pl_module, self._anchor, full=False)
+            self._restore(ctx, self._anchor, full=False)
             self._skip_left -= 1
         else:
-            self._roll_back(trainer, pl_module, pending)
+            self._roll_back(ctx, pending)
 
     # -- engine steps ------------------------------------------------------------------------------------------
     def _needs_step_control(self) -> bool:
@@ -665,8 +684,7 @@ class SpikeRollback(WatchesLossOrGradNorm):
         return enabled and self._resumed_at is not None and step - self._resumed_at < self.escalate_within_steps
 
     def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        trainer = ctx.trainer
-        step = trainer.global_step
+        step = ctx.global_step
         t = self._trigger
         self._step_factor = 1.0
         if t is None:
@@ -694,7 +712,7 @@ class SpikeRollback(WatchesLossOrGradNorm):
                 "nonfinite_consecutive": int(nonfinite_run),
             }
             escalate = self._escalates(step)
-            slot = self._choose(trainer, step, start, values, allow_last=escalate)
+            slot = self._choose(ctx, step, start, values, allow_last=escalate)
             self._pending = {
                 "kind": "rollback",
                 "step": step,
@@ -713,41 +731,41 @@ class SpikeRollback(WatchesLossOrGradNorm):
         n = self.snapshot_every_n_steps
         return (step // n + 1) * n
 
-    def _stateful(self, trainer: pl.Trainer) -> list[Callback]:
+    def _stateful(self, ctx: StepContext) -> list[Callback]:
         """The other gradkit callbacks that keep a state (their own ``state_dict``)."""
         return [
             cb
-            for cb in trainer.callbacks
+            for cb in ctx.policies()
             if isinstance(cb, GradKitCallback) and cb is not self and type(cb).state_dict is not Callback.state_dict
         ]
 
-    def _capture(self, trainer: pl.Trainer, pl_module: pl.LightningModule, origin: _Origin = "schedule") -> _Slot:
+    def _capture(self, ctx: StepContext, origin: _Origin = "schedule") -> _Slot:
         slot = min(self._ring, key=lambda s: s.id)  # an empty slot (id -1), else the oldest snapshot
         # The host-side states first: their `state_dict` calls read device values (a synchronization), which then
         # does not wait for the tensor copies queued below.
-        slot.callbacks = [(cb, copy.deepcopy(cb.state_dict())) for cb in self._stateful(trainer)]
+        slot.callbacks = [(cb, copy.deepcopy(cb.state_dict())) for cb in self._stateful(ctx)]
         slot.stats = copy.deepcopy(self._stats_state())
-        slot.schedulers = [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
-        slot.strategy = _gradkit_strategy(trainer).gradkit_state_dict()
+        slot.schedulers = [copy.deepcopy(scheduler.state_dict()) for scheduler in ctx.schedulers()]
+        slot.strategy = ctx.step_state()
         slot.rng = capture_rng(full=True)
-        skipped = Engine.of(trainer).skipped_steps
+        skipped = ctx.pipeline.skipped_steps
         slot.skipped = None if skipped is None else skipped.clone()
-        optimizers = trainer.optimizers
-        slot.tensors.capture(trained_parameters(optimizers), list(pl_module.buffers()), optimizers)
-        slot.id, slot.step, slot.origin = self._next_id, trainer.global_step, origin
+        optimizers = [unwrapped(opt) for opt in ctx.optimizers]
+        slot.tensors.capture(trained_parameters(optimizers), list(ctx.model.buffers()), optimizers)
+        slot.id, slot.step, slot.origin = self._next_id, ctx.global_step, origin
         self._next_id += 1
-        self._next_snapshot_at = self._next_multiple(trainer.global_step)
+        self._next_snapshot_at = self._next_multiple(ctx.global_step)
         return slot
 
     def _choose(
-        self, trainer: pl.Trainer, step: int, start: int, values: dict[str, Any], allow_last: bool = False
+        self, ctx: StepContext, step: int, start: int, values: dict[str, Any], allow_last: bool = False
     ) -> _Slot:
         """The newest snapshot taken before the spike began, not the one the previous rollback restored (unless the
         rollback escalates, ``allow_last``); failing that, the state of a resume inside the run of flagged steps
         (from a checkpoint without snapshots)."""
         if self._rollbacks >= self.max_rollbacks:
             self._stop(
-                trainer,
+                ctx,
                 step,
                 values,
                 f"the budget of `max_rollbacks={self.max_rollbacks}` is spent. Look for the cause in the events "
@@ -758,7 +776,7 @@ class SpikeRollback(WatchesLossOrGradNorm):
         if not candidates:
             kept = sorted(s.step for s in self._ring if s.valid)
             self._stop(
-                trainer,
+                ctx,
                 step,
                 values,
                 f"no snapshot is left to restore (snapshots at steps {kept}; the last rollback restored the newest "
@@ -767,11 +785,11 @@ class SpikeRollback(WatchesLossOrGradNorm):
             )
         return max(candidates, key=lambda s: s.id)
 
-    def _stop(self, trainer: pl.Trainer, step: int, values: dict[str, Any], why: str) -> None:
+    def _stop(self, ctx: StepContext, step: int, values: dict[str, Any], why: str) -> None:
         if self._events is not None:
             self._events.write(
                 step=step,
-                batch_idx=trainer.fit_loop.epoch_loop.batch_idx,
+                batch_idx=ctx.batch_idx,
                 rank=None,
                 what="rollback_stopped",
                 culprit=None,
@@ -782,31 +800,31 @@ class SpikeRollback(WatchesLossOrGradNorm):
         raise RuntimeError(
             f"SpikeRollback: the {values['reason']} at step {step} persisted {values['consecutive']} step(s) "
             f"({self.monitor} {values['value']:.6g}, z {values['z']:.1f}), and cannot roll back: {why} "
-            f"The step was not applied. Events: {self.events_path}."
+            f"The step was not applied.{self._events_note}"
         )
 
-    def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, slot: _Slot, full: bool) -> None:
+    def _restore(self, ctx: StepContext, slot: _Slot, full: bool) -> None:
         """Put back a snapshot: everything (``full``), or what a stepped-over batch may have touched besides the
         module buffers, which the strategy puts back for every skipped step (``core.buffers.BufferGuard``)."""
         if full:
-            optimizers = trainer.optimizers
-            slot.tensors.restore(trained_parameters(optimizers), list(pl_module.buffers()), optimizers)
-            for config, state in zip(trainer.lr_scheduler_configs, slot.schedulers, strict=True):
-                config.scheduler.load_state_dict(copy.deepcopy(state))
-            _gradkit_strategy(trainer).gradkit_load_state_dict(slot.strategy)
+            optimizers = [unwrapped(opt) for opt in ctx.optimizers]
+            slot.tensors.restore(trained_parameters(optimizers), list(ctx.model.buffers()), optimizers)
+            for scheduler, state in zip(ctx.schedulers(), slot.schedulers, strict=True):
+                scheduler.load_state_dict(copy.deepcopy(state))
+            ctx.load_step_state(slot.strategy)
             self._load_stats(copy.deepcopy(slot.stats))
         assert slot.rng is not None
         restore_rng(slot.rng)
         for cb, state in slot.callbacks:
             cb.load_state_dict(copy.deepcopy(state))
 
-    def _roll_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pending: dict[str, Any]) -> None:
+    def _roll_back(self, ctx: StepContext, pending: dict[str, Any]) -> None:
         slot: _Slot = pending["slot"]
-        self._restore(trainer, pl_module, slot, full=True)
+        self._restore(ctx, slot, full=True)
         for other in self._ring:
             if other.id > slot.id:  # states of the abandoned stretch
                 other.id = -1
-        device = pl_module.device
+        device = ctx.device
         self._run = torch.zeros((), device=device)
         self._nonfinite_run = torch.zeros((), device=device)
         self._module_zmax = None
@@ -814,13 +832,12 @@ class SpikeRollback(WatchesLossOrGradNorm):
         self._last_restored_id = slot.id
         self._anchor = slot
         self._skip_left = self.skip_batches
-        self._next_snapshot_at = self._next_multiple(trainer.global_step + self.skip_batches)
-        from_step = trainer.global_step
+        self._next_snapshot_at = self._next_multiple(ctx.global_step + self.skip_batches)
+        from_step = ctx.global_step
         previous_end, self._resumed_at = self._resumed_at, from_step + self.skip_batches
         # The rewound steps join the skipped ones: `global_step - skipped_steps` stays the optimizer's step count.
         rewound = torch.tensor(float(from_step - slot.step), device=device)
-        engine = Engine.of(trainer)
-        engine.skipped_steps = rewound if slot.skipped is None else slot.skipped + rewound
+        ctx.pipeline.skipped_steps = rewound if slot.skipped is None else slot.skipped + rewound
         record = {
             "step": pending["step"],
             "from_step": from_step,
@@ -835,7 +852,7 @@ class SpikeRollback(WatchesLossOrGradNorm):
         self._history.append(record)
         if self._events is not None:
             self._events.write(
-                batch_idx=trainer.fit_loop.epoch_loop.batch_idx,
+                batch_idx=ctx.batch_idx,
                 rank=None,
                 what="rollback",
                 culprit=None,
@@ -845,17 +862,17 @@ class SpikeRollback(WatchesLossOrGradNorm):
             )
         if pending["escalate"]:
             assert previous_end is not None
-            self._escalate(trainer, pending, record, pending["step"] - previous_end)
+            self._escalate(ctx, pending, record, pending["step"] - previous_end)
         v = pending["values"]
-        rank_zero_warn(
+        ctx.warn(
             f"SpikeRollback: {v['reason']} for {v['consecutive']} step(s) since step {pending['start']} "
             f"({self.monitor} {v['value']:.6g}, z {v['z']:.1f}); rolled back from step {from_step} to the snapshot "
             f"of step {slot.step} ({record['rewound_steps']} steps rewound) and stepping over {self.skip_batches} more "
             f"batch(es). Rollback {self._rollbacks} of at most {self.max_rollbacks}.{_resume_note(slot, pending)} "
-            f"Events: {self.events_path}."
+            f"{self._events_note}"
         )
 
-    def _escalate(self, trainer: pl.Trainer, pending: dict[str, Any], record: dict[str, Any], since: int) -> None:
+    def _escalate(self, ctx: StepContext, pending: dict[str, Any], record: dict[str, Any], since: int) -> None:
         """Cut the learning rate and/or reset optimizer moments of the restored state; one event and a warning."""
         self._escalations += 1
         lr_factor = None
@@ -866,12 +883,13 @@ class SpikeRollback(WatchesLossOrGradNorm):
         modules: list[str] = []
         module_z: dict[str, float] = {}
         reset = 0
+        optimizers = [unwrapped(opt) for opt in ctx.optimizers]
         if self.escalate_reset_moments == "all":
-            params = trained_parameters(trainer.optimizers)
-            reset = sum(reset_optimizer_state_(opt, params) for opt in trainer.optimizers)
+            params = trained_parameters(optimizers)
+            reset = sum(reset_optimizer_state_(opt, params) for opt in optimizers)
         elif self.escalate_reset_moments == "spiking":
             modules, params, module_z = pending["spiking"]
-            reset = sum(reset_optimizer_state_(opt, params) for opt in trainer.optimizers)
+            reset = sum(reset_optimizer_state_(opt, params) for opt in optimizers)
         fields = {
             "step": pending["step"],
             "rollback": self._rollbacks,
@@ -887,7 +905,7 @@ class SpikeRollback(WatchesLossOrGradNorm):
         }
         if self._events is not None:
             self._events.write(
-                batch_idx=trainer.fit_loop.epoch_loop.batch_idx,
+                batch_idx=ctx.batch_idx,
                 rank=None,
                 what="escalation",
                 culprit=modules[0] if modules else None,
@@ -904,9 +922,9 @@ class SpikeRollback(WatchesLossOrGradNorm):
             actions.append(f"optimizer moments reset for all {reset} parameters")
         elif self.escalate_reset_moments == "spiking":
             actions.append(f"optimizer moments reset for {reset} parameters of {name_list(modules, quote=True)}")
-        rank_zero_warn(
+        ctx.warn(
             f"SpikeRollback: the spike came back {since} step(s) after the previous rollback; escalating "
-            f"(escalation {self._escalations}): {'; '.join(actions)}. Events: {self.events_path}."
+            f"(escalation {self._escalations}): {'; '.join(actions)}.{self._events_note}"
         )
 
     def _stats_state(self) -> dict[str, Tensor]:
@@ -965,12 +983,6 @@ class SpikeRollback(WatchesLossOrGradNorm):
         self._restored_skips = None if skipped is None else float(skipped)
         self._saved_ring = state_dict.get("snapshots")
         self._resumed = True
-
-
-def _gradkit_strategy(trainer: pl.Trainer) -> GradKitStrategyMixin:
-    strategy = trainer.strategy
-    assert isinstance(strategy, GradKitStrategyMixin)  # checked at setup
-    return strategy
 
 
 def _resume_note(slot: _Slot, pending: dict[str, Any]) -> str:

@@ -476,6 +476,31 @@ class StepContext:
         if self.global_rank == 0:
             warnings.warn(message, UserWarning, stacklevel=3)
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The module being trained (its buffers are part of a step's state)."""
+        raise NotImplementedError
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The loop's pipeline (its count of skipped steps is part of a step's state)."""
+        raise NotImplementedError
+
+    def policies(self) -> list[Policy]:
+        """Every policy of the loop."""
+        raise NotImplementedError
+
+    def schedulers(self) -> list[object]:
+        """The LR schedulers of the loop (``state_dict``/``load_state_dict``), in a fixed order."""
+        return []
+
+    def step_state(self) -> dict[str, object]:
+        """What the door itself changes per step besides the above (the Trainer's LR-schedule counts)."""
+        return {}
+
+    def load_step_state(self, state: dict[str, object]) -> None:
+        """Rewind :meth:`step_state` at the current batch."""
+
     def optimizer_index(self, optimizer: Optimizer) -> int:
         """The position of ``optimizer`` (or of the optimizer a wrapper holds) in :attr:`optimizers`, 0 if absent."""
         for i, opt in enumerate(self.optimizers):
@@ -534,6 +559,10 @@ class Policy:
 
     def _finish(self, ctx: StepContext) -> None:
         """The loop ended: report what is still pending (the Trainer's ``on_train_end``)."""
+
+    def _after_optimizer_step(self, ctx: StepContext) -> None:
+        """After the optimizer step (applied or skipped) and the LR schedulers of the batch, behind the Fabric and
+        plain-PyTorch door (under the Trainer, ``on_train_batch_end``)."""
 
     def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
         """Behind the Fabric and plain-PyTorch door: what the Trainer's ``setup`` / ``on_fit_start`` hooks prepare.
