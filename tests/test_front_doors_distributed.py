@@ -1,10 +1,13 @@
-"""The three front doors under DDP on 2 CPU processes (gloo): the Trainer (``strategy="gradkit_ddp"``), Fabric
-(``strategy="ddp"``) and a plain loop over ``DistributedDataParallel`` give, on every rank, the same parameters,
-BatchNorm buffers, logged norms and skip decisions, bitwise; with a NaN on rank 1 only, both ranks skip that step.
+"""The three front doors on 2 CPU processes (gloo), under DDP and under FSDP2: the Trainer (``"gradkit_ddp"``,
+``GradKitModelParallelStrategy`` with ``fully_shard`` in ``configure_model``), Fabric (``"ddp"``, Fabric's
+``ModelParallelStrategy(parallelize_fn=...)``) and a plain loop (``DistributedDataParallel``, ``fully_shard``) give,
+on every rank, the same parameters, BatchNorm buffers, logged norms and skip decisions, bitwise; with a NaN on rank 1
+only, both ranks skip that step.
 
 The independent reference is a single-process plain loop over the global batches without the NaN step:
 ``clip_grad_norm_`` on the mean of the two ranks' gradients, each rank's half batch through BatchNorm with its own
-batch statistics (DDP does not synchronize them) and rank 0's running statistics (DDP broadcasts them each forward).
+batch statistics (neither DDP nor FSDP2 synchronizes them), from rank 0's running statistics under DDP (which
+broadcasts them each forward) and from the rank's own under FSDP2.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ STEPS = 8
 NAN_STEP = 4
 NAN_RANK = 1
 MAX_NORM = 4.0
-#: (clipper, optimizer): SGD with momentum and an ordinary skip, Adam fused with the skip through ``found_inf``.
-CASES = (("norm", "sgd"), ("zclip", "adam_fused"))
+#: (parallelism, clipper, optimizer): under DDP SGD with momentum and an ordinary skip, and Adam fused with the skip
+#: through ``found_inf``; under FSDP2 SGD.
+CASES = (("ddp", "norm", "sgd"), ("ddp", "zclip", "adam_fused"), ("fsdp2", "norm", "sgd"))
 DOORS = ("trainer", "fabric", "plain")
 
 
@@ -61,29 +65,32 @@ def policies(clipper: str) -> list[Any]:
     return [GradNormMonitor(depth=1), clip, NonFiniteGuard(action="skip")]
 
 
-def reference() -> list[dict[str, Tensor]]:
-    """Each rank's final state from a single-process plain loop (``clip_grad_norm_``, no gradkit), NaN step left out."""
+def reference(broadcast_buffers: bool) -> list[dict[str, Tensor]]:
+    """Each rank's final state from a single-process plain loop (``clip_grad_norm_``, no gradkit), NaN step left out.
+
+    Args:
+        broadcast_buffers: whether each forward starts from rank 0's BatchNorm statistics (DDP), or each rank keeps
+            its own (FSDP2).
+    """
     model = Net()
     model.load_state_dict(_initial_state())
     opt = _optimizer("sgd", model.parameters())
-    names = [n for n, _ in model.named_buffers()]
+    buffers = [copy.deepcopy(dict(model.named_buffers())) for _ in range(WORLD)]
     model.train()
-    ranks: list[dict[str, Tensor]] = [{}, {}]
     for i, (x, y) in enumerate(global_batches()):
         if i == NAN_STEP:
             continue
-        broadcast = copy.deepcopy(dict(model.named_buffers()))
+        start = copy.deepcopy(buffers)
         for r in range(WORLD):
-            model.load_state_dict(broadcast, strict=False)
+            model.load_state_dict(start[0] if broadcast_buffers else start[r], strict=False)
             half = slice(4 * r, 4 * r + 4)
             (nn.functional.mse_loss(model(x[half]), y[half]) / WORLD).backward()
-            ranks[r] = copy.deepcopy(dict(model.named_buffers()))
-        model.load_state_dict(ranks[0], strict=False)
+            buffers[r] = copy.deepcopy(dict(model.named_buffers()))
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return [{**params, **{n: ranks[r][n] for n in names}} for r in range(WORLD)]
+    return [{**params, **buffers[r]} for r in range(WORLD)]
 
 
 def _tensor(values: list[float], like: Tensor) -> Tensor:
@@ -95,11 +102,11 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_processes("doors_script.py", tmp_path_factory.mktemp("doors"), timeout=240)
 
 
-@pytest.mark.parametrize(("clipper", "optimizer"), CASES)
-def test_three_doors_under_ddp_give_the_same_state_logs_and_skips(
-    ranks: list[dict[str, Any]], clipper: str, optimizer: str
+@pytest.mark.parametrize(("parallel", "clipper", "optimizer"), CASES)
+def test_three_doors_give_the_same_state_logs_and_skips_on_every_rank(
+    ranks: list[dict[str, Any]], parallel: str, clipper: str, optimizer: str
 ) -> None:
-    case = f"{clipper}-{optimizer}"
+    case = f"{parallel}-{clipper}-{optimizer}"
     for rank, result in enumerate(ranks):
         trainer = result[f"{case}/trainer"]
         for door in DOORS[1:]:
@@ -125,11 +132,14 @@ def test_three_doors_under_ddp_give_the_same_state_logs_and_skips(
         assert second[key] == pytest.approx(values, nan_ok=True, rel=0, abs=0), key
 
 
-def test_ddp_doors_equal_a_single_process_loop_on_the_global_batches(ranks: list[dict[str, Any]]) -> None:
-    expected = reference()
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_every_door_equals_a_single_process_loop_on_the_global_batches(
+    ranks: list[dict[str, Any]], parallel: str
+) -> None:
+    expected = reference(broadcast_buffers=parallel == "ddp")
     for rank, result in enumerate(ranks):
         for door in DOORS:
-            state = result[f"norm-sgd/{door}"]["state"]
+            state = result[f"{parallel}-norm-sgd/{door}"]["state"]
             assert state.keys() == expected[rank].keys()
             for name, value in expected[rank].items():
                 got = _tensor(state[name], value)

@@ -1,11 +1,11 @@
-"""2-process CPU job (gloo): the three front doors under DDP, with a NaN on rank 1 only at one step.
+"""2-process CPU job (gloo): the three front doors under DDP and FSDP2, with a NaN on rank 1 only at one step.
 
 Started once per rank with ``LOCAL_RANK``/``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set, as
-``torchrun`` starts a job (:func:`helpers.run_processes`). The plain door initializes ``torch.distributed`` itself
-and wraps the model in ``DistributedDataParallel``; the Trainer (``strategy="gradkit_ddp"``) and Fabric
-(``strategy="ddp"``) then find the processes created externally and the process group already up, as under
-``torchrun``. Each rank records, per case and door, its final state (parameters and BatchNorm buffers) and the
-gradkit series it logged.
+``torchrun`` starts a job (:func:`helpers.run_processes`). The script initializes ``torch.distributed`` itself; the
+plain door wraps the model in ``DistributedDataParallel`` or shards it with ``fully_shard``; the Trainer and Fabric
+then find the processes created externally and the process group already up, as under ``torchrun``. Each rank
+records, per case and door, its final state (parameters gathered whole, BatchNorm buffers) and the gradkit series it
+logged.
 """
 
 from __future__ import annotations
@@ -17,10 +17,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import ModelParallelStrategy
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from helpers import distributed_trainer, script_parser, write_rank_result
+from lightning_gradkit import GradKitModelParallelStrategy
 from lightning_gradkit.loop import GradKit
 from test_front_doors import (
     Net,
@@ -35,7 +40,25 @@ from test_front_doors_distributed import CASES, STEPS, WORLD, policies, rank_bat
 
 
 def state(module: nn.Module) -> dict[str, list[float]]:
-    return {k: v.detach().double().reshape(-1).tolist() for k, v in module.state_dict().items()}
+    """The module's parameters and buffers as lists (FSDP2's sharded ``DTensor`` parameters gathered whole)."""
+    out = {}
+    for key, value in module.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        out[key] = full.detach().double().reshape(-1).tolist()
+    return out
+
+
+def shard(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """FSDP2 over the data-parallel ranks: each layer, then the root."""
+    for layer in (module.encoder, module.norm, module.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
+
+
+class ShardedNetModule(NetModule):
+    def configure_model(self) -> None:
+        shard(self, self.device_mesh["data_parallel"])
 
 
 def train(model: nn.Module, opt: Any, kit: GradKit, backward: Callable[[Tensor], None], rank: int) -> None:
@@ -49,10 +72,13 @@ def train(model: nn.Module, opt: Any, kit: GradKit, backward: Callable[[Tensor],
     kit.finish()
 
 
-def run_plain(clipper: str, optimizer: str, rank: int) -> dict[str, Any]:
+def run_plain(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[str, Any]:
     net = Net()
     net.load_state_dict(_initial_state())
-    model = nn.parallel.DistributedDataParallel(net)
+    if parallel == "fsdp2":
+        model = shard(net, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("data_parallel",)))
+    else:
+        model = nn.parallel.DistributedDataParallel(net)
     opt = _optimizer(optimizer, model.parameters())
     rows: list[dict[str, float]] = []
     log = lambda metrics, step: rows.append(metrics)  # noqa: E731
@@ -61,29 +87,37 @@ def run_plain(clipper: str, optimizer: str, rank: int) -> dict[str, Any]:
     return {"state": state(net), "logs": _series(rows)}
 
 
-def run_fabric(clipper: str, optimizer: str, rank: int) -> dict[str, Any]:
+def run_fabric(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[str, Any]:
     logger = RecordingFabricLogger()
-    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy="ddp", loggers=[logger])
+    strategy: Any = "ddp"
+    if parallel == "fsdp2":
+        strategy = ModelParallelStrategy(lambda m, mesh: shard(m, mesh["data_parallel"]), WORLD, 1)
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, loggers=[logger])
     fabric.launch()
     assert fabric.global_rank == rank
     net = Net()
     net.load_state_dict(_initial_state())
-    model, opt = fabric.setup(net, _optimizer(optimizer, net.parameters()))
+    # The optimizer takes the parameters the strategy registered (FSDP2's sharded ones).
+    model = fabric.setup_module(net)
+    opt = fabric.setup_optimizers(_optimizer(optimizer, model.parameters()))
     kit = GradKit(model, opt, policies(clipper), fabric=fabric, log_every_n_steps=1, max_steps=STEPS)
     train(model, opt, kit, fabric.backward, rank)
     return {"state": state(net), "logs": _series(logger.rows)}
 
 
-def run_trainer(clipper: str, optimizer: str, rank: int) -> dict[str, Any]:
-    module = NetModule(optimizer)
+def run_trainer(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[str, Any]:
+    module = (ShardedNetModule if parallel == "fsdp2" else NetModule)(optimizer)
     module.load_state_dict(_initial_state())
     logger = RecordingLogger()
+    strategy: Any = "gradkit_ddp"
+    if parallel == "fsdp2":
+        strategy = GradKitModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
     trainer = distributed_trainer(
-        strategy="gradkit_ddp", callbacks=policies(clipper), logger=logger, max_steps=STEPS, default_root_dir="."
+        strategy=strategy, callbacks=policies(clipper), logger=logger, max_steps=STEPS, default_root_dir="."
     )
     assert trainer.global_rank == rank
     trainer.fit(module, DataLoader(rank_batches(rank), batch_size=None))
-    return {"state": state(module), "logs": _series(logger.rows), "global_step": trainer.global_step}
+    return {"state": state(module), "logs": _series(logger.rows)}
 
 
 def main() -> None:
@@ -94,11 +128,10 @@ def main() -> None:
     results: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for clipper, optimizer in CASES:
-            case = f"{clipper}-{optimizer}"
+        for parallel, clipper, optimizer in CASES:
             for door, run in doors.items():
                 pl.seed_everything(0, verbose=False)
-                results[f"{case}/{door}"] = run(clipper, optimizer, rank)
+                results[f"{parallel}-{clipper}-{optimizer}/{door}"] = run(parallel, clipper, optimizer, rank)
     write_rank_result(args.out, rank, results)
 
 
