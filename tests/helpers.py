@@ -255,6 +255,32 @@ def run_nodes(script: str, out_dir: Path, *args: str, num_nodes: int = 2, timeou
     return _read_ranks(out_dir, num_nodes)
 
 
+def run_processes(
+    script: str, out_dir: Path, *args: str, nprocs: int = 2, timeout: float = 300
+) -> list[dict[str, Any]]:
+    """Run ``tests/distributed/<script>`` once per rank, as ``torchrun`` starts a single-node job: every process gets
+    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``OMP_NUM_THREADS=1`` (torchrun's
+    default; Lightning's own launcher sets a thread count too, which changes float reductions). The script initializes
+    ``torch.distributed`` itself (``init_process_group("gloo")``); a Lightning Trainer or Fabric in it then finds the
+    processes created externally (``LOCAL_RANK`` set) and starts no others. Rank ``r`` writes ``rank<r>.json``.
+    """
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = {
+        "WORLD_SIZE": str(nprocs),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "NODE_RANK": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+    envs = [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nprocs)]
+    _run_jobs(script, out_dir, args, timeout, envs)
+    return _read_ranks(out_dir, nprocs)
+
+
 def _run_jobs(script: str, out_dir: Path, args: tuple[str, ...], timeout: float, envs: list[dict[str, str]]) -> None:
     """Start the script once per entry of ``envs`` (extra environment variables), each in its own session, and wait
     for all of them; on a timeout every session is killed (hung ranks included)."""
