@@ -193,6 +193,9 @@ class GradKit:
     a skipped one (as the Trainer's gradkit strategy holds step-interval schedulers); step other schedulers yourself,
     e.g. only when :meth:`step` returned ``True``.
 
+    Under Fabric with FSDP2 (``ModelParallelStrategy``), build the optimizer after ``fabric.setup_module(model)``
+    (and pass it to ``fabric.setup_optimizers``): one built before sharding holds the unsharded parameters.
+
     Args:
         model: the module being trained (Fabric's wrapper or a ``DistributedDataParallel`` is fine).
         optimizers: the optimizer, or a list of them (Fabric's wrappers are fine).
