@@ -41,8 +41,11 @@ if TYPE_CHECKING:
     from lightning_gradkit.callbacks.rollback import SpikeRollback
     from lightning_gradkit.callbacks.validation import InferenceModeValidation
     from lightning_gradkit.core.norms import GradStats
+    from lightning_gradkit.core.pipeline import Policy, Stage, StepContext, StepPlan
     from lightning_gradkit.diagnostics.graph_leak import GraphLeakGuard
     from lightning_gradkit.diagnostics.sync_audit import SyncAudit
+    from lightning_gradkit.engine import GradKitCallback
+    from lightning_gradkit.loop import GradKit
     from lightning_gradkit.strategy import (
         GradKitDDPStrategy,
         GradKitFSDPStrategy,
@@ -64,6 +67,8 @@ _SOURCES = {
     "AutoClip": "callbacks.clipping",
     "ClipGradNorm": "callbacks.clipping",
     "ClipGradValue": "callbacks.clipping",
+    "GradKit": "loop",
+    "GradKitCallback": "engine",
     "GradKitDDPStrategy": "strategy",
     "GradKitFSDPStrategy": "strategy",
     "GradKitModelParallelStrategy": "strategy",
@@ -75,8 +80,12 @@ _SOURCES = {
     "InferenceModeValidation": "callbacks.validation",
     "ManualAccumulator": "callbacks.accumulation",
     "NonFiniteGuard": "callbacks.guards",
+    "Policy": "core.pipeline",
     "SpikeGuard": "callbacks.guards",
     "SpikeRollback": "callbacks.rollback",
+    "Stage": "core.pipeline",
+    "StepContext": "core.pipeline",
+    "StepPlan": "core.pipeline",
     "SyncAudit": "diagnostics.sync_audit",
     "ZClip": "callbacks.clipping",
     "clip_gradients": "callbacks.clipping",
@@ -91,6 +100,8 @@ __all__ = [
     "AutoClip",
     "ClipGradNorm",
     "ClipGradValue",
+    "GradKit",
+    "GradKitCallback",
     "GradKitDDPStrategy",
     "GradKitFSDPStrategy",
     "GradKitModelParallelStrategy",
@@ -102,8 +113,12 @@ __all__ = [
     "InferenceModeValidation",
     "ManualAccumulator",
     "NonFiniteGuard",
+    "Policy",
     "SpikeGuard",
     "SpikeRollback",
+    "Stage",
+    "StepContext",
+    "StepPlan",
     "SyncAudit",
     "ZClip",
     "clip_gradients",
