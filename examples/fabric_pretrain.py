@@ -11,9 +11,9 @@ The loop has the shape of the ``fit`` loop of litgpt's ``pretrain.py``: ``fabric
 learning-rate warmup and cosine decay set by hand, gradient accumulation under ``fabric.no_backward_sync``,
 ``fabric.backward(loss / accum)``, ``fabric.log_dict`` and ``fabric.save(path, state)``. Where litgpt calls
 ``fabric.clip_gradients`` and ``optimizer.step()``, it calls ``kit.step(optimizer)``: gradkit measures the gradients
-once, clips them, skips the step when a guard says so and steps the optimizer otherwise. The :class:`GradKit` object
-sits in the checkpoint's ``state`` beside the model and the optimizer (Fabric saves and restores any object with
-``state_dict``/``load_state_dict``), so ``--resume`` continues with the clipper's statistics and the skip count.
+once, clips them, skips the step when a guard says so and steps the optimizer otherwise. ``kit.state_dict()`` goes
+into each checkpoint beside the model and the optimizer, so ``--resume`` continues with the clipper's statistics, the
+guards' history and the skip count.
 
 Nothing is downloaded: the text is the Python standard library's source, read byte by byte (vocabulary of 256).
 ``--strategy fsdp`` shards each transformer block with FSDP2's ``fully_shard`` through Fabric's
@@ -181,9 +181,9 @@ class Summary(NamedTuple):
     out_dir: Path
 
 
-def fit(fabric: L.Fabric, state: dict[str, Any], tokens: Tensor, args: argparse.Namespace) -> float:
-    """Train until ``state["step_count"]`` reaches ``--max-steps``. Returns the last optimizer step's loss."""
-    model, optimizer, kit = state["model"], state["optimizer"], state["gradkit"]
+def fit(fabric: L.Fabric, state: dict[str, Any], kit: GradKit, tokens: Tensor, args: argparse.Namespace) -> float:
+    """Train until ``state["step_count"]`` reaches ``--max-steps``. Returns the last logged loss."""
+    model, optimizer = state["model"], state["optimizer"]
     accum = args.accumulate
     window_loss = torch.zeros((), device=fabric.device)
     last_loss = math.nan
@@ -219,7 +219,7 @@ def fit(fabric: L.Fabric, state: dict[str, Any], tokens: Tensor, args: argparse.
         if args.save_interval and (state["step_count"] % args.save_interval == 0 or done):
             path = args.out_dir / f"step-{state['step_count']:08d}" / "state.pth"
             fabric.print(f"Saving checkpoint to {str(path)!r}")
-            fabric.save(path, state)
+            fabric.save(path, {**state, "gradkit": kit.state_dict()})
     return last_loss
 
 
@@ -253,14 +253,16 @@ def main(argv: Sequence[str] | None = None) -> Summary:
         max_steps=args.max_steps,
         log_dir=args.out_dir,
     )
-    state = {"model": model, "optimizer": optimizer, "gradkit": kit, "iter_num": 0, "step_count": 0}
+    state = {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
     resume = find_resume(args.resume, args.out_dir)
     if resume is not None:
         fabric.print(f"Resuming training from {str(resume)!r}")
-        fabric.load(resume, state)
+        # gradkit's state as a plain entry, handed back in what `load` did not restore: Fabric's sharded (FSDP)
+        # checkpoints would return a dict in place of an object given in `state`, rather than call its load_state_dict.
+        kit.load_state_dict(fabric.load(resume, state)["gradkit"])
 
     tokens = torch.frombuffer(bytearray(stdlib_text(max_bytes=args.max_bytes)), dtype=torch.uint8).long()
-    last_loss = fit(fabric, state, tokens, args)
+    last_loss = fit(fabric, state, kit, tokens, args)
     kit.finish()
     logger.finalize("success")
     summary = Summary(state["step_count"], kit.skipped_steps, last_loss, model, kit, args.out_dir)
