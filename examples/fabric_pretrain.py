@@ -112,6 +112,7 @@ def shard_blocks(model: nn.Module, device_mesh: Any) -> nn.Module:
 
 
 def make_strategy(name: str, devices: int) -> str | Strategy:
+    """Fabric's strategy for ``--strategy``: ``fsdp`` shards over all ``devices`` (no tensor parallelism)."""
     if name == "fsdp":
         return ModelParallelStrategy(shard_blocks, data_parallel_size=devices, tensor_parallel_size=1)
     return name
