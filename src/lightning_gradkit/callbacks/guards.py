@@ -77,7 +77,7 @@ def _last_checkpoint(trainer: pl.Trainer | None) -> str:
 def _replay_available(trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> str | None:
     """Why a forensic replay cannot run here, or ``None`` when it can."""
     if trainer is None or pl_module is None:
-        return "no Lightning Trainer: the loop's step cannot be replayed (run the step under a Trainer to replay it)"
+        return "a loop without a Lightning Trainer has no `training_step` to re-run"
     if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
         return "sharded parameters: a replay would need the strategy's collectives"
     if not pl_module.automatic_optimization:
