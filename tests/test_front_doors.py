@@ -398,3 +398,61 @@ def test_rollback_behind_the_three_doors_restores_the_same_state(tmp_path: Path)
     # Applied: the steps before the restored snapshot, then the batches after the rollback and the stepped-over ones.
     applied = record["to_step"] + steps - record["from_step"] - record["skip_batches"]
     assert trainer_lr == pytest.approx(0.2 * 0.95**applied, rel=1e-12)
+
+
+# -- fp16 with a GradScaler behind every door ------------------------------------------------------------------------
+def _scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam_fused"])
+def test_fp16_gradscaler_behind_the_doors_gives_the_same_steps(tmp_path: Path, optimizer: str) -> None:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    module = NetModule(optimizer)
+    module.load_state_dict(_initial_state())
+    logger = RecordingLogger()
+    trainer = make_trainer(
+        tmp_path,
+        default_root_dir=tmp_path,
+        strategy="gradkit",
+        callbacks=_policies("norm"),
+        logger=logger,
+        max_steps=BATCHES,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=_scaler())],
+    )
+    trainer.fit(module, DataLoader(_batches(), batch_size=None))
+    trainer_logs = _series(logger.rows)
+
+    model = Net()
+    model.load_state_dict(_initial_state())
+    opt = _optimizer(optimizer, model.parameters())
+    scaler = _scaler()
+    rows: list[dict[str, float]] = []
+    kit = GradKit(
+        model,
+        opt,
+        _policies("norm"),
+        log=lambda metrics, step: rows.append(metrics),
+        log_every_n_steps=1,
+        max_steps=BATCHES,
+        scaler=scaler,
+    )
+    model.train()
+    for x, y in _batches():
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        kit.note_loss(loss)
+        kit.step(opt)
+        opt.zero_grad(set_to_none=True)
+    plain_logs = _series(rows)
+
+    _assert_same_state(model.state_dict(), module.state_dict())
+    assert trainer_logs.keys() == plain_logs.keys()
+    for key, values in trainer_logs.items():
+        assert plain_logs[key] == pytest.approx(values, nan_ok=True, rel=0, abs=0), key
+    # Norms are meant without the loss scale (2**10 here): the same order as the fp32 run's.
+    fp32 = run_plain("norm", optimizer)[1]["grad_norm/total"]
+    assert plain_logs["grad_norm/total"][0] == pytest.approx(fp32[0], rel=1e-2)
+    assert trainer_logs["gradkit/skipped_steps"][-1] >= 1.0
