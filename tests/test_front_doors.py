@@ -111,47 +111,39 @@ def _policies(clipper: str) -> list[Any]:
     ]
 
 
-class RecordingLogger(Logger):
+class _Recording:
+    """Keeps every logged row: the part a Lightning and a Fabric logger share here."""
+
+    rows: list[dict[str, float]]
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append(dict(metrics))
+
+
+class RecordingLogger(_Recording, Logger):
     """A Lightning logger that keeps every logged row."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.rows: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append(dict(metrics))
+        self.rows = []
 
 
-class RecordingFabricLogger(FabricLogger):
+class RecordingFabricLogger(_Recording, FabricLogger):
     """A Fabric logger that keeps every logged row (``fabric.log_dict`` reaches it)."""
 
     def __init__(self) -> None:
-        self.rows: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append(dict(metrics))
+        self.rows = []
 
 
 def _series(rows: list[dict[str, float]]) -> dict[str, list[float]]:

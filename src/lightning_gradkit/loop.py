@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 
 from lightning_gradkit._layout import verify_same_layout
 from lightning_gradkit.core._torch_compat import gradients_still_scaled, loss_scale
-from lightning_gradkit.core.buffers import BufferGuard
+from lightning_gradkit.core.buffers import BufferGuard, missed_buffers_message
 from lightning_gradkit.core.gate import shadowed, step_as_decided
 from lightning_gradkit.core.pipeline import Pipeline, Policy, Stage, StepContext, StepPlan, unwrapped
 
@@ -383,16 +383,11 @@ class GradKit:
 
     def _close_window(self, plan: StepPlan | None, skipped: bool | None) -> None:
         """Put back the buffers of a skipped step (on device for a fused optimizer), keep them otherwise."""
-        buffers = self._buffers
-        if buffers is None or not buffers.open:
+        if self._buffers is None:
             return
-        if skipped is None:
-            assert plan is not None and plan.skip is not None
-            buffers.restore(plan.skip)
-        elif skipped:
-            buffers.restore()
-        else:
-            buffers.keep()
+        missed = self._buffers.close(skipped, plan.skip if plan is not None else None)
+        if missed:
+            self.ctx.warn(missed_buffers_message(self.ctx.step, missed))
 
 
 def _gated_step(optimizer: Optimizer, inner: Callable[..., Any], plan: StepPlan | None, **kwargs: Any) -> Any:

@@ -74,7 +74,7 @@ from lightning_gradkit._closure import first_evaluation
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, clipping_instead, is_deepspeed_strategy
 from lightning_gradkit.core._torch_compat import handles_found_inf
-from lightning_gradkit.core.buffers import BufferGuard
+from lightning_gradkit.core.buffers import BufferGuard, missed_buffers_message
 from lightning_gradkit.core.gate import shadowed, step_as_decided
 from lightning_gradkit.engine import Engine, GradKitCallback, StepPlan, check_callback_instances
 from lightning_gradkit.replay import replaying
@@ -290,21 +290,11 @@ class GradKitStrategyMixin:
         """Put back the buffers the window's forwards wrote if its step was skipped (``skipped`` is ``None`` when
         the skip is only known on device: a fused optimizer's), else keep them."""
         buffers = self._gradkit_buffers
-        if buffers is None or not buffers.open:
+        if buffers is None:
             return
-        if skipped is None:
-            assert plan is not None and plan.skip is not None
-            buffers.restore(plan.skip)
-        elif skipped:
-            missed = buffers.restore()
-            if missed:
-                rank_zero_warn(
-                    f"gradkit: the skipped step at global step {self._gradkit_trainer.global_step} wrote module "
-                    f"buffers that no earlier step wrote ({', '.join(missed[:5])}), so their values from before it "
-                    "are unknown and they keep this step's writes. Later skips restore them."
-                )
-        else:
-            buffers.keep()
+        missed = buffers.close(skipped, plan.skip if plan is not None else None)
+        if missed:
+            rank_zero_warn(missed_buffers_message(self._gradkit_trainer.global_step, missed))
 
     # -- the gate ------------------------------------------------------------------------------------------------
     def _gradkit_gate(self, optimizer: Optimizer, inner: Callable[..., Any], engine: Engine) -> Callable[..., Any]:

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["BufferGuard"]
+__all__ = ["BufferGuard", "missed_buffers_message"]
 
 
 @dataclass
@@ -154,6 +154,28 @@ class BufferGuard:
                     entry.module._buffers[entry.name] = entry.tensor
         return self._close()
 
+    def close(self, skipped: bool | None, skip: Tensor | None = None) -> list[str]:
+        """End the window as its optimizer step went: :meth:`restore` if it was skipped, :meth:`keep` if applied.
+
+        Args:
+            skipped: the skip decision as read on the host, or ``None`` when only the device knows it (a fused
+                optimizer skipped through ``found_inf``): then ``skip``, the device flag, chooses on device.
+            skip: the step's bool device flag; needed when ``skipped`` is ``None``.
+
+        Returns:
+            On a skip read on the host, the buffers the window wrote that cannot be put back (see :meth:`restore`).
+        """
+        if not self._open:
+            return []
+        if skipped is None:
+            assert skip is not None, "a skip known only on device needs its flag"
+            self.restore(skip)
+            return []
+        if skipped:
+            return self.restore()
+        self.keep()  # the names it returns were written by an applied step: nothing to put back
+        return []
+
     def _written(self) -> set[int]:
         """The entries this window wrote: every buffer of a module with a counted write or a replaced buffer, and
         of a norm layer that tracks running statistics in training mode."""
@@ -187,3 +209,12 @@ def _wrote(entry: _Entry) -> bool:
         return True
     module = entry.module
     return isinstance(module, _NormBase) and module.track_running_stats and module.training
+
+
+def missed_buffers_message(step: int, missed: list[str]) -> str:
+    """The warning for the buffers a skipped step wrote that no earlier step wrote (:meth:`BufferGuard.close`)."""
+    return (
+        f"gradkit: the skipped step at global step {step} wrote module buffers that no earlier step wrote "
+        f"({', '.join(missed[:5])}), so their values from before it are unknown and they keep this step's writes. "
+        "Later skips restore them."
+    )
