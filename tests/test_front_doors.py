@@ -165,6 +165,17 @@ def run_trainer(tmp_path: Path, clipper: str, optimizer: str) -> tuple[dict[str,
     return module.state_dict(), _series(logger.rows)
 
 
+def _train_plain(model: nn.Module, opt: torch.optim.Optimizer, kit: GradKit) -> None:
+    """The plain loop over the test's batches: forward, backward, the door's step, zero_grad."""
+    model.train()
+    for x, y in _batches():
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        kit.note_loss(loss)
+        kit.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+
 def run_plain(clipper: str, optimizer: str) -> tuple[dict[str, Tensor], dict[str, list[float]]]:
     model = Net()
     model.load_state_dict(_initial_state())
@@ -178,13 +189,7 @@ def run_plain(clipper: str, optimizer: str) -> tuple[dict[str, Tensor], dict[str
         log_every_n_steps=1,
         max_steps=BATCHES,
     )
-    model.train()
-    for x, y in _batches():
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        kit.note_loss(loss)
-        kit.step(opt)
-        opt.zero_grad(set_to_none=True)
+    _train_plain(model, opt, kit)
     kit.finish()
     return model.state_dict(), _series(rows)
 
@@ -294,12 +299,7 @@ def test_door_step_syncs_only_to_read_the_skip_of_an_ordinary_optimizer(optimize
     with count_syncs() as counter:
         per_step = counter.watch_per_call(kit, "step")
         counter.watch(kit, "note_loss")
-        for x, y in _batches():
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            kit.note_loss(loss)
-            kit.step(opt)
-            opt.zero_grad(set_to_none=True)
+        _train_plain(model, opt, kit)
     # Step 0 logs the monitor's first values (one transfer); the skipped NaN step of an ordinary optimizer is
     # reported at the step (its host reads). Every other step: the one read of the skip flag, or none when fused.
     quiet = [n for i, n in enumerate(per_step) if i not in (0, NAN_BATCH)]
