@@ -105,6 +105,10 @@ def run_fabric(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[s
     return {"state": state(net), "logs": _series(logger.rows)}
 
 
+#: The job's output folder: the Trainer's root directory (its guards' event file goes there, not into the cwd).
+OUT = "."
+
+
 def run_trainer(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[str, Any]:
     module = (ShardedNetModule if parallel == "fsdp2" else NetModule)(optimizer)
     module.load_state_dict(_initial_state())
@@ -113,7 +117,7 @@ def run_trainer(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[
     if parallel == "fsdp2":
         strategy = GradKitModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
     trainer = distributed_trainer(
-        strategy=strategy, callbacks=policies(clipper), logger=logger, max_steps=STEPS, default_root_dir="."
+        strategy=strategy, callbacks=policies(clipper), logger=logger, max_steps=STEPS, default_root_dir=OUT
     )
     assert trainer.global_rank == rank
     trainer.fit(module, DataLoader(rank_batches(rank), batch_size=None))
@@ -121,7 +125,9 @@ def run_trainer(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[
 
 
 def main() -> None:
+    global OUT
     args = script_parser().parse_args()
+    OUT = str(args.out)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     doors = {"plain": run_plain, "trainer": run_trainer, "fabric": run_fabric}
