@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradkit-installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-compat lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,66 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests -q
 
+# `make test-compat`: the compat subset below against the newest patch release of each Lightning minor the package
+# supports (`lightning>=2.5,<3` in pyproject.toml), each in its own venv under $(COMPAT_DIR), with the same CPU torch.
+# constraints/lightning-X.txt names the packages that release pins otherwise than constraints.txt. One release:
+# `make test-compat COMPAT_LIGHTNING=2.5.6`. Any non-zero pytest status fails, 5 (no test collected) included.
+COMPAT_LIGHTNING ?= 2.5.6 2.6.6
+COMPAT_DIR := .venv-compat
+# The compat subset: every Lightning integration point, the private reads of src/lightning_gradkit/_compat.py in [ ].
+#   strategy, package_layout   registry names and the import hook, device resolution [_root_device, _start_method]
+#   strategy_gate              the optimizer.step gate, lr_scheduler_step and scheduler frequency, mid-epoch resume
+#   setup_errors               callback classes refused (Lightning's callback validation)
+#   clipping, monitor(_amp)    the step boundary, 16-mixed [GradScaler._scale], fused found_inf, logging step and
+#                              epoch end [_batches_that_stepped, _num_ready_batches_reached]
+#   clipping_manual_amp        manual optimization with a GradScaler [_per_optimizer_states]
+#   accumulation               accumulate_grad_batches, training_step patch, a checkpoint inside a window
+#   guards, guards_faults      skips, fused found_inf, forensics replay [torchmetrics Metric._defaults]
+#   step_state                 buffers on a skip, replays, DDP buffers (2 processes)
+#   rollback, legacy_checkpoint   state_dict save/load, resume, the checkpoint fixtures of the previous layout
+#   sync_audit, validation     on_train_batch_end patch; validation loop under inference mode
+#   cli                        LightningCLI (class_path, strategy names)
+#   *_distributed              DDP and FSDP2 (ModelParallelStrategy) on 2 processes, TP x FSDP2 on 4
+COMPAT_TESTS := \
+	tests/test_strategy.py \
+	tests/test_strategy_gate.py \
+	tests/test_package_layout.py \
+	tests/test_setup_errors.py \
+	tests/test_clipping.py \
+	tests/test_clipping_manual_amp.py \
+	tests/test_monitor.py \
+	tests/test_monitor_amp.py \
+	tests/test_accumulation.py \
+	tests/test_guards.py \
+	tests/test_guards_faults.py \
+	tests/test_step_state.py \
+	tests/test_rollback.py \
+	tests/test_legacy_checkpoint.py \
+	tests/test_sync_audit.py \
+	tests/test_validation.py \
+	tests/test_cli.py \
+	tests/test_clipping_distributed.py \
+	tests/test_accumulation_distributed.py \
+	tests/test_scale_distributed.py
+
+test-compat: $(addprefix test-compat-,$(COMPAT_LIGHTNING))
+
+.PRECIOUS: $(COMPAT_DIR)/lightning-%/.gradkit-installed  # a venv is reused, never removed as an intermediate file
+
+test-compat-%: $(COMPAT_DIR)/lightning-%/.gradkit-installed
+	@start=$$(date +%s); \
+	$(COMPAT_DIR)/lightning-$*/bin/python -m pytest $(COMPAT_TESTS) -q -p no:cacheprovider; status=$$?; \
+	echo "Lightning $*: pytest exit $$status after $$(( $$(date +%s) - start )) s"; exit $$status
+
+$(COMPAT_DIR)/lightning-%/.gradkit-installed: pyproject.toml constraints.txt constraints/lightning-%.txt
+	test -x $(@D)/bin/python || $(PYTHON) -m venv $(@D)
+	$(@D)/bin/python -m pip install -q torch==2.13.0
+	# constraints.txt less the packages constraints/lightning-$*.txt pins, plus its pins.
+	grep -v -i -E "^($$(grep -o -E '^[A-Za-z0-9_.-]+==' constraints/lightning-$*.txt | sed 's/==$$//' | paste -sd'|'))==" \
+		constraints.txt | cat - constraints/lightning-$*.txt > $(@D)/constraints.txt
+	$(@D)/bin/python -m pip install -q -c $(@D)/constraints.txt -e '.[dev]' lightning==$*
+	touch $@
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
 	$(VENV)/bin/ruff format --check src tests examples benchmarks
@@ -27,4 +87,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_monitoring.py
 
 clean:
-	rm -rf $(VENV) lightning_logs .pytest_cache
+	rm -rf $(VENV) $(COMPAT_DIR) lightning_logs .pytest_cache

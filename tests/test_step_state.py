@@ -155,9 +155,11 @@ def test_skipped_step_in_manual_optimization_puts_buffers_back(tmp_path: Path) -
 
 def test_ema_of_buffers_stays_finite_after_a_skipped_nan_batch(tmp_path: Path) -> None:
     """`EMAWeightAveraging(use_buffers=True)` averages the buffers after each step: a skip must not feed it NaN."""
-    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from lightning.pytorch import callbacks
 
-    ema = EMAWeightAveraging(use_buffers=True)
+    if not hasattr(callbacks, "EMAWeightAveraging"):
+        pytest.skip("EMAWeightAveraging arrived in Lightning 2.6")
+    ema = callbacks.EMAWeightAveraging(use_buffers=True)
     torch.manual_seed(0)
     model = ArchModule(ResNet18Like(width=4), lr=0.01)
     trainer = make_trainer(

@@ -3,8 +3,11 @@
 Importing this module imports no Lightning (the package ``__init__`` uses it): Lightning objects arrive as
 arguments, and the strategy registration imports Lightning only once Lightning itself is loaded.
 
-Checked on Lightning 2.4.0, 2.5.0, 2.5.5 and 2.6.6 (read in each release's source; the test suite runs on 2.6.6)
-and torch 2.13; the package supports ``lightning>=2.4,<3`` and ``torch>=2.4``. A note says where releases differ.
+Read in the source of Lightning 2.4.0, 2.5.0, 2.5.5 and 2.6.6; run with torch 2.13 by the full suite on 2.6.6 and
+by ``make test-compat`` on 2.5.6 and 2.6.6. The package supports ``lightning>=2.5,<3`` and ``torch>=2.5`` (README,
+"Versions tested"): Lightning 2.4 reads the same attributes, but its loop runs the last batch again when a fit
+resumes from a checkpoint saved in ``on_train_batch_end``, so no exact mid-epoch resume can be built on it. A note
+says where releases differ.
 
 **Private reads** (one function each, below; a comment says why no public API does):
 

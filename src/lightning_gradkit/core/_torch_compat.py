@@ -3,8 +3,8 @@
 They sit in ``core`` (not in :mod:`lightning_gradkit._compat`, which indexes them) because the Lightning-free step
 pipeline needs them as much as the Trainer does: a plain PyTorch or Fabric loop with a ``GradScaler`` and a fused
 optimizer asks the same two questions (what is the loss scale, without a host sync; does ``optimizer.step`` honour
-``found_inf``). Each function says why no public API does. Checked on torch 2.13 and on a torch 2.3/2.4-era
-``torch/amp/grad_scaler.py`` (the package's floor is ``torch>=2.4``): same attributes, same meaning.
+``found_inf``). Each function says why no public API does. Run on torch 2.13, and read in the source of torch 2.4.0
+and 2.5.1 (the package's floor is ``torch>=2.5``): same attributes, same meaning.
 """
 
 from __future__ import annotations
