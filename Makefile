@@ -39,6 +39,8 @@ COMPAT_DIR := .venv-compat
 #   sync_audit, validation     on_train_batch_end patch; validation loop under inference mode
 #   cli                        LightningCLI (class_path, strategy names)
 #   *_distributed              DDP and FSDP2 (ModelParallelStrategy) on 2 processes, TP x FSDP2 on 4
+#   front_doors(_distributed)  the Fabric door: Fabric's wrappers, precision plugin, log_dict, DDP and ModelParallel
+#   deepspeed                  DeepSpeedStrategy detection and the refusals at setup
 COMPAT_TESTS := \
 	tests/test_strategy.py \
 	tests/test_strategy_gate.py \
@@ -59,7 +61,10 @@ COMPAT_TESTS := \
 	tests/test_cli.py \
 	tests/test_clipping_distributed.py \
 	tests/test_accumulation_distributed.py \
-	tests/test_scale_distributed.py
+	tests/test_scale_distributed.py \
+	tests/test_front_doors.py \
+	tests/test_front_doors_distributed.py \
+	tests/test_deepspeed.py
 
 test-compat: $(addprefix test-compat-,$(COMPAT_LIGHTNING))
 
