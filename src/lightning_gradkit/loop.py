@@ -82,6 +82,8 @@ class LoopContext(StepContext):
         max_steps: the loop's last step, if known (the monitor then also logs the last step).
         log_dir: where the guards write ``gradkit_events.jsonl``; ``None``: no event file.
         flat_sharded: whether every gradient is a flat FSDP1 shard.
+        schedulers: the LR schedulers the loop's snapshots hold.
+        policies: the loop's policies.
     """
 
     def __init__(
@@ -95,11 +97,12 @@ class LoopContext(StepContext):
         log_dir: Path | None,
         flat_sharded: bool,
         schedulers: Sequence[Any] = (),
+        policies: Sequence[Policy] = (),
     ) -> None:
         self._model = model
         self._schedulers = list(schedulers)
         self._pipeline = Pipeline()
-        self._policies: list[Policy] = []
+        self._policies = list(policies)
         self._optimizers = list(optimizers)
         self._log = log
         self._log_every_n_steps = log_every_n_steps
@@ -255,7 +258,6 @@ class GradKit:
         if fabric is not None:
             log = fabric.log_dict if log is None else log
             scaler = _fabric_scaler(fabric) if scaler is None else scaler
-        self._fabric = fabric
         self._own_scaler = fabric is None and scaler is not None
         root = _root_module(model)
         flat = _fabric_flat_sharded(fabric) if fabric is not None else False
@@ -269,8 +271,8 @@ class GradKit:
             Path(log_dir) if log_dir else None,
             flat,
             [schedulers] if hasattr(schedulers, "state_dict") and hasattr(schedulers, "step") else list(schedulers),
+            self.policies,
         )
-        self.ctx._policies = self.policies
         self.pipeline = self.ctx.pipeline
         inner = [unwrapped(opt) for opt in optimizers]
         verify_same_layout(inner, self.ctx.param_names())
