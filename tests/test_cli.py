@@ -127,7 +127,8 @@ def test_every_public_callback_is_covered() -> None:
 
     public = {n for n in lightning_gradkit.__all__ if isinstance(getattr(lightning_gradkit, n), type)}
     callbacks = {n for n in public if issubclass(getattr(lightning_gradkit, n), pl.Callback)}
-    assert callbacks == set(CALLBACK_ARGS)
+    # GradKitCallback is the base to write a policy on, not a callback to configure.
+    assert callbacks - {"GradKitCallback"} == set(CALLBACK_ARGS)
 
 
 @pytest.mark.parametrize("name", sorted(CALLBACK_ARGS))
