@@ -340,3 +340,16 @@ def _rank_file(out_dir: Path, rank: int) -> Path:
 
 def _read_ranks(out_dir: Path, count: int) -> list[dict[str, Any]]:
     return [json.loads(_rank_file(out_dir, r).read_text()) for r in range(count)]
+
+
+def exported_callbacks() -> dict[str, type[pl.Callback]]:
+    """The callbacks a user configures, by their top-level name: every exported ``Callback`` class but
+    ``GradKitCallback``, the base a new policy is written on."""
+    import lightning_gradkit
+
+    exported = {name: getattr(lightning_gradkit, name) for name in lightning_gradkit.__all__}
+    return {
+        name: obj
+        for name, obj in exported.items()
+        if isinstance(obj, type) and issubclass(obj, pl.Callback) and name != "GradKitCallback"
+    }

@@ -16,8 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
-import lightning_gradkit
-from helpers import MLPModule, loader, make_trainer
+from helpers import MLPModule, exported_callbacks, loader, make_trainer
 from lightning_gradkit import (
     AccumulationGuard,
     ActivationCheckpointing,
@@ -61,8 +60,7 @@ CASES: dict[str, tuple[Callable[[], Callback], dict[str, Any]]] = {
 
 
 def _exported_callbacks() -> set[str]:
-    exported = {name: getattr(lightning_gradkit, name) for name in lightning_gradkit.__all__}
-    return {name for name, obj in exported.items() if isinstance(obj, type) and issubclass(obj, Callback)}
+    return set(exported_callbacks())
 
 
 def _pickled(obj: Any) -> Any:

@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 
-import lightning_gradkit
+from helpers import exported_callbacks
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
@@ -35,8 +35,7 @@ def argument_table() -> dict[str, str]:
 
 
 def public_callbacks() -> list[type[pl.Callback]]:
-    classes = [getattr(lightning_gradkit, n) for n in lightning_gradkit.__all__]
-    return [c for c in classes if isinstance(c, type) and issubclass(c, pl.Callback)]
+    return list(exported_callbacks().values())
 
 
 def test_readme_table_names_every_argument_of_every_public_callback() -> None:
