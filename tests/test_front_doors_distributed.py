@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from helpers import run_processes
-from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, ZClip
+from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeRollback, ZClip
 from test_front_doors import Net, _initial_state, _optimizer
 
 pytestmark = pytest.mark.distributed
@@ -34,6 +34,9 @@ MAX_NORM = 4.0
 #: (parallelism, clipper, optimizer): under DDP SGD with momentum and an ordinary skip, and Adam fused with the skip
 #: through ``found_inf``; under FSDP2 SGD.
 CASES = (("ddp", "norm", "sgd"), ("ddp", "zclip", "adam_fused"), ("fsdp2", "norm", "sgd"))
+#: SpikeRollback under DDP: a loss spike on both ranks for ``len(SPIKE)`` steps (no NaN), rolled back.
+ROLLBACK_CASE = ("ddp", "rollback", "sgd")
+SPIKE = (4, 5, 6)
 DOORS = ("trainer", "fabric", "plain")
 
 
@@ -48,19 +51,32 @@ def global_batches() -> list[tuple[Tensor, Tensor]]:
     return out
 
 
-def rank_batches(rank: int) -> list[tuple[Tensor, Tensor]]:
+def rank_batches(rank: int, clipper: str = "norm") -> list[tuple[Tensor, Tensor]]:
     """Rank ``r``'s share of every global batch (samples ``4r .. 4r + 3``), with a NaN input on rank 1 at
-    ``NAN_STEP``."""
+    ``NAN_STEP``; for the rollback case instead, 30x larger inputs and targets on both ranks at the ``SPIKE`` steps."""
     out = []
     for i, (x, y) in enumerate(global_batches()):
         x, y = x[4 * rank : 4 * rank + 4].clone(), y[4 * rank : 4 * rank + 4].clone()
-        if i == NAN_STEP and rank == NAN_RANK:
+        if clipper == "rollback":
+            x, y = (x * 30.0, y * 30.0) if i in SPIKE else (x, y)
+        elif i == NAN_STEP and rank == NAN_RANK:
             x[1, 2] = math.nan
         out.append((x, y))
     return out
 
 
 def policies(clipper: str) -> list[Any]:
+    if clipper == "rollback":
+        rollback = SpikeRollback(
+            monitor="loss",
+            z_threshold=3.0,
+            warmup_steps=2,
+            patience=3,
+            snapshot_every_n_steps=2,
+            keep=2,
+            skip_batches=1,
+        )
+        return [GradNormMonitor(depth=1), rollback]
     clip = ZClip(alpha=0.9, z_threshold=1.5, warmup_steps=3) if clipper == "zclip" else ClipGradNorm(MAX_NORM)
     return [GradNormMonitor(depth=1), clip, NonFiniteGuard(action="skip")]
 
@@ -148,3 +164,21 @@ def test_every_door_equals_a_single_process_loop_on_the_global_batches(
                     assert got == value, (rank, door, name)
                     continue
                 torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {door} {name}")
+
+
+def test_rollback_under_ddp_is_the_same_behind_the_three_doors(ranks: list[dict[str, Any]]) -> None:
+    case = "-".join(ROLLBACK_CASE)
+    for rank, result in enumerate(ranks):
+        trainer = result[f"{case}/trainer"]
+        (record,) = trainer["history"]  # one rollback, after `patience` flagged steps, to a snapshot before them
+        assert record["to_step"] <= record["spike_start"] <= SPIKE[0] and record["rewound_steps"] >= 3, record
+        for door in DOORS[1:]:
+            other = result[f"{case}/{door}"]
+            assert other["history"] == trainer["history"], (rank, door)
+            assert other["state"] == trainer["state"], (rank, door)
+            for key, values in trainer["logs"].items():
+                assert other["logs"][key] == pytest.approx(values, nan_ok=True, rel=0, abs=0), (rank, door, key)
+    # Both ranks restored the same snapshot: DDP's parameters stay identical across ranks.
+    states = [result[f"{case}/trainer"]["state"] for result in ranks]
+    params = [k for k in states[0] if not k.startswith("norm.running") and "num_batches" not in k]
+    assert all(states[0][k] == states[1][k] for k in params)

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from helpers import distributed_trainer, script_parser, write_rank_result
-from lightning_gradkit import GradKitModelParallelStrategy
+from lightning_gradkit import GradKitModelParallelStrategy, SpikeRollback
 from lightning_gradkit.loop import GradKit
 from test_front_doors import (
     Net,
@@ -36,7 +36,7 @@ from test_front_doors import (
     _optimizer,
     _series,
 )
-from test_front_doors_distributed import CASES, STEPS, WORLD, policies, rank_batches
+from test_front_doors_distributed import CASES, ROLLBACK_CASE, STEPS, WORLD, policies, rank_batches
 
 
 def state(module: nn.Module) -> dict[str, list[float]]:
@@ -61,9 +61,16 @@ class ShardedNetModule(NetModule):
         shard(self, self.device_mesh["data_parallel"])
 
 
-def train(model: nn.Module, opt: Any, kit: GradKit, backward: Callable[[Tensor], None], rank: int) -> None:
+def history(policies: list[Any]) -> list[dict[str, Any]]:
+    """The rollback record of the case's SpikeRollback, if it has one."""
+    return next((p.state_dict()["history"] for p in policies if isinstance(p, SpikeRollback)), [])
+
+
+def train(
+    model: nn.Module, opt: Any, kit: GradKit, backward: Callable[[Tensor], None], rank: int, clipper: str
+) -> None:
     model.train()
-    for x, y in rank_batches(rank):
+    for x, y in rank_batches(rank, clipper):
         loss = nn.functional.mse_loss(model(x), y)
         backward(loss)
         kit.note_loss(loss)
@@ -82,9 +89,10 @@ def run_plain(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[st
     opt = _optimizer(optimizer, model.parameters())
     rows: list[dict[str, float]] = []
     log = lambda metrics, step: rows.append(metrics)  # noqa: E731
-    kit = GradKit(model, opt, policies(clipper), log=log, log_every_n_steps=1, max_steps=STEPS)
-    train(model, opt, kit, Tensor.backward, rank)
-    return {"state": state(net), "logs": _series(rows)}
+    chosen = policies(clipper)
+    kit = GradKit(model, opt, chosen, log=log, log_every_n_steps=1, max_steps=STEPS)
+    train(model, opt, kit, Tensor.backward, rank, clipper)
+    return {"state": state(net), "logs": _series(rows), "history": history(chosen)}
 
 
 def run_fabric(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[str, Any]:
@@ -100,9 +108,10 @@ def run_fabric(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[s
     # The optimizer takes the parameters the strategy registered (FSDP2's sharded ones).
     model = fabric.setup_module(net)
     opt = fabric.setup_optimizers(_optimizer(optimizer, model.parameters()))
-    kit = GradKit(model, opt, policies(clipper), fabric=fabric, log_every_n_steps=1, max_steps=STEPS)
-    train(model, opt, kit, fabric.backward, rank)
-    return {"state": state(net), "logs": _series(logger.rows)}
+    chosen = policies(clipper)
+    kit = GradKit(model, opt, chosen, fabric=fabric, log_every_n_steps=1, max_steps=STEPS)
+    train(model, opt, kit, fabric.backward, rank, clipper)
+    return {"state": state(net), "logs": _series(logger.rows), "history": history(chosen)}
 
 
 #: The job's output folder: the Trainer's root directory (its guards' event file goes there, not into the cwd).
@@ -116,12 +125,13 @@ def run_trainer(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[
     strategy: Any = "gradkit_ddp"
     if parallel == "fsdp2":
         strategy = GradKitModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+    chosen = policies(clipper)
     trainer = distributed_trainer(
-        strategy=strategy, callbacks=policies(clipper), logger=logger, max_steps=STEPS, default_root_dir=OUT
+        strategy=strategy, callbacks=chosen, logger=logger, max_steps=STEPS, default_root_dir=OUT
     )
     assert trainer.global_rank == rank
-    trainer.fit(module, DataLoader(rank_batches(rank), batch_size=None))
-    return {"state": state(module), "logs": _series(logger.rows)}
+    trainer.fit(module, DataLoader(rank_batches(rank, clipper), batch_size=None))
+    return {"state": state(module), "logs": _series(logger.rows), "history": history(chosen)}
 
 
 def main() -> None:
@@ -134,7 +144,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for parallel, clipper, optimizer in CASES:
+        for parallel, clipper, optimizer in (*CASES, ROLLBACK_CASE):
             for door, run in doors.items():
                 pl.seed_everything(0, verbose=False)
                 results[f"{parallel}-{clipper}-{optimizer}/{door}"] = run(parallel, clipper, optimizer, rank)
