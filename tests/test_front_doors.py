@@ -10,6 +10,7 @@ only the same thing.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -455,3 +456,24 @@ def test_fp16_gradscaler_behind_the_doors_gives_the_same_steps(tmp_path: Path, o
     fp32 = run_plain("norm", optimizer)[1]["grad_norm/total"]
     assert plain_logs["grad_norm/total"][0] == pytest.approx(fp32[0], rel=1e-2)
     assert trainer_logs["gradkit/skipped_steps"][-1] >= 1.0
+
+
+def test_door_event_names_the_micro_batch_with_the_nan_loss(tmp_path: Path) -> None:
+    """With accumulation, the guard's event names the non-finite micro-batch of the window, counted by the door."""
+    model = Net()
+    model.load_state_dict(_initial_state())
+    opt = _optimizer("sgd", model.parameters())
+    guard = NonFiniteGuard(action="skip")
+    kit = GradKit(model, opt, [guard], log_dir=tmp_path)
+    model.train()
+    for i, (x, y) in enumerate(_batches()):  # windows of 2 micro-batches: the NaN (batch 5) is the 2nd of window 2
+        loss = nn.functional.mse_loss(model(x), y)
+        (loss / 2).backward()
+        kit.note_loss(loss)
+        if i % 2 == 1:
+            kit.step(opt)
+            opt.zero_grad(set_to_none=True)
+    (event,) = [json.loads(line) for line in (tmp_path / "gradkit_events.jsonl").read_text().splitlines()]
+    assert event["step"] == NAN_BATCH // 2 and event["batch_idx"] == NAN_BATCH
+    assert event["batches"] == [NAN_BATCH - 1, NAN_BATCH]
+    assert kit.skipped_steps == 1

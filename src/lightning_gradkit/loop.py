@@ -111,6 +111,7 @@ class LoopContext(StepContext):
         self.log_dir = log_dir
         self._flat_sharded = flat_sharded
         self.step = 0
+        self.micro_batches = 0
         first = next(model.parameters(), None)
         self._device = first.device if first is not None else torch.device("cpu")
 
@@ -129,6 +130,11 @@ class LoopContext(StepContext):
     @property
     def log_every_n_steps(self) -> int:
         return self._log_every_n_steps
+
+    @property
+    def batch_idx(self) -> int:
+        # The current micro-batch when the loop hands its losses over (`note_loss`), else the step.
+        return self.micro_batches - 1 if self.micro_batches else self.step
 
     @property
     def model(self) -> nn.Module:
@@ -294,6 +300,7 @@ class GradKit:
         """Hand a micro-batch loss (as the loss function returned it, without an AMP scale) to the policies that
         watch it: ``NonFiniteGuard``'s loss check and ``SpikeGuard(monitor="loss")``. No host sync."""
         loss = loss.detach()
+        self.ctx.micro_batches += 1
         for policy in self.policies:
             policy._note_loss(loss, self.ctx)
 

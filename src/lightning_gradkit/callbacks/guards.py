@@ -265,6 +265,8 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             self._add_loss(unscaled_loss(trainer, loss))
 
     def _note_loss(self, loss: Tensor, ctx: StepContext) -> None:
+        # Outside a Trainer, each loss handed over is one micro-batch of the window (`on_train_batch_start` there).
+        self._window.append(ctx.batch_idx)
         if self.check_loss:
             self._add_loss(loss.detach().float())
 
