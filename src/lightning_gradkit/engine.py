@@ -56,6 +56,7 @@ from lightning_gradkit.core.pipeline import (
     StepContext,
     StepPlan,
     UnitNorms,
+    values_to_host,
 )
 
 __all__ = [
@@ -265,8 +266,8 @@ class Engine(Pipeline):
 
     @staticmethod
     def callbacks(trainer: pl.Trainer, extra: Sequence[Policy] = ()) -> list[Policy]:
-        found = [cb for cb in trainer.callbacks if isinstance(cb, GradKitCallback)]
-        return sorted([*found, *extra], key=lambda cb: cb._stage)
+        """The Trainer's gradkit callbacks and ``extra``; the pipeline puts them in stage order."""
+        return [*(cb for cb in trainer.callbacks if isinstance(cb, GradKitCallback)), *extra]
 
     def step_plan(self, trainer: pl.Trainer, optimizer: Optimizer) -> StepPlan | None:  # type: ignore[override]
         """The plan decided for ``optimizer``'s current step (its first evaluation), ``None`` if none ran yet."""
@@ -393,8 +394,7 @@ def log_metrics(
     if every_n_steps is None or every_n_steps == trainer.log_every_n_steps:
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return
-    first = next(iter(metrics.values()))
-    values = torch.stack([v.detach().reshape(()).to(first.device, torch.float32) for v in metrics.values()]).tolist()
+    values = values_to_host(metrics)
     step = batches_that_stepped(trainer)
     for logger in trainer.loggers:
-        logger.log_metrics(dict(zip(metrics, values, strict=True)), step=step)
+        logger.log_metrics(values, step=step)

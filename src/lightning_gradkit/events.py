@@ -29,6 +29,7 @@ __all__ = [
     "EVENTS_FILENAME",
     "METADATA_FILENAME",
     "EventLog",
+    "EventWriter",
     "events_dir",
     "read_metadata",
     "write_metadata",
@@ -217,3 +218,24 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
+
+
+class EventWriter:
+    """The event file of a callback that reports incidents (the guards, ``SpikeRollback``): where it is, and the
+    note its messages end with."""
+
+    _events: EventLog | None = None
+
+    def _open_events(self, directory: Path | None, rank: int) -> None:
+        """Write to ``directory``'s event file from now on; ``None``: no event file (a loop without a log_dir)."""
+        self._events = EventLog(directory, rank=rank) if directory is not None else None
+
+    @property
+    def events_path(self) -> Path | None:
+        """The ``gradkit_events.jsonl`` file this callback writes to (known after ``setup``)."""
+        return self._events.path if self._events is not None else None
+
+    @property
+    def _events_note(self) -> str:
+        """`` Events: <file>.`` for messages, or nothing where no event file is written."""
+        return f" Events: {self._events.path}." if self._events is not None else ""

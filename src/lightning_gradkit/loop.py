@@ -39,7 +39,7 @@ from lightning_gradkit._layout import verify_same_layout
 from lightning_gradkit.core._torch_compat import gradients_still_scaled, loss_scale
 from lightning_gradkit.core.buffers import BufferGuard, missed_buffers_message
 from lightning_gradkit.core.gate import shadowed, step_as_decided
-from lightning_gradkit.core.pipeline import Pipeline, Policy, Stage, StepContext, StepPlan, unwrapped
+from lightning_gradkit.core.pipeline import Pipeline, Policy, Stage, StepContext, StepPlan, unwrapped, values_to_host
 
 __all__ = ["GradKit", "LoopContext"]
 
@@ -169,12 +169,8 @@ class LoopContext(StepContext):
         return self.max_steps is not None and self.step + 1 >= self.max_steps
 
     def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
-        if self._log is None or not metrics:
-            return
-        first = next(iter(metrics.values()))
-        # One device-to-host transfer for all values of the step.
-        values = torch.stack([v.detach().reshape(()).to(first.device, torch.float32) for v in metrics.values()])
-        self.log_values(dict(zip(metrics, values.tolist(), strict=True)))
+        if self._log is not None and metrics:
+            self.log_values(values_to_host(metrics))
 
     def log_values(self, values: dict[str, float]) -> None:
         if self._log is not None:

@@ -16,7 +16,6 @@ guards share: the strategy check, the event log, which of the two ways applies, 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,7 +25,7 @@ from torch import Tensor
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, refuse_under_deepspeed
 from lightning_gradkit.core.pipeline import StepContext, unwrapped
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan
-from lightning_gradkit.events import EventLog, events_dir
+from lightning_gradkit.events import EventLog, EventWriter, events_dir
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint, handles_found_inf
 
 __all__ = ["GuardBase"]
@@ -88,7 +87,7 @@ class _Ledger:
         return out if out["count"] > 0 else None
 
 
-class GuardBase(GradKitCallback):
+class GuardBase(EventWriter, GradKitCallback):
     """The wiring both guards share: the strategy check, the event log, host-read or ledger reporting.
 
     A subclass decides in ``_decide`` and then either reads its flag at the step (``_reads_on_host()``: through
@@ -118,12 +117,11 @@ class GuardBase(GradKitCallback):
                 f"Trainer uses {type(trainer.strategy).__name__}. Use {gradkit_strategy_hint(trainer.strategy)}, "
                 "or `action='warn'`/`'raise'`, which work with any strategy."
             )
-        self._events = EventLog(events_dir(trainer), rank=trainer.global_rank)
+        self._open_events(events_dir(trainer), trainer.global_rank)
         self._trainer_ref = trainer
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fused = any(handles_found_inf(opt) for opt in trainer.optimizers)
-        self._dev_step = torch.tensor(float(trainer.global_step), device=pl_module.device)
+        self._start(Engine.of(trainer).context(trainer, pl_module))
         if self._restored_skips is not None:
             engine = Engine.of(trainer)
             engine.skipped_steps = torch.tensor(self._restored_skips, device=pl_module.device)
@@ -134,8 +132,11 @@ class GuardBase(GradKitCallback):
 
     # -- outside a Trainer (the Fabric and plain-PyTorch door) ---------------------------------------------------
     def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
-        log_dir = getattr(ctx, "log_dir", None)
-        self._events = EventLog(log_dir, rank=ctx.global_rank) if log_dir is not None else None
+        self._open_events(ctx.log_dir, ctx.global_rank)
+        self._start(ctx)
+
+    def _start(self, ctx: StepContext) -> None:
+        """Where training starts: which way the guard learns of a flagged step, and its device step counter."""
         self._fused = any(handles_found_inf(unwrapped(opt)) for opt in ctx.optimizers)
         self._dev_step = torch.tensor(float(ctx.global_step), device=ctx.device)
 
@@ -174,16 +175,6 @@ class GuardBase(GradKitCallback):
             self._dev_step = torch.zeros((), device=flag.device)
         self._ledger.record(flag, self._dev_step, firsts)
         self._dev_step = self._dev_step + 1
-
-    @property
-    def events_path(self) -> Path | None:
-        """The ``gradkit_events.jsonl`` file this guard writes to (known after ``setup``)."""
-        return self._events.path if self._events is not None else None
-
-    @property
-    def _events_note(self) -> str:
-        """`` Events: <file>.`` for messages, or nothing where no event file is written (a loop without a log_dir)."""
-        return f" Events: {self._events.path}." if self._events is not None else ""
 
     def _write(self, ctx: StepContext, **fields: Any) -> None:
         if self._events is not None:

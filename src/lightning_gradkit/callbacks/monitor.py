@@ -34,7 +34,7 @@ from lightning_gradkit.core.norms import (
     reduce_sharded,
     total_norm,
 )
-from lightning_gradkit.core.pipeline import StepContext
+from lightning_gradkit.core.pipeline import StepContext, values_to_host
 from lightning_gradkit.engine import (
     Engine,
     GradKitCallback,
@@ -169,13 +169,6 @@ def _clipped_flag(plan: StepPlan) -> Tensor | None:
     if plan.clamp_value is not None and math.inf in plan.stats:
         flags.append(plan.pre_clip_total(math.inf) > plan.clamp_value)
     return torch.stack([f.to(flags[0].device) for f in flags]).any() if flags else None
-
-
-def _to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
-    """All values in one device-to-host transfer (logging steps only)."""
-    first = next(iter(metrics.values()))
-    values = torch.stack([v.detach().reshape(()).to(first.device, torch.float32) for v in metrics.values()]).tolist()
-    return dict(zip(metrics, values, strict=True))
 
 
 class GradNormMonitor(GradKitCallback):
@@ -541,7 +534,7 @@ class GradNormMonitor(GradKitCallback):
         if on_period:
             ctx.log(metrics, self.log_every_n_steps)
         else:
-            host = _to_host(metrics)
+            host = values_to_host(metrics)
             ctx.log_values(host)
         if watch.ready:
             self._warn_zero_gradients(watch, ctx)
@@ -614,11 +607,11 @@ class GradNormMonitor(GradKitCallback):
         if before.on_period:
             log_metrics(trainer, pl_module, metrics, self.log_every_n_steps)
         else:
-            host = _to_host(metrics)
+            host = values_to_host(metrics)
             for logger in trainer.loggers:
                 logger.log_metrics(host, step=step)
         if self._record is not None:
-            self._record.merge(step, host or _to_host(metrics))
+            self._record.merge(step, host or values_to_host(metrics))
 
     def _write_row_order(self, idx: int, suffix: str) -> None:
         """Record the per-module rows in model order in ``gradkit_run.json`` when they change (rank 0, a logger)."""
@@ -660,7 +653,7 @@ class GradNormMonitor(GradKitCallback):
         skipped = Engine.of(trainer).skipped_steps
         if skipped is not None:
             extra["gradkit/skipped_steps"] = skipped
-        values = {**(host or _to_host(metrics)), **(_to_host(extra) if extra else {})}
+        values = {**(host or values_to_host(metrics)), **(values_to_host(extra) if extra else {})}
         step = batches_that_stepped(trainer)
         if self._record is not None:
             self._record.add(step, values, self._rows[idx][1] if idx in self._rows else [], suffix)

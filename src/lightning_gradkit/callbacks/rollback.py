@@ -12,7 +12,6 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -31,7 +30,7 @@ from lightning_gradkit.core.norms import ParamIndex, clean_name, grouped_norms, 
 from lightning_gradkit.core.pipeline import StepContext, unwrapped
 from lightning_gradkit.core.running import RunningMoments, spike_decision
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan
-from lightning_gradkit.events import EventLog, events_dir
+from lightning_gradkit.events import EventLog, EventWriter, events_dir
 from lightning_gradkit.replay import RNGState, capture_rng, restore_rng
 from lightning_gradkit.snapshot import HostSnapshot, trained_parameters
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
@@ -195,7 +194,7 @@ def _rng_from_state_dict(state: dict[str, Any]) -> RNGState:
     return RNGState(state["torch_cpu"], cuda, state["python"], state["numpy"])
 
 
-class SpikeRollback(WatchesLossOrGradNorm):
+class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
     r"""When a loss or gradient-norm spike persists, restore the newest good snapshot and step over the bad data.
 
     **Snapshots.** After every ``snapshot_every_n_steps`` optimizer steps (``trainer.global_step`` a multiple of
@@ -469,15 +468,6 @@ class SpikeRollback(WatchesLossOrGradNorm):
         """Host memory held by this rank's snapshot buffers."""
         return sum(slot.tensors.nbytes for slot in self._ring)
 
-    @property
-    def events_path(self) -> Path | None:
-        """The ``gradkit_events.jsonl`` file the rollbacks are written to (known after ``setup``)."""
-        return self._events.path if self._events is not None else None
-
-    @property
-    def _events_note(self) -> str:
-        return f" Events: {self._events.path}." if self._events is not None else ""
-
     # -- Lightning hooks ---------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -512,24 +502,24 @@ class SpikeRollback(WatchesLossOrGradNorm):
                 f"saves from rank 0 only, but under {type(trainer.strategy).__name__} every rank's snapshots hold its "
                 "own shards. Use `save_snapshots=False`: a resumed run then takes its first snapshot at the resume."
             )
-        self._events = EventLog(events_dir(trainer), rank=trainer.global_rank)
+        self._open_events(events_dir(trainer), trainer.global_rank)
+        self._read_model(pl_module)
+
+    def _read_model(self, model: torch.nn.Module) -> None:
+        """For ``escalate_reset_moments="spiking"``: the rows of ``GradNormMonitor(depth="auto")``, named as the
+        engine cleans the parameter names."""
         if self.escalate_reset_moments == "spiking":
-            # The rows of `GradNormMonitor(depth="auto")`, named as the engine cleans the parameter names.
-            self._model_order = [clean_name(n) for n, _ in pl_module.named_parameters()]
-            self._blocks = repeated_blocks((clean_name(n), m) for n, m in pl_module.named_modules())
+            self._model_order = [clean_name(n) for n, _ in model.named_parameters()]
+            self._blocks = repeated_blocks((clean_name(n), m) for n, m in model.named_modules())
             self._rows = None
 
     def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
         # The Fabric / plain-PyTorch door: what `setup` and `on_train_start` do under a Trainer.
         if sum(isinstance(p, SpikeRollback) for p in ctx.policies()) > 1:
             raise ValueError("`policies` holds more than one SpikeRollback; each would restore its own snapshots.")
-        log_dir = getattr(ctx, "log_dir", None)
-        self._events = EventLog(log_dir, rank=ctx.global_rank) if log_dir is not None else None
+        self._open_events(ctx.log_dir, ctx.global_rank)
         self._engine = ctx.pipeline  # whose skip count the state saves
-        if self.escalate_reset_moments == "spiking":
-            self._model_order = [clean_name(n) for n, _ in model.named_parameters()]
-            self._blocks = repeated_blocks((clean_name(n), m) for n, m in model.named_modules())
-            self._rows = None
+        self._read_model(model)
         self._start(ctx)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

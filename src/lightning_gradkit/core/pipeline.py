@@ -54,6 +54,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,7 @@ __all__ = [
     "StepPlan",
     "UnitNorms",
     "unwrapped",
+    "values_to_host",
 ]
 
 
@@ -384,6 +386,13 @@ class StatsRequest:
 _NONFINITE_GRAD_RANKS = "gradkit/nonfinite_grad_ranks"
 
 
+def values_to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """Step values (device scalars) as Python floats, in one device-to-host transfer (logging steps only)."""
+    first = next(iter(metrics.values()))
+    values = torch.stack([v.detach().reshape(()).to(first.device, torch.float32) for v in metrics.values()]).tolist()
+    return dict(zip(metrics, values, strict=True))
+
+
 # -- what the pipeline reads of the loop and of the policies --------------------------------------------------------
 class StepContext:
     """The loop a step runs in, as the pipeline and the policies read it: one subclass per front door.
@@ -396,10 +405,14 @@ class StepContext:
     Attributes:
         trainer: the Lightning ``Trainer`` when the loop is one, else ``None``.
         pl_module: its ``LightningModule``, else ``None``.
+        log_dir: the directory of the guards' event file behind the other doors (the Trainer's is its log
+            directory, chosen at ``setup``).
     """
 
     trainer = None
     pl_module = None
+    #: Where the guards write their event file outside a Trainer (``None``: none is written).
+    log_dir: Path | None = None
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:
