@@ -173,6 +173,10 @@ class TrainerContext(StepContext):
     def flat_sharded(self) -> bool:
         return flat_sharded(self.trainer)
 
+    def steps_through_gate(self) -> bool:
+        # A GradKit strategy gates `optimizer.step` while a policy may skip (`GradKitStrategyMixin.setup`).
+        return bool(getattr(self.trainer.strategy, "_gradkit_gate_active", False))
+
     def loss_scale(self, optimizer: Optimizer) -> Tensor | None:
         return _pending_loss_scale(self.trainer, optimizer)
 

@@ -156,6 +156,9 @@ class LoopContext(StepContext):
     def flat_sharded(self) -> bool:
         return self._flat_sharded
 
+    def steps_through_gate(self) -> bool:
+        return True  # `GradKit.step` gates every optimizer step
+
     def loss_scale(self, optimizer: Optimizer) -> Tensor | None:
         scale = loss_scale(self.scaler)
         if scale is None or not gradients_still_scaled(self.scaler, optimizer):

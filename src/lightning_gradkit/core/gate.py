@@ -8,6 +8,8 @@ the same decision:
 - no policy asked for a skip (``plan.skip is None``): the optimizer steps, nothing is read;
 - fused optimizer (``Adam/AdamW/SGD/Adagrad(fused=True)``): the flag is passed as the optimizer's ``found_inf``
   (combined with the ``GradScaler``'s), and the fused kernel skips the update on device: no host synchronization;
+  the plan's common factor (clip coefficient times accumulation scale), when the pipeline left it unwritten
+  (:attr:`StepPlan.folded`), goes in as the kernel's ``grad_scale``: no write pass over the gradients;
 - otherwise one host read of the flag (shared with whoever asks next, :meth:`StepPlan.skip_on_host`): on a skip
   the optimizer is not called, so parameters and optimizer state stay bitwise as they were.
 """
@@ -49,21 +51,38 @@ def step_as_decided(
     Returns:
         What ``inner`` returned, or ``skipped_result`` on a skipped step.
     """
-    if plan is None or plan.skip is None:  # no policy asked for a skip this step: nothing to read
+    if plan is None or (plan.skip is None and plan.folded is None):  # no skip asked, gradients written: step
         return inner(**kwargs)
     if handles_found_inf(optimizer):
         # The kernel reads the flag on device: no host sync, and the skip is as exact as the GradScaler's.
-        return fused_step(optimizer, inner, plan.skip, kwargs)
+        return fused_step(optimizer, inner, plan.skip, kwargs, plan.folded)
     if plan.skip_on_host():  # the one host read the design allows, shared with whoever asks next
         return skipped_result
     return inner(**kwargs)
 
 
-def fused_step(optimizer: Optimizer, inner: Callable[..., Any], skip: Tensor, kwargs: dict[str, Any]) -> Any:
-    """Step a fused optimizer with ``found_inf`` raised on a skip: its kernel leaves parameters and state alone."""
-    existing = optimizer.__dict__.get("found_inf")  # set by GradScaler.step for the duration of the call
-    flag = skip.to(torch.float32)
-    with shadowed(optimizer, found_inf=flag if existing is None else torch.maximum(existing, flag.to(existing.device))):
+def fused_step(
+    optimizer: Optimizer,
+    inner: Callable[..., Any],
+    skip: Tensor | None,
+    kwargs: dict[str, Any],
+    factor: Tensor | None = None,
+) -> Any:
+    """Step a fused optimizer with ``found_inf`` raised on a skip (its kernel then leaves parameters and state alone)
+    and the gradients' pending ``factor`` (:attr:`StepPlan.folded`) folded into ``grad_scale``, which the kernel
+    divides every gradient by as it reads it. A ``GradScaler`` sets both attributes for the duration of its
+    ``step``; its values are combined with ours, and whatever the instance had is put back afterwards."""
+    attributes: dict[str, Tensor] = {}
+    if skip is not None:
+        existing = optimizer.__dict__.get("found_inf")
+        flag = skip.to(torch.float32)
+        attributes["found_inf"] = flag if existing is None else torch.maximum(existing, flag.to(existing.device))
+    if factor is not None:
+        existing = optimizer.__dict__.get("grad_scale")  # the loss scale the gradients still carry, if any
+        attributes["grad_scale"] = (
+            torch.reciprocal(factor) if existing is None else existing / factor.to(existing.device)
+        )
+    with shadowed(optimizer, **attributes):
         return inner(**kwargs)
 
 

@@ -63,6 +63,7 @@ from torch.optim import Optimizer
 
 from lightning_gradkit._arguments import name_list
 from lightning_gradkit._closure import Evaluation, Evaluations, decide_again
+from lightning_gradkit.core._torch_compat import handles_found_inf
 from lightning_gradkit.core.norms import (
     GradStats,
     ParamIndex,
@@ -162,6 +163,9 @@ class StepPlan:
     unit_norms: UnitNorms | None = None
     run_ids: list[int] = field(default_factory=list)
     run_bounds: list[tuple[int, int]] | None = None
+    #: The common factor (accumulation scale times clip coefficient) left for a fused optimizer to apply through its
+    #: ``grad_scale`` (see :meth:`apply`); ``None`` when the gradients were written.
+    folded: Tensor | None = None
     _post_clip_total: Tensor | None = None
     _skip_host: bool | None = None
     _released: bool = False
@@ -250,8 +254,14 @@ class StepPlan:
     def clipped(self) -> bool:
         return self.clip_coef is not None or bool(self.param_coefs) or self.clamp_value is not None
 
-    def apply(self) -> None:
+    def apply(self, fold: bool = False) -> None:
         """Write the gradients once: multiply by the product of all factors, then clamp for value clipping.
+
+        With ``fold`` (the door steps a fused optimizer through :func:`~lightning_gradkit.core.gate.step_as_decided`)
+        a plan whose only write is one common factor writes nothing: the factor is kept in :attr:`folded` and the
+        fused kernel divides the gradients by ``1 / factor`` as it reads them (its ``grad_scale``), so the step reads
+        the gradients once (the norm) and writes them never. The gradient the kernel reads is within 1 ulp (fp32) of
+        the written one (``g / fl(1/c)`` against ``fl(g * c)``); ``p.grad`` keeps the unscaled values after the step.
 
         The common factor (accumulation scale times clip coefficient) stays fp32 and multiplies each (device, dtype)
         run of gradients as it is, as ``torch.nn.utils.clip_grad_norm_`` does: rounding it to a low-precision dtype
@@ -264,6 +274,9 @@ class StepPlan:
         common = self.scale
         if self.clip_coef is not None:
             common = self.clip_coef if common is None else common * self.clip_coef
+        if fold and common is not None and self.clamp_value is None and not self.param_coefs:
+            self.folded = common
+            return
         if self.param_coefs:
             uniform: list[Tensor] = []
             uniform_ids: list[int] = []
@@ -467,6 +480,16 @@ class StepContext:
         """The loop's fp16 ``GradScaler``, or ``None``."""
         return None
 
+    def steps_through_gate(self) -> bool:
+        """Whether every optimizer step of the loop goes through :func:`~lightning_gradkit.core.gate.step_as_decided`
+        (the door gates ``optimizer.step``)."""
+        return False
+
+    def folds_into(self, optimizer: Optimizer) -> bool:
+        """Whether a plan's common factor can go to ``optimizer``'s fused kernel (its ``grad_scale``) instead of a
+        write pass: the door gates the step and the optimizer is fused."""
+        return self.steps_through_gate() and handles_found_inf(optimizer)
+
     def is_logging_step(self, every_n_steps: int | None = None) -> bool:
         """Whether the current step logs: ``every_n_steps`` or the loop's own period."""
         n = self.log_every_n_steps if every_n_steps is None else every_n_steps
@@ -659,7 +682,9 @@ class Pipeline:
         measured = self._measure(ctx, optimizer, request)
         plan = self._reduce(ctx, optimizer, ordered, request, measured)
         _decide(plan, first, ordered, ctx)
-        plan.apply()
+        # Only a first evaluation's dense, plain-tensor gradients are left to a fused kernel (one `grad_scale`).
+        fold = first is None and measured.bounds is not None and not measured.index.any_dtensor
+        plan.apply(fold=fold and ctx.folds_into(optimizer))
         # After the write, which bumps the gradients' versions: a later call must find these written ones the same.
         self._evaluations.record(optimizer, step, self.generation, shared=len(ctx.optimizers) > 1)
         if first is None:
