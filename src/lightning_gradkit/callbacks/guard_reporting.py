@@ -34,57 +34,73 @@ __all__ = ["GuardBase"]
 class _Ledger:
     """Device-side record of the steps flagged between two host reads: recording never synchronizes.
 
-    Keeps the number of flagged steps, the first and last flagged step, the longest run of consecutive flagged
-    steps with its first and last step (a run that goes on across reads keeps its start), and named values captured
-    at the first flagged step.
+    Each step appends one small device row, ``[flag, *values]`` (a single ``cat``), with its step number kept on the
+    host; :meth:`read` brings every row over in one transfer and summarizes them on the host: the number of flagged
+    steps, the first and last, the longest run of consecutive flagged steps with its first and last step (a run that
+    goes on across reads keeps its start) and the named values of the first flagged step. At most
+    :attr:`MAX_ROWS` rows wait for a read: a run that logs rarely (or never) is read then, one host read per
+    :attr:`MAX_ROWS` steps.
     """
 
-    def __init__(self) -> None:
-        self.t: dict[str, Tensor] = {}
-        self.firsts: dict[str, Tensor] = {}
+    MAX_ROWS = 1024
 
-    def record(self, flag: Tensor, step: Tensor, firsts: dict[str, Tensor]) -> None:
-        f = flag.reshape(()).bool()
-        if not self.t:
-            zero = torch.zeros((), dtype=torch.float32, device=f.device)
-            none = zero - 1
-            self.t = {"count": zero, "first": none, "last": none, "run": zero, "run_first": none, "max_run": zero}
-            self.t.update(max_run_first=none, max_run_last=none)
-        t = self.t
-        new_first = f & (t["count"] == 0)
-        t["count"] = t["count"] + f
-        t["first"] = torch.where(new_first, step, t["first"])
-        t["last"] = torch.where(f, step, t["last"])
-        t["run_first"] = torch.where(f & (t["run"] == 0), step, t["run_first"])
-        t["run"] = torch.where(f, t["run"] + 1, 0.0)
-        longest = f & (t["run"] >= t["max_run"])
-        t["max_run"] = torch.maximum(t["max_run"], t["run"])
-        t["max_run_first"] = torch.where(longest, t["run_first"], t["max_run_first"])
-        t["max_run_last"] = torch.where(longest, step, t["max_run_last"])
-        for key, value in firsts.items():
-            value = value.detach().to(f.device, torch.float32)
-            previous = self.firsts.get(key, torch.zeros_like(value))
-            self.firsts[key] = torch.where(new_first, value, previous)
+    def __init__(self) -> None:
+        self._rows: list[Tensor] = []
+        self._steps: list[int] = []
+        self._layout: list[tuple[str, int]] = []
+        self._run = 0  # the run of flagged steps still going on at the last read, and its first step
+        self._run_first = -1
+        self._last = -1
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def record(self, flag: Tensor, step: int, values: dict[str, Tensor]) -> bool:
+        """Append the step's flag and values (device tensors); ``True`` when the ledger is full and must be read."""
+        parts = [flag.to(torch.float32), *values.values()]  # values of the no-grad pipeline: nothing to detach
+        if all(t.dim() == 0 and t.dtype == torch.float32 and t.device == flag.device for t in parts):
+            row = torch.stack(parts)  # the common case: one op
+        else:
+            row = torch.cat([t.reshape(-1).to(flag.device, torch.float32) for t in parts])
+        self._rows.append(row)
+        self._steps.append(step)
+        self._layout = [(key, value.numel()) for key, value in values.items()]
+        return len(self._rows) >= self.MAX_ROWS
 
     def read(self) -> dict[str, Any] | None:
-        """The record as Python values (one device-to-host transfer), then start a new period; ``None`` if empty."""
-        if not self.t:
+        """The record as Python values (one device-to-host transfer), then start a new period; ``None`` if no step
+        was flagged."""
+        if not self._rows:
             return None
-        entries = {**self.t, **self.firsts}
-        flat = torch.cat([v.reshape(-1) for v in entries.values()]).tolist()
-        out: dict[str, Any] = {}
-        offset = 0
-        for key, value in entries.items():
-            n = value.numel()
-            out[key] = flat[offset] if value.dim() == 0 else flat[offset : offset + n]
+        rows = torch.stack(self._rows).tolist()
+        steps, self._rows, self._steps = self._steps, [], []
+        flagged = [(step, row) for step, row in zip(steps, rows, strict=True) if row[0] > 0]
+        longest, longest_first, longest_last = self._run, self._run_first, self._last if self._run else -1
+        for step, row in zip(steps, rows, strict=True):
+            if row[0] > 0:
+                if self._run == 0:
+                    self._run_first = step
+                self._run += 1
+                self._last = step
+                if self._run >= longest:
+                    longest, longest_first, longest_last = self._run, self._run_first, step
+            else:
+                self._run = 0
+        if not flagged:
+            return None
+        out: dict[str, Any] = {
+            "count": float(len(flagged)),
+            "first": float(flagged[0][0]),
+            "last": float(flagged[-1][0]),
+            "max_run": float(longest),
+            "max_run_first": float(longest_first),
+            "max_run_last": float(longest_last),
+        }
+        first_row, offset = flagged[0][1], 1
+        for key, n in self._layout:
+            out[key] = first_row[offset] if n == 1 else first_row[offset : offset + n]
             offset += n
-        self.t["count"] = torch.zeros_like(self.t["count"])
-        self.t["first"] = torch.full_like(self.t["first"], -1.0)
-        # The next period's longest run starts as the run still going on (with its start, possibly before).
-        self.t["max_run"] = self.t["run"].clone()
-        self.t["max_run_first"] = self.t["run_first"].clone()
-        self.t["max_run_last"] = torch.where(self.t["run"] > 0, self.t["last"], -1.0)
-        return out if out["count"] > 0 else None
+        return out
 
 
 class GuardBase(EventWriter, GradKitCallback):
@@ -101,7 +117,6 @@ class GuardBase(EventWriter, GradKitCallback):
         self.action = action
         self._events: EventLog | None = None
         self._ledger = _Ledger()
-        self._dev_step: Tensor | None = None
         self._fused = False
         self._restored_skips: float | None = None
         self._trainer_ref: pl.Trainer | None = None
@@ -136,9 +151,8 @@ class GuardBase(EventWriter, GradKitCallback):
         self._start(ctx)
 
     def _start(self, ctx: StepContext) -> None:
-        """Where training starts: which way the guard learns of a flagged step, and its device step counter."""
+        """Where training starts: which way the guard learns of a flagged step."""
         self._fused = any(handles_found_inf(unwrapped(opt)) for opt in ctx.optimizers)
-        self._dev_step = torch.tensor(float(ctx.global_step), device=ctx.device)
 
     def _finish(self, ctx: StepContext) -> None:
         if not self._reads_on_host():
@@ -170,11 +184,11 @@ class GuardBase(EventWriter, GradKitCallback):
             return plan.skip_on_host() and bool(flag)
         return bool(flag)
 
-    def _advance_step(self, flag: Tensor, firsts: dict[str, Tensor]) -> None:
-        if self._dev_step is None:
-            self._dev_step = torch.zeros((), device=flag.device)
-        self._ledger.record(flag, self._dev_step, firsts)
-        self._dev_step = self._dev_step + 1
+    def _advance_step(self, ctx: StepContext, flag: Tensor, firsts: dict[str, Tensor]) -> None:
+        """Record the step's flag (and the values to report if it is the first flagged one) in the ledger; read it
+        when it is full (see :class:`_Ledger`)."""
+        if self._ledger.record(flag, ctx.global_step, firsts):
+            self._report_ledger(ctx)
 
     def _write(self, ctx: StepContext, **fields: Any) -> None:
         if self._events is not None:

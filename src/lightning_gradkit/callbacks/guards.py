@@ -42,8 +42,9 @@ from lightning_gradkit.callbacks.culprit import (
 from lightning_gradkit.callbacks.guard_reporting import GuardBase
 from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss, unscaled_loss
 from lightning_gradkit.callbacks.nonfinite_validation import NonFiniteValidationCheck
+from lightning_gradkit.core.norms import nonfinite_mask
 from lightning_gradkit.core.pipeline import StepContext
-from lightning_gradkit.core.running import RunningMoments, WindowMoments, spike_decision
+from lightning_gradkit.core.running import RunningMoments, WindowMoments
 from lightning_gradkit.engine import StatsRequest, StepPlan, is_logging_step, world_size
 from lightning_gradkit.forensics import Finding, describe_error, replay_training_step
 from lightning_gradkit.replay import RNGState, capture_rng
@@ -212,7 +213,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         self._batches: list[tuple[Any, int, RNGState]] = []
         self._window: list[int] = []
         self._ids: list[Any] = []
-        self._flags: tuple[Tensor, Tensor | None, Tensor | None] | None = None
+        self._flags: tuple[Tensor, Tensor | None, Tensor | None, Tensor | None] | None = None
         self._consecutive: list[int] = []
         self._first_finding: dict[str, Any] | None = None
         self._forensics_done = False
@@ -272,7 +273,8 @@ class NonFiniteGuard(NonFiniteValidationCheck):
 
     def _add_loss(self, loss: Tensor) -> None:
         """Check a micro-batch loss (without the AMP scale) on device: no host sync."""
-        bad = ~torch.isfinite(loss).all()
+        bad = nonfinite_mask(loss)
+        bad = bad if bad.dim() == 0 else bad.any()
         self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         self._losses.append(loss)
 
@@ -375,35 +377,41 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             request.rank_flags = True
 
     def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
-        if not self.check_loss:
+        if not self.check_loss or world_size() <= 1:  # one process: its own flag is the decision
             return {}
-        ranks = torch.zeros(max(world_size(), 1), dtype=torch.float32, device=ctx.device)
+        ranks = torch.zeros(world_size(), dtype=torch.float32, device=ctx.device)
         if self._loss_bad is not None:
             ranks[_rank()] = self._loss_bad.to(torch.float32)
         return {self._key: ranks}
 
     def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        device = plan.primary.total.device
-        bad = torch.zeros((), dtype=torch.bool, device=device)
-        loss_ranks = None
-        grads_bad = None
-        if self.check_loss:
-            loss_ranks = plan.reduced[self._key].to(device)
-            bad = bad | (loss_ranks.sum() > 0)
-        if self.check_grads:
-            grads_bad = ~plan.primary.finite
-            bad = bad | grads_bad
-        self._flags = (bad, loss_ranks, grads_bad)
+        loss_ranks = None  # per rank, 1.0 where a loss was non-finite (several processes only)
+        loss_bad = None
+        if self.check_loss and self._key in plan.reduced:
+            loss_ranks = plan.reduced[self._key].to(plan.primary.total.device)
+            loss_bad = loss_ranks.sum() > 0
+        elif self.check_loss and self._loss_bad is not None:
+            loss_bad = self._loss_bad.to(plan.primary.total.device)
+        grads_bad = ~plan.primary.finite if self.check_grads else None
+        if loss_bad is not None and grads_bad is not None:
+            bad = loss_bad | grads_bad
+        else:
+            bad = next((t for t in (loss_bad, grads_bad) if t is not None), None)
+            if bad is None:  # only the loss is checked, and no loss was handed over this step
+                bad = torch.zeros((), dtype=torch.bool, device=plan.primary.total.device)
+        self._flags = (bad, loss_ranks, loss_bad, grads_bad)
         if self.action == "skip":
             plan.add_skip(bad)
         if not self._reads_on_host():
-            firsts = {"param": (~torch.isfinite(plan.primary.param_norms)).to(torch.int64).argmax().float()}
+            firsts = {"param": nonfinite_mask(plan.primary.param_norms).to(torch.float32).argmax().float()}
             if loss_ranks is not None:
                 firsts["loss_ranks"] = loss_ranks
+            elif loss_bad is not None:
+                firsts["loss_ranks"] = loss_bad.to(torch.float32)
             if grads_bad is not None:
-                firsts["grads"] = grads_bad
+                firsts["grads"] = grads_bad.to(torch.float32)
             self._param_names = plan.primary.names
-            self._advance_step(bad, firsts)
+            self._advance_step(ctx, bad, firsts)
 
     def _decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # A re-evaluated closure's loss belongs to no decision: the step was decided on its first evaluation.
@@ -426,13 +434,16 @@ class NonFiniteGuard(NonFiniteValidationCheck):
     # -- acting at the step (host knows) -----------------------------------------------------------------------
     def _act_at_step(self, plan: StepPlan, ctx: StepContext) -> None:
         assert self._flags is not None
-        bad, loss_ranks, grads_bad = self._flags
+        bad, loss_ranks, loss_bad, grads_bad = self._flags
         if not self._flagged_on_host(plan, bad):
             self._consecutive = []
             return
         step = ctx.global_step
         self._consecutive.append(step)
-        bad_ranks = [r for r, v in enumerate(loss_ranks.tolist()) if v > 0] if loss_ranks is not None else []
+        if loss_ranks is not None:
+            bad_ranks = [r for r, v in enumerate(loss_ranks.tolist()) if v > 0]
+        else:
+            bad_ranks = [ctx.global_rank] if loss_bad is not None and bool(loss_bad) else []
         grads_nonfinite = bool(grads_bad) if grads_bad is not None else False
         stats = plan.primary
         nonfinite = (~torch.isfinite(stats.param_norms)).cpu()
@@ -710,14 +721,12 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
         if self._device != x.device:
             self._stats.to(x.device)
             self._device = x.device
-        mean, var, count = self._stats.moments()
-        spike, z, record, std = spike_decision(x, mean, var, count, self.z_threshold, self.warmup_steps)
-        self._stats.update(record)
-        self._step = (spike, x.float(), z, mean, std)
+        spike, z, mean, std = self._stats.spike_step(x, self.z_threshold, self.warmup_steps)
+        self._step = (spike, x, z, mean, std)
         if self.action == "skip":
             plan.add_skip(spike)
         if not self._reads_on_host():
-            self._advance_step(spike, {"value": x, "z": z, "mean": mean, "std": std})
+            self._advance_step(ctx, spike, {"value": x, "z": z, "mean": mean, "std": std})
 
     def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
         assert self._step is not None

@@ -26,7 +26,14 @@ from lightning_gradkit._arguments import check_bool, check_choice, check_float, 
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
 from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss
 from lightning_gradkit.callbacks.monitor import auto_module_keys, module_rows, repeated_blocks
-from lightning_gradkit.core.norms import ParamIndex, clean_name, grouped_norms, host_to_device, local_tensor
+from lightning_gradkit.core.norms import (
+    ParamIndex,
+    clean_name,
+    grouped_norms,
+    host_to_device,
+    local_tensor,
+    nonfinite_mask,
+)
 from lightning_gradkit.core.pipeline import StepContext, unwrapped
 from lightning_gradkit.core.running import RunningMoments, spike_decision
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan
@@ -621,10 +628,8 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
             self._trigger = None
             return
         x = self._watched_value(plan)
-        mean, var, count = self._stats.moments()
-        spike, z, record, std = spike_decision(x, mean, var, count, self.z_threshold, self.warmup_steps)
-        self._stats.update(record)
-        nonfinite = ~torch.isfinite(x) | ~plan.primary.finite
+        spike, z, mean, std = self._stats.spike_step(x, self.z_threshold, self.warmup_steps)
+        nonfinite = nonfinite_mask(x) | ~plan.primary.finite
         flagged = spike | nonfinite
         run = torch.where(flagged, self._run + 1, 0.0)
         nonfinite_run = torch.where(nonfinite, self._nonfinite_run + 1, 0.0)

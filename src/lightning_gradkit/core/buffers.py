@@ -108,7 +108,7 @@ class BufferGuard:
                 continue
             if entry.saved is None or entry.saved.shape != current.shape or entry.saved.dtype != current.dtype:
                 entry.saved = torch.empty_like(current)
-            sources.append(current.detach())
+            sources.append(current)  # under no_grad (the callers), so nothing to detach
             targets.append(entry.saved)
         if targets:
             with torch.no_grad():

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradkit._arguments import check_float, check_int, validate_norm_type
+from lightning_gradkit.core.norms import finite_mask
 
 __all__ = [
     "MAX_HISTORY",
@@ -393,34 +394,44 @@ class ZClipPolicy(ScalarClipPolicy):
     def __call__(self, total_norm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         g = total_norm.to(torch.float32)
         mean, var, count = self._ensure_state(g.device)
-        finite = torch.isfinite(g)
+        finite = finite_mask(g)
         warming = count < self.warmup_steps
-        ceiling = torch.full_like(g, math.inf if self.max_norm is None else self.max_norm)
+        after = ~warming
+        zt = self.z_threshold
 
-        # Warm-up: running mean and population variance of the first norms (Welford's update).
-        k = (count + 1).to(torch.float32)
-        delta = g - mean
-        warm_mean = mean + delta / k
-        warm_var = var + (delta * (g - warm_mean) - var) / k
-
-        # After warm-up: the reciprocal z-score rule, then the EMA update with the adjusted norm.
+        # The reciprocal z-score rule (after warm-up): a spike is pulled to `mu + z_threshold**2 * sigma / z`.
         std = var.sqrt()
-        z = (g - mean) / (std + self.eps)
-        spike = z > self.z_threshold
-        adjusted = torch.where(spike, mean + (self.z_threshold * std) / (z / self.z_threshold), g)
-        ema_mean = self.alpha * mean + (1 - self.alpha) * adjusted
-        ema_var = self.alpha * var + (1 - self.alpha) * (adjusted - ema_mean) ** 2
+        std_eps = std + self.eps
+        z = (g - mean) / std_eps
+        adjusted = torch.where(z > zt, mean + (std * zt**2) / z, g)
+
+        # One update for both phases, with weight w and the value x it records:
+        #   warm-up (Welford): x = g, w = 1 / k,      mu' = mu + w d,  var' = var + w (d (x - mu') - var)
+        #   after (EMA):       x = g*, w = 1 - alpha, mu' = mu + w d,  var' = var + w ((x - mu')^2 - var)
+        # with d = x - mu: the EMA lines are `alpha mu + (1 - alpha) x` and `alpha var + (1 - alpha) (x - mu')^2`.
+        x = torch.where(warming, g, adjusted)
+        w = (count + 1).reciprocal().masked_fill(after, 1.0 - self.alpha)
+        d = x - mean
+        new_mean = torch.addcmul(mean, w, d)
+        r = x - new_mean
+        new_var = torch.addcmul(var, w, r * torch.where(warming, d, r) - var)
 
         # The norm above which this step is clipped (`z > z_threshold`, or above `max_norm`), and the norm it is
-        # then clipped to (the reciprocal rule's `g*`, or `max_norm`).
-        threshold = torch.where(warming, ceiling, torch.minimum(mean + self.z_threshold * (std + self.eps), ceiling))
-        target = torch.where(warming, ceiling, torch.minimum(adjusted, ceiling))
-        coef = clip_to_threshold(g, target)
+        # then clipped to (the reciprocal rule's `g*`, or `max_norm`); during warm-up only `max_norm` clips.
+        threshold = torch.add(mean, std_eps, alpha=zt)
+        if self.max_norm is not None:
+            threshold = threshold.clamp_max(self.max_norm)
+            adjusted = adjusted.clamp_max(self.max_norm)
+        ceiling = math.inf if self.max_norm is None else self.max_norm
+        threshold = threshold.masked_fill(warming, ceiling)
+        target = adjusted.masked_fill(warming, ceiling)
         clipped = g > target
+        coef = (target / (g + NORM_EPS)).masked_fill(~clipped, 1.0)  # at or below the target: exactly 1
         self.target = target
-        mean.copy_(torch.where(finite, torch.where(warming, warm_mean, ema_mean), mean))
-        var.copy_(torch.where(finite, torch.where(warming, warm_var, ema_var), var))
-        count.add_(finite.to(count.dtype))
+        # A non-finite norm never enters the statistics.
+        self.mean = torch.where(finite, new_mean, mean)
+        self.var = torch.where(finite, new_var, var)
+        self.count = count + finite
         return coef, clipped, threshold
 
     def state_dict(self) -> dict[str, Any]:

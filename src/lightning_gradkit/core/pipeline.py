@@ -71,6 +71,7 @@ from lightning_gradkit.core.norms import (
     derive_stats,
     fill_present,
     local_tensor,
+    nonfinite_mask,
     per_tensor_norms,
     positions_tensor,
     reduce_sharded,
@@ -895,7 +896,7 @@ class _CachedIndex:
 # -- the gradient read and the measure phase's helpers -------------------------------------------------------------
 def _local_nonfinite_flags(local: dict[float, Tensor], device: torch.device) -> Tensor:
     """``[world_size]`` zeros, with this rank's entry 1.0 when any of its local per-parameter norms is NaN or Inf."""
-    bad = torch.stack([~torch.isfinite(norms).all() for norms in local.values()]).any()
+    bad = torch.stack([nonfinite_mask(norms).any() for norms in local.values()]).any()
     flags = torch.zeros(world_size(), dtype=torch.float32, device=device)
     flags[dist.get_rank()] = bad.to(torch.float32)
     return flags

@@ -15,11 +15,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_gradkit.core.norms import finite_mask
+
 __all__ = [
     "RunningMoments",
     "WindowMoments",
     "ema_update",
     "spike_decision",
+    "spike_step",
     "std_of",
     "window_moments",
     "window_update",
@@ -144,6 +147,35 @@ def spike_decision(
     return spike, z, record, std
 
 
+def spike_step(
+    x: Tensor, mean: Tensor, var: Tensor, count: Tensor, z_threshold: float, warmup: int, alpha: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`spike_decision` then :func:`ema_update` with the value it records, sharing their terms: the step a
+    detector over an EMA takes each optimizer step, in about half the device operations of the two calls (each is a
+    kernel launch on a GPU).
+
+    The recorded deviation from the mean is ``z_threshold * std`` on a spike (the clamp of :func:`spike_decision`),
+    ``x - mean`` otherwise, 0 for a non-finite ``x``; the update is then :func:`ema_update`'s. Equal to the two calls
+    up to rounding (the clamp is applied to the deviation instead of the value).
+
+    Returns:
+        ``(spike, z, std, mean, var, count)``: the decision as :func:`spike_decision` returns it (``std`` of the
+        statistics before the step), then the updated statistics.
+    """
+    x = _like(x, mean)
+    valid = finite_mask(x)
+    std = std_of(mean, var)
+    delta = x - mean
+    z = torch.where(valid & (count >= warmup), delta / std, 0.0)
+    spike = z > z_threshold
+    deviation = torch.where(spike, std * z_threshold, torch.where(valid, delta, 0.0))
+    n = count + valid
+    # max(1/n, 1 - alpha) where valid (then n >= 1), else 0, as in `ema_update`.
+    w = torch.where(valid, n.reciprocal().clamp_min(1.0 - alpha), 0.0)
+    incr = w * deviation
+    return spike, z, std, mean + incr, (1.0 - w) * torch.addcmul(var, deviation, incr), n
+
+
 class RunningMoments:
     """NaN-masked exponentially weighted mean and variance of a scalar stream, on device (see :func:`ema_update`).
 
@@ -167,6 +199,15 @@ class RunningMoments:
 
     def update(self, x: Tensor) -> None:
         self.mean, self.var, self.count = ema_update(self.mean, self.var, self.count, x, self.alpha)
+
+    def spike_step(self, x: Tensor, z_threshold: float, warmup: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Decide whether ``x`` is a spike and record it (:func:`spike_step`); ``(spike, z, mean, std)`` with the
+        mean and standard deviation from before ``x``."""
+        mean = self.mean
+        spike, z, std, self.mean, self.var, self.count = spike_step(
+            x, mean, self.var, self.count, z_threshold, warmup, self.alpha
+        )
+        return spike, z, mean, std
 
     def state_dict(self) -> dict[str, Tensor]:
         return {"mean": self.mean.cpu(), "var": self.var.cpu(), "count": self.count.cpu()}
@@ -197,6 +238,14 @@ class WindowMoments:
 
     def update(self, x: Tensor) -> None:
         self.values, self.position = window_update(self.values, self.position, x)
+
+    def spike_step(self, x: Tensor, z_threshold: float, warmup: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Decide whether ``x`` is a spike (:func:`spike_decision`) and record the clamped value; ``(spike, z, mean,
+        std)`` with the mean and standard deviation from before ``x``."""
+        mean, var, count = self.moments()
+        spike, z, record, std = spike_decision(x, mean, var, count, z_threshold, warmup)
+        self.update(record)
+        return spike, z, mean, std
 
     def state_dict(self) -> dict[str, Tensor]:
         return {"values": self.values.cpu(), "position": self.position.cpu()}
