@@ -136,7 +136,14 @@ class StepClock(pl.Callback):
         return [(b - a) * 1e3 for a, b in zip(self.starts, self.starts[1:], strict=False)]
 
 
-def fit(cfg: Config, size: dict[str, int], args: argparse.Namespace, data: TensorDataset, clock: pl.Callback) -> None:
+def fit(
+    cfg: Config,
+    size: dict[str, int],
+    args: argparse.Namespace,
+    data: TensorDataset,
+    clock: pl.Callback,
+    steps: int | None = None,
+) -> None:
     torch.manual_seed(0)
     module = TinyGPTModule(
         n_layer=size["layers"],
@@ -150,7 +157,7 @@ def fit(cfg: Config, size: dict[str, int], args: argparse.Namespace, data: Tenso
         devices=1,
         strategy=cfg.strategy,
         precision=args.precision,
-        max_steps=args.steps,
+        max_steps=steps or args.steps,
         callbacks=[clock, *cfg.callbacks(args.log_every)],
         logger=False,
         enable_checkpointing=False,
@@ -164,13 +171,8 @@ def fit(cfg: Config, size: dict[str, int], args: argparse.Namespace, data: Tenso
 
 def per_step(cfg: Config, size: dict[str, int], args: argparse.Namespace, data: TensorDataset) -> dict[str, float]:
     """One fit through the first logging step and a few steps beyond; each step timed alone."""
-    saved = args.steps
-    args.steps = args.log_every + 6
     clock = StepClock(args.cuda)
-    try:
-        fit(cfg, size, args, data, clock)
-    finally:
-        args.steps = saved
+    fit(cfg, size, args, data, clock, steps=args.log_every + 6)
     ms = clock.step_ms
     logging_idx = args.log_every - 1  # global step 49 logs: (49 + 1) % 50 == 0
     window = range(max(1, logging_idx - 8), len(ms) - 1)  # the last step also logs: left out of the reference
@@ -190,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--small", action="store_true", help="GPT 4 x 256, batch 8 x 128")
     which.add_argument("--tiny", action="store_true", help="GPT 2 x 64, batch 4 x 32, fp32, few steps: CPU smoke run")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per fit (default 60, tiny 14)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps of a fit (default 15, tiny 4)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per fit (default 60, tiny 10)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps of a fit (default 15, tiny 3)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved fits per configuration (default 3)")
     parser.add_argument("--precision", default=None, help="Trainer precision (default bf16-mixed, tiny 32-true)")
     parser.add_argument("--log-every", type=int, default=None, help="logging period (default 50, tiny 5)")
@@ -204,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     tiny = args.tiny
     size = SIZES["tiny" if tiny else "small" if args.small else "default"]
-    args.steps = args.steps or (14 if tiny else 60)
-    args.warmup = args.warmup if args.warmup is not None else (4 if tiny else 15)
+    args.steps = args.steps or (10 if tiny else 60)
+    args.warmup = args.warmup if args.warmup is not None else (3 if tiny else 15)
     args.repeats = args.repeats or (1 if tiny else 3)
     args.precision = args.precision or ("32-true" if tiny else "bf16-mixed")
     args.log_every = args.log_every or (5 if tiny else 50)
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     # One untimed fit first: the process's one-time costs (CUDA context, cuBLAS handles, kernel loading, imports
     # of the callbacks' modules) would otherwise land on the first configuration of the first repeat.
     for name in ("bare", "gradkit_full_fused"):
-        fit(CONFIGS[name], size, args, data, RunClock(args.warmup, args.cuda))
+        fit(CONFIGS[name], size, args, data, RunClock(args.warmup, args.cuda), steps=args.warmup + 2)
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for _ in range(args.repeats):
         for name, cfg in CONFIGS.items():
