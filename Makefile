@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradkit-installed
 
-.PHONY: demo test test-compat lint bench clean
+.PHONY: demo test test-compat lint bench gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -91,5 +91,14 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_monitoring.py
 
+# `make gpu-check`: the GPU proof on a machine with CUDA and no network, in under 8 minutes: the gpu-marked tests, the
+# sync count, the norm pass against the bandwidth floor and the whole-step benchmark (benchmarks/gpu_check.py), all in
+# gpu-check-results/results.md (and .json). No .venv: an interpreter that already has torch (CUDA), Lightning and
+# pytest, the package from src/ (or installed with `pip install --no-deps -e .`). Without CUDA it skips, exit 0.
+GPU_PYTHON ?= python3
+
+gpu-check:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py
+
 clean:
-	rm -rf $(VENV) $(COMPAT_DIR) lightning_logs .pytest_cache
+	rm -rf $(VENV) $(COMPAT_DIR) lightning_logs .pytest_cache gpu-check-results
