@@ -106,6 +106,7 @@ class _Tables(NamedTuple):
     starts: Tensor  # [T + 1] first block of each tensor; tensor t owns blocks starts[t] to starts[t + 1]
     owner: Tensor  # [B] the tensor of each block
     num_blocks: int
+    aligned: bool  # every pointer a multiple of 16 bytes (not so for views into a flat buffer, e.g. DDP buckets)
 
 
 _tables_cache: OrderedDict[tuple, _Tables] = OrderedDict()
@@ -123,7 +124,14 @@ def _build_tables(ptrs: list[int], numels: list[int], device: torch.device) -> _
         # pinned buffer until it has run). It happens once per layout, not per step.
         host = host.pin_memory().to(device, non_blocking=True)
     n = len(numels)
-    return _Tables(host[:n], host[n : 2 * n], host[2 * n : 3 * n + 1], host[3 * n + 1 :], starts[-1])
+    return _Tables(
+        host[:n],
+        host[n : 2 * n],
+        host[2 * n : 3 * n + 1],
+        host[3 * n + 1 :],
+        starts[-1],
+        all(p % 16 == 0 for p in ptrs),
+    )
 
 
 def _tables(tensors: Sequence[Tensor]) -> _Tables | None:
@@ -169,11 +177,16 @@ def _kernel_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor | None:
         return torch.zeros(len(tensors), dtype=torch.float32, device=device)
     from lightning_gradkit.core._triton_norm_kernels import _launch
 
-    args = (*tables, _BLOCK, tensors[0].dtype, norm_type)
+    def launch() -> Tensor:
+        t = tables
+        return _launch(
+            t.ptrs, t.numels, t.starts, t.owner, t.num_blocks, t.aligned, _BLOCK, tensors[0].dtype, norm_type
+        )
+
     if device.type != "cuda":
-        return _launch(*args)
+        return launch()
     with torch.cuda.device(device):  # triton launches on the current device
-        return _launch(*args)
+        return launch()
 
 
 def multi_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:

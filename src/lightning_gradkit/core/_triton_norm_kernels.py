@@ -28,6 +28,17 @@ def _max_keep_nan(a, b):
 
 
 @triton.jit
+def _accumulate(acc, x, MODE: tl.constexpr):
+    if MODE == 2:
+        acc += x * x
+    elif MODE == 1:
+        acc += tl.abs(x)
+    else:
+        acc = _max_keep_nan(acc, tl.abs(x))
+    return acc
+
+
+@triton.jit
 def _block_partials(
     ptrs,
     numels,
@@ -36,6 +47,7 @@ def _block_partials(
     partials,
     ELEMENT: tl.constexpr,
     MODE: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
     TILE: tl.constexpr,
 ):
@@ -43,21 +55,23 @@ def _block_partials(
     t = tl.load(owner + pid)  # the tensor this block belongs to (int64 table, so offsets below are int64)
     numel = tl.load(numels + t)
     base = tl.load(ptrs + t).to(tl.pointer_type(ELEMENT))
+    if ALIGNED:
+        # A pointer loaded from memory has no known alignment; without the hint the loads are not vectorized.
+        base = tl.multiple_of(base, 16)
     begin = (pid - tl.load(starts + t)) * BLOCK
     acc = tl.zeros([TILE], dtype=tl.float32)
-    for k in tl.static_range(0, BLOCK, TILE):
-        offsets = begin + k + tl.arange(0, TILE)
-        x = tl.load(base + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
-        if MODE == 2:
-            acc += x * x
-        elif MODE == 1:
-            acc += tl.abs(x)
-        else:
-            acc = _max_keep_nan(acc, tl.abs(x))
-    if MODE == 0:
-        partial = tl.reduce(acc, 0, _max_keep_nan)
+    # Same lanes, same order on both branches (a masked element adds 0), so the branch does not change the bits.
+    if begin + BLOCK <= numel:
+        # A whole block: unmasked loads, which vectorize (a mask from a loaded numel has unknown alignment).
+        for k in tl.static_range(0, BLOCK, TILE):
+            x = tl.load(base + begin + k + tl.arange(0, TILE)).to(tl.float32)
+            acc = _accumulate(acc, x, MODE)
     else:
-        partial = tl.sum(acc, 0)
+        for k in tl.static_range(0, BLOCK, TILE):
+            offsets = begin + k + tl.arange(0, TILE)
+            x = tl.load(base + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+            acc = _accumulate(acc, x, MODE)
+    partial = tl.reduce(acc, 0, _max_keep_nan) if MODE == 0 else tl.sum(acc, 0)
     tl.store(partials + pid, partial)
 
 
@@ -74,10 +88,7 @@ def _segment_norms(partials, starts, out, MODE: tl.constexpr, SEGMENT: tl.conste
             acc = _max_keep_nan(acc, v)
         else:
             acc += v
-    if MODE == 0:
-        total = tl.reduce(acc, 0, _max_keep_nan)
-    else:
-        total = tl.sum(acc, 0)
+    total = tl.reduce(acc, 0, _max_keep_nan) if MODE == 0 else tl.sum(acc, 0)
     if MODE == 2:
         total = tl.sqrt_rn(total)  # IEEE-rounded, as torch's sqrt; tl.sqrt may be approximate
     tl.store(out + t, total)
@@ -89,19 +100,21 @@ def _launch(
     starts: torch.Tensor,
     owner: torch.Tensor,
     num_blocks: int,
+    aligned: bool,
     block: int,
     dtype: torch.dtype,
     norm_type: float,
 ) -> torch.Tensor:
     """Per-tensor norms from the tables of :func:`lightning_gradkit.core._multi_norm._build_tables` (on the tensors'
-    device), as an fp32 vector; ``num_blocks`` is ``len(owner)``, known on the host, ``block`` the elements per
-    block the tables were built for (a multiple of ``_TILE``)."""
+    device), as an fp32 vector; ``num_blocks`` is ``len(owner)``, known on the host, ``aligned`` whether every data
+    pointer is a multiple of 16 bytes, ``block`` the elements per block the tables were built for (a multiple of
+    ``_TILE``)."""
     num_tensors = numels.numel()
     mode = _MODES[float(norm_type)]
     partials = torch.empty(num_blocks, dtype=torch.float32, device=ptrs.device)
     out = torch.empty(num_tensors, dtype=torch.float32, device=ptrs.device)
     _block_partials[(num_blocks,)](
-        ptrs, numels, starts, owner, partials, _ELEMENT[dtype], mode, block, _TILE, num_warps=_NUM_WARPS
+        ptrs, numels, starts, owner, partials, _ELEMENT[dtype], mode, aligned, block, _TILE, num_warps=_NUM_WARPS
     )
     _segment_norms[(num_tensors,)](partials, starts, out, mode, _SEGMENT, num_warps=4)
     return out
