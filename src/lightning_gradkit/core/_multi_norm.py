@@ -177,16 +177,12 @@ def _kernel_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor | None:
         return torch.zeros(len(tensors), dtype=torch.float32, device=device)
     from lightning_gradkit.core._triton_norm_kernels import _launch
 
-    def launch() -> Tensor:
-        t = tables
-        return _launch(
-            t.ptrs, t.numels, t.starts, t.owner, t.num_blocks, t.aligned, _BLOCK, tensors[0].dtype, norm_type
-        )
-
+    t = tables
+    args = (t.ptrs, t.numels, t.starts, t.owner, t.num_blocks, t.aligned, _BLOCK, tensors[0].dtype, norm_type)
     if device.type != "cuda":
-        return launch()
+        return _launch(*args)
     with torch.cuda.device(device):  # triton launches on the current device
-        return launch()
+        return _launch(*args)
 
 
 def multi_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
