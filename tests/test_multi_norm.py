@@ -130,6 +130,7 @@ def test_dense_layouts_are_read_as_flat_arrays_and_gapped_ones_fall_back() -> No
     assert _multi_norm._tables([base, base.t()]) is not None
     assert _multi_norm._tables([base, base[:, ::2]]) is None  # the whole list falls back
     assert _multi_norm._tables([base, base.double()]) is None  # mixed dtypes
+    assert _multi_norm._tables([base, base.to_sparse()]) is None  # no storage to point at
 
 
 def test_tables_map_each_block_to_its_tensor_and_are_cached_by_layout() -> None:

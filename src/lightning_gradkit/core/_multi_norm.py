@@ -136,33 +136,37 @@ def _build_tables(ptrs: list[int], numels: list[int], device: torch.device) -> _
 
 def _tables(tensors: Sequence[Tensor]) -> _Tables | None:
     """The kernel's tables for ``tensors``, cached by their data pointers and sizes (a step's gradients usually sit
-    where they sat the step before); ``None`` when some tensor cannot be read as a flat array (sparse, a subclass,
-    overlapping or with gaps, another device or dtype)."""
+    where they sat the step before); ``None`` when some tensor cannot be read as a flat array of the first one's
+    dtype and device (no storage: sparse or a wrapper subclass such as DTensor; overlapping or with gaps).
+
+    This runs every step, so a cache hit reads four attributes per tensor through C-level ``map`` (88 us for 148
+    tensors on a slow shared CPU, against 207 us checking each tensor in a Python loop). The other tensors' device is
+    checked only when the tables are built: a hit has the same pointers, and CUDA's unified addressing gives every
+    device its own range.
+    """
     first = tensors[0]
-    ptrs: list[int] = []
-    numels: list[int] = []
-    for t in tensors:
-        if (
-            t.layout != torch.strided
-            or type(t) not in (Tensor, torch.nn.Parameter)
-            or t.dtype != first.dtype
-            or t.device != first.device
-            or not _dense(t)
-        ):
-            return None
-        ptrs.append(t.data_ptr())
-        numels.append(t.numel())
-    # Dtype and device are in the key with the pointers: equal keys read the same bytes the same way, whatever
-    # tensor objects hold them now. The cache holds no tensor, so it keeps no gradient alive.
-    key = (first.device, first.dtype, tuple(ptrs), tuple(numels))
+    try:
+        ptrs = tuple(map(Tensor.data_ptr, tensors))
+    except RuntimeError:  # "Cannot access data pointer of Tensor that doesn't have storage"
+        return None
+    if not all(t.dtype is first.dtype for t in tensors):
+        return None
+    if not all(map(Tensor.is_contiguous, tensors)) and not all(map(_dense, tensors)):
+        return None
+    numels = tuple(map(Tensor.numel, tensors))
+    # Equal keys read the same bytes the same way, whatever tensor objects hold them now. The cache holds no tensor,
+    # so it keeps no gradient alive.
+    key = (first.device, first.dtype, ptrs, numels)
     tables = _tables_cache.get(key)
-    if tables is None:
-        tables = _build_tables(ptrs, numels, first.device)
-        _tables_cache[key] = tables
-        if len(_tables_cache) > _CACHE_SIZE:
-            _tables_cache.popitem(last=False)
-    else:
+    if tables is not None:
         _tables_cache.move_to_end(key)
+        return tables
+    if any(t.device != first.device for t in tensors):
+        return None
+    tables = _build_tables(list(ptrs), list(numels), first.device)
+    _tables_cache[key] = tables
+    if len(_tables_cache) > _CACHE_SIZE:
+        _tables_cache.popitem(last=False)
     return tables
 
 
