@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,7 +32,7 @@ import lightning
 import torch
 from torch import nn
 
-from lightning_gradkit.core import norms
+from lightning_gradkit.core._multi_norm import fallback_reason, norm_implementation
 from lightning_gradkit.core.norms import build_param_index, derive_stats, per_tensor_norms
 
 TARGET = 2.0  # GradStats pass / floor
@@ -64,13 +65,14 @@ def gpt2_shapes(vocab: int, block: int, embd: int, layers: int) -> Iterator[tupl
     yield "ln_f.bias", (d,)
 
 
-def implementation() -> str:
-    """The norm kernel in use, as ``lightning_gradkit.core.norms`` names it (if it does: older versions don't)."""
-    for attr in ("norm_implementation", "implementation", "NORM_IMPLEMENTATION", "backend"):
-        value = getattr(norms, attr, None)
-        if value is not None:
-            return str(value() if callable(value) else value)
-    return "torch._foreach_norm (lightning_gradkit.core.norms names no other implementation)"
+def implementation(device: torch.device) -> str:
+    """The per-tensor norm kernel in use for 2-norms of bf16 and fp32 gradients on ``device`` (and why not the
+    multi-tensor one)."""
+    out = []
+    for dtype in (torch.bfloat16, torch.float32):
+        reason = fallback_reason(device, dtype, 2.0)
+        out.append(f"{dtype}: {norm_implementation(device, dtype, 2.0)}" + (f" ({reason})" if reason else ""))
+    return "; ".join(out)
 
 
 def timed(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 5) -> float:
@@ -112,8 +114,21 @@ def measure(dtype: torch.dtype, shapes: dict[str, int], device: torch.device, it
     def stats_pass() -> torch.Tensor:
         return derive_stats(index, per_tensor_norms(grads, 2.0, index.run_bounds), 2.0, []).total
 
+    def foreach_norms() -> torch.Tensor:
+        # The same call with the multi-tensor kernel switched off: the `torch._foreach_norm` path (the "before").
+        previous = os.environ.get("GRADKIT_NORM_KERNEL")
+        os.environ["GRADKIT_NORM_KERNEL"] = "foreach"
+        try:
+            return per_tensor_norms(grads, 2.0, index.run_bounds)
+        finally:
+            if previous is None:
+                os.environ.pop("GRADKIT_NORM_KERNEL")
+            else:
+                os.environ["GRADKIT_NORM_KERNEL"] = previous
+
     us = {
         "per_tensor_norms": timed(lambda: per_tensor_norms(grads, 2.0, index.run_bounds), device, iters),
+        "per_tensor (foreach)": timed(foreach_norms, device, iters),
         "GradStats pass": timed(stats_pass, device, iters),
         "get_total_norm": timed(lambda: torch.nn.utils.get_total_norm(grads, 2.0, foreach=True), device, iters),
         # max_norm far above the norm: the coefficient clamps to 1, the scaling pass still runs (as in training).
@@ -153,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     iters = args.iters or (10 if args.tiny else 50)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"device {name}; torch {torch.__version__}; lightning {lightning.__version__}")
-    print(f"norm implementation: {implementation()}")
+    print(f"norm implementation: {implementation(device)}")
     results = []
     for dtype in (torch.bfloat16, torch.float32):
         r = measure(dtype, shapes, device, iters)
@@ -179,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": name,
             "torch": torch.__version__,
             "lightning": lightning.__version__,
-            "implementation": implementation(),
+            "implementation": implementation(device),
             "tiny": args.tiny,
             "iters": iters,
             "results": results,

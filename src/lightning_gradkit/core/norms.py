@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_gradkit.core._multi_norm import multi_tensor_norms
 from lightning_gradkit.core._torch_compat import loss_scale as loss_scale  # re-exported: callers import it here
 
 __all__ = [
@@ -150,13 +151,14 @@ def _run_norms(run: list[Tensor], norm_type: float) -> Tensor:
     """Norms of tensors that share device and dtype, stacked; low-precision tensors are reduced in fp32.
 
     On CPU the inf-norm comes from one ``aminmax`` per tensor (``max(max, -min)``): ``_foreach_norm`` has no fused
-    CPU kernel and its inf-norm there costs about 7x as much. NaN propagates either way.
+    CPU kernel and its inf-norm there costs about 7x as much. NaN propagates either way. Elsewhere
+    :func:`~lightning_gradkit.core._multi_norm.multi_tensor_norms`: on CUDA a Triton multi-tensor kernel (within fp32
+    rounding of ``_foreach_norm``), otherwise ``_foreach_norm`` itself, so CPU results are those of before.
     """
     if math.isinf(norm_type) and run[0].device.type == "cpu":
         pairs = [torch.aminmax(t) for t in run]
         return torch.maximum(torch.stack([p.max for p in pairs]), torch.stack([p.min for p in pairs]).neg())
-    low_precision = run[0].dtype in (torch.float16, torch.bfloat16)
-    return torch.stack(torch._foreach_norm(run, norm_type, dtype=torch.float32 if low_precision else None))
+    return multi_tensor_norms(run, norm_type)
 
 
 def _device_dtype_runs(tensors: Sequence[Tensor], norm_type: float) -> list[list[Tensor]]:
@@ -198,9 +200,10 @@ def per_tensor_norms(
 ) -> Tensor:
     """The p-norm of each tensor, as one fp32 vector on the first tensor's device.
 
-    One ``torch._foreach_norm`` call per run of consecutive tensors that share device and dtype (callers keep
-    parameters ordered by group, so this is one call per (device, dtype) group). Low-precision tensors are
-    reduced in fp32. The norm of a sparse COO tensor is the norm of its coalesced values (see
+    One multi-tensor call per run of consecutive tensors that share device and dtype (callers keep parameters
+    ordered by group, so this is one call per (device, dtype) group): two Triton launches on CUDA, one
+    ``torch._foreach_norm`` elsewhere (:func:`~lightning_gradkit.core._multi_norm.multi_tensor_norms`).
+    Low-precision tensors are reduced in fp32. The norm of a sparse COO tensor is the norm of its coalesced values (see
     :func:`sparse_values`).
 
     Example::

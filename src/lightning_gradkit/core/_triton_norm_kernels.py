@@ -1,0 +1,120 @@
+"""The Triton kernels of :mod:`lightning_gradkit.core._multi_norm`; imported only there, and only once triton is known
+to import (triton is optional: nothing else in the package may import this module).
+
+Two launches for any number of tensors (the reduction order is in :func:`lightning_gradkit.core._multi_norm.
+multi_tensor_norms`): ``_block_partials`` reduces fixed-size blocks of every tensor into one fp32 partial per block,
+``_segment_norms`` folds each tensor's partials in block order and takes the root.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# A program reads one block (_multi_norm._BLOCK elements) as _TILE-element loads unrolled _BLOCK // _TILE times.
+_TILE = 2048
+_NUM_WARPS = 8  # 2048 / 256 threads: 8 elements (16 B of bf16) per thread and load
+_SEGMENT = 1024  # partials one step of _segment_norms reads; the largest GPT-2 tensor has 2356 blocks
+
+_MODES = {2.0: 2, 1.0: 1, float("inf"): 0}
+_ELEMENT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _max_keep_nan(a, b):
+    # tl.max / tl.maximum default to IEEE maxNum, which drops a NaN; the inf-norm must propagate it like torch.
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _accumulate(acc, x, MODE: tl.constexpr):
+    if MODE == 2:
+        acc += x * x
+    elif MODE == 1:
+        acc += tl.abs(x)
+    else:
+        acc = _max_keep_nan(acc, tl.abs(x))
+    return acc
+
+
+@triton.jit
+def _block_partials(
+    ptrs,
+    numels,
+    starts,
+    owner,
+    partials,
+    ELEMENT: tl.constexpr,
+    MODE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(owner + pid)  # the tensor this block belongs to (int64 table, so offsets below are int64)
+    numel = tl.load(numels + t)
+    base = tl.load(ptrs + t).to(tl.pointer_type(ELEMENT))
+    if ALIGNED:
+        # A pointer loaded from memory has no known alignment; without the hint the loads are not vectorized.
+        base = tl.multiple_of(base, 16)
+    begin = (pid - tl.load(starts + t)) * BLOCK
+    acc = tl.zeros([TILE], dtype=tl.float32)
+    # Same lanes, same order on both branches (a masked element adds 0), so the branch does not change the bits.
+    if begin + BLOCK <= numel:
+        # A whole block: unmasked loads, which vectorize (a mask from a loaded numel has unknown alignment).
+        for k in tl.static_range(0, BLOCK, TILE):
+            x = tl.load(base + begin + k + tl.arange(0, TILE)).to(tl.float32)
+            acc = _accumulate(acc, x, MODE)
+    else:
+        for k in tl.static_range(0, BLOCK, TILE):
+            offsets = begin + k + tl.arange(0, TILE)
+            x = tl.load(base + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+            acc = _accumulate(acc, x, MODE)
+    partial = tl.reduce(acc, 0, _max_keep_nan) if MODE == 0 else tl.sum(acc, 0)
+    tl.store(partials + pid, partial)
+
+
+@triton.jit
+def _segment_norms(partials, starts, out, MODE: tl.constexpr, SEGMENT: tl.constexpr):
+    t = tl.program_id(0)
+    first = tl.load(starts + t)
+    stop = tl.load(starts + t + 1)
+    acc = tl.zeros([SEGMENT], dtype=tl.float32)
+    for i in range(first, stop, SEGMENT):
+        index = i + tl.arange(0, SEGMENT)
+        v = tl.load(partials + index, mask=index < stop, other=0.0)
+        if MODE == 0:
+            acc = _max_keep_nan(acc, v)
+        else:
+            acc += v
+    total = tl.reduce(acc, 0, _max_keep_nan) if MODE == 0 else tl.sum(acc, 0)
+    if MODE == 2:
+        total = tl.sqrt_rn(total)  # IEEE-rounded, as torch's sqrt; tl.sqrt may be approximate
+    tl.store(out + t, total)
+
+
+def _launch(
+    ptrs: torch.Tensor,
+    numels: torch.Tensor,
+    starts: torch.Tensor,
+    owner: torch.Tensor,
+    num_blocks: int,
+    aligned: bool,
+    block: int,
+    dtype: torch.dtype,
+    norm_type: float,
+) -> torch.Tensor:
+    """Per-tensor norms from the tables of :func:`lightning_gradkit.core._multi_norm._build_tables` (on the tensors'
+    device), as an fp32 vector; ``num_blocks`` is ``len(owner)``, known on the host, ``aligned`` whether every data
+    pointer is a multiple of 16 bytes, ``block`` the elements per block the tables were built for (a multiple of
+    ``_TILE``)."""
+    num_tensors = numels.numel()
+    mode = _MODES[float(norm_type)]
+    partials = torch.empty(num_blocks, dtype=torch.float32, device=ptrs.device)
+    out = torch.empty(num_tensors, dtype=torch.float32, device=ptrs.device)
+    _block_partials[(num_blocks,)](
+        ptrs, numels, starts, owner, partials, _ELEMENT[dtype], mode, aligned, block, _TILE, num_warps=_NUM_WARPS
+    )
+    _segment_norms[(num_tensors,)](partials, starts, out, mode, _SEGMENT, num_warps=4)
+    return out
