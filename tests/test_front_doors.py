@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from lightning.pytorch.loggers import Logger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from helpers import count_syncs, make_trainer
+from helpers import count_syncs, launched_in_process, make_trainer
 from lightning_gradkit import (
     AccumulationGuard,
     ActivationCheckpointing,
@@ -203,9 +204,20 @@ def run_plain(clipper: str, optimizer: str) -> tuple[dict[str, Tensor], dict[str
     return model.state_dict(), _series(rows)
 
 
-def run_fabric(clipper: str, optimizer: str) -> tuple[dict[str, Tensor], dict[str, list[float]]]:
+def run_fabric(
+    clipper: str, optimizer: str, strategy: str = "auto"
+) -> tuple[dict[str, Tensor], dict[str, list[float]]]:
     logger = RecordingFabricLogger()
-    fabric = Fabric(accelerator="cpu", devices=1, loggers=[logger])
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, loggers=[logger])
+    if strategy != "auto":
+        with launched_in_process(fabric):
+            return _fabric_loop(fabric, logger, clipper, optimizer)
+    return _fabric_loop(fabric, logger, clipper, optimizer)
+
+
+def _fabric_loop(
+    fabric: Fabric, logger: RecordingFabricLogger, clipper: str, optimizer: str
+) -> tuple[dict[str, Tensor], dict[str, list[float]]]:
     net = Net()
     net.load_state_dict(_initial_state())
     model, opt = fabric.setup(net, _optimizer(optimizer, net.parameters()))
@@ -399,6 +411,21 @@ def test_rollback_behind_the_three_doors_restores_the_same_state(tmp_path: Path)
     # Applied: the steps before the restored snapshot, then the batches after the rollback and the stepped-over ones.
     applied = record["to_step"] + steps - record["from_step"] - record["skip_batches"]
     assert trainer_lr == pytest.approx(0.2 * 0.95**applied, rel=1e-12)
+
+
+def test_fabric_door_launched_in_process_under_a_distributed_strategy_equals_the_plain_door() -> None:
+    """Fabric's DDP on one CPU device, launched in this process (as the CUDA test launches FSDP, which needs a GPU:
+    both refuse ``setup_module`` before ``launch()``): the same parameters, buffers and logs as the plain loop, and
+    the process group and environment of the launch are gone afterwards."""
+    environ = dict(os.environ)
+    fabric_state, fabric_logs = run_fabric("norm", "sgd", strategy="ddp")
+    assert not torch.distributed.is_initialized() and dict(os.environ) == environ
+    plain_state, plain_logs = run_plain("norm", "sgd")
+    _assert_same_state(fabric_state, plain_state)
+    assert fabric_logs.keys() == plain_logs.keys()
+    for key, values in plain_logs.items():
+        assert fabric_logs[key] == pytest.approx(values, nan_ok=True, rel=0, abs=0), key
+    assert plain_logs["gradkit/skipped_steps"][-1] == 1.0
 
 
 # -- fp16 with a GradScaler behind every door ------------------------------------------------------------------------
