@@ -370,3 +370,23 @@ def exported_callbacks() -> dict[str, type[pl.Callback]]:
         for name, obj in exported.items()
         if isinstance(obj, type) and issubclass(obj, pl.Callback) and name != "GradKitCallback"
     }
+
+
+@contextmanager
+def launched_in_process(fabric: Any) -> Iterator[Any]:
+    """``fabric.launch()`` in this process (``devices=1``: no child process), then put the environment back.
+
+    Fabric refuses ``setup_module`` before ``launch()`` under every strategy but the single-device and DataParallel
+    ones (``Fabric._validate_launched``), FSDP and DDP included, even on one device. With one device its subprocess
+    launcher starts no child: it sets ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``NODE_RANK``/``LOCAL_RANK`` and
+    the strategy creates a process group of one. Both would leak into later tests: restored here.
+    """
+    environ = dict(os.environ)
+    try:
+        fabric.launch()
+        yield fabric
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from lightning.pytorch.loggers import Logger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from helpers import count_syncs, make_trainer
+from helpers import count_syncs, launched_in_process, make_trainer
 from lightning_gradkit import (
     AccumulationGuard,
     ActivationCheckpointing,
@@ -35,6 +36,7 @@ from lightning_gradkit import (
     SpikeRollback,
     ZClip,
 )
+from lightning_gradkit.engine import Engine
 from lightning_gradkit.loop import GradKit
 
 pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning", "ignore:SpikeGuard:UserWarning")
@@ -202,9 +204,20 @@ def run_plain(clipper: str, optimizer: str) -> tuple[dict[str, Tensor], dict[str
     return model.state_dict(), _series(rows)
 
 
-def run_fabric(clipper: str, optimizer: str) -> tuple[dict[str, Tensor], dict[str, list[float]]]:
+def run_fabric(
+    clipper: str, optimizer: str, strategy: str = "auto"
+) -> tuple[dict[str, Tensor], dict[str, list[float]]]:
     logger = RecordingFabricLogger()
-    fabric = Fabric(accelerator="cpu", devices=1, loggers=[logger])
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, loggers=[logger])
+    if strategy != "auto":
+        with launched_in_process(fabric):
+            return _fabric_loop(fabric, logger, clipper, optimizer)
+    return _fabric_loop(fabric, logger, clipper, optimizer)
+
+
+def _fabric_loop(
+    fabric: Fabric, logger: RecordingFabricLogger, clipper: str, optimizer: str
+) -> tuple[dict[str, Tensor], dict[str, list[float]]]:
     net = Net()
     net.load_state_dict(_initial_state())
     model, opt = fabric.setup(net, _optimizer(optimizer, net.parameters()))
@@ -400,6 +413,21 @@ def test_rollback_behind_the_three_doors_restores_the_same_state(tmp_path: Path)
     assert trainer_lr == pytest.approx(0.2 * 0.95**applied, rel=1e-12)
 
 
+def test_fabric_door_launched_in_process_under_a_distributed_strategy_equals_the_plain_door() -> None:
+    """Fabric's DDP on one CPU device, launched in this process (as the CUDA test launches FSDP, which needs a GPU:
+    both refuse ``setup_module`` before ``launch()``): the same parameters, buffers and logs as the plain loop, and
+    the process group and environment of the launch are gone afterwards."""
+    environ = dict(os.environ)
+    fabric_state, fabric_logs = run_fabric("norm", "sgd", strategy="ddp")
+    assert not torch.distributed.is_initialized() and dict(os.environ) == environ
+    plain_state, plain_logs = run_plain("norm", "sgd")
+    _assert_same_state(fabric_state, plain_state)
+    assert fabric_logs.keys() == plain_logs.keys()
+    for key, values in plain_logs.items():
+        assert fabric_logs[key] == pytest.approx(values, nan_ok=True, rel=0, abs=0), key
+    assert plain_logs["gradkit/skipped_steps"][-1] == 1.0
+
+
 # -- fp16 with a GradScaler behind every door ------------------------------------------------------------------------
 def _scaler() -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cpu", init_scale=2.0**10)
@@ -456,6 +484,68 @@ def test_fp16_gradscaler_behind_the_doors_gives_the_same_steps(tmp_path: Path, o
     fp32 = run_plain("norm", optimizer)[1]["grad_norm/total"]
     assert plain_logs["grad_norm/total"][0] == pytest.approx(fp32[0], rel=1e-2)
     assert trainer_logs["gradkit/skipped_steps"][-1] >= 1.0
+
+
+@pytest.mark.parametrize("init_scale", [2.0**10, 2.0**24])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam_fused"])
+def test_fp16_skipped_steps_count_the_guards_skips_not_the_gradscalers_overflows(
+    tmp_path: Path, optimizer: str, init_scale: float
+) -> None:
+    """``skipped_steps`` counts the steps a gradkit policy skipped (the NaN batch), behind the Trainer and the plain
+    door alike; the GradScaler's own overflow skips (provoked by ``init_scale=2**24``: the scale halves until the
+    fp16 gradients fit) are the scaler's: not counted, and the BatchNorm statistics of those steps are kept, as
+    without gradkit. Reference: the scaler's halvings and the guard's ``fp16_overflow`` events."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    def policies() -> list[Any]:
+        return [GradNormMonitor(depth=1), ClipGradNorm(max_norm=0.5), NonFiniteGuard(action="skip")]
+
+    module = NetModule(optimizer)
+    module.load_state_dict(_initial_state())
+    trainer_scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    trainer = make_trainer(
+        tmp_path / "trainer",
+        default_root_dir=tmp_path / "trainer",
+        strategy="gradkit",
+        callbacks=policies(),
+        logger=RecordingLogger(),
+        max_steps=BATCHES,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=trainer_scaler)],
+    )
+    trainer.fit(module, DataLoader(_batches(), batch_size=None))
+    trainer_events = [
+        json.loads(line) for line in next(tmp_path.rglob("gradkit_events.jsonl")).read_text().splitlines()
+    ]
+
+    model = Net()
+    model.load_state_dict(_initial_state())
+    opt = _optimizer(optimizer, model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    kit = GradKit(model, opt, policies(), log_dir=tmp_path / "plain", max_steps=BATCHES, scaler=scaler)
+    model.train()
+    for x, y in _batches():
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        kit.note_loss(loss)
+        kit.step(opt)
+        opt.zero_grad(set_to_none=True)
+    kit.finish()
+    plain_events = [json.loads(line) for line in (tmp_path / "plain" / "gradkit_events.jsonl").read_text().splitlines()]
+
+    overflows = round(math.log2(init_scale / scaler.get_scale())) - 1  # one halving is the NaN step's
+    assert trainer_scaler.get_scale() == scaler.get_scale()
+    for events, skipped, state in [
+        (trainer_events, Engine.of(trainer).skipped_steps, module.state_dict()),
+        (plain_events, kit.skipped_steps, model.state_dict()),
+    ]:
+        if optimizer == "sgd":  # a fused optimizer's guard reports from its device ledger, not step by step
+            kinds = [e["what"] for e in events]
+            assert kinds.count("fp16_overflow") == overflows and len(kinds) == overflows + 1, kinds
+        assert int(skipped) == 1
+        assert int(state["norm.num_batches_tracked"]) == BATCHES - 1  # only the NaN step's statistics put back
+    assert (overflows > 0) == (init_scale > 2**16)  # the huge initial scale did overflow
+    _assert_same_state(model.state_dict(), module.state_dict())
 
 
 def test_door_event_names_the_micro_batch_with_the_nan_loss(tmp_path: Path) -> None:

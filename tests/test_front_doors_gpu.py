@@ -11,6 +11,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
+from helpers import launched_in_process
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard
 from lightning_gradkit.loop import GradKit
 from test_front_doors import BATCHES, Net, _batches, _initial_state, _optimizer
@@ -74,7 +75,8 @@ def _run(fabric: Fabric | None, precision: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("strategy", ["auto", "fsdp"])
 def test_fabric_door_on_cuda_equals_the_plain_door(strategy: str) -> None:
     fabric = Fabric(accelerator="cuda", devices=1, strategy=strategy, precision="32-true")
-    state = _run(fabric, "32-true")
+    with launched_in_process(fabric):  # FSDP refuses `setup_module` before `launch()`, even on one device
+        state = _run(fabric, "32-true")
     reference = _run(None, "32-true")
     for key, value in reference.items():
         torch.testing.assert_close(state[key.replace("_fsdp_wrapped_module.", "")], value, rtol=1e-5, atol=1e-6)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import (
@@ -40,12 +41,18 @@ class _Tracker(MLPModule):
         super().__init__(**kwargs)
         self.refs: list[weakref.ref[Tensor]] = []
         self.alive: list[int] = []
+        # The memory itself: a detached alias or a view of a gradient (another tensor object) keeps it alive after
+        # the `.grad` object is gone, which a weak reference to `p.grad` alone does not see.
+        self.storages: list[StorageWeakRef] = []
+        self.storages_alive: list[int] = []
 
     def on_before_backward(self, loss: Tensor) -> None:
         self.alive.append(sum(r() is not None for r in self.refs))
+        self.storages_alive.append(sum(not s.expired() for s in self.storages))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.refs = [weakref.ref(p.grad) for p in self.parameters() if p.grad is not None]
+        self.storages = [StorageWeakRef(p.grad.untyped_storage()) for p in self.parameters() if p.grad is not None]
 
 
 class _ManualTracker(_Tracker):
@@ -91,6 +98,7 @@ def test_previous_step_gradients_are_freed_before_the_next_backward(tmp_path: Pa
     steps_seen = [n for n in model.alive if n]
     assert model.alive[0] == 0 and len(model.alive) >= 5
     assert not steps_seen, f"gradients of the previous step were still alive at a backward: {model.alive}"
+    assert not any(model.storages_alive), f"their memory was still held at a backward: {model.storages_alive}"
 
 
 def test_previous_step_gradients_are_freed_with_manual_clip_gradients(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from architectures import ResNet18Like, image_data
 from helpers import column, count_syncs, make_trainer, read_metrics, regression_data
 from lightning_gradkit import NonFiniteGuard, SpikeGuard, SpikeRollback, ZClip
-from lightning_gradkit.snapshot import HostSnapshot
+from lightning_gradkit.snapshot import HostSnapshot, _fits
 from test_guards import events
 
 BATCH = 8
@@ -557,6 +557,52 @@ def test_manual_optimization_is_refused_at_setup(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[SpikeRollback()])
     with pytest.raises(RuntimeError, match="automatic optimization"):
         trainer.fit(Manual(), spiky_loader(2, {}))
+
+
+def test_snapshot_buffers_are_allocated_once_and_reused_by_every_capture_and_after_a_load() -> None:
+    """A capture writes into the buffers of the previous one (same tensors, same storage); a snapshot loaded from a
+    checkpoint keeps the loaded tensors as its buffers. Reference: the values each capture saw, restored bitwise."""
+    net = Net()
+    opt, _ = make_optimizer(net)
+    params, buffers = list(net.parameters()), list(net.buffers())
+    snap = HostSnapshot()
+    net(torch.randn(8, 8)).sum().backward()
+    opt.step()
+    snap.capture(params, buffers, [opt])
+    first = list(snap._host)
+    pointers = [t.untyped_storage().data_ptr() for t in first]
+    for _ in range(2):
+        opt.zero_grad()
+        net(torch.randn(8, 8)).sum().backward()
+        opt.step()
+        saved = copy.deepcopy((net.state_dict(), opt.state_dict()))
+        snap.capture(params, buffers, [opt])
+        assert all(a is b for a, b in zip(snap._host, first, strict=True))
+        assert [t.untyped_storage().data_ptr() for t in snap._host] == pointers
+    loaded = HostSnapshot()
+    loaded.load_state_dict(snap.state_dict())
+    adopted = list(loaded._host)
+    loaded.capture(params, buffers, [opt])  # on the host no buffer needs pinning: the loaded tensors are reused
+    assert all(a is b for a, b in zip(loaded._host, adopted, strict=True))
+    opt.zero_grad()
+    net(torch.randn(8, 8)).sum().backward()
+    opt.step()
+    loaded.restore(params, buffers, [opt])
+    assert_bitwise(net.state_dict(), saved[0])
+    assert_bitwise(opt.state_dict(), saved[1])
+
+
+def test_a_snapshot_on_a_gpu_replaces_every_unpinned_buffer_also_for_a_host_source() -> None:
+    """The rule that pins a GPU snapshot as a whole: an unpinned buffer does not fit once the snapshot is pinned,
+    whatever its source's device (a non-fused Adam keeps its ``step`` counts on the host next to CUDA parameters);
+    on a host-only snapshot it fits. (Pinned memory itself needs a GPU: see the ``gpu`` tests below.)"""
+    step = torch.tensor(3.0)  # as torch.optim.Adam(foreach) keeps `state["step"]` beside CUDA parameters
+    host = torch.empty(())
+    assert not host.is_pinned()
+    assert _fits(host, step, pin=False)
+    assert not _fits(host, step, pin=True)
+    assert not _fits(torch.empty(2), step, pin=False)  # shape
+    assert not _fits(torch.empty((), dtype=torch.float64), step, pin=False)  # dtype
 
 
 # -- the snapshot on a GPU -----------------------------------------------------------------------------------------

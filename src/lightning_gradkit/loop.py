@@ -355,7 +355,8 @@ class GradKit:
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped so far (one host read)."""
+        """Optimizer steps a policy skipped so far (one host read); the fp16 ``GradScaler``'s own overflow skips are
+        not counted (see :class:`~lightning_gradkit.NonFiniteGuard`), as under the Trainer."""
         count = self.pipeline.skipped_steps
         return 0 if count is None else int(count)
 

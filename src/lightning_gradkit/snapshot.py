@@ -9,10 +9,11 @@ A restore copies the host buffers back *into the existing tensors*: the optimize
 FSDP2's sharded storage behind each DTensor and any other alias stay valid, and ``copy_`` between tensors of one
 dtype is exact, so the state after a restore equals the captured one bitwise.
 
-On a GPU the host buffers are pinned and the copies are ``non_blocking``: a capture only queues the copies on the
-current stream (the training step does not wait for them) and records a CUDA event; the host waits on that event
-only before it reads the buffers (a restore) or overwrites them (the next capture). Later kernels on the same stream
-(the next optimizer step) are ordered after the copies, so they read the values of the capture.
+On a GPU the host buffers are pinned (all of them: also those of tensors an optimizer keeps on the host, such as a
+non-fused Adam's ``step`` counts) and the copies of device tensors are ``non_blocking``: a capture only queues the
+copies on the current stream (the training step does not wait for them) and records a CUDA event; the host waits on
+that event only before it reads the buffers (a restore) or overwrites them (the next capture). Later kernels on the
+same stream (the next optimizer step) are ordered after the copies, so they read the values of the capture.
 
 :meth:`HostSnapshot.state_dict` hands the host buffers and plain values to a checkpoint (they load with
 ``torch.load(weights_only=True)``), and :meth:`HostSnapshot.load_state_dict` adopts them in a resumed run.
@@ -125,11 +126,14 @@ class HostSnapshot:
                 per_param.append(entry)
             groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             self._optimizers.append(_OptimizerState(per_param, groups))
+        # On a GPU every buffer is pinned, also those of tensors the optimizer keeps on the host (a non-fused,
+        # non-capturable Adam's `step` counts): a snapshot is pinned as a whole, whatever a source's device.
+        pin = any(source.is_cuda for source in sources)
         for i, source in enumerate(sources):
             if i == len(self._host):
-                self._host.append(_host_buffer(source))
-            elif not _fits(self._host[i], source):
-                self._host[i] = _host_buffer(source)
+                self._host.append(_host_buffer(source, pin))
+            elif not _fits(self._host[i], source, pin):
+                self._host[i] = _host_buffer(source, pin)
             self._host[i].copy_(source, non_blocking=source.is_cuda)
         self._num_params, self._num_buffers = len(params), len(buffers)
         self._record(sources)
@@ -268,11 +272,12 @@ class HostSnapshot:
             self._event = None
 
 
-def _fits(host: Tensor, source: Tensor) -> bool:
-    """Whether ``host`` can take ``source``'s values: same shape and dtype, and pinned when ``source`` is on a GPU."""
-    return host.shape == source.shape and host.dtype == source.dtype and (not source.is_cuda or host.is_pinned())
+def _fits(host: Tensor, source: Tensor, pin: bool) -> bool:
+    """Whether ``host`` can take ``source``'s values: same shape and dtype, and pinned when ``pin`` (a buffer loaded
+    from a checkpoint is not: the first capture on a GPU replaces it)."""
+    return host.shape == source.shape and host.dtype == source.dtype and (not pin or host.is_pinned())
 
 
-def _host_buffer(like: Tensor) -> Tensor:
-    """A host tensor for ``like``'s values; pinned when ``like`` is on a GPU (asynchronous copies need it)."""
-    return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
+def _host_buffer(like: Tensor, pin: bool) -> Tensor:
+    """A host tensor for ``like``'s values, pinned when ``pin`` (asynchronous copies need it)."""
+    return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)

@@ -41,8 +41,10 @@ one does. They are part of a step's state (``gradkit_state_dict``): a rollback r
 rewound steps no longer count as applied. With a fused optimizer the skip flag is read on the host when its
 scheduler is about to step, after the optimizer step has been queued. ``trainer.global_step`` counts *attempted*
 optimizer steps, as Lightning does when the ``GradScaler`` skips one: ``max_steps``, logging and checkpoint periods
-keep following batches, while ``gradkit/skipped_steps`` counts the skipped ones, and after a rollback the rewound
-ones too (applied steps = ``global_step - skipped_steps``).
+keep following batches, while ``gradkit/skipped_steps`` counts the steps a gradkit policy skipped, and after a
+rollback the rewound ones too (applied steps = ``global_step - skipped_steps``, less the ``GradScaler``'s own overflow
+skips under ``16-mixed``: those are the scaler's, counted by no gradkit door, as a ``Trainer``, Fabric or plain loop
+without gradkit would have them).
 
 Map of this file, in order: which Trainers need the gate (``_needs_step_control``) and the strategy to name in
 errors (:func:`gradkit_strategy_hint`); the LR-schedule counts (``_ScheduleCount``) and the stand-in for

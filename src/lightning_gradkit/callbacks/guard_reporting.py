@@ -178,11 +178,17 @@ class GuardBase(EventWriter, GradKitCallback):
         """Whether this guard learns of a flagged step at that step (else: on logging steps, from the ledger)."""
         return self.action == "raise" or (self.action == "skip" and not self._fused)
 
-    def _flagged_on_host(self, plan: StepPlan, flag: Tensor) -> bool:
-        """Read this guard's flag when it acts at the step; shares the strategy's read of the skip decision."""
-        if self.action == "skip":
+    def _flagged_on_host(self, plan: StepPlan, flag: Tensor, within_skip: bool = True) -> bool:
+        """Read this guard's flag when it acts at the step; shares the strategy's read of the skip decision.
+
+        ``within_skip``: the flag raised means the step is skipped, so a step the plan applies needs no read of the
+        flag. Otherwise (a flag whose steps the GradScaler skips, not the plan) both are read in one transfer.
+        """
+        if self.action != "skip":
+            return bool(flag)
+        if within_skip:
             return plan.skip_on_host() and bool(flag)
-        return bool(flag)
+        return plan.flag_on_host_with_skip(flag)
 
     def _advance_step(self, ctx: StepContext, flag: Tensor, firsts: dict[str, Tensor]) -> None:
         """Record the step's flag (and the values to report if it is the first flagged one) in the ledger; read it

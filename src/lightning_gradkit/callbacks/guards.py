@@ -143,9 +143,12 @@ class NonFiniteGuard(NonFiniteValidationCheck):
     ``"loss"`` or ``"gradients"``). ``action="warn"`` and fused optimizers never replay (the flag is read on logging
     steps only), so their culprit comes from the loss or the gradients.
 
-    With the fp16 ``GradScaler``, non-finite gradients under a finite loss are the scaler's routine overflow: they
-    are skipped, recorded as ``"fp16_overflow"`` events and counted toward ``max_consecutive``, without a warning
-    or a replay.
+    With the fp16 ``GradScaler``, non-finite gradients under a finite loss are the scaler's routine overflow (its
+    first steps at the default scale 65536 overflow often): the scaler skips the step itself and lowers its scale.
+    That is the scaler's skip, not the guard's: it is not counted in ``gradkit/skipped_steps`` (nor in
+    ``GradKit.skipped_steps``), the buffers the step's forwards wrote are kept and LR schedulers step, as without the
+    guard. The guard records it as an ``"fp16_overflow"`` event and counts it toward ``max_consecutive``, without a
+    warning or a replay. A non-finite loss is the guard's skip, counted as usual.
 
     Under Lightning's ``DeepSpeedStrategy`` (see :mod:`lightning_gradkit._deepspeed`): ``"warn"`` and ``"raise"``
     only (``"skip"`` is refused at setup: the DeepSpeed engine steps inside ``engine.step()``). The loss of each
@@ -401,7 +404,11 @@ class NonFiniteGuard(NonFiniteValidationCheck):
                 bad = torch.zeros((), dtype=torch.bool, device=plan.primary.total.device)
         self._flags = (bad, loss_ranks, loss_bad, grads_bad)
         if self.action == "skip":
-            plan.add_skip(bad)
+            # Non-finite gradients under a finite loss with a GradScaler are its routine overflow: the scaler skips
+            # that step itself. It is the scaler's skip, not the guard's: not counted, buffers and schedulers as
+            # without the guard. The guard still records it (an "fp16_overflow" event).
+            overflow = self._overflow(loss_bad, grads_bad)
+            plan.add_skip(bad if overflow is None else bad & ~overflow)
         if not self._reads_on_host():
             firsts = {"param": nonfinite_mask(plan.primary.param_norms).to(torch.float32).argmax().float()}
             if loss_ranks is not None:
@@ -412,6 +419,13 @@ class NonFiniteGuard(NonFiniteValidationCheck):
                 firsts["grads"] = grads_bad.to(torch.float32)
             self._param_names = plan.primary.names
             self._advance_step(ctx, bad, firsts)
+
+    def _overflow(self, loss_bad: Tensor | None, grads_bad: Tensor | None) -> Tensor | None:
+        """Under a GradScaler: non-finite gradients and a finite loss on every rank (a device flag, no sync); ``None``
+        without a scaler or without the gradient check."""
+        if not self._scaler or grads_bad is None:
+            return None
+        return grads_bad if loss_bad is None else grads_bad & ~loss_bad
 
     def _decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # A re-evaluated closure's loss belongs to no decision: the step was decided on its first evaluation.
@@ -435,7 +449,8 @@ class NonFiniteGuard(NonFiniteValidationCheck):
     def _act_at_step(self, plan: StepPlan, ctx: StepContext) -> None:
         assert self._flags is not None
         bad, loss_ranks, loss_bad, grads_bad = self._flags
-        if not self._flagged_on_host(plan, bad):
+        # Under a GradScaler the skip leaves the overflow out (see `_decide`): the flag is read with it.
+        if not self._flagged_on_host(plan, bad, within_skip=not (self._scaler and self.check_grads)):
             self._consecutive = []
             return
         step = ctx.global_step

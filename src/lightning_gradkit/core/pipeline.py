@@ -198,6 +198,15 @@ class StepPlan:
             self._skip_host = bool(self.skip) if self.skip is not None else False
         return self._skip_host
 
+    def flag_on_host_with_skip(self, flag: Tensor) -> bool:
+        """``flag`` (a device bool) as a Python bool, read in the same transfer as the skip decision when that is not
+        on the host yet (which :meth:`skip_on_host` then returns without another read)."""
+        if self._skip_host is not None or self.skip is None:
+            return bool(flag)
+        skip, value = torch.stack([self.skip, flag.to(self.skip.device)]).tolist()
+        self._skip_host = bool(skip)
+        return bool(value)
+
     def skip_known_on_host(self) -> bool | None:
         """The skip decision if it was already read to the host this step, else ``None`` (never synchronizes)."""
         if self.skip is None:
