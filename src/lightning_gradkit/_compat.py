@@ -13,6 +13,7 @@ says where releases differ.
 
 - :func:`batches_that_stepped`: ``fit_loop.epoch_loop._batches_that_stepped``, the step Lightning logs under.
 - :func:`epoch_ends_with_this_batch`: ``fit_loop.epoch_loop._num_ready_batches_reached()``.
+- :func:`publish_callback_metrics`: writes into the dict ``trainer.callback_metrics`` returns.
 - :func:`ddp_start_method`: ``DDPStrategy._start_method``.
 - :func:`set_root_device`: writes ``SingleDeviceStrategy._root_device``.
 - :func:`metric_state_names`: torchmetrics' ``Metric._defaults``.
@@ -98,6 +99,7 @@ __all__ = [
     "epoch_ends_with_this_batch",
     "lightning_loaded",
     "metric_state_names",
+    "publish_callback_metrics",
     "register_strategy_names",
     "register_when_lightning_loads",
     "set_root_device",
@@ -114,6 +116,24 @@ def batches_that_stepped(trainer: pl.Trainer) -> int:
     the batch end; reading Lightning's own counter keeps gradkit's steps equal to Lightning's in every release.
     """
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def publish_callback_metrics(trainer: pl.Trainer, values: dict[str, float]) -> None:
+    """Make host values logged straight to the loggers visible in ``trainer.callback_metrics`` too (0-dim CPU tensors,
+    as Lightning keeps them), for ``ModelCheckpoint(monitor=...)``, ``EarlyStopping`` and user code.
+
+    ``trainer.callback_metrics`` returns ``_LoggerConnector._callback_metrics``, the dict Lightning itself updates from
+    ``self.log`` results and clears at the start of each fit (``reset_metrics``): writing into it is the only way in
+    without ``self.log``, whose per-value cost (a ``ResultMetric`` moved to the device, then one ``.item()`` per value
+    at the flush: a host sync each on a GPU) is what logging the values directly avoids. Read in 2.5.6 and 2.6.6.
+    """
+    trainer.callback_metrics.update({key: _host_scalar(value) for key, value in values.items()})
+
+
+def _host_scalar(value: float) -> torch.Tensor:
+    import torch
+
+    return torch.tensor(value)
 
 
 def epoch_ends_with_this_batch(trainer: pl.Trainer) -> bool:

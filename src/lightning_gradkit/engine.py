@@ -43,7 +43,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit._compat import batches_that_stepped, epoch_ends_with_this_batch
+from lightning_gradkit._compat import batches_that_stepped, epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._layout import verify_same_layout
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
 from lightning_gradkit.core._torch_compat import gradients_still_scaled
@@ -387,18 +387,18 @@ def log_metrics(
 ) -> None:
     """Log step-level values so every attached Lightning logger receives them.
 
-    Following the Trainer's logging period, values go through ``pl_module.log_dict`` (they also reach
-    ``trainer.callback_metrics``). With a period of its own, a callback must not use ``self.log``: Lightning keeps
-    step values for the whole epoch and would flush stale ones on its own logging steps. Then the values are read
-    to the host in one transfer and sent to ``trainer.loggers`` directly, as Lightning's ``LearningRateMonitor``
-    does.
+    The values are read to the host in one transfer and sent to ``trainer.loggers`` directly, as Lightning's
+    ``LearningRateMonitor`` does, at the step Lightning logs under; those logged on the Trainer's own period also
+    reach ``trainer.callback_metrics``. Not ``pl_module.log_dict``: per value it costs Lightning's bookkeeping and, at
+    its flush, one ``.item()`` (a host sync each on a GPU); and a callback with a period of its own must not use
+    ``self.log`` at all (Lightning keeps step values for the whole epoch and would flush stale ones on its own
+    logging steps).
     """
     if not metrics:
-        return
-    if every_n_steps is None or every_n_steps == trainer.log_every_n_steps:
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return
     values = values_to_host(metrics)
     step = batches_that_stepped(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)
+    if every_n_steps is None or every_n_steps == trainer.log_every_n_steps:
+        publish_callback_metrics(trainer, values)

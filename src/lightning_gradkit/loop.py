@@ -298,8 +298,7 @@ class GradKit:
     def note_loss(self, loss: Tensor) -> None:
         """Hand a micro-batch loss (as the loss function returned it, without an AMP scale) to the policies that
         watch it: ``NonFiniteGuard``'s loss check and ``SpikeGuard(monitor="loss")``. No host sync."""
-        loss = loss.detach()
-        self.ctx.micro_batches += 1
+        self.ctx.micro_batches += 1  # the policies that keep the loss detach it (none may keep it)
         for policy in self.policies:
             policy._note_loss(loss, self.ctx)
 
