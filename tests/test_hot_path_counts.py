@@ -24,43 +24,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import count_syncs
+from helpers import OpCounter, count_syncs
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip
 from lightning_gradkit.loop import GradKit
 
 SIZES = (10, 148, 1000, 10_000)
 STEPS = 6  # the counted step is the last one: indexes built, statistics past their first values, no logging step
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten operations dispatched while active, and the bytes of the tensors they allocate.
-
-    An output is allocated by the operation when the schema says it aliases no input (not a view, not in place).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.ops[func.overloadpacket.__name__] += 1
-        outputs = out if isinstance(out, (tuple, list)) else (out,)
-        returns = func._schema.returns
-        fresh = [r.alias_info is None for r in returns] if len(returns) == len(outputs) else [False] * len(outputs)
-        if len(returns) == 1 and isinstance(out, (tuple, list)):  # a Tensor[] return: one schema entry, n tensors
-            fresh = [returns[0].alias_info is None] * len(outputs)
-        for t, new in zip(outputs, fresh, strict=True):
-            if new and isinstance(t, Tensor):
-                self.bytes += t.numel() * t.element_size()
-        return out
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
 
 
 class Many(nn.Module):
@@ -135,7 +105,8 @@ def _loop_step_cost(n: int, optimizer: str, stack: str | None, width: int = 4) -
 def _added(n: int, optimizer: str, stack: str, width: int = 4) -> StepCost:
     bare = _loop_step_cost(n, optimizer, None, width)
     ours = _loop_step_cost(n, optimizer, stack, width)
-    return StepCost(ours.ops - bare.ops, ours.bytes - bare.bytes, ours.syncs - bare.syncs, ours.op_names - bare.op_names)
+    names = ours.op_names - bare.op_names
+    return StepCost(ours.ops - bare.ops, ours.bytes - bare.bytes, ours.syncs - bare.syncs, names)
 
 
 # Measured at this commit (torch 2.13 CPU): the most aten operations gradkit adds to one optimizer step, whatever the
