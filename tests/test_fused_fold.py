@@ -203,3 +203,36 @@ def test_a_gradient_scaled_in_place_by_torch_is_what_the_reference_multiplies() 
     p.grad = torch.tensor([3.0, 4.0, 0.0])
     torch.nn.utils.clip_grad_norm_([p], 1.0)
     assert torch.equal(p.grad, torch.tensor([3.0, 4.0, 0.0]) * (1.0 / (5.0 + 1e-6)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(FUSED))
+def test_fused_fold_on_cuda_equals_clip_grad_norm_and_never_synchronizes(name: str) -> None:
+    """On CUDA: the same equality (the CUDA kernels divide by ``grad_scale`` as the CPU ones do), and the folded,
+    skipping step runs under ``set_sync_debug_mode("error")`` after the first step."""
+
+    def run(door: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = _model().cuda()
+        opt = FUSED[name](list(model.parameters()))
+        kit = GradKit(model, opt, [ClipGradNorm(0.5), NonFiniteGuard("skip", forensics=False)], log_every_n_steps=0)
+        for step, (x, y) in enumerate(_batches()):
+            x, y = x.cuda(), y.cuda()
+            opt.zero_grad(set_to_none=True)
+            if not door and step == NAN_STEP:
+                continue
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if not door:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                continue
+            kit.note_loss(loss)
+            torch.cuda.set_sync_debug_mode("error" if step > 0 else "default")
+            try:
+                kit.step(opt)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return model
+
+    _assert_close_to_rounding(run(door=True), run(door=False))
