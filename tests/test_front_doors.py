@@ -99,6 +99,19 @@ def _batches() -> list[tuple[Tensor, Tensor]]:
     return out
 
 
+def _fp16_plain_loop(model: nn.Module, opt: torch.optim.Optimizer, kit: GradKit, scaler: torch.amp.GradScaler) -> None:
+    """The plain door's fp16 loop on CPU: autocast, the scaler's scaled backward, ``kit.step`` (which steps the
+    scaler)."""
+    model.train()
+    for x, y in _batches():
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        kit.note_loss(loss)
+        kit.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+
 def _initial_state() -> dict[str, Tensor]:
     torch.manual_seed(0)
     return copy.deepcopy(Net().state_dict())
@@ -466,14 +479,7 @@ def test_fp16_gradscaler_behind_the_doors_gives_the_same_steps(tmp_path: Path, o
         max_steps=BATCHES,
         scaler=scaler,
     )
-    model.train()
-    for x, y in _batches():
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = nn.functional.mse_loss(model(x), y)
-        scaler.scale(loss).backward()
-        kit.note_loss(loss)
-        kit.step(opt)
-        opt.zero_grad(set_to_none=True)
+    _fp16_plain_loop(model, opt, kit, scaler)
     plain_logs = _series(rows)
 
     _assert_same_state(model.state_dict(), module.state_dict())
@@ -522,14 +528,7 @@ def test_fp16_skipped_steps_count_the_guards_skips_not_the_gradscalers_overflows
     opt = _optimizer(optimizer, model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     kit = GradKit(model, opt, policies(), log_dir=tmp_path / "plain", max_steps=BATCHES, scaler=scaler)
-    model.train()
-    for x, y in _batches():
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = nn.functional.mse_loss(model(x), y)
-        scaler.scale(loss).backward()
-        kit.note_loss(loss)
-        kit.step(opt)
-        opt.zero_grad(set_to_none=True)
+    _fp16_plain_loop(model, opt, kit, scaler)
     kit.finish()
     plain_events = [json.loads(line) for line in (tmp_path / "plain" / "gradkit_events.jsonl").read_text().splitlines()]
 
