@@ -52,11 +52,13 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
 
 STACKS: dict[str, Callable[[], list[Any]]] = {
     "monitor_clip": lambda: [GradNormMonitor(log_every_n_steps=50), ClipGradNorm(1.0)],
+    # Short warm-ups: the counted step (the sixth) is past them, where ZClip and SpikeGuard do the most. A high
+    # spike threshold: the steps counted are the ordinary ones, not a skip (which runs no optimizer).
     "full": lambda: [
         GradNormMonitor(log_every_n_steps=50),
-        ZClip(),
+        ZClip(warmup_steps=2),
         NonFiniteGuard("skip"),
-        SpikeGuard("loss", action="skip"),
+        SpikeGuard("loss", action="skip", warmup_steps=2, z_threshold=1e3),
     ],
 }
 
@@ -64,6 +66,7 @@ STACKS: dict[str, Callable[[], list[Any]]] = {
 @dataclass
 class StepCost:
     ops: int
+    launches: int
     bytes: int
     syncs: int
     op_names: Counter[str]
@@ -87,7 +90,7 @@ def _loop_step_cost(n: int, optimizer: str, stack: str | None, width: int = 4) -
     opt = OPTIMIZERS[optimizer](model)
     kit = GradKit(model, opt, STACKS[stack](), log=lambda metrics, step: None, log_every_n_steps=50) if stack else None
     x = torch.randn(width)
-    cost = StepCost(0, 0, 0, Counter())
+    cost = StepCost(0, 0, 0, 0, Counter())
     for step in range(STEPS):
         with _counted(step == STEPS - 1) as (counter, syncs):
             opt.zero_grad(set_to_none=True)
@@ -98,7 +101,7 @@ def _loop_step_cost(n: int, optimizer: str, stack: str | None, width: int = 4) -
             else:
                 kit.note_loss(loss)
                 kit.step(opt)
-        cost = StepCost(counter.total, counter.bytes, syncs.total, counter.ops)
+        cost = StepCost(counter.total, counter.launches, counter.bytes, syncs.total, counter.ops)
     return cost
 
 
@@ -106,18 +109,20 @@ def _added(n: int, optimizer: str, stack: str, width: int = 4) -> StepCost:
     bare = _loop_step_cost(n, optimizer, None, width)
     ours = _loop_step_cost(n, optimizer, stack, width)
     names = ours.op_names - bare.op_names
-    return StepCost(ours.ops - bare.ops, ours.bytes - bare.bytes, ours.syncs - bare.syncs, names)
+    launches = ours.launches - bare.launches
+    return StepCost(ours.ops - bare.ops, launches, ours.bytes - bare.bytes, ours.syncs - bare.syncs, names)
 
 
 # Measured at this commit (torch 2.13 CPU): the most aten operations gradkit adds to one optimizer step, whatever the
-# number of tensors. Raise one only with a reason in the commit message. On a GPU each is a kernel launch.
+# number of tensors, and of them those that launch a kernel on a GPU (all but views). Raise one only with a reason in
+# the commit message. The full stack's target is 30 launches (the GPU-cost issue).
 MAX_OPS = {
-    ("monitor_clip", "sgd"): 8,
-    ("monitor_clip", "adamw_foreach"): 8,
-    ("monitor_clip", "adamw_fused"): 8,
-    ("full", "sgd"): 85,
-    ("full", "adamw_foreach"): 85,
-    ("full", "adamw_fused"): 96,
+    ("monitor_clip", "sgd"): (8, 8),
+    ("monitor_clip", "adamw_foreach"): (8, 8),
+    ("monitor_clip", "adamw_fused"): (8, 8),  # no write pass: the fold's reciprocal replaces the `_foreach_mul_`
+    ("full", "sgd"): (33, 26),
+    ("full", "adamw_foreach"): (33, 26),
+    ("full", "adamw_fused"): (35, 28),
 }
 
 
@@ -125,9 +130,13 @@ MAX_OPS = {
 @pytest.mark.parametrize("stack", list(STACKS))
 def test_operations_per_step_are_a_constant_whatever_the_number_of_tensors(stack: str, optimizer: str) -> None:
     counts = {n: _added(n, optimizer, stack) for n in SIZES}
-    ops = {n: c.ops for n, c in counts.items()}
+    ops = {n: (c.ops, c.launches) for n, c in counts.items()}
     assert len(set(ops.values())) == 1, ops  # no per-tensor operation anywhere on the step
-    assert 0 < ops[SIZES[0]] <= MAX_OPS[stack, optimizer], counts[SIZES[0]].op_names
+    most_ops, most_launches = MAX_OPS[stack, optimizer]
+    cost = counts[SIZES[0]]
+    assert 0 < cost.ops <= most_ops and cost.launches <= most_launches, (cost.ops, cost.launches, cost.op_names)
+    if stack == "full":
+        assert cost.launches <= 30
 
 
 def test_the_operation_counter_sees_a_per_tensor_loop() -> None:
@@ -255,7 +264,7 @@ def test_trainer_step_operations_are_a_constant_and_monitor_clip_match_lightning
         bare = _trainer_step_ops(tmp_path, n, fused, [], strategy="gradkit").total
         ours = _trainer_step_ops(tmp_path, n, fused, STACKS["full"](), strategy="gradkit").total
         full[n] = ours - bare
-    assert len(set(full.values())) == 1 and 0 < full[10] <= MAX_OPS["full", "adamw_fused" if fused else "sgd"] + 10
+    assert len(set(full.values())) == 1 and 0 < full[10] <= MAX_OPS["full", "adamw_fused" if fused else "sgd"][0] + 10
     if not fused:
         lightning = _trainer_step_ops(tmp_path, 148, fused, [], gradient_clip_val=1.0).total
         ours = _trainer_step_ops(tmp_path, 148, fused, STACKS["monitor_clip"]()).total

@@ -85,9 +85,14 @@ class _Decision:
     post: Tensor | Callable[[], Tensor]
     coef: Tensor | Callable[[], Tensor]
     clipped: Tensor | None
-    threshold: Tensor | None = None
+    threshold: Tensor | Callable[[], Tensor] | None = None
     clip_above: float | None = None
-    target: Tensor | None = None
+    target: Tensor | float | None = None
+
+
+def _host_scalar(value: float) -> Tensor:
+    """A threshold kept as a Python float, as the 0-dim tensor logged on logging steps."""
+    return torch.tensor(value, dtype=torch.float32)
 
 
 def _resolve(value: Tensor | Callable[[], Tensor]) -> Tensor:
@@ -291,7 +296,7 @@ class _GradClipCallback(GradKitCallback):
             "grad_clip/clipped_fraction": clipped.to(torch.float32) / steps,
         }
         if decision.threshold is not None:
-            out["grad_clip/threshold"] = decision.threshold
+            out["grad_clip/threshold"] = _resolve(decision.threshold)
         return out
 
     def _policy_for(self, optimizer_idx: int) -> ClipPolicy:
@@ -332,19 +337,25 @@ class _ScalarClip(_GradClipCallback):
     def _clip(self, policy: ClipPolicy, plan: StepPlan) -> _Decision:
         assert isinstance(policy, ScalarClipPolicy)
         pre = plan.pre_clip_total(policy.norm_type)
+        clip_above = None
         if type(policy) is GradNormPolicy:
             # `policy(pre)` would also compare with max_norm every step: the clipped count does that when it sums.
             coef, clipped, threshold = clip_coefficient(pre, policy.max_norm), None, policy.threshold(pre)
+            clip_above = policy.max_norm
+        elif isinstance(policy, ZClipPolicy):
+            coef, clipped, above = policy.decide(pre)
+            clip_above = above if clipped is None else None
+            threshold = functools.partial(_host_scalar, above)
         else:
             coef, clipped, threshold = policy(pre)
         plan.clip_coef = coef
         return _Decision(
             pre=pre,
-            post=functools.partial(operator.mul, pre, coef),
-            coef=coef,
+            post=pre if coef is None else functools.partial(operator.mul, pre, coef),
+            coef=functools.partial(torch.ones_like, pre) if coef is None else coef,
             clipped=clipped,
             threshold=threshold,
-            clip_above=policy.max_norm if clipped is None else None,
+            clip_above=clip_above,
             target=policy.target if isinstance(policy, ZClipPolicy) else threshold,
         )
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, refuse_under_deepspeed
+from lightning_gradkit.core.host_lag import HostLag
 from lightning_gradkit.core.pipeline import StepContext, unwrapped
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan
 from lightning_gradkit.events import EventLog, EventWriter, events_dir
@@ -32,83 +33,78 @@ __all__ = ["GuardBase"]
 
 
 class _Ledger:
-    """Device-side record of the steps flagged between two host reads: recording never synchronizes.
+    """The steps a guard flagged between two reports, learnt on the host one step late: recording never
+    synchronizes.
 
-    Each step appends one small device row, ``[flag, *values]`` (a single ``cat``), with its step number kept on the
-    host; :meth:`read` brings every row over in one transfer and summarizes them on the host: the number of flagged
-    steps, the first and last, the longest run of consecutive flagged steps with its first and last step (a run that
-    goes on across reads keeps its start) and the named values of the first flagged step. At most
-    :attr:`MAX_ROWS` rows wait for a read: a run that logs rarely (or never) is read then, one host read per
-    :attr:`MAX_ROWS` steps.
+    Each step pushes its flags (a 1-D device tensor, the step's flag first) through a
+    :class:`~lightning_gradkit.core.host_lag.HostLag` together with what to read if it turns out flagged (device
+    tensors, kept by reference: nothing is copied); the next step folds them in on the host. :meth:`read` (on logging
+    steps and at the end of training, where waiting for the last step's copy is allowed) summarizes the period: the
+    number of flagged steps, the first and last, the longest run of consecutive flagged steps with its first and last
+    step (a run that goes on across reads keeps its start), and the flags and kept values of the first flagged step.
     """
 
-    MAX_ROWS = 1024
-
     def __init__(self) -> None:
-        self._rows: list[Tensor] = []
-        self._steps: list[int] = []
-        self._layout: list[tuple[str, int]] = []
-        self._run = 0  # the run of flagged steps still going on at the last read, and its first step
+        self._lag = HostLag()
+        self._pending: tuple[int, Any] | None = None
+        self._flagged: list[tuple[int, list[float], Any]] = []
+        self._run = 0  # the run of flagged steps going on, its first and last step, and the period's longest run
         self._run_first = -1
-        self._last = -1
+        self._run_last = -1
+        self._longest = (0, -1, -1)
 
-    def __len__(self) -> int:
-        return len(self._rows)
+    def record(self, step: int, flags: Tensor, keep: Any = None) -> None:
+        """Note step ``step``'s ``flags`` (``flags[0] > 0``: flagged) and what to read on a flagged step."""
+        self.fold()
+        self._lag.push(flags)
+        self._pending = (step, keep)
 
-    def record(self, flag: Tensor, step: int, values: dict[str, Tensor]) -> bool:
-        """Append the step's flag and values (device tensors); ``True`` when the ledger is full and must be read."""
-        parts = [flag.to(torch.float32), *values.values()]  # values of the no-grad pipeline: nothing to detach
-        if all(t.dim() == 0 and t.dtype == torch.float32 and t.device == flag.device for t in parts):
-            row = torch.stack(parts)  # the common case: one op
-        else:
-            row = torch.cat([t.reshape(-1).to(flag.device, torch.float32) for t in parts])
-        self._rows.append(row)
-        self._steps.append(step)
-        self._layout = [(key, value.numel()) for key, value in values.items()]
-        return len(self._rows) >= self.MAX_ROWS
+    def fold(self) -> None:
+        """Take in the step whose flags are on their way to the host."""
+        values = self._lag.pop()
+        if values is None or self._pending is None:
+            return
+        (step, keep), self._pending = self._pending, None
+        if not values[0] > 0:
+            self._run = 0
+            return
+        self._flagged.append((step, values, keep))
+        if self._run == 0:
+            self._run_first = step
+        self._run += 1
+        self._run_last = step
+        if self._run >= self._longest[0]:
+            self._longest = (self._run, self._run_first, step)
 
     def read(self) -> dict[str, Any] | None:
-        """The record as Python values (one device-to-host transfer), then start a new period; ``None`` if no step
-        was flagged."""
-        if not self._rows:
-            return None
-        rows = torch.stack(self._rows).tolist()
-        steps, self._rows, self._steps = self._steps, [], []
-        flagged = [(step, row) for step, row in zip(steps, rows, strict=True) if row[0] > 0]
-        longest, longest_first, longest_last = self._run, self._run_first, self._last if self._run else -1
-        for step, row in zip(steps, rows, strict=True):
-            if row[0] > 0:
-                if self._run == 0:
-                    self._run_first = step
-                self._run += 1
-                self._last = step
-                if self._run >= longest:
-                    longest, longest_first, longest_last = self._run, self._run_first, step
-            else:
-                self._run = 0
+        """The period's summary (``count``, ``first``, ``last``, ``max_run``, ``max_run_first``, ``max_run_last``,
+        ``flags`` and ``keep`` of the first flagged step), then start a new period; ``None`` if nothing was flagged."""
+        self.fold()
+        flagged, self._flagged = self._flagged, []
+        longest = self._longest
+        # The next period's longest run starts as the run still going on (with its start, possibly before).
+        self._longest = (self._run, self._run_first, self._run_last) if self._run else (0, -1, -1)
         if not flagged:
             return None
-        out: dict[str, Any] = {
-            "count": float(len(flagged)),
-            "first": float(flagged[0][0]),
-            "last": float(flagged[-1][0]),
-            "max_run": float(longest),
-            "max_run_first": float(longest_first),
-            "max_run_last": float(longest_last),
+        step, flags, keep = flagged[0]
+        return {
+            "count": len(flagged),
+            "first": step,
+            "last": flagged[-1][0],
+            "max_run": longest[0],
+            "max_run_first": longest[1],
+            "max_run_last": longest[2],
+            "flags": flags,
+            "keep": keep,
         }
-        first_row, offset = flagged[0][1], 1
-        for key, n in self._layout:
-            out[key] = first_row[offset] if n == 1 else first_row[offset : offset + n]
-            offset += n
-        return out
 
 
 class GuardBase(EventWriter, GradKitCallback):
     """The wiring both guards share: the strategy check, the event log, host-read or ledger reporting.
 
     A subclass decides in ``_decide`` and then either reads its flag at the step (``_reads_on_host()``: through
-    ``_flagged_on_host``) or records it with ``_advance_step`` and reports what the ledger holds in
-    ``_report_ledger`` on logging steps and at the end of training.
+    ``_flagged_on_host``) or learns it one step late (``_ledger``, :class:`~lightning_gradkit.core.host_lag.HostLag`)
+    and reports in ``_report_ledger`` on logging steps and at the end of training.
     """
 
     _stage = Stage.GUARD
@@ -189,12 +185,6 @@ class GuardBase(EventWriter, GradKitCallback):
         if within_skip:
             return plan.skip_on_host() and bool(flag)
         return plan.flag_on_host_with_skip(flag)
-
-    def _advance_step(self, ctx: StepContext, flag: Tensor, firsts: dict[str, Tensor]) -> None:
-        """Record the step's flag (and the values to report if it is the first flagged one) in the ledger; read it
-        when it is full (see :class:`_Ledger`)."""
-        if self._ledger.record(flag, ctx.global_step, firsts):
-            self._report_ledger(ctx)
 
     def _write(self, ctx: StepContext, **fields: Any) -> None:
         if self._events is not None:

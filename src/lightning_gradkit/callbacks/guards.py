@@ -17,6 +17,7 @@ The rest of the guards lives beside this file, one concept per file:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -42,9 +43,10 @@ from lightning_gradkit.callbacks.culprit import (
 from lightning_gradkit.callbacks.guard_reporting import GuardBase
 from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss, unscaled_loss
 from lightning_gradkit.callbacks.nonfinite_validation import NonFiniteValidationCheck
+from lightning_gradkit.core.host_lag import HostLag, as_float32
 from lightning_gradkit.core.norms import nonfinite_mask
 from lightning_gradkit.core.pipeline import StepContext
-from lightning_gradkit.core.running import RunningMoments, WindowMoments
+from lightning_gradkit.core.running import HostMoments
 from lightning_gradkit.engine import StatsRequest, StepPlan, is_logging_step, world_size
 from lightning_gradkit.forensics import Finding, describe_error, replay_training_step
 from lightning_gradkit.replay import RNGState, capture_rng
@@ -410,15 +412,13 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             overflow = self._overflow(loss_bad, grads_bad)
             plan.add_skip(bad if overflow is None else bad & ~overflow)
         if not self._reads_on_host():
-            firsts = {"param": nonfinite_mask(plan.primary.param_norms).to(torch.float32).argmax().float()}
+            # [flag, loss non-finite, gradients non-finite] in one op; the per-rank losses when there are ranks. The
+            # per-parameter norms are kept (a reference) to name the culprit if the step turns out flagged.
+            flags = torch.stack([bad, bad if loss_bad is None else loss_bad, bad if grads_bad is None else grads_bad])
             if loss_ranks is not None:
-                firsts["loss_ranks"] = loss_ranks
-            elif loss_bad is not None:
-                firsts["loss_ranks"] = loss_bad.to(torch.float32)
-            if grads_bad is not None:
-                firsts["grads"] = grads_bad.to(torch.float32)
+                flags = torch.cat([flags.to(loss_ranks.dtype), loss_ranks])
             self._param_names = plan.primary.names
-            self._advance_step(ctx, bad, firsts)
+            self._ledger.record(ctx.global_step, flags, plan.primary.param_norms)
 
     def _overflow(self, loss_bad: Tensor | None, grads_bad: Tensor | None) -> Tensor | None:
         """Under a GradScaler: non-finite gradients and a finite loss on every rank (a device flag, no sync); ``None``
@@ -582,12 +582,13 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             return
         names = self._param_names
         first, last, count = int(record["first"]), int(record["last"]), int(record["count"])
-        loss_ranks = record.get("loss_ranks")
-        bad_ranks = [
-            r for r, v in enumerate(loss_ranks if isinstance(loss_ranks, list) else [loss_ranks or 0]) if v > 0
-        ]
-        grads = bool(record.get("grads", 0.0))
-        param = names[int(record["param"])] if grads and names else None
+        flags = record["flags"]  # [flag, loss non-finite, gradients non-finite, per-rank losses...]
+        loss_ranks = flags[3:] if len(flags) > 3 else [flags[1] if self.check_loss else 0]
+        bad_ranks = [r if len(flags) > 3 else ctx.global_rank for r, v in enumerate(loss_ranks) if v > 0]
+        grads = self.check_grads and bool(flags[2])
+        param = None
+        if grads and names:  # the first parameter with a non-finite gradient (a logging step: the read is allowed)
+            param = names[int(nonfinite_mask(record["keep"]).to(torch.float32).argmax())]
         what = nonfinite_kind(bool(bad_ranks), grads)
         if self._scaler and grads and not bad_ranks:
             what = "fp16_overflow"
@@ -705,10 +706,14 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
                     f"warmup_steps={self.warmup_steps!r}. Enlarge the window or lower `warmup_steps`."
                 )
         self.window = window
-        self._stats: RunningMoments | WindowMoments = WindowMoments(window) if window else RunningMoments(self.alpha)
-        self._device = torch.device("cpu")
+        # Host statistics, fed each step's value one step late (see `core.host_lag`): a step's decision is one
+        # comparison on device with the threshold of the steps before it.
+        self._stats = HostMoments(self.alpha, window)
+        self._lag = HostLag()
+        self._pending: tuple[int, float] | None = None  # the step whose value is on its way, and its threshold
+        self._flagged: list[tuple[int, float, float, float, float]] = []  # (step, value, z, mean, std) to report
         self._window_loss = WindowLoss()
-        self._step: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
+        self._step: tuple[Tensor, Tensor] | None = None
         self._spikes = 0
         self._key = f"{self.state_key}/loss_sum"
 
@@ -733,49 +738,58 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
 
     def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
         x = self._watched_value(plan)
-        if self._device != x.device:
-            self._stats.to(x.device)
-            self._device = x.device
-        spike, z, mean, std = self._stats.spike_step(x, self.z_threshold, self.warmup_steps)
-        self._step = (spike, x, z, mean, std)
+        self._fold()
+        threshold = self._stats.threshold(self.z_threshold, self.warmup_steps)
+        # A finite value above the threshold; NaN and Inf never are (they are NonFiniteGuard's).
+        spike = torch.nan_to_num(x, nan=-math.inf, posinf=-math.inf) > threshold
+        self._lag.push(x.reshape(1))
+        self._pending = (ctx.global_step, threshold)
+        self._step = (spike, x)
         if self.action == "skip":
             plan.add_skip(spike)
-        if not self._reads_on_host():
-            self._advance_step(ctx, spike, {"value": x, "z": z, "mean": mean, "std": std})
+
+    def _fold(self) -> None:
+        """Feed the statistics with the value of the step on its way to the host; keep it to report if it was a
+        spike and this guard reports later (``action="warn"``, a fused optimizer's skip)."""
+        values = self._lag.pop()
+        if values is None or self._pending is None:
+            return
+        (x,), (step, threshold) = values, self._pending
+        self._pending = None
+        # The device compared the fp32 value with the fp32 rounding of the threshold: the same test here.
+        spike = math.isfinite(x) and x > as_float32(threshold)
+        if spike and not self._reads_on_host():
+            mean, std = self._stats.moments()[0], self._stats.std()
+            self._flagged.append((step, x, (x - mean) / std, mean, std))
+        self._stats.record(x, spike, self.z_threshold)
 
     def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
         assert self._step is not None
-        spike, x, z, mean, std = self._step
+        spike, x = self._step
         if self._reads_on_host():
             if not self._flagged_on_host(plan, spike):
                 return
             self._spikes += 1
-            value, zv, mv, sv = torch.stack([x, z, mean, std]).tolist()
+            value = float(x)  # a flagged step: the host reads its decision anyway
+            mean, std = self._stats.moments()[0], self._stats.std()
             culprit = None
             if self.monitor == "grad_norm":
                 norms = plan.stats[2.0].param_norms
                 culprit = plan.stats[2.0].names[int(norms.argmax())] if norms.numel() else None
-            self._report(ctx, ctx.global_step, ctx.global_step, 1, value, zv, mv, sv, culprit)
+            self._report(ctx, ctx.global_step, ctx.global_step, 1, value, (value - mean) / std, mean, std, culprit)
         elif plan.logging_step:
             self._report_ledger(ctx)
 
     def _report_ledger(self, ctx: StepContext) -> None:
-        record = self._ledger.read()
-        if record is None:
+        """Report the spikes found since the last report, this step's included (a logging step or the end of
+        training: the wait for this step's value is allowed there)."""
+        self._fold()
+        if not self._flagged:
             return
-        count = int(record["count"])
-        self._spikes += count
-        self._report(
-            ctx,
-            int(record["first"]),
-            int(record["last"]),
-            count,
-            record["value"],
-            record["z"],
-            record["mean"],
-            record["std"],
-            None,
-        )
+        flagged, self._flagged = self._flagged, []
+        self._spikes += len(flagged)
+        step, value, z, mean, std = flagged[0]
+        self._report(ctx, step, flagged[-1][0], len(flagged), value, z, mean, std, None)
 
     def _report(
         self,
@@ -805,6 +819,7 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
 
     # -- state -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        self._fold()
         state = {
             "statistic": "window" if self.window else "ema",
             "stats": self._stats.state_dict(),
@@ -825,6 +840,8 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
                 f"{expected!r} (window={self.window!r}). Resume with the same arguments."
             )
         self._stats.load_state_dict(state_dict["stats"])
+        self._lag.clear()
+        self._pending = None
         self._spikes = int(state_dict.get("spikes", 0))
         if "window_loss" in state_dict:
             self._window_loss.sum, self._window_loss.count = state_dict["window_loss"]

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradkit._arguments import check_float, check_int, validate_norm_type
+from lightning_gradkit.core.host_lag import HostLag, as_float32
 from lightning_gradkit.core.norms import finite_mask
 
 __all__ = [
@@ -69,7 +70,7 @@ def clip_coefficient(total_norm: Tensor, max_norm: float | Tensor) -> Tensor:
     return torch.clamp(max_norm / (total_norm + NORM_EPS), max=1.0)
 
 
-def clip_to_threshold(total_norm: Tensor, threshold: Tensor) -> Tensor:
+def clip_to_threshold(total_norm: Tensor, threshold: Tensor | float) -> Tensor:
     """Scale to ``threshold`` only when the norm exceeds it: ``threshold / (total_norm + 1e-6)``, else exactly 1.
 
     Unlike :func:`clip_coefficient` a norm at or below the threshold is left bit-for-bit untouched (the rule of the
@@ -293,7 +294,7 @@ class AutoClipPolicy(ScalarClipPolicy):
     def __call__(self, total_norm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         norm = total_norm.to(torch.float32)
         history, count = self._ensure_state(norm.device)
-        finite = torch.isfinite(norm)
+        finite = finite_mask(norm)
         slot = (count % self.history_size).reshape(1)
         kept = history.gather(0, slot)
         history.scatter_(0, slot, torch.where(finite, norm.reshape(1), kept))
@@ -341,8 +342,14 @@ class ZClipPolicy(ScalarClipPolicy):
     step is scaled to, ``min(g*, max_norm)``, is kept in :attr:`target`.
 
     Defaults ``alpha=0.97``, ``z_threshold=2.5``, ``warmup_steps=25`` are the paper's. Unlike the reference code,
-    everything stays on the device (no ``.item()``), a non-finite norm never enters the statistics (one Inf would
+    no step reads a value to the host (no ``.item()``), a non-finite norm never enters the statistics (one Inf would
     otherwise poison the mean forever), and the state survives checkpoints.
+
+    The statistics are Python floats, updated with each norm one step later: a step's decision needs the statistics
+    of the steps before it only, so its norm reaches the host through a non-blocking copy
+    (:class:`~lightning_gradkit.core.host_lag.HostLag`) and is folded in at the next step (or when the statistics are
+    read: :attr:`mean`, :meth:`state_dict`). On the device a step costs a comparison with a Python number and, past
+    warm-up, the reciprocal rule: about 10 operations instead of 35 for the same decision on device statistics.
 
     Args:
         alpha: EMA smoothing factor in ``(0, 1)``.
@@ -364,12 +371,15 @@ class ZClipPolicy(ScalarClipPolicy):
         self.z_threshold = _positive("z_threshold", z_threshold)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 1, hint="The paper uses 25.")
         self.max_norm = None if max_norm is None else _positive("max_norm", max_norm)
-        self.mean: Tensor | None = None
-        self.var: Tensor | None = None
-        self.count: Tensor | None = None
-        #: The norm the last step was clipped to when it was clipped (the reciprocal rule's ``g*``, or
-        #: ``max_norm``); a later evaluation of the same step is clipped to it too.
-        self.target: Tensor | None = None
+        self._mean = 0.0
+        self._var = 0.0
+        self._count = 0
+        # The norm of the last step, on its way to the host, and the spike threshold it was compared with.
+        self._lag = HostLag()
+        self._spike_above = math.inf
+        #: The norm the last step was clipped to when it was clipped (the reciprocal rule's ``g*``, or ``max_norm``):
+        #: a tensor, a float, or ``None`` (not clipped); a later evaluation of the same step is clipped to it too.
+        self.target: Tensor | float | None = None
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -382,67 +392,104 @@ class ZClipPolicy(ScalarClipPolicy):
     def fresh(self) -> ZClipPolicy:
         return ZClipPolicy(**self._config())
 
-    def _ensure_state(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        if self.mean is None or self.var is None or self.count is None:
-            self.mean = torch.zeros((), dtype=torch.float32, device=device)
-            self.var = torch.zeros((), dtype=torch.float32, device=device)
-            self.count = torch.zeros((), dtype=torch.long, device=device)
-        elif self.mean.device != device:
-            self.mean, self.var, self.count = self.mean.to(device), self.var.to(device), self.count.to(device)
-        return self.mean, self.var, self.count
+    # -- the statistics (host floats) -----------------------------------------------------------------------------
+    @property
+    def mean(self) -> Tensor:
+        """The EMA of the norm (fp64 scalar), every norm passed so far included."""
+        self._fold()
+        return torch.tensor(self._mean, dtype=torch.float64)
+
+    @property
+    def var(self) -> Tensor:
+        """The EMA variance of the norm (fp64 scalar), every norm passed so far included."""
+        self._fold()
+        return torch.tensor(self._var, dtype=torch.float64)
+
+    @property
+    def count(self) -> Tensor:
+        """The number of finite norms seen (long scalar)."""
+        self._fold()
+        return torch.tensor(self._count, dtype=torch.long)
+
+    def _fold(self) -> None:
+        """Update the statistics with the norm still on its way to the host (the previous step's)."""
+        values = self._lag.pop()
+        if values is None:
+            return
+        g = values[0]
+        if not math.isfinite(g):
+            return
+        if self._count < self.warmup_steps:  # Welford: the population mean and variance of the first norms
+            self._count += 1
+            delta = g - self._mean
+            self._mean += delta / self._count
+            self._var += (delta * (g - self._mean) - self._var) / self._count
+            return
+        # The device compared the fp32 norm with the fp32 rounding of the threshold: the same test here.
+        if g > as_float32(self._spike_above):
+            std = math.sqrt(self._var)
+            g = self._mean + self.z_threshold**2 * std * (std + self.eps) / (g - self._mean)
+        self._count += 1
+        self._mean = self.alpha * self._mean + (1 - self.alpha) * g
+        self._var = self.alpha * self._var + (1 - self.alpha) * (g - self._mean) ** 2
+
+    # -- one step ---------------------------------------------------------------------------------------------------
+    def decide(self, total_norm: Tensor) -> tuple[Tensor | None, Tensor | None, float]:
+        """Decide one step with as few device operations as the rule allows.
+
+        Returns:
+            ``(coef, clipped, threshold)``: the coefficient (``None``: nothing to clip, during warm-up without
+            ``max_norm``), the clipped flag (``None``: the norm exceeded ``threshold``, compared when counted) and
+            the threshold (a float).
+        """
+        self._fold()
+        g = total_norm if total_norm.dtype == torch.float32 else total_norm.to(torch.float32)
+        self._lag.push(g.reshape(1))
+        ceiling = math.inf if self.max_norm is None else self.max_norm
+        if self._count < self.warmup_steps:  # only `max_norm` clips
+            self._spike_above = math.inf
+            self.target = self.max_norm
+            return (None if self.max_norm is None else clip_to_threshold(g, self.max_norm)), None, ceiling
+        std = math.sqrt(self._var)
+        self._spike_above = self._mean + self.z_threshold * (std + self.eps)
+        spike = g > self._spike_above
+        # The reciprocal rule, `mu + z_threshold**2 * sigma / z` with `z = (g - mu) / (sigma + eps)`.
+        adjusted = torch.reciprocal(g - self._mean).mul_(self.z_threshold**2 * std * (std + self.eps)).add_(self._mean)
+        target = torch.where(spike, adjusted, g)
+        if self.max_norm is not None:
+            target = target.clamp_max(self.max_norm)
+            clipped = g > target
+        else:
+            clipped = spike  # a spike is pulled below its norm; anything else is left alone
+        self.target = target
+        coef = (target / (g + NORM_EPS)).masked_fill_(~clipped, 1.0)  # at or below the target: exactly 1
+        return coef, clipped, min(self._spike_above, ceiling)
 
     def __call__(self, total_norm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        coef, clipped, threshold = self.decide(total_norm)
         g = total_norm.to(torch.float32)
-        mean, var, count = self._ensure_state(g.device)
-        finite = finite_mask(g)
-        warming = count < self.warmup_steps
-        after = ~warming
-        zt = self.z_threshold
-
-        # The reciprocal z-score rule (after warm-up): a spike is pulled to `mu + z_threshold**2 * sigma / z`.
-        std = var.sqrt()
-        std_eps = std + self.eps
-        z = (g - mean) / std_eps
-        adjusted = torch.where(z > zt, mean + (std * zt**2) / z, g)
-
-        # One update for both phases, with weight w and the value x it records:
-        #   warm-up (Welford): x = g, w = 1 / k,      mu' = mu + w d,  var' = var + w (d (x - mu') - var)
-        #   after (EMA):       x = g*, w = 1 - alpha, mu' = mu + w d,  var' = var + w ((x - mu')^2 - var)
-        # with d = x - mu: the EMA lines are `alpha mu + (1 - alpha) x` and `alpha var + (1 - alpha) (x - mu')^2`.
-        x = torch.where(warming, g, adjusted)
-        w = (count + 1).reciprocal().masked_fill(after, 1.0 - self.alpha)
-        d = x - mean
-        new_mean = torch.addcmul(mean, w, d)
-        r = x - new_mean
-        new_var = torch.addcmul(var, w, r * torch.where(warming, d, r) - var)
-
-        # The norm above which this step is clipped (`z > z_threshold`, or above `max_norm`), and the norm it is
-        # then clipped to (the reciprocal rule's `g*`, or `max_norm`); during warm-up only `max_norm` clips.
-        threshold = torch.add(mean, std_eps, alpha=zt)
-        if self.max_norm is not None:
-            threshold = threshold.clamp_max(self.max_norm)
-            adjusted = adjusted.clamp_max(self.max_norm)
-        ceiling = math.inf if self.max_norm is None else self.max_norm
-        threshold = threshold.masked_fill(warming, ceiling)
-        target = adjusted.masked_fill(warming, ceiling)
-        clipped = g > target
-        coef = (target / (g + NORM_EPS)).masked_fill(~clipped, 1.0)  # at or below the target: exactly 1
-        self.target = target
-        # A non-finite norm never enters the statistics.
-        self.mean = torch.where(finite, new_mean, mean)
-        self.var = torch.where(finite, new_var, var)
-        self.count = count + finite
-        return coef, clipped, threshold
+        if coef is None:
+            coef = torch.ones_like(g)
+        if clipped is None:
+            clipped = g > threshold
+        return coef, clipped, torch.full_like(g, threshold)
 
     def state_dict(self) -> dict[str, Any]:
-        if self.mean is None or self.var is None or self.count is None:
+        self._fold()
+        if self._count == 0:
             return {}
-        return {"mean": self.mean.detach().cpu(), "var": self.var.detach().cpu(), "count": self.count.detach().cpu()}
+        return {
+            "mean": torch.tensor(self._mean, dtype=torch.float64),
+            "var": torch.tensor(self._var, dtype=torch.float64),
+            "count": torch.tensor(self._count, dtype=torch.long),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._lag.clear()
+        self.target = None
         if not state_dict:
-            self.mean = self.var = self.count = None
+            self._mean, self._var, self._count = 0.0, 0.0, 0
             return
-        self.mean = state_dict["mean"].clone()
-        self.var = state_dict["var"].clone()
-        self.count = state_dict["count"].clone()
+        self._mean = float(state_dict["mean"])
+        self._var = float(state_dict["var"])
+        self._count = int(state_dict["count"])

@@ -412,10 +412,13 @@ _NONFINITE_GRAD_RANKS = "gradkit/nonfinite_grad_ranks"
 
 
 def values_to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
-    """Step values (device scalars) as Python floats, in one device-to-host transfer (logging steps only)."""
-    first = next(iter(metrics.values()))
-    values = torch.stack([v.detach().reshape(()).to(first.device, torch.float32) for v in metrics.values()]).tolist()
-    return dict(zip(metrics, values, strict=True))
+    """Step values (device scalars) as Python floats, in one device-to-host transfer (logging steps only). Values
+    already on the host (a policy's host statistics) are read where they are."""
+    on_device = {k: v for k, v in metrics.items() if v.device.type != "cpu"} or metrics
+    first = next(iter(on_device.values()))
+    stacked = torch.stack([v.detach().reshape(()).to(first.device, torch.float32) for v in on_device.values()])
+    values = dict(zip(on_device, stacked.tolist(), strict=True))
+    return {k: values[k] if k in values else float(v) for k, v in metrics.items()}
 
 
 # -- what the pipeline reads of the loop and of the policies --------------------------------------------------------

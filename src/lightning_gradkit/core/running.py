@@ -12,12 +12,16 @@ identically).
 
 from __future__ import annotations
 
+import math
+from collections import deque
+
 import torch
 from torch import Tensor
 
 from lightning_gradkit.core.norms import finite_mask
 
 __all__ = [
+    "HostMoments",
     "RunningMoments",
     "WindowMoments",
     "ema_update",
@@ -258,3 +262,88 @@ class WindowMoments:
                 " Resume with the same `window`."
             )
         self.values, self.position = state["values"].to(device), state["position"].to(device)
+
+
+class HostMoments:
+    """The statistics of :class:`RunningMoments` (``alpha``) or :class:`WindowMoments` (``window``) in Python floats,
+    for a detector that reads each value on the host one step late
+    (:class:`~lightning_gradkit.core.host_lag.HostLag`): the same rules (:func:`ema_update`, :func:`std_of`,
+    :func:`spike_decision`'s clamp), no device operation, and the same ``state_dict`` format.
+
+    Args:
+        alpha: decay of the EMA, in ``(0, 1)``.
+        window: keep the last ``window`` finite values instead of an EMA.
+    """
+
+    def __init__(self, alpha: float, window: int | None = None) -> None:
+        self.alpha = alpha
+        self.window = window
+        self._mean = 0.0
+        self._var = 0.0
+        self._count = 0
+        self._values: deque[float] = deque(maxlen=window)
+        self._written = 0  # finite values written to the window so far (its ring position)
+
+    def moments(self) -> tuple[float, float, int]:
+        """``(mean, var, count)``: of the window's values, or the EMA's."""
+        if self.window is None:
+            return self._mean, self._var, self._count
+        n = len(self._values)
+        mean = sum(self._values) / n if n else 0.0
+        var = sum((v - mean) ** 2 for v in self._values) / n if n else 0.0
+        return mean, var, n
+
+    def std(self) -> float:
+        """:func:`std_of` of the current statistics."""
+        mean, var, _ = self.moments()
+        return max(math.sqrt(max(var, 0.0)), abs(mean) * _RELATIVE_STD_FLOOR + _ABSOLUTE_STD_FLOOR)
+
+    def threshold(self, z_threshold: float, warmup: int) -> float:
+        """The value above which the next value is a spike (``z > z_threshold``); ``inf`` during warm-up."""
+        mean, _, count = self.moments()
+        return mean + z_threshold * self.std() if count >= warmup else math.inf
+
+    def record(self, x: float, spike: bool, z_threshold: float) -> None:
+        """Feed a value: a spike is recorded clamped to ``mean + z_threshold * std``; a non-finite one is not."""
+        if not math.isfinite(x):
+            return
+        if spike:
+            x = min(x, self.moments()[0] + z_threshold * self.std())
+        if self.window is not None:
+            self._values.append(x)
+            self._written += 1
+            return
+        self._count += 1
+        w = max(1.0 / self._count, 1.0 - self.alpha)
+        delta = x - self._mean
+        incr = w * delta
+        self._mean += incr
+        self._var = (1.0 - w) * (self._var + delta * incr)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        if self.window is None:
+            return {
+                "mean": torch.tensor(self._mean, dtype=torch.float64),
+                "var": torch.tensor(self._var, dtype=torch.float64),
+                "count": torch.tensor(float(self._count)),
+            }
+        ring = torch.full((self.window,), math.nan, dtype=torch.float64)
+        for i, v in enumerate(self._values):  # as WindowMoments' ring buffer: slot = position % window
+            ring[(self._written - len(self._values) + i) % self.window] = v
+        return {"values": ring, "position": torch.tensor(self._written, dtype=torch.long)}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        if self.window is None:
+            self._mean, self._var, self._count = float(state["mean"]), float(state["var"]), int(state["count"])
+            return
+        ring = state["values"]
+        if ring.numel() != self.window:
+            raise ValueError(
+                f"The saved window holds {ring.numel()} values but this one holds {self.window}. Resume with the same "
+                "`window`."
+            )
+        written = int(state["position"])
+        kept = min(written, self.window)
+        flat = ring.tolist()
+        self._values = deque((flat[i % self.window] for i in range(written - kept, written)), maxlen=self.window)
+        self._written = written
