@@ -20,7 +20,6 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradkit.diagnostics.host_sync import SYNC_CALLS, sync_kind
@@ -391,36 +390,3 @@ def launched_in_process(fabric: Any) -> Iterator[Any]:
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(environ)
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten operations dispatched while active, those of them that launch a kernel on a GPU (all but
-    pure views: ``view``, ``detach``, ``reshape`` aliases), and the bytes of the tensors they allocate.
-
-    An output is allocated by the operation when the schema says it aliases no input (not a view, not in place).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-        self.launches = 0
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.ops[func.overloadpacket.__name__] += 1
-        returns = func._schema.returns
-        view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-        self.launches += not view
-        outputs = out if isinstance(out, (tuple, list)) else (out,)
-        fresh = [r.alias_info is None for r in returns] if len(returns) == len(outputs) else [False] * len(outputs)
-        if len(returns) == 1 and isinstance(out, (tuple, list)):  # a Tensor[] return: one schema entry, n tensors
-            fresh = [returns[0].alias_info is None] * len(outputs)
-        for t, new in zip(outputs, fresh, strict=True):
-            if new and isinstance(t, Tensor):
-                self.bytes += t.numel() * t.element_size()
-        return out
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())

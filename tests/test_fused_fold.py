@@ -20,8 +20,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from helpers import MLPModule, OpCounter, loader, make_trainer
+from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import ClipGradNorm, NonFiniteGuard
+from lightning_gradkit.diagnostics.op_count import OpCounter
 from lightning_gradkit.loop import GradKit
 
 FUSED: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {

@@ -25,8 +25,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from helpers import OpCounter, count_syncs
+from helpers import count_syncs
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip
+from lightning_gradkit.diagnostics.op_count import OpCounter
 from lightning_gradkit.loop import GradKit
 
 SIZES = (10, 148, 1000, 10_000)

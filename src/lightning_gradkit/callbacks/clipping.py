@@ -236,6 +236,7 @@ class _GradClipCallback(GradKitCallback):
         if not plan.grads:
             return
         idx = plan.optimizer_idx
+        plan.clip_decided = True
         decision = self._clip(self._policy_for(idx), plan)
         self._last[idx] = decision
         key = (idx, decision.clip_above if decision.clipped is None else None)

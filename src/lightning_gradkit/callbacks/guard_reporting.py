@@ -1,4 +1,4 @@
-"""How a guard learns of a flagged step and reports it: at the step (a host read), or later from a device ledger.
+"""How a guard learns of a flagged step and reports it: at the step (a host read), or one step later, sync-free.
 
 Both guards (:class:`~lightning_gradkit.NonFiniteGuard`, :class:`~lightning_gradkit.SpikeGuard`) decide on device,
 in the engine's ``GUARD`` stage. What differs is when the host learns the decision:
@@ -7,10 +7,12 @@ in the engine's ``GUARD`` stage. What differs is when the host learns the decisi
   shares that read and reads more only on a skipped step (to report it).
 - ``action="raise"``: one host read per step, before the optimizer steps (the bad update is never applied).
 - ``action="warn"``, and ``action="skip"`` with a fused optimizer (which skips on device through ``found_inf``):
-  the flagged steps are recorded in a :class:`_Ledger` on device and read on logging steps (and at the end of
-  training); the report covers every step flagged since the previous read.
+  each step's flags reach the host one step later through a non-blocking copy
+  (:class:`~lightning_gradkit.core.host_lag.HostLag`); the flagged steps are kept on the host (``NonFiniteGuard``'s
+  :class:`_Ledger`, ``SpikeGuard``'s list) and reported on logging steps (and at the end of training); the report
+  covers every step flagged since the previous one.
 
-In this file: :class:`_Ledger` (the device record between two host reads) and :class:`GuardBase` (the wiring both
+In this file: :class:`_Ledger` (the host record between two reports) and :class:`GuardBase` (the wiring both
 guards share: the strategy check, the event log, which of the two ways applies, the saved count of skipped steps).
 """
 
@@ -171,7 +173,8 @@ class GuardBase(EventWriter, GradKitCallback):
         return self.action == "skip"
 
     def _reads_on_host(self) -> bool:
-        """Whether this guard learns of a flagged step at that step (else: on logging steps, from the ledger)."""
+        """Whether this guard learns of a flagged step at that step (else: one step later, reported on logging
+        steps)."""
         return self.action == "raise" or (self.action == "skip" and not self._fused)
 
     def _flagged_on_host(self, plan: StepPlan, flag: Tensor, within_skip: bool = True) -> bool:

@@ -642,11 +642,13 @@ class NonFiniteGuard(NonFiniteValidationCheck):
 
 
 class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
-    r"""Detect loss or gradient-norm spikes with a running z-score on device: warn, skip the step, or raise.
+    r"""Detect loss or gradient-norm spikes with a running z-score: warn, skip the step, or raise.
 
     Each optimizer step, the monitored value ``x`` (the loss averaged over the accumulation window and over ranks,
-    or the total 2-norm of the gradients) is compared with NaN-masked running statistics kept on device:
-    ``z = (x - mean) / std``; ``z > z_threshold`` after ``warmup_steps`` finite values is a spike. The statistics
+    or the total 2-norm of the gradients) is compared with NaN-masked running statistics: ``z = (x - mean) / std``;
+    ``z > z_threshold`` after ``warmup_steps`` finite values is a spike. The statistics are Python floats fed with
+    each value one step late (a non-blocking copy to the host: the decision of a step needs the statistics of the
+    steps before it only), so deciding is one comparison on device and never a host sync. The statistics
     are an exponential moving average (``alpha``) or, with ``window``, the last ``window`` finite values; they are
     fed with ``x`` clamped to ``mean + z_threshold * std`` (as ZClip, Kumar et al. 2025, does), so a spike does not
     inflate them and a lasting level shift is absorbed gradually. Non-finite values are ignored (masked, they never
@@ -655,7 +657,7 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
     The decision is identical on every rank: the loss of each rank travels in the engine's single collective, and
     gradient norms are global. No host synchronization is needed to decide; ``action`` says when one happens:
 
-    - ``"warn"``: spikes are counted on device and reported (warning + event) on logging steps.
+    - ``"warn"``: spikes are reported (warning + event) on logging steps.
     - ``"skip"`` (needs a GradKit strategy): the optimizer step is skipped as :class:`NonFiniteGuard` skips it.
     - ``"raise"``: one host read per step; raises before the optimizer steps.
 

@@ -161,6 +161,8 @@ def module_rows(keys: Sequence[str], names: Sequence[str], model_order: Sequence
 def _clipped_flag(plan: StepPlan) -> Tensor | None:
     """Whether a clipping callback scaled this step's gradients down (a bool device scalar), or None without one."""
     flags = []
+    if plan.clip_decided and not plan.clipped:  # a clipper that left this step alone (ZClip's warm-up)
+        return plan.primary.total < 0  # False, on device
     if plan.clip_coef is not None:
         flags.append(plan.clip_coef.reshape(()) < 1)
     if plan.param_coefs:
@@ -677,7 +679,7 @@ class GradNormMonitor(GradKitCallback):
         """The gradient-norm metrics of one step, as device tensors (no host sync)."""
         stats = plan.stats[self.norm_type]
         out = {"grad_norm/total": plan.scaled(stats.total)}
-        if plan.clipped and self.norm_type == plan.primary_norm_type:
+        if (plan.clipped or plan.clip_decided) and self.norm_type == plan.primary_norm_type:
             out["grad_norm/total_post_clip"] = plan.post_clip_total()
         rows = self._module_rows(plan)
         if rows is not None:

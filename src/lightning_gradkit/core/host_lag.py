@@ -71,8 +71,10 @@ class HostLag:
         if not self._pending or self._host is None:
             return None
         self._pending = False
-        if self._event is not None and self._host.is_pinned():
-            self._event.synchronize()  # done long ago in a host-bound loop: a check, not a wait
+        if self._event is not None and self._host.is_pinned() and not self._event.query():
+            # The device is more than a step behind the host: wait for this copy only (its stream up to it). In a
+            # host-bound loop the copy finished long ago and `query` (no wait) said so.
+            self._event.synchronize()
         # A host tensor read on the host: no device synchronization, so no sync detector should count it.
         with torch._C.DisableTorchFunction():
             return self._host.tolist()

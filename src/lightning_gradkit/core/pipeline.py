@@ -164,6 +164,8 @@ class StepPlan:
     unit_norms: UnitNorms | None = None
     run_ids: list[int] = field(default_factory=list)
     run_bounds: list[tuple[int, int]] | None = None
+    #: Whether a clipping policy decided this step, even to leave the gradients alone (ZClip in its warm-up).
+    clip_decided: bool = False
     #: The common factor (accumulation scale times clip coefficient) left for a fused optimizer to apply through its
     #: ``grad_scale`` (see :meth:`apply`); ``None`` when the gradients were written.
     folded: Tensor | None = None

@@ -5,4 +5,6 @@
 - :mod:`~lightning_gradkit.diagnostics.graph_leak`: :class:`~lightning_gradkit.GraphLeakGuard`, tensors that keep
   autograd graphs alive from one step into the next; machinery in :mod:`~lightning_gradkit.diagnostics.autograd_graph`.
 - :mod:`~lightning_gradkit.diagnostics.sources`: which code a frame belongs to (user, framework, library), for both.
+- :mod:`~lightning_gradkit.diagnostics.op_count`: :class:`~lightning_gradkit.diagnostics.op_count.OpCounter`, the aten
+  operations, kernel launches and bytes a stretch of code dispatches (the hot-path tests and benchmark use it).
 """
