@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +207,7 @@ class GradKit:
     Args:
         model: the module being trained (Fabric's wrapper or a ``DistributedDataParallel`` is fine).
         optimizers: the optimizer, or a list of them (Fabric's wrappers are fine).
-        policies: the gradkit policies (instances).
+        policies: the gradkit policies (instances): one, or a list of them.
         log: ``log(metrics: dict[str, float], step: int)``, called on logging steps; ``fabric.log_dict`` fits.
             ``None``: the values are not logged (the policies still act).
         log_every_n_steps: logging period in optimizer steps (0: never), as ``Trainer(log_every_n_steps=...)``.
@@ -219,7 +219,8 @@ class GradKit:
         log_dir: directory of the guards' ``gradkit_events.jsonl``; ``None``: no event file.
 
     Raises:
-        TypeError: if a policy is a class instead of an instance, or not a gradkit policy.
+        TypeError: if ``policies`` is neither a policy nor a list, or a policy is a class instead of an instance, or
+            not a gradkit policy.
         ValueError: if a policy needs a Lightning ``Trainer``, two clippers are given, or ``log_every_n_steps`` < 0.
 
     Example::
@@ -243,7 +244,7 @@ class GradKit:
         self,
         model: nn.Module,
         optimizers: Optimizer | Sequence[Optimizer],
-        policies: Sequence[Policy],
+        policies: Policy | Sequence[Policy],
         *,
         log: _LogFn | None = None,
         log_every_n_steps: int = 50,
@@ -404,14 +405,22 @@ def _gated_step(optimizer: Optimizer, inner: Callable[..., Any], plan: StepPlan 
     return step_as_decided(optimizer, inner, plan, kwargs)
 
 
-def _checked_policies(policies: Sequence[Policy]) -> list[Policy]:
-    """The policies as given, after the checks a Trainer makes at setup.
+def _checked_policies(policies: Policy | Sequence[Policy]) -> list[Policy]:
+    """The policies as given (one, or a list of them, as ``optimizers``), after the checks a Trainer makes at setup.
 
     Raises:
         TypeError: a class instead of an instance, or an object that is not a gradkit policy.
         ValueError: more than one clipper.
     """
-    out = list(policies)
+    if isinstance(policies, (Policy, type)):
+        out: list[Policy] = [policies]  # type: ignore[list-item]  # a class is refused below, with the fix
+    elif isinstance(policies, Iterable) and not isinstance(policies, (str, Mapping)):
+        out = list(policies)
+    else:
+        raise TypeError(
+            f"`policies` must be a gradkit policy or a list of them, got {_a(policies)}. Pass e.g. "
+            "`[GradNormMonitor(), ClipGradNorm(1.0)]`."
+        )
     for policy in out:
         if isinstance(policy, type):
             raise TypeError(
@@ -431,3 +440,9 @@ def _checked_policies(policies: Sequence[Policy]) -> list[Policy]:
             "gradients the other already clipped. Keep exactly one of them."
         )
     return out
+
+
+def _a(value: object) -> str:
+    """``value``'s type for a message: "an int", "a dict"."""
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
