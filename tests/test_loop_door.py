@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_gradkit import ClipGradNorm, GradNormMonitor
+from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard
 from lightning_gradkit.loop import GradKit
 
 pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning")
@@ -74,3 +74,91 @@ def test_a_single_policy_class_is_refused_with_the_fix() -> None:
         GradKit(model, opt, GradNormMonitor)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="`policies` must be a gradkit policy or a list of them, got an int"):
         GradKit(model, opt, 3)  # type: ignore[arg-type]
+
+
+# -- LR schedulers: each belongs to the optimizer it was built on ----------------------------------------------------
+class _TwoPart(nn.Module):
+    """Two halves trained by two optimizers, as a GAN's generator and discriminator: each loss reaches one half."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gen = nn.Linear(4, 1)
+        self.disc = nn.Linear(4, 1)
+
+
+def _two_optimizers(model: _TwoPart) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer, list[object]]:
+    opt_g = torch.optim.SGD(model.gen.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(model.disc.parameters(), lr=0.2)
+    sched_g = torch.optim.lr_scheduler.StepLR(opt_g, step_size=1, gamma=0.5)
+    sched_d = torch.optim.lr_scheduler.LambdaLR(opt_d, lambda step: 1.0 / (1 + step))
+    return opt_g, opt_d, [sched_g, sched_d]
+
+
+def _half_losses(model: _TwoPart, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """The discriminator's loss and the generator's; a NaN input reaches the discriminator only."""
+    return nn.functional.mse_loss(model.disc(x), y), nn.functional.mse_loss(model.gen(torch.nan_to_num(x)), y)
+
+
+def _gan_reference(skip_disc_at: int | None) -> tuple[_TwoPart, list[float]]:
+    """A hand-written two-optimizer loop: each scheduler steps right after its own optimizer, and a skipped
+    discriminator step skips the discriminator's scheduler step only."""
+    model = _TwoPart()
+    opt_g, opt_d, schedulers = _two_optimizers(model)
+    sched_g, sched_d = schedulers
+    for i, (x, y) in enumerate(_batches(nan_at=skip_disc_at)):
+        loss_d, loss_g = _half_losses(model, x, y)
+        if i != skip_disc_at:
+            loss_d.backward()
+            opt_d.step()
+            sched_d.step()  # type: ignore[attr-defined]
+            opt_d.zero_grad(set_to_none=True)
+        loss_g.backward()
+        opt_g.step()
+        sched_g.step()  # type: ignore[attr-defined]
+        opt_g.zero_grad(set_to_none=True)
+    return model, [opt_g.param_groups[0]["lr"], opt_d.param_groups[0]["lr"]]
+
+
+def _gan_door(skip_disc_at: int | None) -> tuple[_TwoPart, list[float]]:
+    model = _TwoPart()
+    opt_g, opt_d, schedulers = _two_optimizers(model)
+    kit = GradKit(model, [opt_g, opt_d], [NonFiniteGuard(action="skip")], schedulers=schedulers)
+    for x, y in _batches(nan_at=skip_disc_at):
+        loss_d, loss_g = _half_losses(model, x, y)
+        loss_d.backward()
+        kit.step(opt_d)
+        opt_d.zero_grad(set_to_none=True)
+        loss_g.backward()
+        kit.step(opt_g)
+        opt_g.zero_grad(set_to_none=True)
+    return model, [opt_g.param_groups[0]["lr"], opt_d.param_groups[0]["lr"]]
+
+
+@pytest.mark.parametrize("skip_disc_at", [None, 2])
+def test_each_scheduler_steps_and_holds_with_its_own_optimizer(skip_disc_at: int | None) -> None:
+    model, lrs = _gan_door(skip_disc_at)
+    reference, reference_lrs = _gan_reference(skip_disc_at)
+    assert lrs == reference_lrs
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    # The reference itself: 6 steps of StepLR(gamma=0.5) and 6 (or 5) of LambdaLR(1 / (1 + step)).
+    assert reference_lrs == pytest.approx([0.1 * 0.5**6, 0.2 / (7 if skip_disc_at is None else 6)], rel=1e-12)
+
+
+def test_a_scheduler_of_an_optimizer_the_loop_does_not_step_is_refused() -> None:
+    model = _TwoPart()
+    opt_g, _, schedulers = _two_optimizers(model)
+    with pytest.raises(ValueError, match=r"`schedulers` holds a LambdaLR built on an optimizer .* not one of"):
+        GradKit(model, opt_g, [GradNormMonitor()], schedulers=schedulers)
+
+
+def test_reduce_lr_on_plateau_is_refused_with_the_fix() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    with pytest.raises(ValueError, match=r"`schedulers` holds a ReduceLROnPlateau.*step it yourself") as err:
+        GradKit(model, opt, [GradNormMonitor()], schedulers=plateau)
+    assert "scheduler.step(val_loss)" in str(err.value) and "returned True" in str(err.value)
+    with pytest.raises(ValueError, match="ReduceLROnPlateau"):
+        GradKit(model, opt, [GradNormMonitor()], schedulers=[plateau])

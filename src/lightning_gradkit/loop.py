@@ -197,9 +197,11 @@ class GradKit:
     Callbacks that drive the Trainer's loop (``AccumulationGuard``, ``ActivationCheckpointing``, ...) are refused
     with the reason.
 
-    LR schedulers given as ``schedulers`` are stepped by :meth:`step` after every applied optimizer step and held on
-    a skipped one (as the Trainer's gradkit strategy holds step-interval schedulers); step other schedulers yourself,
-    e.g. only when :meth:`step` returned ``True``.
+    Each LR scheduler given as ``schedulers`` belongs to the optimizer it was built on (``scheduler.optimizer``):
+    :meth:`step` steps it after that optimizer's applied steps and holds it on a skipped one (as the Trainer's
+    gradkit strategy holds step-interval schedulers); with two optimizers (a GAN) each scheduler steps once per
+    iteration, with its own optimizer. A ``ReduceLROnPlateau`` is refused: it needs a metric, so step it yourself,
+    e.g. after validation, or only when :meth:`step` returned ``True``.
 
     Under Fabric with FSDP2 (``ModelParallelStrategy``), build the optimizer after ``fabric.setup_module(model)``
     (and pass it to ``fabric.setup_optimizers``): one built before sharding holds the unsharded parameters.
@@ -213,7 +215,8 @@ class GradKit:
         log_every_n_steps: logging period in optimizer steps (0: never), as ``Trainer(log_every_n_steps=...)``.
         scaler: the fp16 ``GradScaler`` of a plain loop; :meth:`step` then calls ``scaler.step`` and
             ``scaler.update``. Under Fabric leave it ``None``: it is read from ``fabric``.
-        schedulers: step-interval LR schedulers that :meth:`step` steps after applied steps (one or a list).
+        schedulers: step-interval LR schedulers (one or a list), each stepped by :meth:`step` after its own
+            optimizer's applied steps.
         fabric: the ``Fabric`` object of a Fabric loop: its logger, precision plugin and strategy are used.
         max_steps: the loop's number of optimizer steps, if known (the monitor then also logs the last step).
         log_dir: directory of the guards' ``gradkit_events.jsonl``; ``None``: no event file.
@@ -221,7 +224,8 @@ class GradKit:
     Raises:
         TypeError: if ``policies`` is neither a policy nor a list, or a policy is a class instead of an instance, or
             not a gradkit policy.
-        ValueError: if a policy needs a Lightning ``Trainer``, two clippers are given, or ``log_every_n_steps`` < 0.
+        ValueError: if a policy needs a Lightning ``Trainer``, two clippers are given, ``log_every_n_steps`` < 0, a
+            scheduler is a ``ReduceLROnPlateau`` or was built on an optimizer not given here.
 
     Example::
 
@@ -261,6 +265,8 @@ class GradKit:
                 "default), or 0 to log nothing."
             )
         self.policies = _checked_policies(policies)
+        inner = [unwrapped(opt) for opt in optimizers]
+        owned = _checked_schedulers(schedulers, inner)
         if fabric is not None:
             log = fabric.log_dict if log is None else log
             scaler = _fabric_scaler(fabric) if scaler is None else scaler
@@ -276,11 +282,14 @@ class GradKit:
             max_steps,
             Path(log_dir) if log_dir else None,
             flat,
-            [schedulers] if hasattr(schedulers, "state_dict") and hasattr(schedulers, "step") else list(schedulers),
+            [scheduler for scheduler, _ in owned],
             self.policies,
         )
         self.pipeline = self.ctx.pipeline
-        inner = [unwrapped(opt) for opt in optimizers]
+        # Each optimizer's own schedulers: `step(opt)` steps, or holds on a skip, only these.
+        self._schedulers_of: dict[int, list[Any]] = {}
+        for scheduler, owner in owned:
+            self._schedulers_of.setdefault(id(owner), []).append(scheduler)
         verify_same_layout(inner, self.ctx.param_names())
         for policy in self.policies:
             policy._attach(self.ctx, root)
@@ -332,21 +341,23 @@ class GradKit:
         if skipped:
             inner.zero_grad(set_to_none=True)
         self._close_window(plan, skipped)
-        self._step_schedulers(plan)
+        self._step_schedulers(inner, plan)
         self.ctx.step += 1  # the step is done: what follows sees it counted, as `on_train_batch_end` does
         for policy in self.policies:
             policy._after_optimizer_step(self.ctx)
         return None if skipped is None else not skipped
 
-    def _step_schedulers(self, plan: StepPlan | None) -> None:
-        """Step the loop's LR schedulers after an applied optimizer step only (a fused optimizer's skip flag is
-        read here, when a scheduler needs it), as the Trainer's gate holds step-interval schedulers."""
-        if not self.ctx.schedulers():
+    def _step_schedulers(self, optimizer: Optimizer, plan: StepPlan | None) -> None:
+        """Step ``optimizer``'s LR schedulers after its applied step only (a fused optimizer's skip flag is read here,
+        when a scheduler needs it), as the Trainer's gate holds step-interval schedulers. The other optimizers'
+        schedulers wait for their own steps: in a GAN loop each steps once per iteration."""
+        schedulers = self._schedulers_of.get(id(optimizer))
+        if not schedulers:
             return
         if plan is not None and plan.skip is not None and plan.skip_on_host():
             return
-        for scheduler in self.ctx.schedulers():
-            scheduler.step()  # type: ignore[attr-defined]
+        for scheduler in schedulers:
+            scheduler.step()
 
     def finish(self) -> None:
         """End of the loop: the guards report what their device ledgers still hold (as at ``on_train_end``)."""
@@ -403,6 +414,40 @@ def _gated_step(optimizer: Optimizer, inner: Callable[..., Any], plan: StepPlan 
     """``optimizer.step`` while :meth:`GradKit.step` runs: whatever calls it (Fabric's strategy, a ``GradScaler``)
     meets the plan's decision."""
     return step_as_decided(optimizer, inner, plan, kwargs)
+
+
+def _checked_schedulers(schedulers: Any, optimizers: list[Optimizer]) -> list[tuple[Any, Optimizer]]:
+    """Each scheduler (one, or a list of them) with the optimizer it was built on (``scheduler.optimizer``; without
+    that attribute, the loop's only optimizer).
+
+    Raises:
+        ValueError: a ``ReduceLROnPlateau`` (it steps on a metric), a scheduler of an optimizer the loop does not
+            step, or one that does not say its optimizer in a loop of several.
+    """
+    single = hasattr(schedulers, "state_dict") and hasattr(schedulers, "step")
+    out = []
+    for scheduler in [schedulers] if single else list(schedulers):
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            # As Lightning's `reduce_on_plateau` needs a `monitor`: `kit.step` has no metric to give it.
+            raise ValueError(
+                "`schedulers` holds a ReduceLROnPlateau, which steps on a metric (`scheduler.step(metrics)`) that "
+                "`kit.step` does not have. Leave it out of `schedulers` and step it yourself with the metric, e.g. "
+                "after validation, `scheduler.step(val_loss)` once per epoch (per optimizer step: only when "
+                "`kit.step(...)` returned True, so that a skipped step holds it)."
+            )
+        built_on = getattr(scheduler, "optimizer", None)
+        if built_on is None and len(optimizers) == 1:
+            built_on = optimizers[0]
+        owner = unwrapped(built_on) if isinstance(built_on, Optimizer) else None
+        if owner is None or not any(owner is opt for opt in optimizers):
+            where = "no optimizer (no `optimizer` attribute)" if built_on is None else "an optimizer"
+            raise ValueError(
+                f"`schedulers` holds a {type(scheduler).__name__} built on {where} that is not one of the "
+                f"{len(optimizers)} optimizer(s) given to GradKit: `kit.step(opt)` steps only the schedulers of `opt`. "
+                "Build each scheduler on one of the loop's optimizers, or step it yourself."
+            )
+        out.append((scheduler, owner))
+    return out
 
 
 def _checked_policies(policies: Policy | Sequence[Policy]) -> list[Policy]:
