@@ -162,3 +162,49 @@ def test_reduce_lr_on_plateau_is_refused_with_the_fix() -> None:
     assert "scheduler.step(val_loss)" in str(err.value) and "returned True" in str(err.value)
     with pytest.raises(ValueError, match="ReduceLROnPlateau"):
         GradKit(model, opt, [GradNormMonitor()], schedulers=[plateau])
+
+
+# -- logging: one call of `log` per step -----------------------------------------------------------------------------
+# What the monitor, the clipper and the pipeline's skip count logged before, in three calls of `log` per step.
+_STEP_KEYS = {
+    "grad_norm/module/0",
+    "grad_norm/module/2",
+    "grad_norm/total",
+    "grad_norm/total_post_clip",
+    "grad_clip/clipped_fraction",
+    "grad_clip/coef",
+    "grad_clip/post_clip_norm",
+    "grad_clip/pre_clip_norm",
+    "grad_clip/threshold",
+    "gradkit/skipped_steps",
+}
+
+
+def test_log_is_called_once_per_step_with_every_policys_values() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls: list[tuple[int, dict[str, float]]] = []
+    policies = [GradNormMonitor(), ClipGradNorm(max_norm=0.5), NonFiniteGuard(action="skip")]
+    kit = GradKit(model, opt, policies, log=lambda metrics, step: calls.append((step, metrics)), log_every_n_steps=2)
+    for x, y in _batches():
+        nn.functional.mse_loss(model(x), y).backward()
+        kit.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+    # Steps 1, 3, 5 by the period (and step 0: the monitor logs its first step), each in one call.
+    assert [step for step, _ in calls] == [0, 1, 3, 5]
+    for step, metrics in calls[1:]:
+        assert metrics.keys() == _STEP_KEYS, step
+
+    # The values: the reference, clip_grad_norm_ in a hand-written loop, returns the same pre-clip norms.
+    reference = _model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    norms = []
+    for x, y in _batches():
+        nn.functional.mse_loss(reference(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)))
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    for step, metrics in calls:
+        assert metrics["grad_norm/total"] == pytest.approx(norms[step], rel=1e-6)
+    assert all(metrics["gradkit/skipped_steps"] == 0.0 for _, metrics in calls[1:])

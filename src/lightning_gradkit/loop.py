@@ -76,7 +76,8 @@ class LoopContext(StepContext):
     Args:
         model: the module being trained (wrappers removed).
         optimizers: every optimizer the loop steps, in a fixed order.
-        log: ``log(metrics, step)`` called on logging steps with host floats; ``None`` drops them.
+        log: ``log(metrics, step)`` called once per logging step with every policy's values as host floats;
+            ``None`` drops them.
         log_every_n_steps: the logging period in optimizer steps (0: never).
         scaler: the fp16 ``GradScaler`` whose scale the gradients carry until it unscales them, or ``None``.
         max_steps: the loop's last step, if known (the monitor then also logs the last step).
@@ -105,6 +106,9 @@ class LoopContext(StepContext):
         self._policies = list(policies)
         self._optimizers = list(optimizers)
         self._log = log
+        # The step's logged values, sent in one call of `log` by `flush_log` at the end of the step.
+        self._logged: dict[str, Tensor] = {}
+        self._logged_host: dict[str, float] = {}
         self._log_every_n_steps = log_every_n_steps
         self.scaler = scaler
         self.max_steps = max_steps
@@ -172,12 +176,22 @@ class LoopContext(StepContext):
         return self.max_steps is not None and self.step + 1 >= self.max_steps
 
     def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
-        if self._log is not None and metrics:
-            self.log_values(values_to_host(metrics))
+        if self._log is not None:
+            self._logged.update(metrics)
 
     def log_values(self, values: dict[str, float]) -> None:
         if self._log is not None:
-            self._log(values, self.step)
+            self._logged_host.update(values)
+
+    def flush_log(self, step: int) -> None:
+        """Send what every policy logged during the step in one call of ``log`` (one row of Fabric's CSV per step,
+        not one per policy), the device values read in one transfer."""
+        if self._log is None or not (self._logged or self._logged_host):
+            return
+        values = values_to_host(self._logged) if self._logged else {}
+        values.update(self._logged_host)
+        self._logged, self._logged_host = {}, {}
+        self._log(values, step)
 
 
 class GradKit:
@@ -210,7 +224,8 @@ class GradKit:
         model: the module being trained (Fabric's wrapper or a ``DistributedDataParallel`` is fine).
         optimizers: the optimizer, or a list of them (Fabric's wrappers are fine).
         policies: the gradkit policies (instances): one, or a list of them.
-        log: ``log(metrics: dict[str, float], step: int)``, called on logging steps; ``fabric.log_dict`` fits.
+        log: ``log(metrics: dict[str, float], step: int)``, called once per logging step with every policy's values
+            (one row per step); ``fabric.log_dict`` fits.
             ``None``: the values are not logged (the policies still act).
         log_every_n_steps: logging period in optimizer steps (0: never), as ``Trainer(log_every_n_steps=...)``.
         scaler: the fp16 ``GradScaler`` of a plain loop; :meth:`step` then calls ``scaler.step`` and
@@ -342,9 +357,11 @@ class GradKit:
             inner.zero_grad(set_to_none=True)
         self._close_window(plan, skipped)
         self._step_schedulers(inner, plan)
+        step = self.ctx.step
         self.ctx.step += 1  # the step is done: what follows sees it counted, as `on_train_batch_end` does
         for policy in self.policies:
             policy._after_optimizer_step(self.ctx)
+        self.ctx.flush_log(step)
         return None if skipped is None else not skipped
 
     def _step_schedulers(self, optimizer: Optimizer, plan: StepPlan | None) -> None:
@@ -363,6 +380,7 @@ class GradKit:
         """End of the loop: the guards report what their device ledgers still hold (as at ``on_train_end``)."""
         for policy in self.policies:
             policy._finish(self.ctx)
+        self.ctx.flush_log(self.ctx.step)
 
     @property
     def skipped_steps(self) -> int:
