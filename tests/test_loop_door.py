@@ -7,7 +7,10 @@ or the same loop written the documented way.
 
 from __future__ import annotations
 
+import json
 import math
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +211,32 @@ def test_log_is_called_once_per_step_with_every_policys_values() -> None:
     for step, metrics in calls:
         assert metrics["grad_norm/total"] == pytest.approx(norms[step], rel=1e-6)
     assert all(metrics["gradkit/skipped_steps"] == 0.0 for _, metrics in calls[1:])
+
+
+# -- the guards' events: the warning says where they went, or that they were not saved -------------------------------
+def _nan_loop(log_dir: Path | None) -> list[str]:
+    """A plain loop with a NaN batch under `NonFiniteGuard(action="skip")`: the guard's warnings."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kit = GradKit(model, opt, [NonFiniteGuard(action="skip")], log_dir=log_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in _batches(nan_at=2):
+            nn.functional.mse_loss(model(x), y).backward()
+            kit.step(opt)
+            opt.zero_grad(set_to_none=True)
+        kit.finish()
+    assert kit.skipped_steps == 1
+    return [str(w.message) for w in caught if str(w.message).startswith("NonFiniteGuard")]
+
+
+def test_guard_warning_says_the_event_was_not_saved_without_a_log_dir(tmp_path: Path) -> None:
+    (message,) = _nan_loop(None)
+    assert message.endswith(" (No events file: pass GradKit(log_dir=...) to save the events.)"), message
+    assert not list(tmp_path.iterdir())
+
+    (message,) = _nan_loop(tmp_path)
+    events = tmp_path / "gradkit_events.jsonl"
+    assert message.endswith(f" Events: {events}."), message
+    (event,) = [json.loads(line) for line in events.read_text().splitlines()]
+    assert event["step"] == 2

@@ -225,10 +225,15 @@ class EventWriter:
     note its messages end with."""
 
     _events: EventLog | None = None
+    # Set where the loop door has no `log_dir`: a message then says that its event was not saved, and how to save it.
+    _no_events_note = ""
 
     def _open_events(self, directory: Path | None, rank: int) -> None:
         """Write to ``directory``'s event file from now on; ``None``: no event file (a loop without a log_dir)."""
         self._events = EventLog(directory, rank=rank) if directory is not None else None
+        self._no_events_note = (
+            "" if directory is not None else " (No events file: pass GradKit(log_dir=...) to save the events.)"
+        )
 
     @property
     def events_path(self) -> Path | None:
@@ -237,5 +242,5 @@ class EventWriter:
 
     @property
     def _events_note(self) -> str:
-        """`` Events: <file>.`` for messages, or nothing where no event file is written."""
-        return f" Events: {self._events.path}." if self._events is not None else ""
+        """`` Events: <file>.`` for messages; where no event file is written, how to get one."""
+        return f" Events: {self._events.path}." if self._events is not None else self._no_events_note
