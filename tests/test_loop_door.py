@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard
+from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard
 from lightning_gradkit.loop import GradKit
 
 pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning")
@@ -240,3 +240,48 @@ def test_guard_warning_says_the_event_was_not_saved_without_a_log_dir(tmp_path: 
     assert message.endswith(f" Events: {events}."), message
     (event,) = [json.loads(line) for line in events.read_text().splitlines()]
     assert event["step"] == 2
+
+
+# -- a loop that bypasses the door: told, once, with what to do -------------------------------------------------------
+_NO_STEP = "GradKit.finish(): no optimizer step went through kit.step(...)"
+_NO_LOSS = "SpikeGuard(monitor='loss') saw no loss: call kit.note_loss(loss) each micro-batch"
+
+
+def _door_warnings(through_kit: bool, note_loss: bool) -> list[list[str]]:
+    """A plain loop under `SpikeGuard("loss")`: the door's warnings, per step and at `finish()` (the last list)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kit = GradKit(model, opt, [GradNormMonitor(), SpikeGuard("loss", action="warn")], log_dir=None)
+    out = []
+    for x, y in [*_batches(), *_batches()]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if note_loss:
+                kit.note_loss(loss)
+            kit.step(opt) if through_kit else opt.step()
+            opt.zero_grad(set_to_none=True)
+        out.append([str(w.message) for w in caught])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kit.finish()
+    return [*out, [str(w.message) for w in caught]]
+
+
+def _with(messages: list[list[str]], start: str) -> list[int]:
+    """Where (at which step, or finish: the last index) a message starting with ``start`` came, once per message."""
+    return [i for i, step in enumerate(messages) for m in step if m.startswith(start)]
+
+
+def test_finish_warns_when_no_step_went_through_the_door() -> None:
+    bypassed = _door_warnings(through_kit=False, note_loss=True)
+    assert _with(bypassed, _NO_STEP) == [12]
+    assert "Call kit.step(optimizer) in place of optimizer.step()" in bypassed[12][0]
+    # The reference: the same loop written the documented way is not warned.
+    assert _with(_door_warnings(through_kit=True, note_loss=True), "GradKit") == []
+
+
+def test_a_loss_spike_guard_without_note_loss_is_warned_once_at_the_first_step() -> None:
+    assert _with(_door_warnings(through_kit=True, note_loss=False), _NO_LOSS) == [0]
+    assert _with(_door_warnings(through_kit=True, note_loss=True), "SpikeGuard(monitor=") == []

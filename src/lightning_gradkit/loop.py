@@ -308,6 +308,9 @@ class GradKit:
         verify_same_layout(inner, self.ctx.param_names())
         for policy in self.policies:
             policy._attach(self.ctx, root)
+        # What a loop that bypasses the door would not notice: no `kit.step` at all, no `note_loss` for a loss watcher.
+        self._steps_through_kit = 0
+        self._loss_watchers = [f"{type(p).__name__}(monitor='loss')" for p in self.policies if _watches_loss(p)]
         self._buffers: BufferGuard | None = None
         if any(policy._needs_step_control() for policy in self.policies):
             # What a skipped step's forwards wrote into the buffers (BatchNorm statistics) is put back: captured
@@ -343,6 +346,8 @@ class GradKit:
         """
         optimizer = self._optimizer(optimizer)
         inner = unwrapped(optimizer)
+        self._steps_through_kit += 1
+        self._warn_no_loss()
         plan = self.pipeline.run(self.ctx, inner, self.policies)
         gate = functools.partial(_gated_step, inner, inner.step, plan)
         with shadowed(inner, step=gate):
@@ -377,10 +382,30 @@ class GradKit:
             scheduler.step()
 
     def finish(self) -> None:
-        """End of the loop: the guards report what their device ledgers still hold (as at ``on_train_end``)."""
+        """End of the loop: the guards report what their device ledgers still hold (as at ``on_train_end``).
+
+        Warns when no optimizer step went through :meth:`step` (the policies then measured and guarded nothing) or
+        a policy that watches the loss was never given one (:meth:`note_loss`)."""
         for policy in self.policies:
             policy._finish(self.ctx)
         self.ctx.flush_log(self.ctx.step)
+        if self._steps_through_kit == 0:
+            self.ctx.warn(
+                "GradKit.finish(): no optimizer step went through kit.step(...), so the policies measured, clipped "
+                "and guarded nothing. Call kit.step(optimizer) in place of optimizer.step() (it steps the optimizer "
+                "unless a policy skips the step)."
+            )
+        self._warn_no_loss()
+
+    def _warn_no_loss(self) -> None:
+        """Once: the policies that watch the loss were given none (no :meth:`note_loss` before the first step)."""
+        if not self._loss_watchers or self.ctx.micro_batches:
+            return
+        watchers, self._loss_watchers = self._loss_watchers, []
+        self.ctx.warn(
+            f"{' and '.join(watchers)} saw no loss: call kit.note_loss(loss) each micro-batch, before kit.step(...); "
+            "without it the loss is never checked for spikes."
+        )
 
     @property
     def skipped_steps(self) -> int:
@@ -432,6 +457,14 @@ def _gated_step(optimizer: Optimizer, inner: Callable[..., Any], plan: StepPlan 
     """``optimizer.step`` while :meth:`GradKit.step` runs: whatever calls it (Fabric's strategy, a ``GradScaler``)
     meets the plan's decision."""
     return step_as_decided(optimizer, inner, plan, kwargs)
+
+
+def _watches_loss(policy: Policy) -> bool:
+    """Whether ``policy`` watches the loss, which only :meth:`GradKit.note_loss` hands it behind this door."""
+    # Imported here: the spike policies are Lightning callbacks; a loop that has one has Lightning loaded already.
+    from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm
+
+    return isinstance(policy, WatchesLossOrGradNorm) and policy.monitor == "loss"
 
 
 def _checked_schedulers(schedulers: Any, optimizers: list[Optimizer]) -> list[tuple[Any, Optimizer]]:
