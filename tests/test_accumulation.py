@@ -321,6 +321,59 @@ def test_zero_early_frees_gradients_before_the_next_forward(tmp_path: Path, zero
     assert presence.present == [False, True, not zero_early, True, not zero_early, True]
 
 
+class KeepsGradBuffers(MLPModule):
+    """Zeroes in place, so the gradient buffers keep their addresses across windows (as CUDA graphs need)."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=False)
+
+
+class GradAddresses(pl.Callback):
+    """Records, when each batch starts, the address of every parameter's gradient (None where there is none)."""
+
+    def __init__(self) -> None:
+        self.addresses: list[list[int | None]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        self.addresses.append([None if p.grad is None else p.grad.data_ptr() for p in pl_module.parameters()])
+
+
+def test_zero_early_leaves_the_zeroing_to_an_optimizer_zero_grad_override(tmp_path: Path) -> None:
+    """The override keeps its gradient buffers: with the guard they live exactly as in Lightning alone (the
+    reference), and the guard says why it did not free them."""
+    fits = {}
+    for callbacks in ([], [AccumulationGuard(zero_early=True)]):
+        torch.manual_seed(0)
+        model, addresses = KeepsGradBuffers(), GradAddresses()
+        trainer = make_trainer(tmp_path, accumulate_grad_batches=2, callbacks=[*callbacks, addresses])
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer.fit(model, loader(n=48))  # 6 batches: windows start at 0, 2, 4
+        told = [str(w.message) for w in record if "AccumulationGuard" in str(w.message)]
+        fits[bool(callbacks)] = (addresses.addresses, told, model.state_dict())
+    reference, guarded = fits[False], fits[True]
+    for addresses, _, _ in (reference, guarded):
+        # No gradient before the first backward; then the same buffers at every batch start, windows included.
+        assert addresses[0] == [None] * 6 and None not in addresses[1]
+        assert all(row == addresses[1] for row in addresses[1:])
+    assert reference[1] == [] and len(guarded[1]) == 1
+    assert "`KeepsGradBuffers` overrides `optimizer_zero_grad`" in guarded[1][0]
+    assert "zero_grad(set_to_none=True)" in guarded[1][0] and "zero_early=False" in guarded[1][0]
+    for name, value in reference[2].items():
+        assert torch.equal(guarded[2][name], value), name
+
+    # zero_early=False: the same run, without the warning; a module without override: zero_early frees, silently.
+    cases = ((KeepsGradBuffers(), AccumulationGuard(zero_early=False), False), (MLPModule(), AccumulationGuard(), True))
+    for model, guard, freed in cases:
+        addresses = GradAddresses()
+        trainer = make_trainer(tmp_path, accumulate_grad_batches=2, callbacks=[guard, addresses])
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer.fit(model, loader(n=48))
+        assert not [w for w in record if "AccumulationGuard" in str(w.message)]
+        assert (addresses.addresses[2][0] is None) is freed  # at the start of the second window
+
+
 @pytest.mark.gpu
 def test_zero_early_lowers_forward_peak_memory_by_the_gradient_size(tmp_path: Path) -> None:
     class Wide(pl.LightningModule):
@@ -375,14 +428,14 @@ class ForgetfulManual(MLPModule):
 
 
 def test_check_clean_catches_manual_loop_that_forgets_zero_grad(tmp_path: Path) -> None:
-    trainer = make_trainer(tmp_path, callbacks=[AccumulationGuard(on_dirty="raise")])
+    trainer = make_trainer(tmp_path, callbacks=[AccumulationGuard(zero_early=False, on_dirty="raise")])
     with pytest.raises(RuntimeError, match=r"window that starts at optimizer step 1 .*encoder\.0\.weight") as info:
         trainer.fit(ForgetfulManual(), loader(n=64))
     assert "head.bias" in str(info.value)
     assert trainer.global_step == 2  # caught in the second window, at its first logging step
 
     # Control: the same loop with zero_grad is clean.
-    trainer = make_trainer(tmp_path, callbacks=[AccumulationGuard(on_dirty="raise")])
+    trainer = make_trainer(tmp_path, callbacks=[AccumulationGuard(zero_early=False, on_dirty="raise")])
     trainer.fit(ForgetfulManual(zero=True), loader(n=64))
     assert trainer.global_step == 8
 
@@ -399,9 +452,37 @@ def test_check_clean_warns_for_an_optimizer_zero_grad_that_skips_parameters(tmp_
         trainer.fit(HeadOnlyZero(), loader(n=64))
     message = str(next(w.message for w in record if "AccumulationGuard" in str(w.message)))
     assert "head" not in message
-    # With zero_early the leftover gradients are freed after each step, so the same module starts clean.
+    # zero_early leaves the zeroing to the override, so it neither hides the leftovers nor changes the run.
     trainer = make_trainer(tmp_path, accumulate_grad_batches=2, callbacks=[AccumulationGuard(on_dirty="raise")])
-    trainer.fit(HeadOnlyZero(), loader(n=64))
+    leftovers = r"in 4 parameter\(s\): encoder\.0\.weight, encoder\.0\.bias"
+    with pytest.warns(UserWarning, match=r"`HeadOnlyZero` overrides"), pytest.raises(RuntimeError, match=leftovers):
+        trainer.fit(HeadOnlyZero(), loader(n=64))
+
+
+def test_accumulation_guard_under_manual_optimization_checks_windows_only(tmp_path: Path) -> None:
+    """Manual optimization: check_clean is the guard's only job. zero_early=True cannot act and says so, pointing to
+    ManualAccumulator; a guard without check_clean would do nothing and is refused before training."""
+    model = ForgetfulManual(zero=True)
+    trainer = make_trainer(tmp_path, callbacks=[AccumulationGuard(check_clean=False, zero_early=False)])
+    with pytest.raises(RuntimeError, match=r"check_clean=False\) does nothing under manual .*ManualAccumulator"):
+        trainer.fit(model, loader(n=64))
+    assert trainer.global_step == 0
+
+    trainer = make_trainer(tmp_path, callbacks=[AccumulationGuard()])
+    with pytest.warns(UserWarning, match=r"zero_early=True\) has no effect under manual .*ManualAccumulator") as record:
+        trainer.fit(ForgetfulManual(zero=True), loader(n=64))
+    assert trainer.global_step == 8
+    assert "`ForgetfulManual` sets `automatic_optimization = False`" in str(record[0].message)
+
+    # zero_early=False keeps the check, silently: it still catches the missing zero_grad. A module that holds a
+    # ManualAccumulator (which frees the gradients itself) is not told to use one.
+    trainer = make_trainer(tmp_path, callbacks=[AccumulationGuard(zero_early=False, on_dirty="raise")])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match=r"window that starts at optimizer step 1"):
+            trainer.fit(ForgetfulManual(), loader(n=64))
+        make_trainer(tmp_path, callbacks=[AccumulationGuard(on_dirty="raise")]).fit(ManualMLP(2), loader(n=64))
+    assert not [w for w in record if "zero_early" in str(w.message)]
 
 
 # -- manual optimization helper -------------------------------------------------------------------------------------

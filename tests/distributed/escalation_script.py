@@ -8,21 +8,18 @@ snapshot the escalation restores and right after the escalation, for the test to
 from __future__ import annotations
 
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from helpers import distributed_trainer, script_parser, write_rank_result
+from helpers import distributed_trainer, pg_timeout, script_parser, write_rank_result
 from lightning_gradkit import GradKitDDPStrategy, GradKitModelParallelStrategy
 from lightning_gradkit.core.norms import local_tensor
 from test_guards import events
 from test_rollback_escalation import FaultyScheduleModule, data, escalating
 
-# Short: a rank that hangs in a collective fails the job in seconds instead of the default 30 minutes.
-PG_TIMEOUT = timedelta(seconds=60)
 # The escalation restores the snapshot of step 24 at step 31; the state at the end of that batch is keyed 32.
 RECORDED_STEPS = (24, 32)
 
@@ -99,9 +96,9 @@ def main() -> None:
     args = script_parser().parse_args()
     results: dict[str, Any] = {}
     torch.manual_seed(0)
-    results["ddp"] = run(args.out, "ddp", DictBatchModule(), GradKitDDPStrategy(timeout=PG_TIMEOUT))
+    results["ddp"] = run(args.out, "ddp", DictBatchModule(), GradKitDDPStrategy(timeout=pg_timeout()))
     torch.manual_seed(0)
-    fsdp2 = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=PG_TIMEOUT)
+    fsdp2 = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=pg_timeout())
     results["fsdp2"] = run(args.out, "fsdp2", ShardedDictBatchModule(), fsdp2)
     write_rank_result(args.out, results["ddp"]["rank"], results)
 

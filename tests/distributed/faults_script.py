@@ -13,7 +13,6 @@ left parameters and Adam state bitwise unchanged, its final parameters, and (ran
 from __future__ import annotations
 
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,9 @@ import torch
 from guards_script import record
 from torch import Tensor
 
-from helpers import distributed_trainer, rank_loader, script_parser, write_rank_result
+from helpers import distributed_trainer, pg_timeout, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import GradKitDDPStrategy, NonFiniteGuard
 from test_guards import NAN, Fault, FaultModule
-
-TIMEOUT = timedelta(seconds=60)
 
 
 class GatherModule(FaultModule):
@@ -50,7 +47,7 @@ class AfterReduceModule(FaultModule):
 
 def fit(out: Path, name: str, model: FaultModule, guard: NonFiniteGuard, **kwargs: Any) -> pl.Trainer:
     trainer = distributed_trainer(
-        strategy=GradKitDDPStrategy(timeout=TIMEOUT),
+        strategy=GradKitDDPStrategy(timeout=pg_timeout()),
         default_root_dir=out / name,
         log_every_n_steps=50,
         callbacks=[guard],

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from mesh2d_script import PoisonOneShard, full_params
 from torch.optim import Optimizer
 
-from helpers import distributed_trainer, rank_loader, script_parser, write_rank_result
+from helpers import distributed_trainer, pg_timeout, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import (
     AccumulationGuard,
     AdaptiveGradClip,
@@ -89,7 +88,7 @@ def fit(
     model = HSDPBlocks() if tensor_parallel == 1 else HSDPTPBlocks()
     data_parallel = world // tensor_parallel
     strategy = GradKitModelParallelStrategy(
-        data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel, timeout=timedelta(seconds=60)
+        data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel, timeout=pg_timeout()
     )
     record = Record()
     trainer = distributed_trainer(

@@ -8,7 +8,6 @@ its final (full) parameters in ``rank<r>.json``.
 from __future__ import annotations
 
 import warnings
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,7 +15,7 @@ import torch
 from accum_script import CollectiveCounter
 from torch.optim import Optimizer
 
-from helpers import distributed_trainer, rank_loader, script_parser, write_rank_result
+from helpers import distributed_trainer, pg_timeout, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import (
     AccumulationGuard,
     ClipGradNorm,
@@ -70,7 +69,7 @@ def fit(callbacks: list[pl.Callback], n: int, accumulate: int = 1) -> tuple[pl.T
     torch.manual_seed(0)
     model = TPBlocks()
     strategy = GradKitModelParallelStrategy(
-        data_parallel_size=DATA_PARALLEL, tensor_parallel_size=TENSOR_PARALLEL, timeout=timedelta(seconds=60)
+        data_parallel_size=DATA_PARALLEL, tensor_parallel_size=TENSOR_PARALLEL, timeout=pg_timeout()
     )
     trainer = distributed_trainer(
         devices=DATA_PARALLEL * TENSOR_PARALLEL,

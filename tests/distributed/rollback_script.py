@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
-from helpers import MLPModule, ShardedMLP, distributed_trainer, script_parser, write_rank_result
+from helpers import MLPModule, ShardedMLP, distributed_trainer, pg_timeout, script_parser, write_rank_result
 from lightning_gradkit import GradKitDDPStrategy, GradKitModelParallelStrategy, SpikeRollback
 from lightning_gradkit.core.norms import local_tensor
 from test_guards import events
 from test_rollback_distributed import N_BATCHES, spiky_global_data
-
-# Short: a rank that hangs in a collective fails the job in seconds instead of the default 30 minutes.
-PG_TIMEOUT = timedelta(seconds=60)
 
 
 def rank_loader(rank: int) -> DataLoader:
@@ -106,7 +102,7 @@ def run(out: Path, name: str, model: RollbackMLP, strategy: Any) -> dict[str, An
 
 def refused_save_snapshots(out: Path) -> str:
     """The setup error of ``save_snapshots=True`` under FSDP2 (each rank's snapshots hold its own shards)."""
-    strategy = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=PG_TIMEOUT)
+    strategy = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=pg_timeout())
     callback = SpikeRollback(save_snapshots=True)
     trainer = distributed_trainer(strategy=strategy, default_root_dir=out / "refused", callbacks=[callback])
     try:
@@ -120,9 +116,9 @@ def main() -> None:
     args = script_parser().parse_args()
     results: dict[str, Any] = {}
     torch.manual_seed(0)
-    results["ddp"] = run(args.out, "ddp", RollbackMLP(), GradKitDDPStrategy(timeout=PG_TIMEOUT))
+    results["ddp"] = run(args.out, "ddp", RollbackMLP(), GradKitDDPStrategy(timeout=pg_timeout()))
     torch.manual_seed(0)
-    fsdp2 = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=PG_TIMEOUT)
+    fsdp2 = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=pg_timeout())
     results["fsdp2"] = run(args.out, "fsdp2", ShardedRollbackMLP(), fsdp2)
     results["fsdp2_save_snapshots"] = refused_save_snapshots(args.out)
     write_rank_result(args.out, results["ddp"]["rank"], results)

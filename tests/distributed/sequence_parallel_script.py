@@ -6,14 +6,13 @@ Each rank records whether autograd left ``Partial`` gradients, the logged pre-cl
 from __future__ import annotations
 
 import warnings
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch.optim import Optimizer
 
-from helpers import distributed_trainer, loader, script_parser, write_rank_result
+from helpers import distributed_trainer, loader, pg_timeout, script_parser, write_rank_result
 from lightning_gradkit import ClipGradNorm, GradKitModelParallelStrategy, GradNormMonitor
 from test_scale_distributed import MAX_NORM, SequenceParallelMLP
 
@@ -45,7 +44,7 @@ def main() -> None:
     args = script_parser().parse_args()
     torch.manual_seed(0)
     model = SequenceParallelMLP()
-    strategy = GradKitModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, timeout=timedelta(seconds=60))
+    strategy = GradKitModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, timeout=pg_timeout())
     see, totals = SeePartial(), Totals()
     trainer = distributed_trainer(strategy=strategy, callbacks=[see, GradNormMonitor(), ClipGradNorm(MAX_NORM), totals])
     with warnings.catch_warnings():

@@ -51,6 +51,11 @@ OnDirty = Literal["warn", "raise"]
 _TOKENS_REDUCE_KEY = "accumulation/tokens"
 
 
+def _overrides_zero_grad(pl_module: pl.LightningModule) -> bool:
+    """Whether ``pl_module`` replaces Lightning's ``optimizer_zero_grad`` (in its class or on the instance)."""
+    return getattr(pl_module.optimizer_zero_grad, "__func__", None) is not pl.LightningModule.optimizer_zero_grad
+
+
 def _describe(output: object) -> str:
     if isinstance(output, Mapping):
         return f"a dict with keys {sorted(map(str, output))}"
@@ -79,7 +84,10 @@ class AccumulationGuard(GradKitCallback):
       window's first forward, so they would occupy memory through that whole forward pass. Done in
       ``on_train_batch_end`` rather than in an optimizer step post-hook so that it also happens when the step is
       skipped (AMP overflow, a gradkit guard). Read gradients in ``on_before_optimizer_step``, not in
-      ``on_train_batch_end``. Turn it off if gradient buffers must keep their addresses (CUDA graphs).
+      ``on_train_batch_end``. Turn it off if gradient buffers must keep their addresses (CUDA graphs). If the
+      LightningModule overrides ``optimizer_zero_grad``, the override stays in charge: ``zero_early`` frees nothing
+      (early freeing would run before the override and decide in its place) and says so with a warning at setup;
+      pass ``zero_early=False`` to silence it.
     - ``check_clean``: at the first backward of every window (``on_before_backward``, which runs after
       Lightning's ``zero_grad`` and also inside ``manual_backward``) the gradients must be ``None`` or zero.
       The classic failure is manual optimization that forgets ``optimizer.zero_grad()``, or an
@@ -98,12 +106,15 @@ class AccumulationGuard(GradKitCallback):
       it does without this callback when another gradkit callback is attached).
 
     Manual optimization: Lightning does not accumulate there (``accumulate_grad_batches`` must be 1); use
-    :class:`~lightning_gradkit.ManualAccumulator` for exact accumulation; ``check_clean`` works as above and
-    ``zero_early`` has no effect.
+    :class:`~lightning_gradkit.ManualAccumulator` for exact accumulation and early freeing. Only ``check_clean``
+    acts: ``zero_early=True`` has no effect and warns at setup unless the module holds a ``ManualAccumulator`` (pass
+    ``zero_early=False`` to keep just the check), and ``check_clean=False`` leaves the guard nothing to do, so it is
+    refused.
 
     Args:
         normalize: ``"mean"`` or ``"tokens"``.
-        zero_early: free the gradients right after each optimizer step (automatic optimization).
+        zero_early: free the gradients right after each optimizer step (automatic optimization, no
+            ``optimizer_zero_grad`` override).
         check_clean: verify that gradients are ``None`` or zero at the start of every window.
         on_dirty: ``"warn"`` or ``"raise"`` when a window starts with gradients left over.
         tokens_key: the key of the token count in the dict ``training_step`` returns (token mode).
@@ -112,7 +123,7 @@ class AccumulationGuard(GradKitCallback):
         ValueError: at construction, if ``normalize`` or ``on_dirty`` is unknown or ``tokens_key`` is empty; in
             token mode, if ``training_step`` does not return the token count.
         RuntimeError: at setup, if the Trainer holds another ``AccumulationGuard``, if the strategy accumulates on
-            its own (DeepSpeed), or if token mode meets manual optimization.
+            its own (DeepSpeed), or if manual optimization meets token mode or ``check_clean=False``.
 
     Example::
 
@@ -165,6 +176,7 @@ class AccumulationGuard(GradKitCallback):
         self._warned_short_epoch = False
         self._told_multi_optimizer = False
         self._window_to_restore: dict[str, Any] | None = None
+        self._free_early = False  # zero_early where it acts: decided at setup
 
     # -- setup / teardown ---------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -199,6 +211,48 @@ class AccumulationGuard(GradKitCallback):
             )
         if self.normalize == "tokens":
             self._wrap_training_step(pl_module)
+        self._free_early = self.zero_early and automatic
+        if self._free_early and _overrides_zero_grad(pl_module):
+            # Freeing every gradient right after the step runs before the override and decides in its place: a
+            # `set_to_none=False` override (static gradient buffers, CUDA graphs) would get its buffers freed, one
+            # that keeps some gradients across windows would lose them, one that forgets parameters would be hidden
+            # from `check_clean`. Code written for this module weighs more than a callback default, so the override
+            # is honoured and only the memory saving is given up, with a warning. Calling the override early
+            # instead would call it twice per window, and with the boundary batch's `batch_idx`.
+            self._free_early = False
+            rank_zero_warn(
+                f"AccumulationGuard(zero_early=True): `{type(pl_module).__name__}` overrides `optimizer_zero_grad`, "
+                "which Lightning calls at the start of every accumulation window. zero_early would free every "
+                "gradient with `optimizer.zero_grad(set_to_none=True)` right after each optimizer step, before your "
+                "override runs, and so decide in its place; it leaves the zeroing to your override instead, and the "
+                "gradients stay in memory through the next window's first forward. Pass `zero_early=False` to "
+                "silence this warning (free the gradients in your override to save that memory)."
+            )
+        if not automatic:
+            self._check_manual_use(pl_module)
+
+    def _check_manual_use(self, pl_module: pl.LightningModule) -> None:
+        """Under manual optimization only ``check_clean`` acts: refuse a guard that would do nothing, warn for
+        ``zero_early``, which cannot act (the module's ``training_step`` owns the optimizer steps and the zeroing),
+        unless the module holds a :class:`ManualAccumulator`, which frees the gradients already."""
+        name = type(pl_module).__name__
+        if not self.check_clean:
+            raise RuntimeError(
+                f"AccumulationGuard(check_clean=False) does nothing under manual optimization (`{name}` sets "
+                "`automatic_optimization = False`): Lightning does not accumulate there, so there is no window to "
+                "rescale and no step to free gradients after. For exact accumulation use "
+                "`lightning_gradkit.ManualAccumulator(window)` in your `training_step` (it also frees the gradients "
+                "after each step); keep AccumulationGuard only with `check_clean=True`, to catch a missing "
+                "`optimizer.zero_grad()`."
+            )
+        if self.zero_early and not any(isinstance(v, ManualAccumulator) for v in vars(pl_module).values()):
+            rank_zero_warn(
+                f"AccumulationGuard(zero_early=True) has no effect under manual optimization (`{name}` sets "
+                "`automatic_optimization = False`): your `training_step` steps and zeroes the optimizers, and "
+                "Lightning does not accumulate. Only `check_clean` acts. For exact accumulation that also frees the "
+                "gradients after each step use `lightning_gradkit.ManualAccumulator(window)`; pass "
+                "`zero_early=False` to silence this warning."
+            )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._unwrap_training_step()
@@ -320,7 +374,7 @@ class AccumulationGuard(GradKitCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._stepped and self.zero_early and pl_module.automatic_optimization:
+        if self._stepped and self._free_early:
             for opt in trainer.optimizers:
                 opt.zero_grad(set_to_none=True)
         self._stepped = False
