@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-__all__ = ["WindowPosition", "note_window_on_load", "note_window_on_save"]
+__all__ = ["WindowPosition", "note_window_on_load", "note_window_on_save", "open_window"]
 
 
 #: Key, in a Lightning checkpoint, of the open window: its position and, when it can be resumed exactly, the state
@@ -44,7 +44,7 @@ class WindowPosition:
         return f"after micro-batch {self.micro_batch} of {self.window}, before optimizer step {self.step}"
 
 
-def _open_window(trainer: pl.Trainer) -> WindowPosition | None:
+def open_window(trainer: pl.Trainer) -> WindowPosition | None:
     """The accumulation window whose gradients are not stepped yet, or ``None`` at a window boundary.
 
     Counts the batches whose training step has run in this epoch (Lightning's ``batch_progress.current.processed``):
@@ -71,7 +71,7 @@ def _window_keeper(trainer: pl.Trainer) -> Any:
 def note_window_on_save(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
     """Save the open window's position (and, with ``AccumulationGuard`` on a single process, its state) in
     ``checkpoint``; warn when the window cannot be resumed exactly."""
-    position = _open_window(trainer)
+    position = open_window(trainer)
     if position is None:
         return
     keeper = _window_keeper(trainer)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from torch.optim import Optimizer
 
 from lightning_gradkit._layout import verify_same_layout
 from lightning_gradkit.core._torch_compat import gradients_still_scaled, loss_scale
-from lightning_gradkit.core.buffers import BufferGuard, missed_buffers_message
+from lightning_gradkit.core.buffers import BufferGuard
 from lightning_gradkit.core.gate import shadowed, step_as_decided
 from lightning_gradkit.core.pipeline import Pipeline, Policy, Stage, StepContext, StepPlan, unwrapped, values_to_host
 
@@ -312,16 +313,28 @@ class GradKit:
         self._steps_through_kit = 0
         self._loss_watchers = [f"{type(p).__name__}(monitor='loss')" for p in self.policies if _watches_loss(p)]
         self._buffers: BufferGuard | None = None
+        self._first_forward: list[Any] = []
         if any(policy._needs_step_control() for policy in self.policies):
-            # What a skipped step's forwards wrote into the buffers (BatchNorm statistics) is put back: captured
-            # before the first forward of each window.
+            # What a skipped step's forwards wrote into the buffers (BatchNorm statistics) is put back: a window
+            # opens when the previous step ends (`step`), the first one (and the first after `load_state_dict`) at
+            # the first forward of any submodule, whatever calls it (a `no_grad` pass, a `model.loss(...)` method).
             self._buffers = BufferGuard(root)
-            root.register_forward_pre_hook(self._open_window)
+            self._arm_first_forward()
 
-    def _open_window(self, module: nn.Module, args: Any) -> None:
-        buffers = self._buffers
-        if buffers is not None and not buffers.open and torch.is_grad_enabled():
-            buffers.capture()
+    def _arm_first_forward(self) -> None:
+        """Capture the buffers at the next forward of any submodule, once (the hooks then remove themselves)."""
+        if self._buffers is None or self._first_forward:
+            return
+        self._buffers.drop()
+        hook = functools.partial(_open_first_window, weakref.ref(self))
+        self._first_forward = [m.register_forward_pre_hook(hook) for m in self.ctx.model.modules()]
+
+    def _opened(self) -> None:
+        for handle in self._first_forward:
+            handle.remove()
+        self._first_forward = []
+        if self._buffers is not None and not self._buffers.open:
+            self._buffers.capture()
 
     def note_loss(self, loss: Tensor) -> None:
         """Hand a micro-batch loss (as the loss function returned it, without an AMP scale) to the policies that
@@ -367,6 +380,10 @@ class GradKit:
         for policy in self.policies:
             policy._after_optimizer_step(self.ctx)
         self.ctx.flush_log(step)
+        if self._buffers is not None and not self._first_forward:
+            # The next window opens now, after everything this step changed (a rollback's restore included): a
+            # skipped next step puts the buffers back to this.
+            self._buffers.capture()
         return None if skipped is None else not skipped
 
     def _step_schedulers(self, optimizer: Optimizer, plan: StepPlan | None) -> None:
@@ -429,6 +446,9 @@ class GradKit:
         for policy, state in zip(self.policies, state_dict["policies"], strict=True):
             policy.load_state_dict(state)  # type: ignore[attr-defined]
             policy._attach(self.ctx, self.ctx.model)
+        # The model's weights and buffers may be loaded after this call as well as before: the next window's
+        # buffers are taken at its first forward, after both.
+        self._arm_first_forward()
 
     def _optimizer(self, optimizer: Optimizer | None) -> Optimizer:
         optimizers = self.ctx.optimizers
@@ -446,11 +466,15 @@ class GradKit:
 
     def _close_window(self, plan: StepPlan | None, skipped: bool | None) -> None:
         """Put back the buffers of a skipped step (on device for a fused optimizer), keep them otherwise."""
-        if self._buffers is None:
-            return
-        missed = self._buffers.close(skipped, plan.skip if plan is not None else None)
-        if missed:
-            self.ctx.warn(missed_buffers_message(self.ctx.step, missed))
+        if self._buffers is not None:
+            self._buffers.close(skipped, plan.skip if plan is not None else None)
+
+
+def _open_first_window(kit: weakref.ref[GradKit], module: nn.Module, args: Any) -> None:
+    """The forward pre-hook that opens a :class:`GradKit`'s first window (a weak reference: no cycle with it)."""
+    door = kit()
+    if door is not None:
+        door._opened()
 
 
 def _gated_step(optimizer: Optimizer, inner: Callable[..., Any], plan: StepPlan | None, **kwargs: Any) -> Any:

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gradkit._compat import metric_state_names
+from lightning_gradkit.core.buffers import BufferState
 from lightning_gradkit.core.gate import shadowed
 
 __all__ = ["RNGState", "capture_rng", "preserved_state", "replay", "replaying", "restore_rng"]
@@ -135,8 +136,8 @@ def preserved_state(module: nn.Module, replay_rng: RNGState | None = None) -> It
         (tensor([0., 0.]), 0)
     """
     rng = capture_rng(full=True)
-    with torch.no_grad():
-        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    buffers = BufferState(module)  # by slot: a buffer the replay replaces gets its old object back too
+    buffers.capture()
     grads = [(p, p.grad) for p in module.parameters()]
     modes = [(m, m.training) for m in module.modules()]
     metrics = _metric_states(module)
@@ -146,9 +147,7 @@ def preserved_state(module: nn.Module, replay_rng: RNGState | None = None) -> It
         yield
     finally:
         restore_rng(rng)
-        with torch.no_grad():
-            for buf, saved in buffers:
-                buf.copy_(saved)
+        buffers.restore()
         for p, g in grads:
             p.grad = g
         for m, training in modes:

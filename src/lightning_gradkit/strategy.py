@@ -68,15 +68,15 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
 )
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 
 from lightning_gradkit._closure import first_evaluation
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, clipping_instead, is_deepspeed_strategy
+from lightning_gradkit._window import open_window
 from lightning_gradkit.core._torch_compat import handles_found_inf
-from lightning_gradkit.core.buffers import BufferGuard, missed_buffers_message
+from lightning_gradkit.core.buffers import BufferGuard
 from lightning_gradkit.core.gate import shadowed, step_as_decided
 from lightning_gradkit.engine import Engine, GradKitCallback, StepPlan, check_callback_instances
 from lightning_gradkit.replay import replaying
@@ -95,6 +95,8 @@ __all__ = [
 
 # Checkpoint key of the LR-schedule counts (see the module docstring).
 _SCHEDULE_KEY = "gradkit_lr_schedule"
+#: Key, in a checkpoint saved inside an accumulation window, of the module buffers from before the window.
+_WINDOW_BUFFERS_KEY = "gradkit_window_buffers"
 
 
 def _needs_step_control(trainer: pl.Trainer) -> bool:
@@ -205,6 +207,7 @@ class GradKitStrategyMixin:
     _gradkit_gate_active: bool = False
     _gradkit_restored: dict[int, tuple[int, int, int, bool]] | None = None
     _gradkit_buffers: BufferGuard | None = None
+    _gradkit_window_buffers: dict[str, Any] | None = None
 
     # -- Lightning hooks -----------------------------------------------------------------------------------------
     def connect(self, model: pl.LightningModule) -> None:
@@ -253,18 +256,30 @@ class GradKitStrategyMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self._gradkit_gate_active and self._gradkit_frequencies:
             checkpoint = {**checkpoint, _SCHEDULE_KEY: self._gradkit_schedule_state()}
+        buffers = self._gradkit_buffers
+        if buffers is not None and buffers.open and open_window(self._gradkit_trainer) is not None:
+            # Saved inside an accumulation window: the buffers from before its first micro-batch, so that a resumed
+            # run that skips this window puts back what an uninterrupted one would.
+            checkpoint = {**checkpoint, _WINDOW_BUFFERS_KEY: buffers.state_dict()}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
-        # Adopted at the next optimizer step: Lightning may load before or after `setup`.
+        # Adopted at the next optimizer step (the window buffers at the next window start): Lightning may load before
+        # or after `setup`.
         self._gradkit_restored = checkpoint.get(_SCHEDULE_KEY)
+        self._gradkit_window_buffers = checkpoint.get(_WINDOW_BUFFERS_KEY)
         return checkpoint
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         buffers = self._gradkit_buffers
         if buffers is not None and not buffers.open and not replaying():
-            buffers.capture()  # before the window's first forward: what a skip puts back
+            # Before the window's first forward: what a skip puts back (the saved one when resuming inside it).
+            saved, self._gradkit_window_buffers = self._gradkit_window_buffers, None
+            if saved:
+                buffers.load_state_dict(saved)
+            else:
+                buffers.capture()
         return super().training_step(*args, **kwargs)  # type: ignore[misc]
 
     def optimizer_step(
@@ -292,11 +307,14 @@ class GradKitStrategyMixin:
         """Put back the buffers the window's forwards wrote if its step was skipped (``skipped`` is ``None`` when
         the skip is only known on device: a fused optimizer's), else keep them."""
         buffers = self._gradkit_buffers
-        if buffers is None:
-            return
-        missed = buffers.close(skipped, plan.skip if plan is not None else None)
-        if missed:
-            rank_zero_warn(missed_buffers_message(self._gradkit_trainer.global_step, missed))
+        if buffers is not None:
+            buffers.close(skipped, plan.skip if plan is not None else None)
+            if not self._gradkit_trainer.lightning_module.automatic_optimization:
+                # In manual optimization the next window opens now: a second optimizer step in the same
+                # `training_step` (a GAN's generator after its discriminator) has a window of its own to put back.
+                # In automatic optimization it opens at the next `training_step`, after what the batch end changes
+                # (a rollback's restore).
+                buffers.capture()
 
     # -- the gate ------------------------------------------------------------------------------------------------
     def _gradkit_gate(self, optimizer: Optimizer, inner: Callable[..., Any], engine: Engine) -> Callable[..., Any]:
