@@ -326,12 +326,12 @@ class GradKit:
         if self._buffers is None or self._first_forward:
             return
         self._buffers.drop()
-        hook = functools.partial(_open_first_window, weakref.ref(self))
-        self._first_forward = [m.register_forward_pre_hook(hook) for m in self.ctx.model.modules()]
+        handles: list[Any] = []
+        hook = functools.partial(_open_first_window, weakref.ref(self), handles)
+        handles.extend(m.register_forward_pre_hook(hook) for m in self.ctx.model.modules())
+        self._first_forward = handles
 
     def _opened(self) -> None:
-        for handle in self._first_forward:
-            handle.remove()
         self._first_forward = []
         if self._buffers is not None and not self._buffers.open:
             self._buffers.capture()
@@ -470,11 +470,15 @@ class GradKit:
             self._buffers.close(skipped, plan.skip if plan is not None else None)
 
 
-def _open_first_window(kit: weakref.ref[GradKit], module: nn.Module, args: Any) -> None:
-    """The forward pre-hook that opens a :class:`GradKit`'s first window (a weak reference: no cycle with it)."""
+def _open_first_window(kit: weakref.ref[GradKit], handles: list[Any], module: nn.Module, args: Any) -> None:
+    """The forward pre-hook that opens a :class:`GradKit`'s first window, then removes itself from every module (a
+    weak reference to the door: the hooks keep no door alive, and a door gone leaves no hook behind)."""
     door = kit()
     if door is not None:
         door._opened()
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def _gated_step(optimizer: Optimizer, inner: Callable[..., Any], plan: StepPlan | None, **kwargs: Any) -> Any:
