@@ -9,6 +9,7 @@ from snapshots in host memory, on every rank alike.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -133,11 +134,18 @@ def rewarmup_factor(start: float, done: int, steps: int) -> float:
 
 
 def reset_optimizer_state_(optimizer: Optimizer, params: Sequence[Tensor]) -> int:
-    """Zero, in place, every tensor of the optimizer state of ``params`` (a fresh optimizer's state, for Adam).
+    """Reset the optimizer state of ``params`` to what a fresh optimizer of the same class and param-group settings
+    holds: the next step is then that optimizer's first step for these parameters.
 
-    Adam and AdamW: ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` and ``step``; the next step is then the first
-    step of a fresh Adam for these parameters, bias correction included. Zeroing in place keeps every reference to
-    the state tensors valid (FSDP2 zeroes each rank's shard). A parameter without state is left as it is.
+    For torch's optimizers that initialize their state lazily at the first step (Adam, AdamW, NAdam, RAdam, Rprop,
+    ASGD, SGD, ...), the parameter's state is removed and the optimizer builds it again at its next step, exactly as
+    a fresh one does: NAdam's ``mu_product`` of 1, Rprop's ``step_size`` of ``lr``, ASGD's ``eta`` and ``mu``, no SGD
+    momentum buffer (its first step takes the gradient whole, without ``dampening``), step counts of 0. Zeroing
+    every tensor would not be a fresh state for these. An optimizer that builds its state in its constructor
+    (Adagrad's ``sum`` of ``initial_accumulator_value``) gets the state a fresh instance builds, copied into the
+    existing tensors in place. The fresh instance is constructed on a detached alias of the parameter (no copy of
+    its values) with the param group's settings that its constructor accepts; an optimizer class that cannot be
+    constructed so is reset to no state (the lazy initialization). A parameter without state is left as it is.
 
     Returns:
         The number of parameters whose state was reset.
@@ -145,24 +153,56 @@ def reset_optimizer_state_(optimizer: Optimizer, params: Sequence[Tensor]) -> in
     Example::
 
         >>> net = torch.nn.Linear(2, 1)
-        >>> opt = torch.optim.Adam(net.parameters())
+        >>> opt = torch.optim.NAdam(net.parameters())
         >>> net(torch.ones(1, 2)).sum().backward()
         >>> opt.step()
         >>> reset_optimizer_state_(opt, [net.weight])
         1
-        >>> float(opt.state[net.weight]["step"]), float(opt.state[net.weight]["exp_avg"].abs().sum())
-        (0.0, 0.0)
+        >>> dict(opt.state[net.weight]), sorted(opt.state[net.bias])
+        ({}, ['exp_avg', 'exp_avg_sq', 'mu_product', 'step'])
     """
+    groups = {id(q): group for group in optimizer.param_groups for q in group["params"]}
     count = 0
     for p in params:
         state = optimizer.state.get(p)
         if not state:
             continue
-        for value in state.values():
-            if isinstance(value, Tensor):
-                local_tensor(value).zero_()
+        fresh = _fresh_state(optimizer, p, groups[id(p)])
+        if not fresh:
+            del optimizer.state[p]
+        else:
+            for key in [k for k in state if k not in fresh]:
+                del state[key]
+            for key, value in fresh.items():
+                old = state.get(key)
+                if isinstance(old, Tensor) and isinstance(value, Tensor) and _same_layout(old, value):
+                    local_tensor(old).copy_(local_tensor(value))  # in place: references to the state stay valid
+                else:
+                    state[key] = value
         count += 1
     return count
+
+
+def _fresh_state(optimizer: Optimizer, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    """The state a fresh optimizer of ``optimizer``'s class and ``group``'s settings holds for ``p`` before its first
+    step: empty for a lazily initialized optimizer."""
+    cls = type(optimizer)
+    signature = inspect.signature(cls.__init__).parameters
+    any_keyword = any(arg.kind is inspect.Parameter.VAR_KEYWORD for arg in signature.values())
+    # Not every key of a param group is a constructor argument: an LR scheduler adds `initial_lr`.
+    accepted = set(signature) | (set(optimizer.defaults) if any_keyword else set())
+    settings = {k: v for k, v in group.items() if k != "params" and k in accepted}
+    alias = p.detach()  # shares the parameter's storage: constructors only read it
+    try:
+        fresh = cls([alias], **settings)
+    except (TypeError, ValueError):
+        return {}
+    return dict(fresh.state.get(alias, {}))
+
+
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    la, lb = local_tensor(a), local_tensor(b)
+    return la.shape == lb.shape and la.dtype == lb.dtype and la.device == lb.device
 
 
 def _scale_lrs(optimizer: Optimizer, factor: float) -> list[Any]:
@@ -278,9 +318,11 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
       ``GradNormMonitor(depth="auto")``: one per repeated block, plus the other top-level modules) gets a z-score
       against its own running statistics (the EMA, ``alpha`` and ``warmup_steps`` of the trigger); a module spikes
       when its largest z-score over the run of flagged steps that fired exceeds ``z_threshold`` or its norm is
-      non-finite; when none does, the module with the largest z-score. Every tensor of those parameters' optimizer
-      state is zeroed (:func:`reset_optimizer_state_`): for Adam, the moments and the step count, so each restarts
-      as a fresh Adam (for those parameters ``global_step - skipped_steps`` is then no longer the step count).
+      non-finite; when none does, the module with the largest z-score. Those parameters' optimizer state becomes
+      what a fresh optimizer of the same class and param-group settings holds (:func:`reset_optimizer_state_`): for
+      Adam, no state, so the next step builds zero moments and a step count of 0; NAdam, Rprop, ASGD, SGD with
+      momentum and Adagrad likewise restart exactly as fresh (for those parameters ``global_step - skipped_steps`` is
+      then no longer the step count).
 
     Each escalation is an event (``what="escalation"``, with ``lr_factor``, the multiplier of the next optimizer
     step, ``rewarmup_steps``, ``reset_moments``, ``reset_modules`` and their ``module_z``, ``reset_params``, the
