@@ -275,9 +275,19 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
     the buffers they wrote (BatchNorm running statistics included) are put back as for any skipped step (by the
     strategy), and the RNG states and gradkit callback states are restored from the snapshot after each, so the
     run continues as one that never saw them (their compute is
-    spent, as with any skipped step); an LR scheduler with a ``frequency`` steps as in that run too. A rollback
-    never restores the snapshot that the previous rollback restored (it takes the older one, or stops), and after
+    spent, as with any skipped step); an LR scheduler with a ``frequency`` steps as in that run too. After
     ``max_rollbacks`` rollbacks the next trigger stops training with a ``RuntimeError``.
+
+    **The same snapshot twice.** When the spike comes back *at once*, its flagged steps beginning at the first step
+    trained after the previous rollback (after its stepped-over batches), the state that rollback restored may carry
+    the fault itself: the rollback takes the older snapshot instead, or stops when none is left (an escalating
+    rollback, below, may restore the same one: its run from it differs). When the run trained at least one clean
+    step first, the spike is a new occurrence and the newest snapshot taken before it began is restored, even if
+    the previous rollback restored it too: a fault that recurs (a bad stretch of data, a periodic learning-rate
+    burst) is met from the newest good state each time, instead of being thrown back one snapshot further per
+    occurrence (to the start of training with ``keep=2``). The trade-off: a state whose damage shows only after a
+    few clean steps is restored again, until ``max_rollbacks`` stops the run; ``escalate_lr_factor`` damps such a
+    recurring fault.
 
     ``skip_batches`` counts optimizer steps, each of ``accumulate_grad_batches`` batches per rank, *beyond* the
     rewound ones: a rollback leaves out ``rewound_steps + skip_batches`` optimizer steps' batches in all (the
@@ -797,9 +807,10 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
     def _choose(
         self, ctx: StepContext, step: int, start: int, values: dict[str, Any], allow_last: bool = False
     ) -> _Slot:
-        """The newest snapshot taken before the spike began, not the one the previous rollback restored (unless the
-        rollback escalates, ``allow_last``); failing that, the state of a resume inside the run of flagged steps
-        (from a checkpoint without snapshots)."""
+        """The newest snapshot taken before the spike began; failing that, the state of a resume inside the run of
+        flagged steps (from a checkpoint without snapshots). Not the one the previous rollback restored when the spike
+        came back at once, at the first step trained after that rollback (unless the rollback escalates,
+        ``allow_last``): that state may carry the fault itself."""
         if self._rollbacks >= self.max_rollbacks:
             self._stop(
                 ctx,
@@ -808,7 +819,10 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
                 f"the budget of `max_rollbacks={self.max_rollbacks}` is spent. Look for the cause in the events "
                 "(a learning rate too high, bad data), or raise `max_rollbacks`.",
             )
-        usable = [s for s in self._ring if s.valid and (allow_last or s.id != self._last_restored_id)]
+        # After a clean step since the previous rollback, a spike is a new one: its snapshot is as good as before
+        # (a fault that recurs every few hundred steps must not throw the run back one snapshot per occurrence).
+        at_once = self._resumed_at is not None and start <= self._resumed_at
+        usable = [s for s in self._ring if s.valid and (allow_last or not at_once or s.id != self._last_restored_id)]
         candidates = [s for s in usable if s.step <= start] or [s for s in usable if s.origin == "resume"]
         if not candidates:
             kept = sorted(s.step for s in self._ring if s.valid)
@@ -816,9 +830,10 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
                 ctx,
                 step,
                 values,
-                f"no snapshot is left to restore (snapshots at steps {kept}; the last rollback restored the newest "
-                "good one already, and a rollback never restores the same snapshot twice in a row). Raise `keep` "
-                "or `snapshot_every_n_steps`, or look for the cause in the events.",
+                f"no snapshot is left to restore (snapshots at steps {kept}; the spike came back at the first step "
+                "after the last rollback, which restored the newest good one already: that state may carry the "
+                "fault, so it is not restored again). Raise `keep` or `snapshot_every_n_steps`, set "
+                "`escalate_lr_factor`, or look for the cause in the events.",
             )
         return max(candidates, key=lambda s: s.id)
 
