@@ -278,16 +278,18 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
     spent, as with any skipped step); an LR scheduler with a ``frequency`` steps as in that run too. After
     ``max_rollbacks`` rollbacks the next trigger stops training with a ``RuntimeError``.
 
-    **The same snapshot twice.** When the spike comes back *at once*, its flagged steps beginning at the first step
-    trained after the previous rollback (after its stepped-over batches), the state that rollback restored may carry
-    the fault itself: the rollback takes the older snapshot instead, or stops when none is left (an escalating
-    rollback, below, may restore the same one: its run from it differs). When the run trained at least one clean
-    step first, the spike is a new occurrence and the newest snapshot taken before it began is restored, even if
-    the previous rollback restored it too: a fault that recurs (a bad stretch of data, a periodic learning-rate
-    burst) is met from the newest good state each time, instead of being thrown back one snapshot further per
-    occurrence (to the start of training with ``keep=2``). The trade-off: a state whose damage shows only after a
-    few clean steps is restored again, until ``max_rollbacks`` stops the run; ``escalate_lr_factor`` damps such a
-    recurring fault.
+    **The same snapshot twice.** A rollback restores the snapshot the previous rollback restored again only when the
+    run from it got further than the time before: its flagged steps began more steps after the previous rollback's
+    resume point (after its stepped-over batches) than the previous spike began after that snapshot (or after the
+    resume that restored it). A spike that comes back as soon or sooner suggests that the state itself carries the
+    fault (a snapshot taken after the damage was done, before it showed): the rollback takes the older snapshot
+    instead, or stops when none is left (an escalating rollback, below, may restore the same one: its run from it
+    differs). A spike that comes back later is a new occurrence: a fault that recurs (a bad stretch of data, a
+    periodic learning-rate burst) is met from the newest snapshot taken before it, instead of throwing the run back
+    one snapshot further per occurrence (to the start of training with ``keep=2``). The trade-off: a fault that
+    recurs sooner after each restore than the first time is treated as carried by the state, and a state whose
+    damage shows later after each restore is restored again until ``max_rollbacks`` stops the run;
+    ``escalate_lr_factor`` damps a recurring fault.
 
     ``skip_batches`` counts optimizer steps, each of ``accumulate_grad_batches`` batches per rank, *beyond* the
     rewound ones: a rollback leaves out ``rewound_steps + skip_batches`` optimizer steps' batches in all (the
@@ -491,6 +493,8 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
         self._rollbacks = 0
         self._next_id = 0
         self._last_restored_id = -1
+        # Steps from the last restored snapshot (or the resume from it) to the start of the spike that restored it.
+        self._reach: int | None = None
         self._next_snapshot_at: int | None = None
         self._history: list[dict[str, Any]] = []
         # Escalation: the end of the previous rollback (global step of its first trained step), the LR ramp and the
@@ -808,9 +812,9 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
         self, ctx: StepContext, step: int, start: int, values: dict[str, Any], allow_last: bool = False
     ) -> _Slot:
         """The newest snapshot taken before the spike began; failing that, the state of a resume inside the run of
-        flagged steps (from a checkpoint without snapshots). Not the one the previous rollback restored when the spike
-        came back at once, at the first step trained after that rollback (unless the rollback escalates,
-        ``allow_last``): that state may carry the fault itself."""
+        flagged steps (from a checkpoint without snapshots). Not the one the previous rollback restored unless the run
+        from it got further than the time before (or the rollback escalates, ``allow_last``): a spike that comes back
+        as soon suggests that the state itself carries the fault."""
         if self._rollbacks >= self.max_rollbacks:
             self._stop(
                 ctx,
@@ -819,10 +823,11 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
                 f"the budget of `max_rollbacks={self.max_rollbacks}` is spent. Look for the cause in the events "
                 "(a learning rate too high, bad data), or raise `max_rollbacks`.",
             )
-        # After a clean step since the previous rollback, a spike is a new one: its snapshot is as good as before
-        # (a fault that recurs every few hundred steps must not throw the run back one snapshot per occurrence).
-        at_once = self._resumed_at is not None and start <= self._resumed_at
-        usable = [s for s in self._ring if s.valid and (allow_last or not at_once or s.id != self._last_restored_id)]
+        # A spike that begins later after the resume than the previous one began after that snapshot is a new
+        # occurrence: a fault that recurs every few hundred steps must not throw the run back one snapshot per spike.
+        further = self._reach is not None and self._resumed_at is not None and start - self._resumed_at > self._reach
+        again = allow_last or further
+        usable = [s for s in self._ring if s.valid and (again or s.id != self._last_restored_id)]
         candidates = [s for s in usable if s.step <= start] or [s for s in usable if s.origin == "resume"]
         if not candidates:
             kept = sorted(s.step for s in self._ring if s.valid)
@@ -830,9 +835,9 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
                 ctx,
                 step,
                 values,
-                f"no snapshot is left to restore (snapshots at steps {kept}; the spike came back at the first step "
-                "after the last rollback, which restored the newest good one already: that state may carry the "
-                "fault, so it is not restored again). Raise `keep` or `snapshot_every_n_steps`, set "
+                f"no snapshot is left to restore (snapshots at steps {kept}; the last rollback restored the newest "
+                "good one already, and the spike came back as soon after it as the time before: that state may carry "
+                "the fault, so it is not restored again). Raise `keep` or `snapshot_every_n_steps`, set "
                 "`escalate_lr_factor`, or look for the cause in the events.",
             )
         return max(candidates, key=lambda s: s.id)
@@ -881,6 +886,10 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
         self._nonfinite_run = torch.zeros((), device=device)
         self._module_zmax = None
         self._rollbacks += 1
+        # How far the run from this snapshot got before the spike began: from the previous resume when that one
+        # restored the same snapshot, else from the snapshot itself.
+        resumed_from = self._resumed_at if slot.id == self._last_restored_id else None
+        self._reach = pending["start"] - (resumed_from if resumed_from is not None else slot.step)
         self._last_restored_id = slot.id
         self._anchor = slot
         self._skip_left = self.skip_batches
@@ -1003,6 +1012,7 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
             "rollbacks": self._rollbacks,
             "next_id": self._next_id,
             "last_restored_id": self._last_restored_id,
+            "reach": self._reach,
             "next_snapshot_at": self._next_snapshot_at,
             "history": copy.deepcopy(self._history),
             "skipped_steps": float(skipped) if skipped is not None else 0.0,
@@ -1029,6 +1039,8 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
         self._rollbacks = int(state_dict["rollbacks"])
         self._next_id = int(state_dict["next_id"])
         self._last_restored_id = int(state_dict["last_restored_id"])
+        # Absent from older checkpoints: the last restored snapshot is not restored again (the earlier rule).
+        self._reach = state_dict.get("reach")
         self._next_snapshot_at = state_dict["next_snapshot_at"]
         self._history = copy.deepcopy(state_dict["history"])
         skipped = state_dict.get("skipped_steps")  # absent from older checkpoints: the guards' count stands
