@@ -527,3 +527,17 @@ def test_trainer_gradient_clip_val_with_a_clipping_callback_fails_at_setup(tmp_p
     trainer = make_trainer(tmp_path, callbacks=[AutoClip()], gradient_clip_val=1.0)
     with pytest.raises(ValueError, match="Use one"):
         trainer.fit(MLPModule(), loader())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_only_adaptive_clippers_log_a_threshold(tmp_path: Path, case: str) -> None:
+    # The class docstrings are the reference: every clipper logs the four norm keys; AutoClip and ZClip, whose
+    # threshold moves with the history, also log `grad_clip/threshold`. ClipGradNorm's would be `max_norm` forever.
+    callback = CASES[case][0]()
+    _, rows = lightning_params(tmp_path, callback)
+    logged = {key for row in rows for key, value in row.items() if key.startswith("grad_clip/") and value != ""}
+    expected = {"grad_clip/pre_clip_norm", "grad_clip/post_clip_norm", "grad_clip/coef", "grad_clip/clipped_fraction"}
+    if case in ("autoclip", "zclip"):
+        expected.add("grad_clip/threshold")
+    assert logged == expected
+    assert set(callback.metrics()) == expected

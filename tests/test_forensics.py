@@ -501,13 +501,17 @@ def test_event_says_whether_the_replay_reproduced_the_nan_and_names_the_sample_i
         trainer.fit(DictBatchNaN(transient), dict_batches())
     (event,) = events(trainer)
     assert event["batch_idx"] == 2 and event["sample_ids"] == {"0": list(range(1016, 1024))}
-    assert event["reproducible"] is (not transient)
+    # A replay that stayed finite proves no verdict (the value may come from outside the replayed code): `None`.
+    assert event["reproducible"] is (None if transient else True)
     assert event["values"]["replay_reproduced_ranks"] == ([] if transient else [0])
     (line,) = [str(w.message) for w in caught if "NonFiniteGuard" in str(w.message)]
     assert "Sample ids of batch 2: rank 0: [1016, 1017" in line
     if transient:
-        assert "did not reproduce it: a transient fault (seen on rank(s) [0]) points at the hardware" in line
+        assert event["reproducible_reason"].startswith("the replay of training_step and its backward stayed finite")
+        assert "Seen on rank(s) [0]; the replay of training_step and its backward stayed finite" in line
+        assert "or from non-deterministic hardware" in line
     else:
+        assert "made it again on rank(s) [0]" in event["reproducible_reason"]
         assert "reproduced it on rank(s) [0]: a reproducible fault points at the data or the model" in line
 
 
@@ -519,3 +523,48 @@ def test_without_a_replay_the_event_says_reproducible_is_unknown(tmp_path: Path)
         trainer.fit(DictBatchNaN(transient=False), dict_batches())
     (event,) = events(trainer)
     assert event["reproducible"] is None and event["sample_ids"] == {"0": list(range(1016, 1024))}
+    assert event["reproducible_reason"] == "no replay ran"
+
+
+class HookNaN(MLPModule):
+    """A deterministic fault outside ``training_step`` and its backward: ``on_after_backward`` writes a NaN into the
+    head's weight gradient at batch 2, every time the batch is trained."""
+
+    def on_after_backward(self) -> None:
+        if self.trainer.fit_loop.epoch_loop.batch_idx == 2:
+            assert self.head.weight.grad is not None
+            self.head.weight.grad[0, 0] = float("nan")
+
+
+def test_a_nan_made_outside_the_replayed_code_is_not_called_transient(tmp_path: Path) -> None:
+    # The reference: the plain-torch replay the guard does, by hand. `training_step` and its backward for batch 2
+    # give finite gradients, yet the NaN is deterministic (the hook makes it every time): "not reproduced" proves
+    # nothing about the hardware, so the event says the verdict is unknown and why.
+    torch.manual_seed(0)
+    reference = HookNaN()
+    batches = list(loader())
+    for x, y in batches[:2]:
+        reference.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        with torch.no_grad():
+            for p in reference.parameters():
+                p -= 0.1 * p.grad
+    reference.zero_grad()
+    nn.functional.mse_loss(reference(batches[2][0]), batches[2][1]).backward()
+    assert all(torch.isfinite(p.grad).all() for p in reference.parameters())
+
+    torch.manual_seed(0)
+    trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[NonFiniteGuard(action="skip")], max_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(HookNaN(), loader())
+    (event,) = events(trainer)
+    assert event["batch_idx"] == 2 and event["values"]["grad_nonfinite_ranks"] == [0]
+    assert event["values"]["forensics"][0]["phase"] == "not_reproduced"
+    assert event["reproducible"] is None
+    reason = event["reproducible_reason"]
+    assert "the replay of training_step and its backward stayed finite" in reason
+    assert "on_after_backward" in reason and "hardware" in reason
+    (line,) = [str(w.message) for w in caught if "NonFiniteGuard" in str(w.message)]
+    assert "points at the hardware" not in line
+    assert "stayed finite" in line and "on_after_backward" in line

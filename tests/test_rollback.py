@@ -326,15 +326,40 @@ def test_nonfinite_loss_that_skipping_does_not_cure_triggers_a_rollback(tmp_path
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_second_rollback_never_restores_the_same_snapshot_twice_in_a_row(tmp_path: Path) -> None:
-    # Batches 9-12 spike: the first rollback fires at step 10 (to the snapshot of step 8); batches 11 and 12 spike
-    # again before a new snapshot could be taken, so the second one (step 12) takes the older snapshot, step 4.
+def test_a_spike_that_comes_back_at_once_after_a_rollback_takes_the_older_snapshot(tmp_path: Path) -> None:
+    # Batches 9-12 spike: the first rollback fires at step 10 (to the snapshot of step 8, one step before the spike
+    # began); batches 11 and 12, the first ones trained after it, spike again, sooner: the state of step 8 may carry
+    # the fault, so the second rollback (step 12) takes the older snapshot, step 4.
     bad = {9: 50.0, 10: 50.0, 11: 50.0, 12: 50.0}
     model, trainer, warned = fit(tmp_path, make_rollback(), 16, bad)
     first, second = rollback_events(trainer)
     assert (first["step"], first["to_step"], second["step"], second["to_step"]) == (10, 8, 12, 4)
     assert_bitwise(model.states[13]["params"], model.states[4]["params"])
     assert len(warned) == 2
+
+
+@pytest.mark.parametrize(
+    ("again", "to_step", "kept"),
+    [((28, 29), 16, [*range(16), *range(30, 40)]), ((24, 25), 0, [*range(26, 40)])],
+    ids=["later_restores_it_again", "sooner_takes_the_older"],
+)
+def test_a_recurring_spike_restores_the_same_snapshot_again_when_the_run_from_it_got_further(
+    tmp_path: Path, again: tuple[int, int], to_step: int, kept: list[int]
+) -> None:
+    # Snapshots at steps 0 and 16 (the next is due at 32). Batches 20-21 spike (4 steps after the snapshot): rollback
+    # at step 21 to the snapshot of step 16, training resumes at step 22. The fault recurs at batches 28-29, 6 steps
+    # after the resume: a new occurrence, so the snapshot of step 16, still the newest before it, is restored again
+    # and the run is not thrown back to 0. At batches 24-25, 2 steps after the resume, it came back sooner than the
+    # first time: the state of step 16 may carry it, so the older snapshot is taken.
+    n, bad = 40, {20: 50.0, 21: 50.0, again[0]: 50.0, again[1]: 50.0}
+    model, trainer, warned = fit(tmp_path, make_rollback(snapshot_every_n_steps=16), n, bad)
+    first, second = rollback_events(trainer)
+    assert (first["step"], first["to_step"], second["step"], second["to_step"]) == (21, 16, again[1], to_step)
+    assert len(warned) == 2
+    # The reference: a plain loop on the batches the model holds (each rollback restores the RNG too).
+    expected = reference_run(n, bad, kept)
+    for (name, p), ref in zip(model.net.named_parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=1e-6, msg=name)
 
 
 def test_with_one_snapshot_kept_a_second_rollback_to_it_stops_with_a_clear_error(tmp_path: Path) -> None:

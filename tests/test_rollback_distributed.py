@@ -101,24 +101,28 @@ def test_escalation_is_identical_on_every_rank_under_ddp_and_fsdp2_and_follows_t
         torch.testing.assert_close(torch.tensor(ranks[0]["params"][name]), p, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_escalation_under_fsdp2_zeroes_every_ranks_shard_of_the_reset_moments(
+def test_escalation_under_fsdp2_resets_every_ranks_shard_of_the_moments_to_a_fresh_adams(
     escalation_ranks: list[dict[str, Any]],
 ) -> None:
     """Each rank holds a shard of every parameter and of its Adam state (the shards add up to the whole); the snapshot
-    of step 24 has moments, and after the escalation at step 31 (its restore, then the reset of both modules) every
-    rank's shard of every moment and step count is zero, empty shards (the 1-row head on rank 1) left as they are."""
+    of step 24 has moments; after the escalation at step 31 (its restore, then the reset of both modules) every rank
+    holds a fresh Adam's state, none (Adam builds it at the next step); after that step, every rank's shard of the
+    moments is rebuilt on its own shard of the parameter (a DTensor), with a step count of 1. Empty shards (the 1-row
+    head on rank 1) stay empty."""
     ranks = [r["fsdp2"]["moments"] for r in escalation_ranks]
-    assert ranks[0]["24"].keys() == ranks[0]["32"].keys() == ranks[1]["32"].keys()
-    for name, whole in ranks[0]["32"].items():
-        assert sum(r["32"][name]["local_numel"] for r in ranks) == whole["numel"], name
+    assert ranks[0]["24"].keys() == ranks[0]["32"].keys() == ranks[1]["32"].keys() == ranks[1]["33"].keys()
+    for name, whole in ranks[0]["33"].items():
+        assert sum(r["33"][name]["local_numel"] for r in ranks) == whole["numel"], name
         assert whole["local_numel"] > 0 and whole["state"].keys() == {"step", "exp_avg", "exp_avg_sq"}, name
         for r in ranks:
-            before, after = r["24"][name]["state"], r["32"][name]["state"]
-            assert before["step"] == 24 and after["step"] == 0, name
+            before, reset, after = r["24"][name], r["32"][name], r["33"][name]
+            assert before["state"]["step"] == 24 and reset["state"] == {}, name
+            assert after["state"]["step"] == 1, name
             for key in ("exp_avg", "exp_avg_sq"):
-                if r["32"][name]["local_numel"]:
-                    assert before[key] > 0 and after[key] == 0, (name, key)
+                assert after["state_numel"][key] == after["local_numel"] and after["dtensor"][key], (name, key)
+                if after["local_numel"]:
+                    assert before["state"][key] > 0, (name, key)
                 else:
-                    assert before[key] is None and after[key] is None, (name, key)
+                    assert before["state"][key] is None and after["state"][key] is None, (name, key)
     # FSDP2 really sharded: the blocks' weights are split between the ranks, half each.
     assert ranks[1]["32"]["net.blocks.0.weight"]["local_numel"] == ranks[0]["32"]["net.blocks.0.weight"]["numel"] // 2

@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import make_trainer, regression_data
 from lightning_gradkit import SpikeRollback
-from lightning_gradkit.callbacks.rollback import rewarmup_factor
+from lightning_gradkit.callbacks.rollback import reset_optimizer_state_, rewarmup_factor
+from lightning_gradkit.snapshot import HostSnapshot
 from test_guards import events
 from test_rollback import ResumableLoader
 
@@ -99,7 +100,7 @@ def escalating(**kwargs: Any) -> SpikeRollback:
 def reference_run(rollbacks: list[dict[str, Any]], escalations: list[dict[str, Any]]) -> Net:
     """Plain PyTorch: the same Net, Adam and faulty LambdaLR over the same batches. The events say when a rollback
     fired and to which step; the loop keeps its own copy of the state before every batch, restores it there (the
-    step that fired is not applied), and cuts the learning rate and zeroes the moments as the escalation says."""
+    step that fired is not applied), and cuts the learning rate and resets the moments as the escalation says."""
     torch.manual_seed(0)
     net = Net()
     opt, sched = make_optimizer(net)
@@ -120,8 +121,7 @@ def reference_run(rollbacks: list[dict[str, Any]], escalations: list[dict[str, A
                 modules = [m.removeprefix("net.") for m in e["reset_modules"]]
                 for name, p in net.named_parameters():
                     if e["reset_moments"] == "all" or any(name.startswith(m + ".") for m in modules):
-                        for value in opt.state[p].values():
-                            value.zero_()
+                        opt.state.pop(p, None)  # a fresh Adam's state: built at the parameter's next step
             continue
         scheduled = [g["lr"] for g in opt.param_groups]
         if cut is not None:
@@ -212,7 +212,7 @@ class HeadSpikeModule(FaultyScheduleModule):
         }
 
 
-def test_spiking_reset_zeroes_the_moments_of_the_module_whose_gradient_spiked_and_no_other(tmp_path: Path) -> None:
+def test_spiking_reset_resets_the_moments_of_the_module_whose_gradient_spiked_and_no_other(tmp_path: Path) -> None:
     # Step 26 fires (patience 1) and restores the snapshot of step 24; step 29 spikes again, 2 steps after the run
     # resumed at 27: the rollback (to the snapshot of step 28) escalates and resets the head's Adam state only.
     torch.manual_seed(0)
@@ -237,11 +237,12 @@ def test_spiking_reset_zeroes_the_moments_of_the_module_whose_gradient_spiked_an
     assert escalation["lr_factor"] is None and escalation["culprit"] == "net.head"
     after, snapshot = model.states[30], model.states[28]
     for name, state in after.items():
+        if name.startswith("head."):
+            assert state == {}, name  # a fresh Adam: no state until its first step builds it
+            continue
+        assert state.keys() == snapshot[name].keys(), name
         for key, value in state.items():
-            if name.startswith("head."):
-                assert not value.any(), (name, key)  # a fresh Adam: zero moments, step 0
-            else:
-                assert torch.equal(value, snapshot[name][key]), (name, key)
+            assert torch.equal(value, snapshot[name][key]), (name, key)
 
 
 def test_the_reference_comparison_would_catch_a_missing_cut_or_reset(tmp_path: Path) -> None:
@@ -313,3 +314,66 @@ def test_checkpoint_during_the_rewarmup_resumes_exactly(tmp_path: Path) -> None:
     torch.save(full, tmp_path / "no_ramp.ckpt")
     uncut, _ = fit_resumable(tmp_path / "uncut", ckpt=tmp_path / "no_ramp.ckpt")
     assert not torch.equal(uncut.net.head.weight, straight.net.head.weight)
+
+
+FRESH_CASES: dict[str, Any] = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=0.01),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=0.01),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=0.01),
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=0.01, t0=2),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.01, initial_accumulator_value=0.1),
+    "sgd_dampening": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, dampening=0.5),
+    "groups": lambda ps: torch.optim.NAdam([{"params": ps[:1], "lr": 0.02, "betas": (0.8, 0.9)}, {"params": ps[1:]}]),
+}
+
+
+@pytest.mark.parametrize("case", list(FRESH_CASES))
+def test_after_a_moment_reset_the_next_step_is_the_first_step_of_a_fresh_optimizer(case: str) -> None:
+    """The reference: a fresh optimizer of the same class and param-group settings, built on copies of the parameters
+    as they are at the reset, taking one step on the same gradients."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    params = list(net.parameters())
+    opt = FRESH_CASES[case](params)
+    x = torch.randn(16, 4)
+    for _ in range(5):  # a trained state, far from a fresh one
+        opt.zero_grad()
+        net(x).pow(2).sum().backward()
+        opt.step()
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    fresh = FRESH_CASES[case](copies)
+    assert reset_optimizer_state_(opt, params) == len(params)
+    for _ in range(3):  # the first step after the reset, and the ones after it
+        opt.zero_grad()
+        net(x).pow(2).sum().backward()
+        for c, p in zip(copies, params, strict=True):
+            c.grad = p.grad.clone()
+        opt.step()
+        fresh.step()
+        for p, c in zip(params, copies, strict=True):
+            assert torch.equal(p, c)
+            assert opt.state[p].keys() == fresh.state[c].keys()
+            for key, value in fresh.state[c].items():
+                assert torch.equal(torch.as_tensor(opt.state[p][key]), torch.as_tensor(value)), key
+
+
+def test_a_rollback_after_a_reset_restores_the_state_the_reset_dropped() -> None:
+    """A reset may leave a parameter without state until its next step (a fresh SGD has no momentum buffer); a
+    restore of an older snapshot before that step puts the snapshot's state back, as it was."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    params = list(net.parameters())
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    net(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    snap = HostSnapshot()
+    snap.capture(params, [], [opt])
+    before = copy.deepcopy(opt.state_dict())
+    reset_optimizer_state_(opt, params)
+    snap.restore(params, [], [opt])
+    after = opt.state_dict()
+    assert after["state"].keys() == before["state"].keys()
+    for key, state in before["state"].items():
+        assert torch.equal(after["state"][key]["momentum_buffer"], state["momentum_buffer"])

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 
@@ -329,3 +330,38 @@ def test_step_scheduler_counts_survive_a_mid_epoch_resume(tmp_path: Path) -> Non
     trainer = make_trainer(tmp_path / "b", strategy="gradkit", callbacks=[NonFiniteGuard()], max_epochs=2)
     quiet_fit(trainer, resumed, loader(), ckpt_path=next((tmp_path / "ckpt").glob("*step=5*")))
     assert resumed.lrs == pytest.approx(straight.lrs[5:], rel=1e-12)
+
+
+class IgnoresClosure(torch.optim.SGD):
+    """An optimizer whose ``step`` never calls the closure it is handed (a user's bug, which Lightning catches)."""
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        super().step()
+
+
+class IgnoresClosureModule(MLPModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return IgnoresClosure(self.parameters(), lr=self.lr)
+
+
+def test_the_gate_runs_the_closure_so_lightnings_closure_not_executed_check_never_fires(tmp_path: Path) -> None:
+    """Documented in GradKitStrategyMixin: plain Lightning stops an optimizer that ignores its closure; the gate has
+    run the closure before calling the optimizer, so the optimizer steps on that evaluation's gradients, exactly as a
+    plain loop (forward, backward, step) does."""
+    torch.manual_seed(0)
+    with pytest.raises(MisconfigurationException, match="closure hasn't been executed"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(tmp_path / "plain").fit(IgnoresClosureModule(), loader())
+    torch.manual_seed(0)
+    model = IgnoresClosureModule()
+    trainer = make_trainer(tmp_path / "gradkit", strategy="gradkit", callbacks=[NonFiniteGuard(action="skip")])
+    quiet_fit(trainer, model, loader())
+    torch.manual_seed(0)
+    reference = IgnoresClosureModule()
+    opt = reference.configure_optimizers()
+    for x, y in loader():
+        opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        opt.step()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), name

@@ -43,6 +43,10 @@ class _ParamState:
 
     tensors: dict[str, int] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
+    # Where each tensor lived, to build it again if the optimizer dropped the state since the capture (a reset to a
+    # fresh optimizer's state): "param" (like the parameter: its shape, device and DTensor layout), "device" (the
+    # parameter's device, another shape) or "cpu".
+    places: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,6 +125,7 @@ class HostSnapshot:
                     if isinstance(value, Tensor):
                         entry.tensors[key] = len(sources)
                         sources.append(local_tensor(value.detach()))
+                        entry.places[key] = _place(sources[-1], local_tensor(p.detach()))
                     else:
                         entry.values[key] = copy.deepcopy(value)
                 per_param.append(entry)
@@ -179,7 +184,10 @@ class HostSnapshot:
         self._wait()
         optimizers = [
             {
-                "params": [None if e is None else {"tensors": dict(e.tensors), "values": e.values} for e in o.params],
+                "params": [
+                    None if e is None else {"tensors": dict(e.tensors), "values": e.values, "places": dict(e.places)}
+                    for e in o.params
+                ],
                 "groups": o.groups,
             }
             for o in self._optimizers
@@ -202,7 +210,10 @@ class HostSnapshot:
         self._num_buffers = int(state_dict["num_buffers"])
         self._optimizers = [
             _OptimizerState(
-                [None if e is None else _ParamState(dict(e["tensors"]), dict(e["values"])) for e in o["params"]],
+                [
+                    None if e is None else _ParamState(dict(e["tensors"]), dict(e["values"]), dict(e.get("places", {})))
+                    for e in o["params"]
+                ],
                 list(o["groups"]),
             )
             for o in state_dict["optimizers"]
@@ -239,7 +250,10 @@ class HostSnapshot:
                 # No state yet at the capture (before the parameter's first step): the optimizer starts afresh.
                 optimizer.state.pop(p, None)
                 continue
-            state = optimizer.state.get(p, {})
+            state = optimizer.state.get(p)
+            if not state:
+                # Dropped since the capture (reset to a fresh optimizer's state, which builds itself at the next step).
+                state = optimizer.state[p] = {key: self._rebuilt(p, entry, key) for key in entry.tensors}
             if set(state) != set(entry.tensors) | set(entry.values):
                 raise ValueError(
                     f"The optimizer state keys changed since the snapshot ({sorted(state)} now, "
@@ -256,6 +270,16 @@ class HostSnapshot:
                 else:
                     group[key] = copy.deepcopy(value)
         return pairs
+
+    def _rebuilt(self, p: Tensor, entry: _ParamState, key: str) -> Tensor:
+        """An empty tensor where the optimizer kept ``p``'s state ``key`` at the capture, for the restore to fill."""
+        host = self._host[entry.tensors[key]]
+        local = local_tensor(p.detach())
+        # A checkpoint from before `places` was saved: a tensor of the parameter's shape is like it, others on the host.
+        place = entry.places.get(key, "param" if host.shape == local.shape else "cpu")
+        if place == "param":
+            return torch.empty_like(p.detach(), dtype=host.dtype)  # a DTensor under FSDP2, as the optimizer builds
+        return torch.empty(host.shape, dtype=host.dtype, device=local.device if place == "device" else "cpu")
 
     def _record(self, tensors: Sequence[Tensor]) -> None:
         """Remember the copies queued on a GPU stream: wait for them before the host buffers are touched again."""
@@ -276,6 +300,13 @@ def _fits(host: Tensor, source: Tensor, pin: bool) -> bool:
     """Whether ``host`` can take ``source``'s values: same shape and dtype, and pinned when ``pin`` (a buffer loaded
     from a checkpoint is not: the first capture on a GPU replaces it)."""
     return host.shape == source.shape and host.dtype == source.dtype and (not pin or host.is_pinned())
+
+
+def _place(value: Tensor, param: Tensor) -> str:
+    """Where an optimizer state tensor lives relative to its parameter (both local tensors): see ``_ParamState``."""
+    if value.device != param.device and value.device.type == "cpu":
+        return "cpu"
+    return "param" if value.shape == param.shape else "device"
 
 
 def _host_buffer(like: Tensor, pin: bool) -> Tensor:

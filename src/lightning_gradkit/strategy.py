@@ -190,6 +190,11 @@ class GradKitStrategyMixin:
     Optimizers that evaluate the closure several times per step (``LBFGS``, SAM-style): the skip is decided on the
     first evaluation; later evaluations run the real closure and are scaled and clipped, not decided again.
 
+    The gate runs the step's first evaluation of the closure itself, before it calls the optimizer (the skip must be
+    known before anything is applied). So Lightning's check "The closure hasn't been executed" never fires while the
+    gate is active: an optimizer whose ``step`` ignores its closure (a bug plain Lightning stops) steps on the
+    gradients of the gate's evaluation, without an error.
+
     Cost: one host read of the skip flag per optimizer step with an ordinary optimizer; none with a fused one
     (``Adam/AdamW/SGD/Adagrad(fused=True)``), whose kernel receives the flag as ``found_inf``. With a fused
     optimizer and a step-interval LR scheduler the flag is read when the scheduler is about to step.

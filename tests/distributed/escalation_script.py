@@ -2,7 +2,8 @@
 fault of ``tests/test_rollback_escalation.py``. Each rank trains on half of every global batch (the even or the odd
 samples); the rollbacks, the escalation (LR cut and the moment reset of the spiking modules) and the final parameters
 must be the same on every rank. Each rank also records its own *local* optimizer state (FSDP2: its shards) at the
-snapshot the escalation restores and right after the escalation, for the test to see the reset of every shard.
+snapshot the escalation restores, right after the escalation and after the next step, for the test to see the
+reset of every shard.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from lightning_gradkit.core.norms import local_tensor
 from test_guards import events
 from test_rollback_escalation import FaultyScheduleModule, data, escalating
 
-# The escalation restores the snapshot of step 24 at step 31; the state at the end of that batch is keyed 32.
-RECORDED_STEPS = (24, 32)
+# The escalation restores the snapshot of step 24 at step 31; the state at the end of that batch is keyed 32, and
+# after the next (applied) step 33.
+RECORDED_STEPS = (24, 32, 33)
 
 
 def rank_loader(rank: int) -> DataLoader:
@@ -55,6 +57,8 @@ class DictBatchModule(FaultyScheduleModule):
                 "local_numel": local_tensor(p.detach()).numel(),
                 "numel": p.numel(),
                 "state": {k: largest(local_tensor(v)) for k, v in opt.state[p].items()},
+                "state_numel": {k: local_tensor(v).numel() for k, v in opt.state[p].items()},
+                "dtensor": {k: type(v).__name__ == "DTensor" for k, v in opt.state[p].items()},
             }
             for name, p in self.named_parameters()
         }

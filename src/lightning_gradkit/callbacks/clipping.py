@@ -282,7 +282,8 @@ class _GradClipCallback(GradKitCallback):
         ``grad_clip/pre_clip_norm`` and ``grad_clip/post_clip_norm`` (the total norm before and after clipping,
         in the policy's norm), ``grad_clip/coef`` (the clip coefficient; for per-unit or element-wise clipping,
         the ratio of the two norms), ``grad_clip/clipped_fraction`` (the fraction of optimizer steps clipped since
-        the previous log) and, for adaptive policies, ``grad_clip/threshold``.
+        the previous log) and, for the adaptive policies (:class:`AutoClip`, :class:`ZClip`), whose threshold moves
+        with the history, ``grad_clip/threshold``; :class:`ClipGradNorm` does not log its constant ``max_norm``.
         """
         decision = self._last[optimizer_idx]
         steps = max(self._steps.get(optimizer_idx, 0), 1)
@@ -341,7 +342,8 @@ class _ScalarClip(_GradClipCallback):
         clip_above = None
         if type(policy) is GradNormPolicy:
             # `policy(pre)` would also compare with max_norm every step: the clipped count does that when it sums.
-            coef, clipped, threshold = clip_coefficient(pre, policy.max_norm), None, policy.threshold(pre)
+            # No threshold is logged: it would be `max_norm` at every step (only adaptive clippers log theirs).
+            coef, clipped, threshold = clip_coefficient(pre, policy.max_norm), None, None
             clip_above = policy.max_norm
         elif isinstance(policy, ZClipPolicy):
             coef, clipped, above = policy.decide(pre)
@@ -381,7 +383,8 @@ class ClipGradNorm(_ScalarClip):
 
     Logged on logging steps: ``grad_clip/pre_clip_norm``, ``grad_clip/post_clip_norm``, ``grad_clip/coef`` and
     ``grad_clip/clipped_fraction`` (steps clipped since the previous log); ``/opt{i}`` is appended with several
-    optimizers.
+    optimizers. No ``grad_clip/threshold``: it would be ``max_norm`` at every step (the adaptive clippers log
+    theirs).
 
     Args:
         max_norm: the largest total norm, > 0.

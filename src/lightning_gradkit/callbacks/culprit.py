@@ -6,7 +6,7 @@ Pure functions over what :class:`~lightning_gradkit.NonFiniteGuard` gathered fro
 - :func:`nonfinite_kind`: the event's ``what`` (loss, gradients or both).
 - :class:`Culprit` and :func:`locate_culprit`: the one meaning of ``culprit`` in every mode.
 - :func:`first_bad_batch`: the micro-batch where the non-finite value was first seen.
-- :func:`reproducibility`: whether the forensic replay reproduced the value, and on which ranks.
+- :func:`reproducibility`: whether the forensic replay reproduced the value, on which ranks, and why not.
 - :func:`sample_ids` and :func:`id_list`: the sample ids a batch carries, for the event and the console line.
 - :func:`step_summary`: the console line; the error and the event say the same.
 """
@@ -22,8 +22,10 @@ from torch import Tensor
 from lightning_gradkit._arguments import name_list
 
 __all__ = [
+    "REPLAY_STAYED_FINITE",
     "SAMPLE_ID_KEYS",
     "Culprit",
+    "Reproducibility",
     "first_bad_batch",
     "id_list",
     "locate_culprit",
@@ -94,28 +96,55 @@ def locate_culprit(
     return Culprit(None, None, f"not localized ({why})", None)
 
 
-def reproducibility(per_rank: list[dict[str, Any]]) -> tuple[bool | None, list[int]]:
-    """Whether the forensic replay reproduced the non-finite value, and the ranks whose replay did.
+#: Why a replay that stayed finite proves nothing: it covers ``training_step`` and its backward only.
+REPLAY_STAYED_FINITE = (
+    "the replay of training_step and its backward stayed finite: the non-finite value came from outside them (a "
+    "hook such as on_after_backward, a callback, the optimizer) or from non-deterministic hardware"
+)
+
+
+class Reproducibility(NamedTuple):
+    """What the forensic replay proved: ``reproducible``, the ranks whose replay reproduced it, and why."""
+
+    reproducible: bool | None
+    reproduced_on: list[int]
+    reason: str
+
+
+def reproducibility(per_rank: list[dict[str, Any]]) -> Reproducibility:
+    """Whether the forensic replay reproduced the non-finite value, the ranks whose replay did, and the reason.
 
     ``True`` when a rank's replay made it again (a data or model fault: it comes back with the same batch and
-    weights); ``False`` when every rank replayed the step to the end and none did (a transient fault: suspect the
-    hardware of the rank that saw it); ``None`` when no replay ran, or one failed or could not run and none
-    reproduced it (nothing is known).
+    weights). Otherwise ``None``: nothing is proved. When every rank replayed the step to the end and none made it
+    again, the reason is :data:`REPLAY_STAYED_FINITE`: the replay runs ``training_step`` and its backward only, so a
+    value made deterministically after them (``on_after_backward``, a callback's hook, the optimizer) is not made
+    again either, as a transient hardware fault is not. The other reasons: no replay ran, or one failed or could
+    not run.
 
     Example::
 
-        >>> reproducibility([{"rank": 0, "finding": {"phase": "not_reproduced"}}])
-        (False, [])
-        >>> reproducibility([{"rank": 0, "finding": None}])
-        (None, [])
+        >>> reproducibility([{"rank": 0, "finding": {"phase": "not_reproduced"}}]).reproducible is None
+        True
+        >>> reproducibility([{"rank": 1, "finding": {"phase": "forward"}}])[:2]
+        (True, [1])
+        >>> reproducibility([{"rank": 0, "finding": None}]).reason
+        'no replay ran'
     """
     replays = [r for r in per_rank if r["finding"] is not None]
     reproduced = [r["rank"] for r in replays if r["finding"]["phase"] not in _NOT_SEEN]
     if reproduced:
-        return True, reproduced
+        return Reproducibility(
+            True,
+            reproduced,
+            f"the replay of training_step and its backward made it again on rank(s) {reproduced}: the fault is in "
+            "the data or the model",
+        )
     if replays and all(r["finding"]["phase"] == "not_reproduced" for r in replays):
-        return False, []
-    return None, []
+        return Reproducibility(None, [], REPLAY_STAYED_FINITE)
+    if replays:
+        failed = [r["rank"] for r in replays if r["finding"]["phase"] != "not_reproduced"]
+        return Reproducibility(None, [], f"the replay failed or could not run on rank(s) {failed}")
+    return Reproducibility(None, [], "no replay ran")
 
 
 def sample_ids(batch: Any) -> Any | None:
@@ -163,14 +192,13 @@ def step_summary(
     grad_ranks: list[int],
     params: list[str],
     culprit: Culprit,
-    reproducible: bool | None = None,
-    reproduced_on: list[int] | None = None,
+    replay: Reproducibility | None = None,
     ids: dict[str, list[Any]] | None = None,
 ) -> str:
     """The console line of a flagged step; errors and the event say the same.
 
-    ``reproducible`` and ``reproduced_on`` come from :func:`reproducibility`; ``ids`` are the sample ids of the
-    bad micro-batch per rank (:func:`sample_ids`)."""
+    ``replay`` comes from :func:`reproducibility`; ``ids`` are the sample ids of the bad micro-batch per rank
+    (:func:`sample_ids`)."""
     if what == "fp16_overflow":
         return f"fp16 gradient overflow at step {step}."
     where = f"batch {batch}" + (f" (the step's batches {window[0]}-{window[-1]})" if len(window) > 1 else "")
@@ -186,14 +214,12 @@ def step_summary(
     if ids:
         shown = "; ".join(f"rank {r}: {v[:16]}{' ...' if len(v) > 16 else ''}" for r, v in ids.items())
         parts.append(f"Sample ids of batch {batch}: {shown}.")
-    if reproducible:
+    if replay is not None and replay.reproducible:
         parts.append(
-            f"The replay reproduced it on rank(s) {reproduced_on}: a reproducible fault points at the data or the "
-            "model."
+            f"The replay reproduced it on rank(s) {replay.reproduced_on}: a reproducible fault points at the data or "
+            "the model."
         )
-    elif reproducible is False:
+    elif replay is not None and replay.reason == REPLAY_STAYED_FINITE:
         seen = sorted(set(bad_ranks) | set(grad_ranks))
-        parts.append(
-            f"The replay did not reproduce it: a transient fault (seen on rank(s) {seen}) points at the hardware."
-        )
+        parts.append(f"Seen on rank(s) {seen}; {REPLAY_STAYED_FINITE}.")
     return " ".join(parts)

@@ -122,6 +122,11 @@ class NonFiniteGuard(NonFiniteValidationCheck):
     - A replay that raises is reported as ``"failed"`` with its error, one that cannot run as ``"unavailable"`` with
       the reason: the event and the message say so (never that the replay stayed finite), and the culprit then
       comes from the loss or the gradients.
+    - What the replay covers: ``training_step`` and its backward, nothing after them. The event's
+      ``reproducible`` is ``True`` when the replay made the non-finite value again (the data or the model), else
+      ``None`` with a ``reproducible_reason``: a replay that stayed finite proves no verdict, since a value made
+      deterministically outside it (a hook such as ``on_after_backward``, a callback, the optimizer) stays finite
+      in the replay as a non-deterministic hardware fault does.
     - What the replay restores: RNG states, buffers, gradients, and the state of every ``torchmetrics`` metric of
       the LightningModule (a metric updated in ``training_step`` is not counted twice); ``self.log`` does nothing.
     - What it cannot restore: ``training_step`` runs again, so its other Python side effects (a counter it
@@ -486,7 +491,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         culprit = locate_culprit(per_rank, bad_ranks, params, no_replay)
         window = list(self._window) or [ctx.batch_idx]
         batch = culprit.batch if culprit.batch is not None else first_bad_batch(per_rank, window)
-        reproducible, reproduced_on = reproducibility(per_rank)
+        replay = reproducibility(per_rank)
         position = window.index(batch) if batch in window else -1
         ids = {
             str(r["rank"]): r["ids"][position]
@@ -501,7 +506,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             "nonfinite_param_grads": params[:50],
             "grad_norm": float(stats.total),
             "consecutive": len(self._consecutive),
-            "replay_reproduced_ranks": reproduced_on,
+            "replay_reproduced_ranks": replay.reproduced_on,
         }
         findings = [dict(r["finding"], rank=r["rank"]) for r in per_rank if r["finding"] is not None]
         if findings:
@@ -514,13 +519,12 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             what=what,
             culprit=culprit.name,
             culprit_source=culprit.source,
-            reproducible=reproducible,
+            reproducible=replay.reproducible,
+            reproducible_reason=replay.reason,
             sample_ids=ids or None,
             values=values,
         )
-        summary = step_summary(
-            step, batch, window, what, bad_ranks, grad_ranks, params, culprit, reproducible, reproduced_on, ids
-        )
+        summary = step_summary(step, batch, window, what, bad_ranks, grad_ranks, params, culprit, replay, ids)
         if finding is not None and self._first_finding is None:
             self._first_finding = {"step": step, "culprit": culprit.name, "described": culprit.text}
         if self.action == "raise":
@@ -605,6 +609,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             culprit=culprit.name,
             culprit_source=culprit.source,
             reproducible=None,
+            reproducible_reason="no replay ran (steps reported lazily, on logging steps, are never replayed)",
             values=values,
             first_step=first,
         )

@@ -9,6 +9,7 @@ from snapshots in host memory, on every rank alike.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -133,11 +134,18 @@ def rewarmup_factor(start: float, done: int, steps: int) -> float:
 
 
 def reset_optimizer_state_(optimizer: Optimizer, params: Sequence[Tensor]) -> int:
-    """Zero, in place, every tensor of the optimizer state of ``params`` (a fresh optimizer's state, for Adam).
+    """Reset the optimizer state of ``params`` to what a fresh optimizer of the same class and param-group settings
+    holds: the next step is then that optimizer's first step for these parameters.
 
-    Adam and AdamW: ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` and ``step``; the next step is then the first
-    step of a fresh Adam for these parameters, bias correction included. Zeroing in place keeps every reference to
-    the state tensors valid (FSDP2 zeroes each rank's shard). A parameter without state is left as it is.
+    For torch's optimizers that initialize their state lazily at the first step (Adam, AdamW, NAdam, RAdam, Rprop,
+    ASGD, SGD, ...), the parameter's state is removed and the optimizer builds it again at its next step, exactly as
+    a fresh one does: NAdam's ``mu_product`` of 1, Rprop's ``step_size`` of ``lr``, ASGD's ``eta`` and ``mu``, no SGD
+    momentum buffer (its first step takes the gradient whole, without ``dampening``), step counts of 0. Zeroing
+    every tensor would not be a fresh state for these. An optimizer that builds its state in its constructor
+    (Adagrad's ``sum`` of ``initial_accumulator_value``) gets the state a fresh instance builds, copied into the
+    existing tensors in place. The fresh instance is constructed on a detached alias of the parameter (no copy of
+    its values) with the param group's settings that its constructor accepts; an optimizer class that cannot be
+    constructed so is reset to no state (the lazy initialization). A parameter without state is left as it is.
 
     Returns:
         The number of parameters whose state was reset.
@@ -145,24 +153,56 @@ def reset_optimizer_state_(optimizer: Optimizer, params: Sequence[Tensor]) -> in
     Example::
 
         >>> net = torch.nn.Linear(2, 1)
-        >>> opt = torch.optim.Adam(net.parameters())
+        >>> opt = torch.optim.NAdam(net.parameters())
         >>> net(torch.ones(1, 2)).sum().backward()
         >>> opt.step()
         >>> reset_optimizer_state_(opt, [net.weight])
         1
-        >>> float(opt.state[net.weight]["step"]), float(opt.state[net.weight]["exp_avg"].abs().sum())
-        (0.0, 0.0)
+        >>> dict(opt.state[net.weight]), sorted(opt.state[net.bias])
+        ({}, ['exp_avg', 'exp_avg_sq', 'mu_product', 'step'])
     """
+    groups = {id(q): group for group in optimizer.param_groups for q in group["params"]}
     count = 0
     for p in params:
         state = optimizer.state.get(p)
         if not state:
             continue
-        for value in state.values():
-            if isinstance(value, Tensor):
-                local_tensor(value).zero_()
+        fresh = _fresh_state(optimizer, p, groups[id(p)])
+        if not fresh:
+            del optimizer.state[p]
+        else:
+            for key in [k for k in state if k not in fresh]:
+                del state[key]
+            for key, value in fresh.items():
+                old = state.get(key)
+                if isinstance(old, Tensor) and isinstance(value, Tensor) and _same_layout(old, value):
+                    local_tensor(old).copy_(local_tensor(value))  # in place: references to the state stay valid
+                else:
+                    state[key] = value
         count += 1
     return count
+
+
+def _fresh_state(optimizer: Optimizer, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    """The state a fresh optimizer of ``optimizer``'s class and ``group``'s settings holds for ``p`` before its first
+    step: empty for a lazily initialized optimizer."""
+    cls = type(optimizer)
+    signature = inspect.signature(cls.__init__).parameters
+    any_keyword = any(arg.kind is inspect.Parameter.VAR_KEYWORD for arg in signature.values())
+    # Not every key of a param group is a constructor argument: an LR scheduler adds `initial_lr`.
+    accepted = set(signature) | (set(optimizer.defaults) if any_keyword else set())
+    settings = {k: v for k, v in group.items() if k != "params" and k in accepted}
+    alias = p.detach()  # shares the parameter's storage: constructors only read it
+    try:
+        fresh = cls([alias], **settings)
+    except (TypeError, ValueError):
+        return {}
+    return dict(fresh.state.get(alias, {}))
+
+
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    la, lb = local_tensor(a), local_tensor(b)
+    return la.shape == lb.shape and la.dtype == lb.dtype and la.device == lb.device
 
 
 def _scale_lrs(optimizer: Optimizer, factor: float) -> list[Any]:
@@ -235,9 +275,21 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
     the buffers they wrote (BatchNorm running statistics included) are put back as for any skipped step (by the
     strategy), and the RNG states and gradkit callback states are restored from the snapshot after each, so the
     run continues as one that never saw them (their compute is
-    spent, as with any skipped step); an LR scheduler with a ``frequency`` steps as in that run too. A rollback
-    never restores the snapshot that the previous rollback restored (it takes the older one, or stops), and after
+    spent, as with any skipped step); an LR scheduler with a ``frequency`` steps as in that run too. After
     ``max_rollbacks`` rollbacks the next trigger stops training with a ``RuntimeError``.
+
+    **The same snapshot twice.** A rollback restores the snapshot the previous rollback restored again only when the
+    run from it got further than the time before: its flagged steps began more steps after the previous rollback's
+    resume point (after its stepped-over batches) than the previous spike began after that snapshot (or after the
+    resume that restored it). A spike that comes back as soon or sooner suggests that the state itself carries the
+    fault (a snapshot taken after the damage was done, before it showed): the rollback takes the older snapshot
+    instead, or stops when none is left (an escalating rollback, below, may restore the same one: its run from it
+    differs). A spike that comes back later is a new occurrence: a fault that recurs (a bad stretch of data, a
+    periodic learning-rate burst) is met from the newest snapshot taken before it, instead of throwing the run back
+    one snapshot further per occurrence (to the start of training with ``keep=2``). The trade-off: a fault that
+    recurs sooner after each restore than the first time is treated as carried by the state, and a state whose
+    damage shows later after each restore is restored again until ``max_rollbacks`` stops the run;
+    ``escalate_lr_factor`` damps a recurring fault.
 
     ``skip_batches`` counts optimizer steps, each of ``accumulate_grad_batches`` batches per rank, *beyond* the
     rewound ones: a rollback leaves out ``rewound_steps + skip_batches`` optimizer steps' batches in all (the
@@ -278,9 +330,11 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
       ``GradNormMonitor(depth="auto")``: one per repeated block, plus the other top-level modules) gets a z-score
       against its own running statistics (the EMA, ``alpha`` and ``warmup_steps`` of the trigger); a module spikes
       when its largest z-score over the run of flagged steps that fired exceeds ``z_threshold`` or its norm is
-      non-finite; when none does, the module with the largest z-score. Every tensor of those parameters' optimizer
-      state is zeroed (:func:`reset_optimizer_state_`): for Adam, the moments and the step count, so each restarts
-      as a fresh Adam (for those parameters ``global_step - skipped_steps`` is then no longer the step count).
+      non-finite; when none does, the module with the largest z-score. Those parameters' optimizer state becomes
+      what a fresh optimizer of the same class and param-group settings holds (:func:`reset_optimizer_state_`): for
+      Adam, no state, so the next step builds zero moments and a step count of 0; NAdam, Rprop, ASGD, SGD with
+      momentum and Adagrad likewise restart exactly as fresh (for those parameters ``global_step - skipped_steps`` is
+      then no longer the step count).
 
     Each escalation is an event (``what="escalation"``, with ``lr_factor``, the multiplier of the next optimizer
     step, ``rewarmup_steps``, ``reset_moments``, ``reset_modules`` and their ``module_z``, ``reset_params``, the
@@ -439,6 +493,8 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
         self._rollbacks = 0
         self._next_id = 0
         self._last_restored_id = -1
+        # Steps from the last restored snapshot (or the resume from it) to the start of the spike that restored it.
+        self._reach: int | None = None
         self._next_snapshot_at: int | None = None
         self._history: list[dict[str, Any]] = []
         # Escalation: the end of the previous rollback (global step of its first trained step), the LR ramp and the
@@ -755,9 +811,10 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
     def _choose(
         self, ctx: StepContext, step: int, start: int, values: dict[str, Any], allow_last: bool = False
     ) -> _Slot:
-        """The newest snapshot taken before the spike began, not the one the previous rollback restored (unless the
-        rollback escalates, ``allow_last``); failing that, the state of a resume inside the run of flagged steps
-        (from a checkpoint without snapshots)."""
+        """The newest snapshot taken before the spike began; failing that, the state of a resume inside the run of
+        flagged steps (from a checkpoint without snapshots). Not the one the previous rollback restored unless the run
+        from it got further than the time before (or the rollback escalates, ``allow_last``): a spike that comes back
+        as soon suggests that the state itself carries the fault."""
         if self._rollbacks >= self.max_rollbacks:
             self._stop(
                 ctx,
@@ -766,7 +823,11 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
                 f"the budget of `max_rollbacks={self.max_rollbacks}` is spent. Look for the cause in the events "
                 "(a learning rate too high, bad data), or raise `max_rollbacks`.",
             )
-        usable = [s for s in self._ring if s.valid and (allow_last or s.id != self._last_restored_id)]
+        # A spike that begins later after the resume than the previous one began after that snapshot is a new
+        # occurrence: a fault that recurs every few hundred steps must not throw the run back one snapshot per spike.
+        further = self._reach is not None and self._resumed_at is not None and start - self._resumed_at > self._reach
+        again = allow_last or further
+        usable = [s for s in self._ring if s.valid and (again or s.id != self._last_restored_id)]
         candidates = [s for s in usable if s.step <= start] or [s for s in usable if s.origin == "resume"]
         if not candidates:
             kept = sorted(s.step for s in self._ring if s.valid)
@@ -775,8 +836,9 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
                 step,
                 values,
                 f"no snapshot is left to restore (snapshots at steps {kept}; the last rollback restored the newest "
-                "good one already, and a rollback never restores the same snapshot twice in a row). Raise `keep` "
-                "or `snapshot_every_n_steps`, or look for the cause in the events.",
+                "good one already, and the spike came back as soon after it as the time before: that state may carry "
+                "the fault, so it is not restored again). Raise `keep` or `snapshot_every_n_steps`, set "
+                "`escalate_lr_factor`, or look for the cause in the events.",
             )
         return max(candidates, key=lambda s: s.id)
 
@@ -824,6 +886,10 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
         self._nonfinite_run = torch.zeros((), device=device)
         self._module_zmax = None
         self._rollbacks += 1
+        # How far the run from this snapshot got before the spike began: from the previous resume when that one
+        # restored the same snapshot, else from the snapshot itself.
+        resumed_from = self._resumed_at if slot.id == self._last_restored_id else None
+        self._reach = pending["start"] - (resumed_from if resumed_from is not None else slot.step)
         self._last_restored_id = slot.id
         self._anchor = slot
         self._skip_left = self.skip_batches
@@ -946,6 +1012,7 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
             "rollbacks": self._rollbacks,
             "next_id": self._next_id,
             "last_restored_id": self._last_restored_id,
+            "reach": self._reach,
             "next_snapshot_at": self._next_snapshot_at,
             "history": copy.deepcopy(self._history),
             "skipped_steps": float(skipped) if skipped is not None else 0.0,
@@ -972,6 +1039,8 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
         self._rollbacks = int(state_dict["rollbacks"])
         self._next_id = int(state_dict["next_id"])
         self._last_restored_id = int(state_dict["last_restored_id"])
+        # Absent from older checkpoints: the last restored snapshot is not restored again (the earlier rule).
+        self._reach = state_dict.get("reach")
         self._next_snapshot_at = state_dict["next_snapshot_at"]
         self._history = copy.deepcopy(state_dict["history"])
         skipped = state_dict.get("skipped_steps")  # absent from older checkpoints: the guards' count stands
