@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard
+from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, SpikeRollback
 from lightning_gradkit.loop import GradKit
 
 pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning")
@@ -178,7 +178,6 @@ _STEP_KEYS = {
     "grad_clip/coef",
     "grad_clip/post_clip_norm",
     "grad_clip/pre_clip_norm",
-    "grad_clip/threshold",
     "gradkit/skipped_steps",
 }
 
@@ -285,3 +284,51 @@ def test_finish_warns_when_no_step_went_through_the_door() -> None:
 def test_a_loss_spike_guard_without_note_loss_is_warned_once_at_the_first_step() -> None:
     assert _with(_door_warnings(through_kit=True, note_loss=False), _NO_LOSS) == [0]
     assert _with(_door_warnings(through_kit=True, note_loss=True), "SpikeGuard(monitor=") == []
+
+
+# -- SpikeRollback behind the loop door -------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:SpikeRollback\\(monitor='loss'\\) saw no loss")
+def test_spike_rollback_without_note_loss_leaves_clean_training_alone() -> None:
+    """A loop that never calls `note_loss`: the window loss is "no value", not a non-finite loss. It used to roll
+    back clean training at step 1 and raise at step 3. Reference: the same loop without gradkit."""
+
+    def run(door: bool) -> tuple[nn.Module, GradKit | None]:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rollback = SpikeRollback(warmup_steps=2, nonfinite_patience=1, snapshot_every_n_steps=2)
+        kit = GradKit(model, opt, rollback, log_every_n_steps=0) if door else None
+        for x, y in _batches():
+            nn.functional.mse_loss(model(x), y).backward()
+            kit.step(opt) if kit is not None else opt.step()
+            opt.zero_grad(set_to_none=True)
+        return model, kit
+
+    ours, kit = run(door=True)
+    reference, _ = run(door=False)
+    assert kit is not None and kit.skipped_steps == 0
+    for a, b in zip(ours.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:SpikeRollback:UserWarning")
+def test_a_rollback_after_resume_restores_the_loaded_weights_whatever_the_load_order() -> None:
+    """`kit.load_state_dict` before `model.load_state_dict`: the resume-time snapshot is taken at the first forward,
+    after both, so a rollback to it restores the loaded (trained) weights, not the untrained ones."""
+    trained = _model()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(1.0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rollback = SpikeRollback(warmup_steps=2, nonfinite_patience=1)
+    kit = GradKit(model, opt, rollback, log_every_n_steps=0)
+    kit.load_state_dict(kit.state_dict())
+    model.load_state_dict(trained.state_dict())  # after the door's state: the order the review found broken
+    x, y = _batches(1, nan_at=0)[0]
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    kit.note_loss(loss)
+    kit.step(opt)  # a non-finite loss: the rollback restores the resume-time snapshot
+    assert rollback.state_dict()["rollbacks"] == 1
+    for a, b in zip(model.parameters(), trained.parameters(), strict=True):
+        assert torch.equal(a, b)

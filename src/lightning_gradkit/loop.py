@@ -333,6 +333,8 @@ class GradKit:
 
     def _opened(self) -> None:
         self._first_forward = []
+        for policy in self.policies:
+            policy._before_first_forward(self.ctx)
         if self._buffers is not None and not self._buffers.open:
             self._buffers.capture()
 

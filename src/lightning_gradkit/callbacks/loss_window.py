@@ -78,6 +78,7 @@ class WatchesLossOrGradNorm(GradKitCallback):
     monitor: str
     _key: str
     _window_loss: WindowLoss
+    _window_had_loss: bool = True
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.monitor == "loss":
@@ -94,6 +95,8 @@ class WatchesLossOrGradNorm(GradKitCallback):
     def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         if self.monitor != "loss":
             return {}
+        # A window without a loss handed over (a loop door without `note_loss`) has no value: its NaN is not a fault.
+        self._window_had_loss = self._window_loss.count > 0
         return {self._key: self._window_loss.take(ctx)}
 
     def _watched_value(self, plan: StepPlan) -> Tensor:

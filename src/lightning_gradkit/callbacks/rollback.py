@@ -500,6 +500,7 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
         # Escalation: the end of the previous rollback (global step of its first trained step), the LR ramp and the
         # per-module statistics of the "spiking" moment reset.
         self._resumed_at: int | None = None
+        self._capture_pending: _Origin | None = None
         self._escalations = 0
         self._ramp_start = 1.0
         self._ramp_done = 0
@@ -583,13 +584,21 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
         self._open_events(ctx.log_dir, ctx.global_rank)
         self._engine = ctx.pipeline  # whose skip count the state saves
         self._read_model(model)
-        self._start(ctx)
+        # The first snapshot waits for the first forward (`_before_first_forward`): the model's weights may be loaded
+        # after `GradKit(...)` or `kit.load_state_dict(...)`, and the snapshot must hold them.
+        self._start(ctx, capture=False)
+
+    def _before_first_forward(self, ctx: StepContext) -> None:
+        if self._capture_pending is not None:
+            origin, self._capture_pending = self._capture_pending, None
+            self._capture(ctx, origin)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start(Engine.of(trainer).context(trainer, pl_module))
 
-    def _start(self, ctx: StepContext) -> None:
-        """Where training starts or resumes: the statistics on the device, the LR hooks, the first snapshot."""
+    def _start(self, ctx: StepContext, capture: bool = True) -> None:
+        """Where training starts or resumes: the statistics on the device, the LR hooks, the first snapshot (now,
+        or with ``capture=False`` at ``_before_first_forward``)."""
         device = ctx.device
         self._stats.to(device)
         self._module_stats.to(device)
@@ -620,7 +629,11 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
                 slot.load_state_dict(state, callbacks, device)
         else:
             # No snapshots came with the run: the state it starts or resumes from is the first one.
-            self._capture(ctx, "resume" if resumed else "start")
+            origin: _Origin = "resume" if resumed else "start"
+            if capture:
+                self._capture(ctx, origin)
+            else:
+                self._capture_pending = origin
         # While batches are still to be stepped over, the state to return to after each of them: the snapshot the
         # rollback restored (the newest: those after it were dropped, and none is taken while stepping over).
         self._anchor = max(self._ring, key=lambda s: s.id) if self._skip_left > 0 else None
@@ -685,7 +698,9 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
             return
         x = self._watched_value(plan)
         spike, z, mean, std = self._stats.spike_step(x, self.z_threshold, self.warmup_steps)
-        nonfinite = nonfinite_mask(x) | ~plan.primary.finite
+        # No loss handed over this window (no `note_loss` behind the loop door): the NaN stands for "no value", not
+        # a non-finite loss; the statistics mask it either way.
+        nonfinite = (nonfinite_mask(x) | ~plan.primary.finite) if self._window_had_loss else ~plan.primary.finite
         flagged = spike | nonfinite
         run = torch.where(flagged, self._run + 1, 0.0)
         nonfinite_run = torch.where(nonfinite, self._nonfinite_run + 1, 0.0)

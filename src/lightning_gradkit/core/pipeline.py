@@ -617,6 +617,10 @@ class Policy:
         """After the optimizer step (applied or skipped) and the LR schedulers of the batch, behind the Fabric and
         plain-PyTorch door (under the Trainer, ``on_train_batch_end``)."""
 
+    def _before_first_forward(self, ctx: StepContext) -> None:
+        """Behind the Fabric and plain-PyTorch door: the first forward after the door was built or loaded is about to
+        run (the model's weights and buffers are loaded by then, in whatever order the loop loaded them)."""
+
     def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
         """Behind the Fabric and plain-PyTorch door: what the Trainer's ``setup`` / ``on_fit_start`` hooks prepare.
 
