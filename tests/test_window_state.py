@@ -135,17 +135,20 @@ class GAN(pl.LightningModule):
         self.d = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
         self.bad_g = bad_g
 
-    def training_step(self, batch: tuple[Tensor], batch_idx: int) -> None:
-        (real,) = batch
-        opt_g, opt_d = self.optimizers()
+    def discriminator_step(self, real: Tensor, batch_idx: int) -> Tensor:
+        """The discriminator's step; returns the generator's input noise."""
+        _, opt_d = self.optimizers()
         z = torch.randn(real.shape[0], 2, generator=torch.Generator().manual_seed(batch_idx))
-        fake = self.g(z)
-        d_loss = self.d(real).mean() - self.d(fake.detach()).mean()
+        d_loss = self.d(real).mean() - self.d(self.g(z).detach()).mean()
         opt_d.zero_grad()
         self.manual_backward(d_loss)
         opt_d.step()
-        z2 = z * (math.nan if batch_idx == self.bad_g else 1.0)
-        g_loss = -self.d(self.g(z2)).mean()
+        return z
+
+    def training_step(self, batch: tuple[Tensor], batch_idx: int) -> None:
+        z = self.discriminator_step(batch[0], batch_idx)
+        opt_g, _ = self.optimizers()
+        g_loss = -self.d(self.g(z * (math.nan if batch_idx == self.bad_g else 1.0))).mean()
         opt_g.zero_grad()
         self.manual_backward(g_loss)
         opt_g.step()
@@ -159,17 +162,10 @@ class GANReference(GAN):
     a skipped generator step that put back what its forward wrote)."""
 
     def training_step(self, batch: tuple[Tensor], batch_idx: int) -> None:
-        if batch_idx != self.bad_g:
+        if batch_idx == self.bad_g:
+            self.discriminator_step(batch[0], batch_idx)
+        else:
             super().training_step(batch, batch_idx)
-            return
-        (real,) = batch
-        _, opt_d = self.optimizers()
-        z = torch.randn(real.shape[0], 2, generator=torch.Generator().manual_seed(batch_idx))
-        fake = self.g(z)
-        d_loss = self.d(real).mean() - self.d(fake.detach()).mean()
-        opt_d.zero_grad()
-        self.manual_backward(d_loss)
-        opt_d.step()
 
 
 def quiet_fit(trainer: pl.Trainer, model: pl.LightningModule, data: Any, **kwargs: Any) -> None:
