@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
@@ -30,6 +31,8 @@ _KERNEL_NORMS = (1.0, 2.0, math.inf)
 # on a GPU yet.
 _BLOCK = 16384
 _CACHE_SIZE = 8
+# Why the kernel is off in this process after it raised once (compile or launch): the first failure, if any.
+_KERNEL_FAILED: list[str] = []
 
 
 @functools.cache
@@ -62,6 +65,8 @@ def fallback_reason(device: torch.device, dtype: torch.dtype, norm_type: float) 
         return f"dtype {dtype} (the kernel reads float32, bfloat16, float16)"
     if float(norm_type) not in _KERNEL_NORMS:
         return f"norm type {norm_type} (the kernel computes 1, 2 and inf)"
+    if _KERNEL_FAILED:
+        return _KERNEL_FAILED[0]
     return _triton_import_error()
 
 
@@ -220,7 +225,17 @@ def multi_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
         return torch.zeros(0)
     first = tensors[0]
     if fallback_reason(first.device, first.dtype, norm_type) is None:
-        norms = _kernel_norms(tensors, norm_type)
+        try:
+            norms = _kernel_norms(tensors, norm_type)
+        except Exception as error:  # a compile or launch error on this GPU / triton: never the run's end
+            _KERNEL_FAILED.append(f"the kernel failed here ({type(error).__name__}: {error})")
+            warnings.warn(
+                f"gradkit: the Triton norm kernel failed ({type(error).__name__}: {error}); the gradient norms use "
+                f"torch._foreach_norm from now on. Set {_ENV_VAR}=foreach to skip the kernel.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            norms = None
         if norms is not None:
             return norms
     if math.isinf(norm_type):
