@@ -28,6 +28,9 @@ from lightning_gradkit.replay import replay
 STEPS = 6
 NAN_STEP = 3
 
+# Every test here provokes a non-finite step on purpose: the guard's warning is expected.
+pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning")
+
 
 class Net(nn.Module):
     """A BatchNorm, an EMA kept through ``.data`` (a VQ-VAE codebook's way), and a ``loss`` method that runs the
