@@ -15,7 +15,7 @@ from torch import Tensor
 
 from helpers import MLPModule, column, loader, make_trainer, read_metrics
 from lightning_gradkit import ManualAccumulator, NonFiniteGuard, SpikeGuard
-from lightning_gradkit.core.running import RunningMoments, WindowMoments, ema_update, spike_decision, std_of
+from lightning_gradkit.core.running import HostMoments, RunningMoments, ema_update, spike_decision, std_of
 from test_guards import FaultModule, events, state_equal
 
 NAN = float("nan")
@@ -47,27 +47,46 @@ def test_ema_after_warmup_matches_the_exponential_recurrence() -> None:
     assert m.item() == pytest.approx(mean, rel=1e-12) and v.item() == pytest.approx(var, rel=1e-12)
 
 
-@pytest.mark.parametrize("make", [lambda: RunningMoments(0.9), lambda: WindowMoments(5)], ids=["ema", "window"])
+@pytest.mark.parametrize("make", [lambda: RunningMoments(0.9), lambda: HostMoments(0.9), lambda: HostMoments(0.9, 5)])
 def test_non_finite_values_change_nothing(make: Any) -> None:
     clean, masked = make(), make()
+
+    def feed(stats: Any, x: Tensor) -> None:
+        stats.record(float(x), False, 6.0) if isinstance(stats, HostMoments) else stats.update(x)
+
     values = torch.randn(12)
     for i, x in enumerate(values):
-        clean.update(x)
-        masked.update(x)
+        feed(clean, x)
+        feed(masked, x)
         if i % 3 == 0:
-            masked.update(torch.tensor(NAN if i % 2 else math.inf))
+            feed(masked, torch.tensor(NAN if i % 2 else math.inf))
     for a, b in zip(clean.moments(), masked.moments(), strict=True):
-        assert torch.equal(a, b)
+        assert a == b if isinstance(a, (int, float)) else torch.equal(a, b)
 
 
 def test_window_holds_the_last_finite_values() -> None:
-    stats = WindowMoments(4)
+    stats = HostMoments(0.9, window=4)
     values = [1.0, 2.0, NAN, 3.0, 4.0, 5.0, math.inf, 6.0]
     for x in values:
-        stats.update(torch.tensor(x))
+        stats.record(x, False, 6.0)
     mean, var, count = stats.moments()
-    ref = torch.tensor([3.0, 4.0, 5.0, 6.0])
-    assert count == 4 and mean == ref.mean() and var == ref.var(unbiased=False)
+    ref = torch.tensor([3.0, 4.0, 5.0, 6.0], dtype=torch.float64)
+    assert count == 4 and mean == ref.mean().item() and var == pytest.approx(ref.var(unbiased=False).item())
+    clone = HostMoments(0.9, window=4)
+    clone.load_state_dict(stats.state_dict())  # the ring buffer round-trips: the same window, in order
+    assert clone.moments() == stats.moments()
+
+
+def test_host_ema_is_the_device_ema_in_float64() -> None:
+    """The host statistics follow :func:`ema_update`'s recurrence (West 1979 / Finch 2009) value for value."""
+    alpha = 0.8
+    host = HostMoments(alpha)
+    m, v, n = (torch.zeros((), dtype=torch.float64) for _ in range(3))
+    for x in torch.randn(40, dtype=torch.float64):
+        m, v, n = ema_update(m, v, n, x, alpha)
+        host.record(float(x), False, 6.0)
+    mean, var, count = host.moments()
+    assert mean == pytest.approx(m.item(), rel=1e-12) and var == pytest.approx(v.item(), rel=1e-12) and count == 40
 
 
 def test_spike_decision_thresholds_z_and_clamps_the_recorded_value() -> None:

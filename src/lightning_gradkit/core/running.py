@@ -1,13 +1,18 @@
-"""NaN-masked running statistics on device: an exponential moving average and a sliding window.
+"""NaN-masked running statistics of a scalar stream: an exponential moving average or a sliding window.
 
-Both track the mean and the (population) variance of a stream of scalars with small device ops only: no value is
-ever read to the host, so a consumer can take a decision every step without a host-device synchronization.
-Non-finite values are *masked*: they change nothing (OLMo-core's loss-spike window, by contrast, keeps a NaN for
-the whole window, so one bad step disables the detector for that long).
+Both track the mean and the (population) variance. Non-finite values are *masked*: they change nothing (OLMo-core's
+loss-spike window, by contrast, keeps a NaN for the whole window, so one bad step disables the detector for that
+long). Two forms of the same rules:
 
-The functions are pure tensor math with no Lightning in them; :class:`RunningMoments` and :class:`WindowMoments`
-are small stateful wrappers with ``state_dict``/``load_state_dict`` (exact, so a resumed run continues
-identically).
+- on device (:func:`ema_update`, :func:`spike_decision`, :func:`spike_step`, :class:`RunningMoments`): small device
+  ops only, no value read to the host, for statistics that must be decided on device every step (``SpikeRollback``'s
+  per-module statistics);
+- on the host (:class:`HostMoments`): Python floats fed with each value one step late
+  (:mod:`lightning_gradkit.core.host_lag`), so that a detector's decision on device is one comparison
+  (``SpikeGuard``).
+
+No Lightning here; both stateful forms round-trip through ``state_dict``/``load_state_dict`` exactly, so a resumed
+run continues identically.
 """
 
 from __future__ import annotations
@@ -23,13 +28,10 @@ from lightning_gradkit.core.norms import finite_mask
 __all__ = [
     "HostMoments",
     "RunningMoments",
-    "WindowMoments",
     "ema_update",
     "spike_decision",
     "spike_step",
     "std_of",
-    "window_moments",
-    "window_update",
 ]
 
 
@@ -83,43 +85,6 @@ def ema_update(mean: Tensor, var: Tensor, count: Tensor, x: Tensor, alpha: float
 def _like(x: Tensor, ref: Tensor) -> Tensor:
     x = x.detach()
     return x if x.dtype == ref.dtype else x.to(ref.dtype)
-
-
-def window_update(values: Tensor, position: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-    """Write ``x`` into a ring buffer of the last finite values; a non-finite ``x`` is not recorded.
-
-    Args:
-        values: ``[W]`` buffer, NaN where empty. Updated in place.
-        position: scalar long tensor, the number of finite values written so far.
-        x: the new scalar value.
-
-    Returns:
-        ``(values, position)`` after the write.
-
-    Example::
-
-        >>> buf, pos = torch.full((2,), float("nan")), torch.zeros((), dtype=torch.long)
-        >>> for x in (1.0, float("inf"), 2.0, 3.0):
-        ...     buf, pos = window_update(buf, pos, torch.tensor(x))
-        >>> buf, pos
-        (tensor([3., 2.]), tensor(3))
-    """
-    x = x.detach().to(values.dtype).reshape(1)
-    valid = torch.isfinite(x)
-    slot = (position % values.numel()).reshape(1)
-    values.scatter_(0, slot, torch.where(valid, x, values.gather(0, slot)))
-    return values, position + valid.reshape(()).to(position.dtype)
-
-
-def window_moments(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Mean, population variance and count of the finite entries of a window buffer (NaN marks empty slots)."""
-    valid = ~torch.isnan(values)
-    n = valid.sum().to(values.dtype)
-    safe_n = n.clamp_min(1.0)
-    filled = torch.where(valid, values, 0.0)
-    mean = filled.sum() / safe_n
-    var = torch.where(valid, (values - mean) ** 2, 0.0).sum() / safe_n
-    return mean, var, n
 
 
 def std_of(mean: Tensor, var: Tensor) -> Tensor:
@@ -221,51 +186,8 @@ class RunningMoments:
         self.mean, self.var, self.count = (state[k].to(device) for k in ("mean", "var", "count"))
 
 
-class WindowMoments:
-    """Mean and variance of the last ``window`` finite values of a scalar stream, on device.
-
-    Args:
-        window: number of finite values kept.
-    """
-
-    def __init__(self, window: int) -> None:
-        self.values = torch.full((window,), float("nan"))
-        self.position = torch.zeros((), dtype=torch.long)
-
-    def to(self, device: torch.device) -> WindowMoments:
-        self.values, self.position = self.values.to(device), self.position.to(device)
-        return self
-
-    def moments(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``(mean, var, count)`` of the finite values in the window, as device scalars."""
-        return window_moments(self.values)
-
-    def update(self, x: Tensor) -> None:
-        self.values, self.position = window_update(self.values, self.position, x)
-
-    def spike_step(self, x: Tensor, z_threshold: float, warmup: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Decide whether ``x`` is a spike (:func:`spike_decision`) and record the clamped value; ``(spike, z, mean,
-        std)`` with the mean and standard deviation from before ``x``."""
-        mean, var, count = self.moments()
-        spike, z, record, std = spike_decision(x, mean, var, count, z_threshold, warmup)
-        self.update(record)
-        return spike, z, mean, std
-
-    def state_dict(self) -> dict[str, Tensor]:
-        return {"values": self.values.cpu(), "position": self.position.cpu()}
-
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        device = self.values.device
-        if state["values"].shape != self.values.shape:
-            raise ValueError(
-                f"The saved window holds {state['values'].numel()} values but this one holds {self.values.numel()}."
-                " Resume with the same `window`."
-            )
-        self.values, self.position = state["values"].to(device), state["position"].to(device)
-
-
 class HostMoments:
-    """The statistics of :class:`RunningMoments` (``alpha``) or :class:`WindowMoments` (``window``) in Python floats,
+    """The statistics of :class:`RunningMoments` (``alpha``) or of the last ``window`` finite values, in Python floats,
     for a detector that reads each value on the host one step late
     (:class:`~lightning_gradkit.core.host_lag.HostLag`): the same rules (:func:`ema_update`, :func:`std_of`,
     :func:`spike_decision`'s clamp), no device operation, and the same ``state_dict`` format.
@@ -328,7 +250,7 @@ class HostMoments:
                 "count": torch.tensor(float(self._count)),
             }
         ring = torch.full((self.window,), math.nan, dtype=torch.float64)
-        for i, v in enumerate(self._values):  # as WindowMoments' ring buffer: slot = position % window
+        for i, v in enumerate(self._values):  # a ring buffer, NaN where empty: slot = position % window
             ring[(self._written - len(self._values) + i) % self.window] = v
         return {"values": ring, "position": torch.tensor(self._written, dtype=torch.long)}
 
