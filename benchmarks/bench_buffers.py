@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from harness import common_args, compare, gpt_loader, machine, report
 
 from architectures import ArchModule, ResNet18Like
+from gradkit.buffers import BufferGuard
 from lightning_gradkit import GradKitSingleDeviceStrategy, NonFiniteGuard
-from lightning_gradkit.core.buffers import BufferGuard
 from lightning_gradkit.demos import TinyGPTModule
 
 GPT = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)

@@ -29,8 +29,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import machine
 
+from gradkit.loop import GradKit
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard
-from lightning_gradkit.loop import GradKit
 
 WIDTH = 16
 

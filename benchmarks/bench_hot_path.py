@@ -37,10 +37,10 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import machine
 
+from gradkit.loop import GradKit
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip
 from lightning_gradkit.demos import TinyGPTModule
 from lightning_gradkit.diagnostics.op_count import OpCounter
-from lightning_gradkit.loop import GradKit
 
 STACKS: dict[str, Callable[[], list[Any]]] = {
     "monitor+clip": lambda: [GradNormMonitor(log_every_n_steps=50), ClipGradNorm(1.0)],

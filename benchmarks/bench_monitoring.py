@@ -17,8 +17,8 @@ from lightning.pytorch.utilities import grad_norm
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import common_args, run_table
 
+from gradkit.norms import build_param_index, derive_stats, per_tensor_norms
 from lightning_gradkit import GradNormMonitor
-from lightning_gradkit.core.norms import build_param_index, derive_stats, per_tensor_norms
 from lightning_gradkit.demos import TinyGPTModule
 
 MODEL = dict(n_layer=8, n_head=4, n_embd=128, block_size=64)

@@ -23,7 +23,7 @@ from matplotlib.transforms import Bbox
 
 from lightning_gradkit import GradNormMonitor, NonFiniteGuard, SpikeGuard
 from lightning_gradkit.demos import FaultInjector, SpikeInjector, StdlibTextDataModule, TinyGPTModule
-from lightning_gradkit.report import build_figure, load_run
+from gradkit.report import build_figure, load_run
 
 
 def main() -> None:

@@ -37,9 +37,9 @@ from lightning.fabric.loggers import CSVLogger
 from lightning.fabric.strategies import ModelParallelStrategy, Strategy
 from torch import Tensor, nn
 
+from gradkit.loop import GradKit
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip
 from lightning_gradkit.demos import GPTConfig, TinyGPT, stdlib_text
-from lightning_gradkit.loop import GradKit
 
 VOCAB_SIZE = 256  # bytes
 

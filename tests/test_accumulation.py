@@ -18,6 +18,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from clip_reference import AGCRef
+from gradkit.accumulate import (
+    is_window_boundary,
+    mean_window_scale,
+    micro_batches_in_window,
+    token_window_scale,
+)
+from gradkit.clip import GradNormPolicy
 from helpers import MLPModule, column, count_syncs, loader, make_trainer, read_metrics, regression_data
 from lightning_gradkit import (
     AccumulationGuard,
@@ -29,13 +36,6 @@ from lightning_gradkit import (
     SpikeGuard,
     clip_gradients,
 )
-from lightning_gradkit.core.accumulate import (
-    is_window_boundary,
-    mean_window_scale,
-    micro_batches_in_window,
-    token_window_scale,
-)
-from lightning_gradkit.core.clip import GradNormPolicy
 
 VOCAB, SEQ_LEN = 11, 7
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradkit._arguments import check_float, check_int, check_strings
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import (
     AccumulationGuard,
@@ -30,7 +31,6 @@ from lightning_gradkit import (
     SyncAudit,
     ZClip,
 )
-from lightning_gradkit._arguments import check_float, check_int, check_strings
 
 BAD = [
     # None or a non-numeric string for a number

@@ -12,9 +12,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor, nn
 
 from clip_reference import AGCRef, AutoClipRef, NormRef, ValueRef, ZClipRef, total_norm
-from helpers import MLPModule, count_syncs, loader, make_trainer
-from lightning_gradkit import AdaptiveGradClip, ClipGradNorm, ClipGradValue, GradNormMonitor, ZClip, clip_gradients
-from lightning_gradkit.core.clip import (
+from gradkit.clip import (
     AdaptiveGradClipPolicy,
     AutoClipPolicy,
     ClipPolicy,
@@ -22,6 +20,8 @@ from lightning_gradkit.core.clip import (
     GradValuePolicy,
     ZClipPolicy,
 )
+from helpers import MLPModule, count_syncs, loader, make_trainer
+from lightning_gradkit import AdaptiveGradClip, ClipGradNorm, ClipGradValue, GradNormMonitor, ZClip, clip_gradients
 
 STEPS = 12
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from clip_reference import AGCRef
-from lightning_gradkit.core.clip import (
+from gradkit.clip import (
     AutoClipPolicy,
     ZClipPolicy,
     agc_coefficients,
     clip_coefficient,
     nan_percentile,
 )
-from lightning_gradkit.core.norms import row_norms
+from gradkit.norms import row_norms
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 50])

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradkit.events import EVENTS_FILENAME
 from helpers import loader, make_trainer
 from lightning_gradkit import NonFiniteGuard
-from lightning_gradkit.events import EVENTS_FILENAME
 from test_guards import NAN, Fault, FaultModule, events, reference_params, state_equal
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from gradkit.norms import host_to_device
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import AdaptiveGradClip, GradNormMonitor
-from lightning_gradkit.core.norms import host_to_device
 
 
 class _DeviceFactoryCalls(TorchFunctionMode):

@@ -25,6 +25,7 @@ from lightning.pytorch.loggers import Logger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from gradkit.loop import GradKit
 from helpers import count_syncs, launched_in_process, make_trainer
 from lightning_gradkit import (
     AccumulationGuard,
@@ -37,7 +38,6 @@ from lightning_gradkit import (
     ZClip,
 )
 from lightning_gradkit.engine import Engine
-from lightning_gradkit.loop import GradKit
 
 pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning", "ignore:SpikeGuard:UserWarning")
 

@@ -11,9 +11,9 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
+from gradkit.loop import GradKit
 from helpers import launched_in_process
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard
-from lightning_gradkit.loop import GradKit
 from test_front_doors import BATCHES, Net, _batches, _initial_state, _optimizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning")]

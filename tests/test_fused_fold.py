@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from gradkit.loop import GradKit
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import ClipGradNorm, NonFiniteGuard
 from lightning_gradkit.diagnostics.op_count import OpCounter
-from lightning_gradkit.loop import GradKit
 
 FUSED: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),

@@ -13,9 +13,9 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor
 
+from gradkit.running import HostMoments, RunningMoments, ema_update, spike_decision, std_of
 from helpers import MLPModule, column, loader, make_trainer, read_metrics
 from lightning_gradkit import ManualAccumulator, NonFiniteGuard, SpikeGuard
-from lightning_gradkit.core.running import HostMoments, RunningMoments, ema_update, spike_decision, std_of
 from test_guards import FaultModule, events, state_equal
 
 NAN = float("nan")

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from gradkit.clip import ZClipPolicy
+from gradkit.host_lag import HostLag, as_float32
 from helpers import count_syncs
-from lightning_gradkit.core.clip import ZClipPolicy
-from lightning_gradkit.core.host_lag import HostLag, as_float32
 
 
 def test_pop_returns_the_last_pushed_values_once() -> None:

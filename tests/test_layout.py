@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradkit import _layout
+from gradkit._layout import first_mismatch, parameter_layout, verify_same_layout
 from helpers import MLPModule, loader, make_trainer, run_distributed
-from lightning_gradkit import GradNormMonitor, _layout, engine
-from lightning_gradkit._layout import first_mismatch, parameter_layout, verify_same_layout
+from lightning_gradkit import GradNormMonitor, engine
 
 
 def test_layout_lists_trainable_parameters_in_optimizer_order() -> None:

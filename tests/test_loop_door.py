@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from gradkit.loop import GradKit
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, SpikeRollback
-from lightning_gradkit.loop import GradKit
 
 pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning")
 

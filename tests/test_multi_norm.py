@@ -24,9 +24,9 @@ import weakref
 import pytest
 import torch
 
-from lightning_gradkit.core import _multi_norm
-from lightning_gradkit.core._multi_norm import fallback_reason, multi_tensor_norms, norm_implementation
-from lightning_gradkit.core.norms import per_tensor_norms, total_norm
+from gradkit import _multi_norm
+from gradkit._multi_norm import fallback_reason, multi_tensor_norms, norm_implementation
+from gradkit.norms import per_tensor_norms, total_norm
 
 RTOL = 1e-6  # the kernel against float64
 RTOL_TORCH = 1e-5  # torch's CPU reductions
@@ -176,8 +176,8 @@ def test_environment_variable_turns_the_kernel_off_and_rejects_unknown_values(mo
 
 _INTERPRETED = r"""
 import math, torch
-from lightning_gradkit.core import _multi_norm
-from lightning_gradkit.core._multi_norm import _foreach_norms, _kernel_norms
+from gradkit import _multi_norm
+from gradkit._multi_norm import _foreach_norms, _kernel_norms
 
 torch.manual_seed(0)
 def check(tensors, p, label, against_fallback=True):

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from gradkit.buffers import BufferGuard
 from helpers import make_trainer
 from lightning_gradkit import AccumulationGuard, ActivationCheckpointing, NonFiniteGuard
-from lightning_gradkit.core.buffers import BufferGuard
 
 transformers = pytest.importorskip("transformers")
 

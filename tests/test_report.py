@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from gradkit.report import build_figure, load_run, main, render
 from helpers import MLPModule, column, loader, make_trainer, read_metrics
 from lightning_gradkit import GradNormMonitor
-from lightning_gradkit.report import build_figure, load_run, main, render
 
 pytest.importorskip("matplotlib")
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from gradkit.report import RunData, build_figure, load_run
 from helpers import MLPModule, loader, make_trainer, read_metrics
 from lightning_gradkit import GradNormMonitor, NonFiniteGuard
 from lightning_gradkit.demos import FaultInjector
-from lightning_gradkit.report import RunData, build_figure, load_run
 
 pytest.importorskip("matplotlib")
 

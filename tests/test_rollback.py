@@ -26,9 +26,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from architectures import ResNet18Like, image_data
+from gradkit.snapshot import HostSnapshot, _fits
 from helpers import column, count_syncs, make_trainer, read_metrics, regression_data
 from lightning_gradkit import NonFiniteGuard, SpikeGuard, SpikeRollback, ZClip
-from lightning_gradkit.snapshot import HostSnapshot, _fits
 from test_guards import events
 
 BATCH = 8

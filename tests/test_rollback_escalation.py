@@ -22,10 +22,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from gradkit.snapshot import HostSnapshot
 from helpers import make_trainer, regression_data
 from lightning_gradkit import SpikeRollback
 from lightning_gradkit.callbacks.rollback import reset_optimizer_state_, rewarmup_factor
-from lightning_gradkit.snapshot import HostSnapshot
 from test_guards import events
 from test_rollback import ResumableLoader
 

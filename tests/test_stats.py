@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gradkit._arguments import validate_norm_type
-from lightning_gradkit.core.norms import (
+from gradkit._arguments import validate_norm_type
+from gradkit.norms import (
     build_param_index,
     clean_name,
     derive_stats,

@@ -15,10 +15,10 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from architectures import ArchModule, ResNet18Like, TiedTransformerLM, TinyViT, image_data, token_data
+from gradkit.buffers import BufferGuard
+from gradkit.replay import replay, replaying
 from helpers import make_trainer
 from lightning_gradkit import AccumulationGuard, ActivationCheckpointing, NonFiniteGuard
-from lightning_gradkit.core.buffers import BufferGuard
-from lightning_gradkit.replay import replay, replaying
 from test_accumulation import TokenLM, max_diff, token_loader
 
 BATCH = 8

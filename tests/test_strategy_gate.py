@@ -16,9 +16,9 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 
+from gradkit.clip import GradNormPolicy
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import ClipGradNorm, NonFiniteGuard, SpikeGuard, ZClip, clip_gradients
-from lightning_gradkit.core.clip import GradNormPolicy
 from test_guards import FaultModule, state_equal
 
 NAN = float("nan")

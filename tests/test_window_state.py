@@ -20,10 +20,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from gradkit.loop import GradKit
+from gradkit.replay import replay
 from helpers import make_trainer
 from lightning_gradkit import AccumulationGuard, ActivationCheckpointing, NonFiniteGuard
-from lightning_gradkit.loop import GradKit
-from lightning_gradkit.replay import replay
 
 STEPS = 6
 NAN_STEP = 3

@@ -1,7 +1,7 @@
 """Where gradkit goes past Lightning's public API: every private read and every runtime patch, in one map.
 
-Importing this module imports no Lightning (the package ``__init__`` uses it): Lightning objects arrive as
-arguments, and the strategy registration imports Lightning only once Lightning itself is loaded.
+Lightning objects arrive as arguments; the torch-only code (the ``gradkit`` import root) keeps its own few torch and
+torchmetrics private reads in :mod:`gradkit._torch_compat`.
 
 Read in the source of Lightning 2.4.0, 2.5.0, 2.5.5 and 2.6.6; run with torch 2.13 by the full suite on 2.6.6 and
 by ``make test-compat`` on 2.5.6 and 2.6.6. The package supports ``lightning>=2.5,<3`` and ``torch>=2.5`` (README,
@@ -16,9 +16,9 @@ says where releases differ.
 - :func:`publish_callback_metrics`: writes into the dict ``trainer.callback_metrics`` returns.
 - :func:`ddp_start_method`: ``DDPStrategy._start_method``.
 - :func:`set_root_device`: writes ``SingleDeviceStrategy._root_device``.
-- :func:`metric_state_names`: torchmetrics' ``Metric._defaults``.
-- torch, in :mod:`lightning_gradkit.core._torch_compat` (the Lightning-free pipeline needs them too):
-  ``GradScaler._scale`` (:func:`~lightning_gradkit.core._torch_compat.loss_scale`),
+- torch and torchmetrics, in :mod:`gradkit._torch_compat` (the Lightning-free pipeline needs them too):
+  torchmetrics' ``Metric._defaults`` (``metric_state_names``),
+  ``GradScaler._scale`` (:func:`~gradkit._torch_compat.loss_scale`),
   ``GradScaler._per_optimizer_states`` (``gradients_still_scaled``), ``Optimizer._step_supports_amp_scaling``
   (``handles_found_inf``).
 
@@ -32,11 +32,11 @@ and the FSDP2/composable-checkpoint lookups that fall back to private paths on t
 (``callbacks/validation.py``, ``activation_checkpointing/injection.py``).
 
 **Runtime patches**. Each shadows an INSTANCE attribute (never a class attribute) and puts back what was there;
-the short-lived ones go through :func:`~lightning_gradkit.core.gate.shadowed` (Lightning-free, so the Fabric and
+the short-lived ones go through :func:`~gradkit.gate.shadowed` (Lightning-free, so the Fabric and
 plain-PyTorch door use it too).
 
 1. ``optimizer.step`` is the strategy's gate while ``Strategy.optimizer_step`` runs (``strategy.py``,
-   ``shadowed``); :class:`~lightning_gradkit.loop.GradKit` shadows it the same way while its ``step`` runs. Why: a
+   ``shadowed``); :class:`~gradkit.loop.GradKit` shadows it the same way while its ``step`` runs. Why: a
    callback cannot cancel a step, and every precision plugin ends in ``optimizer.step``
    (``Precision.optimizer_step`` calls ``optimizer.step(closure=...)``; ``MixedPrecision`` calls
    ``scaler.step(optimizer)``, which calls ``optimizer.step()``), so the gate is the one place that sees them all.
@@ -70,38 +70,28 @@ Subclassing is not patching: the GradKit strategies override public ``Strategy``
 **Strategy names**. :func:`register_strategy_names` puts factories (not the classes) in Lightning's
 ``StrategyRegistry``: ``StrategyRegistry.get(name)`` only calls what is registered (``data["strategy"](**init)``,
 typed ``Callable``; the same in every release above), so registering imports nothing of gradkit's Lightning code.
-:func:`register_when_lightning_loads` runs it now if Lightning's strategies module is loaded, else right after
-it loads (a one-shot finder on ``sys.meta_path``): ``import lightning_gradkit`` registers the names in either
-import order without importing Lightning.
+``import lightning_gradkit`` runs it (the package imports Lightning: it is the Lightning layer; torch-only code
+lives in the ``gradkit`` import root, which imports no Lightning).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from collections.abc import Callable
-from importlib.abc import MetaPathFinder
-from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
-    from torch import nn
 
 __all__ = [
     "batches_that_stepped",
     "ddp_start_method",
     "epoch_ends_with_this_batch",
-    "lightning_loaded",
-    "metric_state_names",
     "publish_callback_metrics",
     "register_strategy_names",
-    "register_when_lightning_loads",
     "set_root_device",
 ]
 
@@ -164,15 +154,6 @@ def set_root_device(strategy: SingleDeviceStrategy, device: torch.device) -> Non
     strategy._root_device = device
 
 
-def metric_state_names(metric: nn.Module) -> Sequence[str]:
-    """The state attributes of a ``torchmetrics.Metric``: its private ``_defaults`` (the names ``add_state`` made).
-
-    The public ``Metric.metric_state`` arrived after torchmetrics 1.0.0 (the package's floor), and reads the same
-    ``_defaults``. Checked on torchmetrics 1.0.0 and 1.9.0.
-    """
-    return list(metric._defaults)
-
-
 # -- strategy names ----------------------------------------------------------------------------------------------------
 # name: (class in `lightning_gradkit.strategy`, description, init params).
 _STRATEGY_NAMES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -209,48 +190,3 @@ def register_strategy_names(strategies: ModuleType | None = None) -> None:
         strategies.StrategyRegistry.register(
             name, _strategy_factory(class_name), description=description, override=True, **init_params
         )
-
-
-class _AfterImport(MetaPathFinder):
-    """Finds nothing itself: wraps the real loader of one module so that ``callback`` runs right after the module
-    has executed, then leaves ``sys.meta_path``."""
-
-    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
-        self.name = name
-        self.callback = callback
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> ModuleSpec | None:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # one shot; and the lookup below must not find this finder again
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        loader, callback = spec.loader, self.callback
-
-        def exec_module(module: ModuleType) -> None:
-            del loader.exec_module  # one shot: the loader's own method again (a loader may serve other modules)
-            loader.exec_module(module)
-            callback(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-def lightning_loaded() -> bool:
-    """Whether ``lightning.pytorch`` is imported (checked without importing it)."""
-    return "lightning.pytorch" in sys.modules
-
-
-def register_when_lightning_loads() -> None:
-    """Register the strategy names now if Lightning's strategies module is loaded, else right after it loads.
-
-    Never imports Lightning itself.
-    """
-    loaded = sys.modules.get(_REGISTRY_MODULE)
-    if loaded is not None:
-        register_strategy_names(loaded)
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(_REGISTRY_MODULE, register_strategy_names))

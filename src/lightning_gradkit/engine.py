@@ -1,17 +1,17 @@
 """The Lightning ``Trainer`` front door of the step pipeline: the engine every gradkit callback joins.
 
 The pipeline itself (measure -> reduce -> decide -> apply -> observe) is Lightning-free and lives in
-:mod:`lightning_gradkit.core.pipeline`; this module connects it to a Trainer:
+:mod:`gradkit.pipeline`; this module connects it to a Trainer:
 
 - :class:`TrainerContext`: what the pipeline and the policies read of the loop (the step's identity, optimizers,
   parameter names, the AMP scale the gradients still carry, Lightning's logging rule and loggers), answered by the
   Trainer.
-- :class:`Engine`: one :class:`~lightning_gradkit.core.pipeline.Pipeline` per Trainer, shared by all gradkit
+- :class:`Engine`: one :class:`~gradkit.pipeline.Pipeline` per Trainer, shared by all gradkit
   callbacks of that Trainer. Whichever of them Lightning calls first in ``on_before_optimizer_step`` (after AMP
   unscale and after the DDP all-reduce) runs the whole pipeline for all of them; the others find the step already
   done. So results never depend on the order of the ``callbacks`` list.
 - :class:`GradKitCallback`: the base every gradkit callback derives from, a
-  :class:`~lightning_gradkit.core.pipeline.Policy` with thin Lightning hooks.
+  :class:`~gradkit.pipeline.Policy` with thin Lightning hooks.
 
 The strategy mixin (:mod:`lightning_gradkit.strategy`) reads ``StepPlan.skip`` to step the optimizer or not.
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -43,12 +44,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit._compat import batches_that_stepped, epoch_ends_with_this_batch, publish_callback_metrics
-from lightning_gradkit._layout import verify_same_layout
-from lightning_gradkit._window import note_window_on_load, note_window_on_save
-from lightning_gradkit.core._torch_compat import gradients_still_scaled
-from lightning_gradkit.core.norms import loss_scale, world_size
-from lightning_gradkit.core.pipeline import (
+from gradkit._layout import verify_same_layout
+from gradkit._torch_compat import gradients_still_scaled
+from gradkit.events import EventLog
+from gradkit.norms import loss_scale, world_size
+from gradkit.pipeline import (
     Pipeline,
     Policy,
     Stage,
@@ -56,22 +56,29 @@ from lightning_gradkit.core.pipeline import (
     StepContext,
     StepPlan,
     UnitNorms,
+    hook,
     values_to_host,
 )
+from lightning_gradkit._compat import batches_that_stepped, epoch_ends_with_this_batch, publish_callback_metrics
+from lightning_gradkit._window import note_window_on_load, note_window_on_save
 
 __all__ = [
     "Engine",
     "GradKitCallback",
+    "PolicyCallback",
     "Stage",
     "StatsRequest",
     "StepPlan",
     "TrainerContext",
     "UnitNorms",
     "check_callback_instances",
+    "events_dir",
     "flat_sharded",
     "is_logging_step",
     "log_metrics",
+    "unscaled_loss",
     "world_size",
+    "write_rank_event",
 ]
 
 
@@ -231,6 +238,43 @@ class TrainerContext(StepContext):
         return 0
 
 
+# Where the events go when the Trainer has no logger and no `default_root_dir` of its own: Lightning's default log
+# folder (its default logger writes there too), never the bare working directory.
+_FALLBACK_DIRNAME = "lightning_logs"
+
+
+def events_dir(trainer: pl.Trainer) -> Path:
+    """The directory of the event file.
+
+    The first logger's directory; without a logger ``trainer.default_root_dir``, unless that is only Lightning's
+    fallback (the current working directory, used when no ``default_root_dir`` is given): then
+    ``<cwd>/lightning_logs``, so that a run with ``logger=False`` does not drop files into a source tree.
+
+    Must be called on every rank at the same point (``setup``): ``trainer.log_dir`` broadcasts rank 0's value.
+    """
+    directory = trainer.log_dir if trainer.loggers else None
+    if directory:
+        return Path(directory)
+    root = Path(trainer.default_root_dir)
+    if root.resolve() == Path.cwd().resolve():
+        return root / _FALLBACK_DIRNAME
+    return root
+
+
+def write_rank_event(directory: str | Path, trainer: pl.Trainer, what: str, batch_idx: int, **details: Any) -> None:
+    """Append one event for this rank's findings to ``<directory>/gradkit_events.jsonl``."""
+    log = EventLog(Path(directory), rank=trainer.global_rank, every_rank=True)
+    log.write(
+        step=trainer.global_step,
+        batch_idx=batch_idx,
+        rank=trainer.global_rank,
+        what=what,
+        culprit=None,
+        values={},
+        **details,
+    )
+
+
 # -- the engine ----------------------------------------------------------------------------------------------------
 class Engine(Pipeline):
     """The pipeline of one Trainer; shared by all gradkit callbacks of that Trainer."""
@@ -329,13 +373,15 @@ def check_callback_instances(trainer: pl.Trainer) -> None:
     )
 
 
-class GradKitCallback(Policy, Callback):
-    """Base of every gradkit callback: a :class:`~lightning_gradkit.core.pipeline.Policy` that joins the Trainer's
+class GradKitCallback(Callback):
+    """Base of every gradkit callback: a :class:`~gradkit.pipeline.Policy` that joins the Trainer's
     engine.
 
-    Subclasses set ``_stage`` and override the policy's ``_stats_request``, ``_reduce_request``, ``_decide`` and
-    ``_observe`` steps they need. Lightning hooks stay thin.
+    Subclasses set ``stage`` and define the protocol hooks (:class:`~gradkit.pipeline.Policy`) they need. Lightning
+    hooks stay thin.
     """
+
+    stage: Stage = Stage.OBSERVE
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_callback_instances(trainer)
@@ -357,7 +403,7 @@ class GradKitCallback(Policy, Callback):
     #: Why the callback needs a Trainer, for the error of the Fabric / plain-PyTorch door.
     _needs_trainer_because = "it drives the Trainer's own loop (its batches, checkpoints and schedulers)"
 
-    def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
         raise ValueError(
             f"{type(self).__name__} works only as a Lightning Trainer callback: {self._needs_trainer_because}. "
             "In a Fabric or plain-PyTorch loop, remove it from `GradKit(policies=[...])`."
@@ -375,6 +421,69 @@ class GradKitCallback(Policy, Callback):
     ) -> None:
         if _first_gradkit_callback(trainer) is self:
             note_window_on_load(trainer, checkpoint)
+
+
+def unscaled_loss(trainer: pl.Trainer, loss: Tensor) -> Tensor:
+    """The loss as ``training_step`` returned it, divided as Lightning divides it under accumulation
+    (``on_before_backward`` sees it multiplied by the fp16 scale too; the scale is removed, no host sync)."""
+    scale = loss_scale(getattr(trainer.precision_plugin, "scaler", None))
+    loss = loss.detach().float()
+    return loss if scale is None else loss / scale.to(loss.device)
+
+
+class PolicyCallback(GradKitCallback):
+    """The Lightning adapter of a torch policy: every Trainer hook forwarded to the policy's protocol hook.
+
+    A gradkit callback is ``class ZClip(gradkit.clipping.ZClip, PolicyCallback)``: the policy class (a plain torch
+    object, :class:`~gradkit.pipeline.Policy`) holds the algorithm and its state; this class turns the Trainer's
+    hooks into the protocol's calls, the same calls the loop door makes:
+
+    ====================================  ==========================================================
+    Trainer hook                          protocol hook
+    ====================================  ==========================================================
+    ``on_fit_start``                      ``attach(ctx, pl_module)``
+    ``on_train_batch_start`` (first)      ``before_first_forward(ctx)``
+    ``on_before_backward``                ``note_loss(loss, ctx)`` (the loss without the fp16 scale)
+    ``on_before_optimizer_step``          the pipeline (``request_stats`` ... ``observe``)
+    ``on_train_batch_end``                ``after_step(ctx)``
+    ``on_train_end``                      ``finish(ctx)``
+    ====================================  ==========================================================
+
+    ``state_dict`` / ``load_state_dict`` are the policy's own: a checkpoint keeps them under the callback's
+    ``state_key``, the key :class:`~gradkit.loop.GradKit` uses too.
+    """
+
+    _first_forward_done = False
+
+    def _forward(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        method = hook(self, name)
+        if method is not None:
+            method(*args, Engine.of(trainer).context(trainer, pl_module))
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        attach = hook(self, "attach")
+        if attach is not None:
+            attach(Engine.of(trainer).context(trainer, pl_module), pl_module)
+        self._first_forward_done = False
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._first_forward_done:
+            self._first_forward_done = True
+            self._forward("before_first_forward", trainer, pl_module)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        self._forward("note_loss", trainer, pl_module, unscaled_loss(trainer, loss))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._forward("after_step", trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._forward("finish", trainer, pl_module)
 
 
 def _first_gradkit_callback(trainer: pl.Trainer) -> GradKitCallback | None:

@@ -29,7 +29,7 @@ A replay that raises or cannot hook the model says so (``"failed"`` with the err
 reason): it never reports a finite replay it did not see. Values that no operator of the replay made (a non-finite
 batch, or a parameter that was already non-finite) are named as such.
 
-The replay runs inside the package's one replay context (:func:`lightning_gradkit.replay.replay`): the RNG
+The replay runs inside the package's one replay context (:func:`gradkit.replay.replay`): the RNG
 states, module buffers (e.g. BatchNorm running stats), ``.grad``, train/eval modes and ``torchmetrics`` states are
 restored afterwards, ``self.log`` does nothing, and gradkit's own per-micro-batch statistics (token counts, window
 losses) ignore it. The RNG state saved at the start of the bad batch is set for the replay, so dropout masks
@@ -61,8 +61,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
-from lightning_gradkit.core.norms import clean_name, is_ddp_wrapped, loss_scale
-from lightning_gradkit.replay import RNGState, replay
+from gradkit.norms import clean_name, is_ddp_wrapped, loss_scale
+from gradkit.replay import RNGState, replay
 
 __all__ = ["Finding", "all_finite", "describe_error", "find_nonfinite_origin", "replay_training_step"]
 
@@ -466,12 +466,12 @@ def find_nonfinite_origin(
 
     The culprit is the origin of the non-finite loss, else of the non-finite parameter gradients: the aten operator
     that made the value from finite inputs, the module it ran in and the user's source line (see the module
-    docstring). The caller restores state (see :func:`lightning_gradkit.replay.replay`); this function only adds and
+    docstring). The caller restores state (see :func:`gradkit.replay.replay`); this function only adds and
     removes forward hooks and the mode.
 
     Args:
         module: the model whose submodules get forward hooks. Culprits are named by
-            :func:`~lightning_gradkit.core.norms.clean_name`, like the GradNormMonitor's keys: without the components
+            :func:`~gradkit.norms.clean_name`, like the GradNormMonitor's keys: without the components
             of ``torch.compile``, FSDP1 and ``checkpoint_wrapper``, and without DDP's leading ``module`` when
             ``module`` is DDP-wrapped. A ``ScriptModule`` gets no hook: its operators count as its parent's.
         compute_loss: runs the forward and returns the loss (``None`` when there is nothing to differentiate).

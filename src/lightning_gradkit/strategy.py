@@ -27,7 +27,7 @@ closure, what PyTorch's optimizers return).
 
 Optimizers that evaluate the closure several times per step (``LBFGS``, SAM, line searches): the skip is decided
 on the first evaluation, which the gate runs before calling the optimizer; later evaluations are scaled and clipped,
-never decided. :mod:`lightning_gradkit._closure` holds the rule and both halves of its code.
+never decided. :mod:`gradkit._closure` holds the rule and both halves of its code.
 
 Step-interval LR schedulers follow the applied steps. Lightning steps one with ``frequency=f`` after an optimizer
 step when ``batch_idx + 1`` (batches of the epoch so far) is a multiple of ``f``. Under the gate the batches of
@@ -46,10 +46,10 @@ rollback the rewound ones too (applied steps = ``global_step - skipped_steps``, 
 skips under ``16-mixed``: those are the scaler's, counted by no gradkit door, as a ``Trainer``, Fabric or plain loop
 without gradkit would have them).
 
-Map of this file, in order: which Trainers need the gate (``_needs_step_control``) and the strategy to name in
+Map of this file, in order: which Trainers need the gate (``_any_policy_may_skip``) and the strategy to name in
 errors (:func:`gradkit_strategy_hint`); the LR-schedule counts (``_ScheduleCount``) and the stand-in for
 ``lr_scheduler_step`` (``_SchedulerGate``); :class:`GradKitStrategyMixin`: its Lightning hooks, the gate (its
-rule is :func:`~lightning_gradkit.core.gate.step_as_decided`), the LR schedulers and its part of a step's state; the
+rule is :func:`~gradkit.gate.step_as_decided`), the LR schedulers and its part of a step's state; the
 four GradKit strategies.
 """
 
@@ -71,15 +71,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 
-from lightning_gradkit._closure import first_evaluation
+from gradkit._closure import first_evaluation
+from gradkit._torch_compat import handles_found_inf
+from gradkit.buffers import BufferGuard
+from gradkit.gate import shadowed, step_as_decided
+from gradkit.pipeline import hook
+from gradkit.replay import replaying
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, clipping_instead, is_deepspeed_strategy
 from lightning_gradkit._window import open_window
-from lightning_gradkit.core._torch_compat import handles_found_inf
-from lightning_gradkit.core.buffers import BufferGuard
-from lightning_gradkit.core.gate import shadowed, step_as_decided
 from lightning_gradkit.engine import Engine, GradKitCallback, StepPlan, check_callback_instances
-from lightning_gradkit.replay import replaying
 
 __all__ = [
     "GradKitDDPStrategy",
@@ -99,9 +100,13 @@ _SCHEDULE_KEY = "gradkit_lr_schedule"
 _WINDOW_BUFFERS_KEY = "gradkit_window_buffers"
 
 
-def _needs_step_control(trainer: pl.Trainer) -> bool:
+def _any_policy_may_skip(trainer: pl.Trainer) -> bool:
     """Whether any gradkit callback of ``trainer`` may ask for an optimizer step to be skipped."""
-    return any(cb._needs_step_control() for cb in trainer.callbacks if isinstance(cb, GradKitCallback))
+    return any(
+        (may_skip := hook(cb, "may_skip")) is not None and may_skip()
+        for cb in trainer.callbacks
+        if isinstance(cb, GradKitCallback)
+    )
 
 
 def gradkit_strategy_hint(strategy: object) -> str:
@@ -235,7 +240,7 @@ class GradKitStrategyMixin:
         self._gradkit_pending: dict[int, tuple[int, int, StepPlan | None]] = {}
         self._gradkit_counts: dict[int, _ScheduleCount] = {}
         self._gradkit_frequencies: dict[int, int] = {}
-        self._gradkit_gate_active = _needs_step_control(trainer) and trainer.state.fn == TrainerFn.FITTING
+        self._gradkit_gate_active = _any_policy_may_skip(trainer) and trainer.state.fn == TrainerFn.FITTING
         if not self._gradkit_gate_active:
             return
         module = trainer.lightning_module

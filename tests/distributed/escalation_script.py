@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from gradkit.norms import local_tensor
 from helpers import distributed_trainer, pg_timeout, script_parser, write_rank_result
 from lightning_gradkit import GradKitDDPStrategy, GradKitModelParallelStrategy
-from lightning_gradkit.core.norms import local_tensor
 from test_guards import events
 from test_rollback_escalation import FaultyScheduleModule, data, escalating
 

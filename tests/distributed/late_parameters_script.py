@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from gradkit.norms import local_tensor
 from helpers import column, distributed_trainer, rank_loader, read_metrics, script_parser, write_rank_result
 from lightning_gradkit import (
     ClipGradNorm,
@@ -27,7 +28,6 @@ from lightning_gradkit import (
     GradNormMonitor,
     NonFiniteGuard,
 )
-from lightning_gradkit.core.norms import local_tensor
 from lightning_gradkit.engine import Engine
 
 BATCHES = 4  # per epoch and rank: step BATCHES is the first unfrozen step

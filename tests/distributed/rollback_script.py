@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
+from gradkit.norms import local_tensor
 from helpers import MLPModule, ShardedMLP, distributed_trainer, pg_timeout, script_parser, write_rank_result
 from lightning_gradkit import GradKitDDPStrategy, GradKitModelParallelStrategy, SpikeRollback
-from lightning_gradkit.core.norms import local_tensor
 from test_guards import events
 from test_rollback_distributed import N_BATCHES, spiky_global_data
 

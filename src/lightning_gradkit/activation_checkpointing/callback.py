@@ -14,7 +14,9 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
-from lightning_gradkit._arguments import check_bool, check_choice, validate_every_n, validate_memory_budget
+from gradkit._arguments import check_bool, check_choice, validate_every_n, validate_memory_budget
+from gradkit.replay import replay
+from gradkit.selection import parse_patterns
 from lightning_gradkit.activation_checkpointing.injection import (
     MODES,
     bypass_checkpointing,
@@ -34,8 +36,6 @@ from lightning_gradkit.activation_checkpointing.planner import (
     measure_saved_activations,
     plan_checkpointing,
 )
-from lightning_gradkit.core.selection import parse_patterns
-from lightning_gradkit.replay import replay
 
 __all__ = ["ActivationCheckpointing"]
 
@@ -63,7 +63,7 @@ class ActivationCheckpointing(Callback):
       backward and in eager mode, under the step's precision: one with checkpointing bypassed, one with it. They
       measure the saved-activation bytes with ``torch.autograd.graph.saved_tensors_hooks`` (saved tensors are
       counted and dropped, so the un-checkpointed measurement needs no extra memory). They run in the package's
-      replay context (:func:`lightning_gradkit.replay.replay`): RNG states, buffers, ``self.log`` and the other
+      replay context (:func:`gradkit.replay.replay`): RNG states, buffers, ``self.log`` and the other
       gradkit callbacks' statistics (e.g. ``AccumulationGuard``'s token count) are left untouched, and DDP gradient
       sync is off; other side effects of ``training_step`` (a counter it increments) happen twice more. Rank 0
       logs a one-screen summary. With ``memory_budget``, the plan is made here, on rank 0's batch, and broadcast.
@@ -74,7 +74,7 @@ class ActivationCheckpointing(Callback):
       statistics and ``num_batches_tracked`` move once per forward, as without checkpointing).
 
     Args:
-        targets: the modules to checkpoint, in gradkit's selection grammar (:mod:`lightning_gradkit.core.selection`):
+        targets: the modules to checkpoint, in gradkit's selection grammar (:mod:`gradkit.selection`):
             module class names (``"Block"``, ``"torch.nn.TransformerEncoderLayer"``; subclasses match too) or
             ``"re:<regex>"`` patterns that match whole qualified module names relative to the LightningModule (e.g.
             ``"re:model\.blocks\.\d+"``). A match inside another match is dropped.

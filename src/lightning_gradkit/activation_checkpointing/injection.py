@@ -36,9 +36,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from lightning_gradkit._arguments import validate_every_n
-from lightning_gradkit.core.norms import clean_name, is_ddp_wrapped
-from lightning_gradkit.core.selection import NamePattern, no_match_hint, parse_patterns
+from gradkit._arguments import validate_every_n
+from gradkit.norms import clean_name, is_ddp_wrapped
+from gradkit.selection import NamePattern, no_match_hint, parse_patterns
 
 __all__ = [
     "MODES",
@@ -105,16 +105,16 @@ def select_modules(
 ) -> list[tuple[str, nn.Module]]:
     """The submodules of ``root`` that ``targets`` select, in module order.
 
-    ``targets`` follow gradkit's selection grammar (:mod:`lightning_gradkit.core.selection`): class names, dotted
+    ``targets`` follow gradkit's selection grammar (:mod:`gradkit.selection`): class names, dotted
     class paths, and ``re:`` regexes that must match the whole qualified name relative to ``root``, as
-    :func:`~lightning_gradkit.core.norms.clean_name` writes it (DDP's leading ``module`` too is dropped when ``root``
+    :func:`~gradkit.norms.clean_name` writes it (DDP's leading ``module`` too is dropped when ``root``
     is DDP-wrapped), so the same targets select the same modules before and after wrapping. ``root`` itself and
     wrapper modules are never selected. A match nested in another match is dropped (the outer recompute covers it).
     Of the remaining matches, every ``every_n``-th is kept: the ``every_n``-th, the ``2 * every_n``-th, and so on
     (torchtitan's ``ac_freq``).
 
     Returns:
-        ``(qualified name, module)`` pairs, the names cleaned (:func:`~lightning_gradkit.core.norms.clean_name`).
+        ``(qualified name, module)`` pairs, the names cleaned (:func:`~gradkit.norms.clean_name`).
     """
     parsed = [t if isinstance(t, NamePattern) else NamePattern.parse(t, "targets") for t in targets]
     kept: list[tuple[str, str, nn.Module]] = []
@@ -377,7 +377,7 @@ def inject_activation_checkpointing(
     Args:
         module: the model to modify in place.
         targets: module class names (``"Block"``, ``"torch.nn.TransformerEncoderLayer"``) or ``re:`` regexes that
-            must match whole qualified names: gradkit's selection grammar (:mod:`lightning_gradkit.core.selection`).
+            must match whole qualified names: gradkit's selection grammar (:mod:`gradkit.selection`).
         every_n: checkpoint every n-th match (1: all of them).
         mode: ``"full"`` recomputes the whole module; ``"selective"`` keeps matmul/attention outputs and recomputes
             the rest (:func:`selective_policy`).
@@ -429,7 +429,7 @@ def no_match_message(root: nn.Module, targets: Sequence[NamePattern]) -> str:
     shown = ", ".join(f"'{target.text}'" for target in targets)  # as written, without repr's doubled backslashes
     return (
         f"ActivationCheckpointing: `targets=[{shown}]` match no submodule of "
-        f"`{type(root).__name__}`. {hints} The grammar of `targets`: `lightning_gradkit.core.selection`."
+        f"`{type(root).__name__}`. {hints} The grammar of `targets`: `gradkit.selection`."
     )
 
 

@@ -2,11 +2,11 @@
 
 :class:`AccumulationGuard` (automatic optimization) fixes short last windows, normalizes per token, frees old
 gradients early and checks that windows start clean; :class:`ManualAccumulator` does the same for manual
-optimization. The scale math is in :mod:`lightning_gradkit.core.accumulate`; both hand their factor to the engine,
+optimization. The scale math is in :mod:`gradkit.accumulate`; both hand their factor to the engine,
 which applies it in its one gradient write.
 
-Map of this file, in order: :class:`AccumulationGuard` (a ``Stage.SCALE`` policy of the engine: its ``_decide``
-multiplies the plan's scale, its ``_decide_again`` forgets the token count of a later closure evaluation); the
+Map of this file, in order: :class:`AccumulationGuard` (a ``Stage.SCALE`` policy of the engine: its ``decide``
+multiplies the plan's scale, its ``decide_again`` forgets the token count of a later closure evaluation); the
 ``_WindowScale`` policy, one ended manual window's scale, which :class:`ManualAccumulator` hands the engine as a
 pending scale (``Engine.add_pending_scale``); :class:`ManualAccumulator`.
 """
@@ -26,10 +26,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit._arguments import check_bool, check_choice, check_int, name_list, validate_normalize
-from lightning_gradkit._deepspeed import refuse_under_deepspeed
-from lightning_gradkit._window import WindowPosition
-from lightning_gradkit.core.accumulate import (
+from gradkit._arguments import check_bool, check_choice, check_int, name_list, validate_normalize
+from gradkit.accumulate import (
     TOKENS_KEY,
     Normalize,
     TokenCount,
@@ -39,10 +37,12 @@ from lightning_gradkit.core.accumulate import (
     nonzero_grad_flags,
     token_window_scale,
 )
-from lightning_gradkit.core.norms import local_tensor
-from lightning_gradkit.core.pipeline import StepContext
+from gradkit.norms import local_tensor
+from gradkit.pipeline import StepContext
+from gradkit.replay import replaying
+from lightning_gradkit._deepspeed import refuse_under_deepspeed
+from lightning_gradkit._window import WindowPosition
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan, is_logging_step, world_size
-from lightning_gradkit.replay import replaying
 
 __all__ = ["AccumulationGuard", "ManualAccumulator", "OnDirty"]
 
@@ -140,12 +140,12 @@ class AccumulationGuard(GradKitCallback):
             return {"loss": (token_losses * mask).sum(), "num_tokens": mask.sum()}
     """
 
-    _stage = Stage.SCALE
+    stage = Stage.SCALE
     _restores_open_window = True
 
     _needs_trainer_because = (
         "it reads the Trainer's accumulation window and `training_step` batches; in your own loop divide the summed "
-        "loss by the window's token count (`lightning_gradkit.core.accumulate`) before `backward`"
+        "loss by the window's token count (`gradkit.accumulate`) before `backward`"
     )
 
     def __init__(
@@ -453,12 +453,12 @@ class AccumulationGuard(GradKitCallback):
         self._expect_clean = False  # the window does not start here: its gradients are the restored ones
 
     # -- engine steps -------------------------------------------------------------------------------------------
-    def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
+    def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         if self.normalize != "tokens" or not ctx.pl_module.automatic_optimization:
             return {}
         return {_TOKENS_REDUCE_KEY: self._tokens.total(ctx.device)}
 
-    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
+    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         if not ctx.pl_module.automatic_optimization:
             return
         window = ctx.trainer.accumulate_grad_batches
@@ -472,7 +472,7 @@ class AccumulationGuard(GradKitCallback):
         if factor != 1.0:
             plan.multiply_scale(self._scalar(factor, device))
 
-    def _decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # A later closure evaluation (LBFGS, SAM) ran `training_step` again: the step was normalized by the first
         # evaluation's tokens, and these must not count toward the next window.
         self._tokens.reset()
@@ -493,7 +493,7 @@ class _WindowScale(GradKitCallback):
     policy reach the gradients in the engine's one multiply. The token count rides the engine's one collective.
     """
 
-    _stage = Stage.SCALE
+    stage = Stage.SCALE
 
     def __init__(self, normalize: str, micro_batches: int, tokens: Tensor | None) -> None:
         self.normalize = normalize
@@ -502,10 +502,10 @@ class _WindowScale(GradKitCallback):
         self.applied = False
         self._key = f"ManualAccumulator/tokens/{id(self)}"
 
-    def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
+    def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         return {} if self.tokens is None else {self._key: self.tokens}
 
-    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
+    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         self.applied = True
         device = plan.index.shard_weight.device
         if self.normalize == "tokens":

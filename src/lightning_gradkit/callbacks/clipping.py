@@ -3,11 +3,11 @@
 Every clipping callback decides at the optimizer-step boundary (``on_before_optimizer_step``: after the AMP unscale,
 the DDP all-reduce and the accumulation window) from the norms the engine measured once, writes a coefficient into
 the step's plan, and the engine multiplies the gradients once, with no host sync. The algorithms themselves live in
-:mod:`lightning_gradkit.core.clip`.
+:mod:`gradkit.clip`.
 
 Map of this file, in order: what a clipper keeps of a step for logging (``_Decision``, ``_Lazy``); the shared base
-``_GradClipCallback`` (per-optimizer policies, the one-clipper check, logging, state, and ``_decide_again`` for the
-later closure evaluations of :mod:`lightning_gradkit._closure`); the scalar clippers on the total norm
+``_GradClipCallback`` (per-optimizer policies, the one-clipper check, logging, state, and ``decide_again`` for the
+later closure evaluations of :mod:`gradkit._closure`); the scalar clippers on the total norm
 (:class:`ClipGradNorm`, :class:`AutoClip`, :class:`ZClip`); :class:`ClipGradValue`; the unit-wise
 :class:`AdaptiveGradClip` and its parameter selection; :func:`clip_gradients`, the manual-optimization entry point,
 which runs the engine with the clipper as an ``extra`` policy.
@@ -29,8 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit._deepspeed import clipping_instead, refuse_under_deepspeed
-from lightning_gradkit.core.clip import (
+from gradkit.clip import (
     AdaptiveGradClipPolicy,
     AutoClipPolicy,
     ClipPolicy,
@@ -41,7 +40,7 @@ from lightning_gradkit.core.clip import (
     clip_coefficient,
     clip_to_threshold,
 )
-from lightning_gradkit.core.norms import (
+from gradkit.norms import (
     ParamIndex,
     clean_name,
     host_to_device,
@@ -51,8 +50,9 @@ from lightning_gradkit.core.norms import (
     replication,
     row_norms,
 )
-from lightning_gradkit.core.pipeline import StepContext
-from lightning_gradkit.core.selection import NamePattern, no_match_hint, parameters_selected, parse_patterns
+from gradkit.pipeline import StepContext
+from gradkit.selection import NamePattern, no_match_hint, parameters_selected, parse_patterns
+from lightning_gradkit._deepspeed import clipping_instead, refuse_under_deepspeed
 from lightning_gradkit.engine import (
     Engine,
     GradKitCallback,
@@ -141,7 +141,7 @@ class _GradClipCallback(GradKitCallback):
             index); ``None`` for the first optimizer clipped (a policy object given to :func:`clip_gradients`).
     """
 
-    _stage = Stage.CLIP
+    stage = Stage.CLIP
 
     def __init__(self, policy: ClipPolicy, *, policy_owner: int | None = 0) -> None:
         self.policy = policy
@@ -226,13 +226,13 @@ class _GradClipCallback(GradKitCallback):
             self._prepare(Engine.of(trainer).context(trainer, pl_module), pl_module)
             self._prepared_for = weakref.ref(trainer)
 
-    def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
         self._prepare(ctx, model)
 
-    def _stats_request(self, request: StatsRequest) -> None:
+    def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(self.policy.norm_type)
 
-    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
+    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         if not plan.grads:
             return
         idx = plan.optimizer_idx
@@ -255,7 +255,7 @@ class _GradClipCallback(GradKitCallback):
             count = self._clipped.get(idx)
             self._clipped[idx] = added if count is None else count.to(added.device) + added
 
-    def _decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # Every evaluation of a re-evaluating closure is clipped, as Lightning's `gradient_clip_val` clips each one;
         # nothing is counted or logged again, and adaptive policies are fed once per step (see `_clip_again`).
         if plan.grads:
@@ -265,7 +265,7 @@ class _GradClipCallback(GradKitCallback):
         """Clip a later evaluation's gradients; stateless policies (the default here) simply decide again."""
         self._clip(policy, plan)
 
-    def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
         idx = plan.optimizer_idx
         decision = self._last.get(idx)
         if not plan.logging_step or decision is None:
@@ -598,12 +598,12 @@ class _UnitwiseClip(_GradClipCallback):
             if param.ndim <= 1 and sharded_dims:
                 self._sharded_1d.append((name, param, 1.0 / replication(param)))
 
-    def _stats_request(self, request: StatsRequest) -> None:
+    def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(2.0)
         if self._selected is not None:
             request.unit_norm_names |= self._selected
 
-    def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
+    def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         # Sharded biases and gains are one unit spread over ranks: their weight norms join the step's all-reduce.
         if not self._sharded_1d or world_size() == 1:
             return {}
@@ -756,7 +756,7 @@ class AdaptiveGradClip(_UnitwiseClip):
     Args:
         clip_factor: the ``lambda`` of the paper, > 0.
         eps: floor of the unit weight norm, > 0.
-        exclude: parameters left unclipped, in gradkit's selection grammar (:mod:`lightning_gradkit.core.selection`):
+        exclude: parameters left unclipped, in gradkit's selection grammar (:mod:`gradkit.selection`):
             module class names (``"Linear"``, matching subclasses; every parameter inside such a module) or
             ``"re:<regex>"`` patterns that match the whole qualified name of a parameter or of a module that holds it
             (``"re:head"``, ``"re:lm_head"``, ``"re:.*\.bias"``); one string is one pattern. Default: none, so the
@@ -842,7 +842,7 @@ def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, policy: _Gr
         module: the LightningModule (``self``).
         optimizer: the optimizer about to step, as returned by ``self.optimizers()``.
         policy: one of the clipping callbacks (``ZClip(...)``; if it is also in the Trainer's ``callbacks``, its
-            state is saved in checkpoints) or a policy from :mod:`lightning_gradkit.core.clip`
+            state is saved in checkpoints) or a policy from :mod:`gradkit.clip`
             (``GradNormPolicy(1.0)``). Keep the same object across steps: adaptive policies carry state. One object
             may serve several optimizers: each optimizer keeps its own state, as with a callback. A callback keys
             it by optimizer index (``policy`` itself is optimizer 0's) and, when it is in the Trainer's ``callbacks``,
@@ -886,7 +886,7 @@ def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, policy: _Gr
             clipper = _WRAPPERS[policy] = _POLICY_CALLBACKS[type(policy)](policy, policy_owner=None)
     else:
         raise ValueError(
-            f"`policy` must be a gradkit clipping callback or a policy from `lightning_gradkit.core.clip`, got "
+            f"`policy` must be a gradkit clipping callback or a policy from `gradkit.clip`, got "
             f"{type(policy).__name__}."
         )
     attached = [cb for cb in trainer.callbacks if isinstance(cb, _GradClipCallback)]

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from lightning_gradkit._arguments import name_list
+from gradkit._arguments import name_list
 
 __all__ = [
     "REPLAY_STAYED_FINITE",

@@ -8,7 +8,7 @@ in the engine's ``GUARD`` stage. What differs is when the host learns the decisi
 - ``action="raise"``: one host read per step, before the optimizer steps (the bad update is never applied).
 - ``action="warn"``, and ``action="skip"`` with a fused optimizer (which skips on device through ``found_inf``):
   each step's flags reach the host one step later through a non-blocking copy
-  (:class:`~lightning_gradkit.core.host_lag.HostLag`); the flagged steps are kept on the host (``NonFiniteGuard``'s
+  (:class:`~gradkit.host_lag.HostLag`); the flagged steps are kept on the host (``NonFiniteGuard``'s
   :class:`_Ledger`, ``SpikeGuard``'s list) and reported on logging steps (and at the end of training); the report
   covers every step flagged since the previous one.
 
@@ -24,11 +24,11 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from gradkit.events import EventLog, EventWriter
+from gradkit.host_lag import HostLag
+from gradkit.pipeline import StepContext, unwrapped
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, refuse_under_deepspeed
-from lightning_gradkit.core.host_lag import HostLag
-from lightning_gradkit.core.pipeline import StepContext, unwrapped
-from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan
-from lightning_gradkit.events import EventLog, EventWriter, events_dir
+from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan, events_dir
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint, handles_found_inf
 
 __all__ = ["GuardBase"]
@@ -39,7 +39,7 @@ class _Ledger:
     synchronizes.
 
     Each step pushes its flags (a 1-D device tensor, the step's flag first) through a
-    :class:`~lightning_gradkit.core.host_lag.HostLag` together with what to read if it turns out flagged (device
+    :class:`~gradkit.host_lag.HostLag` together with what to read if it turns out flagged (device
     tensors, kept by reference: nothing is copied); the next step folds them in on the host. :meth:`read` (on logging
     steps and at the end of training, where waiting for the last step's copy is allowed) summarizes the period: the
     number of flagged steps, the first and last, the longest run of consecutive flagged steps with its first and last
@@ -104,12 +104,12 @@ class _Ledger:
 class GuardBase(EventWriter, GradKitCallback):
     """The wiring both guards share: the strategy check, the event log, host-read or ledger reporting.
 
-    A subclass decides in ``_decide`` and then either reads its flag at the step (``_reads_on_host()``: through
-    ``_flagged_on_host``) or learns it one step late (``_ledger``, :class:`~lightning_gradkit.core.host_lag.HostLag`)
+    A subclass decides in ``decide`` and then either reads its flag at the step (``_reads_on_host()``: through
+    ``_flagged_on_host``) or learns it one step late (``_ledger``, :class:`~gradkit.host_lag.HostLag`)
     and reports in ``_report_ledger`` on logging steps and at the end of training.
     """
 
-    _stage = Stage.GUARD
+    stage = Stage.GUARD
 
     def __init__(self, action: str) -> None:
         self.action = action
@@ -141,10 +141,10 @@ class GuardBase(EventWriter, GradKitCallback):
             self._restored_skips = None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._finish(Engine.of(trainer).context(trainer, pl_module))
+        self.finish(Engine.of(trainer).context(trainer, pl_module))
 
     # -- outside a Trainer (the Fabric and plain-PyTorch door) ---------------------------------------------------
-    def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
         self._open_events(ctx.log_dir, ctx.global_rank)
         self._start(ctx)
 
@@ -152,7 +152,7 @@ class GuardBase(EventWriter, GradKitCallback):
         """Where training starts: which way the guard learns of a flagged step."""
         self._fused = any(handles_found_inf(unwrapped(opt)) for opt in ctx.optimizers)
 
-    def _finish(self, ctx: StepContext) -> None:
+    def finish(self, ctx: StepContext) -> None:
         if not self._reads_on_host():
             self._report_ledger(ctx)
 
@@ -169,7 +169,7 @@ class GuardBase(EventWriter, GradKitCallback):
                 f"{SKIPPING_INSTEAD} Or use `action='warn'`/`'raise'`.",
             )
 
-    def _needs_step_control(self) -> bool:
+    def may_skip(self) -> bool:
         return self.action == "skip"
 
     def _reads_on_host(self) -> bool:

@@ -28,7 +28,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int
+from gradkit._arguments import check_bool, check_choice, check_float, check_int
+from gradkit.host_lag import HostLag, as_float32
+from gradkit.norms import nonfinite_mask
+from gradkit.pipeline import StepContext
+from gradkit.replay import RNGState, capture_rng
+from gradkit.running import HostMoments
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, deepspeed_step, refuse_under_deepspeed, uses_deepspeed
 from lightning_gradkit.callbacks.culprit import (
     Culprit,
@@ -43,13 +48,8 @@ from lightning_gradkit.callbacks.culprit import (
 from lightning_gradkit.callbacks.guard_reporting import GuardBase
 from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss, unscaled_loss
 from lightning_gradkit.callbacks.nonfinite_validation import NonFiniteValidationCheck
-from lightning_gradkit.core.host_lag import HostLag, as_float32
-from lightning_gradkit.core.norms import nonfinite_mask
-from lightning_gradkit.core.pipeline import StepContext
-from lightning_gradkit.core.running import HostMoments
 from lightning_gradkit.engine import StatsRequest, StepPlan, is_logging_step, world_size
 from lightning_gradkit.forensics import Finding, describe_error, replay_training_step
-from lightning_gradkit.replay import RNGState, capture_rng
 
 __all__ = ["NonFiniteGuard", "SpikeGuard"]
 
@@ -255,8 +255,8 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             )
 
     # -- per micro-batch ---------------------------------------------------------------------------------------
-    def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
-        super()._attach(ctx, model)
+    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+        super().attach(ctx, model)
         self._scaler = ctx.loss_scale_source() is not None
 
     def on_train_batch_start(
@@ -275,7 +275,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
         if self.check_loss:
             self._add_loss(unscaled_loss(trainer, loss))
 
-    def _note_loss(self, loss: Tensor, ctx: StepContext) -> None:
+    def note_loss(self, loss: Tensor, ctx: StepContext) -> None:
         # Outside a Trainer, each loss handed over is one micro-batch of the window (`on_train_batch_start` there).
         self._window.append(ctx.batch_idx)
         if self.check_loss:
@@ -382,11 +382,11 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             )
 
     # -- engine steps ------------------------------------------------------------------------------------------
-    def _stats_request(self, request: StatsRequest) -> None:
+    def request_stats(self, request: StatsRequest) -> None:
         if self.check_grads:
             request.rank_flags = True
 
-    def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
+    def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         if not self.check_loss or world_size() <= 1:  # one process: its own flag is the decision
             return {}
         ranks = torch.zeros(world_size(), dtype=torch.float32, device=ctx.device)
@@ -394,7 +394,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             ranks[_rank()] = self._loss_bad.to(torch.float32)
         return {self._key: ranks}
 
-    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
+    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         loss_ranks = None  # per rank, 1.0 where a loss was non-finite (several processes only)
         loss_bad = None
         if self.check_loss and self._key in plan.reduced:
@@ -432,12 +432,12 @@ class NonFiniteGuard(NonFiniteValidationCheck):
             return None
         return grads_bad if loss_bad is None else grads_bad & ~loss_bad
 
-    def _decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # A re-evaluated closure's loss belongs to no decision: the step was decided on its first evaluation.
         self._loss_bad = None
         self._losses = []
 
-    def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
         try:
             if self._reads_on_host():
                 self._act_at_step(plan, ctx)
@@ -454,7 +454,7 @@ class NonFiniteGuard(NonFiniteValidationCheck):
     def _act_at_step(self, plan: StepPlan, ctx: StepContext) -> None:
         assert self._flags is not None
         bad, loss_ranks, loss_bad, grads_bad = self._flags
-        # Under a GradScaler the skip leaves the overflow out (see `_decide`): the flag is read with it.
+        # Under a GradScaler the skip leaves the overflow out (see `decide`): the flag is read with it.
         if not self._flagged_on_host(plan, bad, within_skip=not (self._scaler and self.check_grads)):
             self._consecutive = []
             return
@@ -743,7 +743,7 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
             ),
         )
 
-    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
+    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         x = self._watched_value(plan)
         self._fold()
         threshold = self._stats.threshold(self.z_threshold, self.warmup_steps)
@@ -770,7 +770,7 @@ class SpikeGuard(WatchesLossOrGradNorm, GuardBase):
             self._flagged.append((step, x, (x - mean) / std, mean, std))
         self._stats.record(x, spike, self.z_threshold)
 
-    def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
         assert self._step is not None
         spike, x = self._step
         if self._reads_on_host():

@@ -16,9 +16,9 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_gradkit.core.accumulate import mean_window_scale
-from lightning_gradkit.core.norms import loss_scale
-from lightning_gradkit.core.pipeline import StepContext
+from gradkit.accumulate import mean_window_scale
+from gradkit.norms import loss_scale
+from gradkit.pipeline import StepContext
 from lightning_gradkit.engine import GradKitCallback, StatsRequest, StepPlan, world_size
 
 __all__ = ["WatchesLossOrGradNorm", "WindowLoss", "unscaled_loss"]
@@ -84,15 +84,15 @@ class WatchesLossOrGradNorm(GradKitCallback):
         if self.monitor == "loss":
             self._window_loss.add(unscaled_loss(trainer, loss))
 
-    def _note_loss(self, loss: Tensor, ctx: StepContext) -> None:
+    def note_loss(self, loss: Tensor, ctx: StepContext) -> None:
         if self.monitor == "loss":
             self._window_loss.add(loss)
 
-    def _stats_request(self, request: StatsRequest) -> None:
+    def request_stats(self, request: StatsRequest) -> None:
         if self.monitor == "grad_norm":
             request.norm_types.add(2.0)
 
-    def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
+    def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         if self.monitor != "loss":
             return {}
         # A window without a loss handed over (a loop door without `note_loss`) has no value: its NaN is not a fault.

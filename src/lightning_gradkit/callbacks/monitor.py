@@ -18,10 +18,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_gradkit._arguments import check_bool, check_int, name_list, validate_norm_type
-from lightning_gradkit._compat import batches_that_stepped
-from lightning_gradkit._deepspeed import deepspeed_step, refuse_under_deepspeed, uses_deepspeed
-from lightning_gradkit.core.norms import (
+from gradkit._arguments import check_bool, check_int, name_list, validate_norm_type
+from gradkit.events import EVENTS_FILENAME, write_metadata
+from gradkit.norms import (
     ParamIndex,
     clean_name,
     combine_sharded,
@@ -34,19 +33,21 @@ from lightning_gradkit.core.norms import (
     reduce_sharded,
     total_norm,
 )
-from lightning_gradkit.core.pipeline import StepContext, values_to_host
+from gradkit.pipeline import StepContext, values_to_host
+from lightning_gradkit._compat import batches_that_stepped
+from lightning_gradkit._deepspeed import deepspeed_step, refuse_under_deepspeed, uses_deepspeed
 from lightning_gradkit.engine import (
     Engine,
     GradKitCallback,
     Stage,
     StatsRequest,
     StepPlan,
+    events_dir,
     log_metrics,
 )
-from lightning_gradkit.events import EVENTS_FILENAME, events_dir, write_metadata
 
 if TYPE_CHECKING:
-    from lightning_gradkit.report import RunData
+    from gradkit.report import RunData
 
 
 __all__ = [
@@ -176,7 +177,7 @@ def _clipped_flag(plan: StepPlan) -> Tensor | None:
 class GradNormMonitor(GradKitCallback):
     r"""Log gradient norms (total, per module, per param group) and optionally weight norms.
 
-    The norms come from the step's shared :class:`~lightning_gradkit.core.norms.GradStats`: one
+    The norms come from the step's shared :class:`~gradkit.norms.GradStats`: one
     ``torch._foreach_norm`` pass over all gradients at the optimizer-step boundary (after AMP unscaling and the DDP
     all-reduce; correct global values under FSDP1/FSDP2 through one all-reduce). Values are logged with
     ``pl_module.log`` on logging steps only, so any Lightning logger receives them and non-logging steps cost no
@@ -247,7 +248,7 @@ class GradNormMonitor(GradKitCallback):
         weight_norms: also log the weight norms (total and, with ``depth``, per module) on logging steps.
         update_ratio: also log the update-to-weight ratio (total and, with ``depth``, per module) on logging steps;
             see above for what it costs. The report draws it as a panel of its own.
-        report: at the end of ``fit``, render the gradient report (``lightning_gradkit.report``) to
+        report: at the end of ``fit``, render the gradient report (``gradkit.report``) to
             ``gradient_report.png`` in the log directory. The monitor keeps the values it logs (rank 0, on logging
             steps), so any logger, or none, will do. Needs matplotlib: ``pip install -e '.[report]'`` in the
             lightning_gradkit checkout.
@@ -270,7 +271,7 @@ class GradNormMonitor(GradKitCallback):
         >>> trainer = Trainer(callbacks=[GradNormMonitor(param_groups=True, report=True)])
     """
 
-    _stage = Stage.OBSERVE
+    stage = Stage.OBSERVE
 
     def __init__(
         self,
@@ -298,7 +299,7 @@ class GradNormMonitor(GradKitCallback):
         self.update_ratio = check_bool("update_ratio", update_ratio)
         self.report = check_bool("report", report)
         if report and importlib.util.find_spec("matplotlib") is None:
-            from lightning_gradkit.report import INSTALL_HINT
+            from gradkit.report import INSTALL_HINT
 
             raise ModuleNotFoundError(
                 "GradNormMonitor(report=True) draws the report with matplotlib, which is not installed: "
@@ -346,8 +347,8 @@ class GradNormMonitor(GradKitCallback):
         """With ``report=True``, on global rank 0: the values logged so far (what the report draws), else None."""
         if self._record is None:
             return None
-        # Imported here: `python -m lightning_gradkit.report` must not find the module imported by the package.
-        from lightning_gradkit.report import RunData
+        # Imported here: `python -m gradkit.report` must not find the module imported by the package.
+        from gradkit.report import RunData
 
         events = RunData.read_events(self._report_dir / EVENTS_FILENAME) if self._report_dir is not None else []
         return self._record.run_data(events)
@@ -368,7 +369,7 @@ class GradNormMonitor(GradKitCallback):
         directory = events_dir(trainer) if self.report or trainer.loggers else None
         if self.report:
             self._report_dir = directory
-        # The model order of the rows goes next to the logs (rank 0), for `python -m lightning_gradkit.report`.
+        # The model order of the rows goes next to the logs (rank 0), for `python -m gradkit.report`.
         self._metadata_dir = directory if trainer.loggers and trainer.is_global_zero else None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -400,7 +401,7 @@ class GradNormMonitor(GradKitCallback):
         self._steps_since_log.clear()
         self._first_pending = True
 
-    def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
         needs_trainer = [name for name in ("report", "prog_bar", "update_ratio") if getattr(self, name)]
         if needs_trainer:
             raise ValueError(
@@ -427,7 +428,7 @@ class GradNormMonitor(GradKitCallback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._record is None or self._report_dir is None:
             return
-        from lightning_gradkit.report import REPORT_FILE, render_data
+        from gradkit.report import REPORT_FILE, render_data
 
         try:
             path = render_data(self.report_data, self._report_dir / REPORT_FILE, source="GradNormMonitor")
@@ -497,13 +498,13 @@ class GradNormMonitor(GradKitCallback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=logged_at)
 
-    def _stats_request(self, request: StatsRequest) -> None:
+    def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(self.norm_type)
 
-    def _primary_norm_type(self) -> float | None:
+    def primary_norm_type(self) -> float | None:
         return self.norm_type
 
-    def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
         missing = plan.stats[self.norm_type].missing
         if missing and plan.index is not self._missing_checked:
             self._missing_checked = plan.index
@@ -749,7 +750,7 @@ def update_ratios(
 
     Overwrites ``before`` with the update (one ``_foreach_sub_``), takes its per-parameter norms (one
     ``_foreach_norm`` per device/dtype group) and, when some parameter is sharded, sums the shards' squares in one
-    all-reduce (:func:`~lightning_gradkit.core.norms.reduce_sharded`, the weights' squares riding along as an extra).
+    all-reduce (:func:`~gradkit.norms.reduce_sharded`, the weights' squares riding along as an extra).
 
     Args:
         index: the parameters of one optimizer.
@@ -759,7 +760,7 @@ def update_ratios(
 
     Example::
 
-        >>> from lightning_gradkit.core.norms import build_param_index
+        >>> from gradkit.norms import build_param_index
         >>> w = torch.nn.Parameter(torch.full((4,), 2.0))
         >>> index = build_param_index([{"params": [w]}], {id(w): "w"}, 0, torch.device("cpu"))
         >>> before = [w.detach().clone()]
@@ -876,7 +877,7 @@ class _Record:
             self.values[-1].update(values)
 
     def run_data(self, events: list[dict]) -> RunData:
-        from lightning_gradkit.report import RunData
+        from gradkit.report import RunData
 
         data = RunData(events=events, module_order=self.module_order)
         for step, values in zip(self.steps, self.values, strict=True):

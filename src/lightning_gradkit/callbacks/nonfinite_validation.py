@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_gradkit._arguments import check_bool
+from gradkit._arguments import check_bool
 from lightning_gradkit.callbacks.guard_reporting import GuardBase
 from lightning_gradkit.engine import Engine
 

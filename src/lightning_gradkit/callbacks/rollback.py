@@ -23,11 +23,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_gradkit._arguments import check_bool, check_choice, check_float, check_int, name_list
-from lightning_gradkit._deepspeed import refuse_under_deepspeed
-from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss
-from lightning_gradkit.callbacks.monitor import auto_module_keys, module_rows, repeated_blocks
-from lightning_gradkit.core.norms import (
+from gradkit._arguments import check_bool, check_choice, check_float, check_int, name_list
+from gradkit.events import EventLog, EventWriter
+from gradkit.norms import (
     ParamIndex,
     clean_name,
     grouped_norms,
@@ -35,12 +33,14 @@ from lightning_gradkit.core.norms import (
     local_tensor,
     nonfinite_mask,
 )
-from lightning_gradkit.core.pipeline import StepContext, unwrapped
-from lightning_gradkit.core.running import RunningMoments, spike_decision
-from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan
-from lightning_gradkit.events import EventLog, EventWriter, events_dir
-from lightning_gradkit.replay import RNGState, capture_rng, restore_rng
-from lightning_gradkit.snapshot import HostSnapshot, trained_parameters
+from gradkit.pipeline import StepContext, unwrapped
+from gradkit.replay import RNGState, capture_rng, restore_rng
+from gradkit.running import RunningMoments, spike_decision
+from gradkit.snapshot import HostSnapshot, trained_parameters
+from lightning_gradkit._deepspeed import refuse_under_deepspeed
+from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss
+from lightning_gradkit.callbacks.monitor import auto_module_keys, module_rows, repeated_blocks
+from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan, events_dir
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
 
 __all__ = ["SpikeRollback", "reset_optimizer_state_", "rewarmup_factor"]
@@ -413,7 +413,7 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
         ... )
     """
 
-    _stage = Stage.GUARD
+    stage = Stage.GUARD
 
     def __init__(
         self,
@@ -577,18 +577,18 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
             self._blocks = repeated_blocks((clean_name(n), m) for n, m in model.named_modules())
             self._rows = None
 
-    def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
         # The Fabric / plain-PyTorch door: what `setup` and `on_train_start` do under a Trainer.
         if sum(isinstance(p, SpikeRollback) for p in ctx.policies()) > 1:
             raise ValueError("`policies` holds more than one SpikeRollback; each would restore its own snapshots.")
         self._open_events(ctx.log_dir, ctx.global_rank)
         self._engine = ctx.pipeline  # whose skip count the state saves
         self._read_model(model)
-        # The first snapshot waits for the first forward (`_before_first_forward`): the model's weights may be loaded
+        # The first snapshot waits for the first forward (`before_first_forward`): the model's weights may be loaded
         # after `GradKit(...)` or `kit.load_state_dict(...)`, and the snapshot must hold them.
         self._start(ctx, capture=False)
 
-    def _before_first_forward(self, ctx: StepContext) -> None:
+    def before_first_forward(self, ctx: StepContext) -> None:
         if self._capture_pending is not None:
             origin, self._capture_pending = self._capture_pending, None
             self._capture(ctx, origin)
@@ -598,7 +598,7 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
 
     def _start(self, ctx: StepContext, capture: bool = True) -> None:
         """Where training starts or resumes: the statistics on the device, the LR hooks, the first snapshot (now,
-        or with ``capture=False`` at ``_before_first_forward``)."""
+        or with ``capture=False`` at ``before_first_forward``)."""
         device = ctx.device
         self._stats.to(device)
         self._module_stats.to(device)
@@ -665,9 +665,9 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
     ) -> None:
         # After the optimizer step (skipped or not) and the LR schedulers, before ModelCheckpoint (which Lightning
         # always calls last): a checkpoint saved at this batch holds the restored state.
-        self._after_optimizer_step(Engine.of(trainer).context(trainer, pl_module))
+        self.after_step(Engine.of(trainer).context(trainer, pl_module))
 
-    def _after_optimizer_step(self, ctx: StepContext) -> None:
+    def after_step(self, ctx: StepContext) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -681,15 +681,15 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
             self._roll_back(ctx, pending)
 
     # -- engine steps ------------------------------------------------------------------------------------------
-    def _needs_step_control(self) -> bool:
+    def may_skip(self) -> bool:
         return True
 
-    def _stats_request(self, request: StatsRequest) -> None:
-        super()._stats_request(request)
+    def request_stats(self, request: StatsRequest) -> None:
+        super().request_stats(request)
         if self.escalate_reset_moments == "spiking":
             request.norm_types.add(2.0)
 
-    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
+    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         device = plan.primary.total.device
         if self._skip_left > 0:
             # Stepping over a batch after a rollback: no statistics, no trigger; the strategy skips the step.
@@ -749,7 +749,7 @@ class SpikeRollback(WatchesLossOrGradNorm, EventWriter):
         enabled = self.escalate_lr_factor is not None or self.escalate_reset_moments != "none"
         return enabled and self._resumed_at is not None and step - self._resumed_at < self.escalate_within_steps
 
-    def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
         step = ctx.global_step
         t = self._trigger
         self._step_factor = 1.0

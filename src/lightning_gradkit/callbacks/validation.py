@@ -19,8 +19,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_gradkit._arguments import check_bool, check_choice, name_list
-from lightning_gradkit.events import EventLog, events_dir
+from gradkit._arguments import check_bool, check_choice, name_list
+from gradkit.events import EventLog
+from lightning_gradkit.engine import events_dir
 
 __all__ = [
     "Fallback",

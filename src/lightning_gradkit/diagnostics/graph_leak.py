@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_gradkit._arguments import check_bool, check_choice, check_int
+from gradkit._arguments import check_bool, check_choice, check_int
 from lightning_gradkit.diagnostics.autograd_graph import (
     GraphFootprint,
     GraphTensor,
@@ -26,7 +26,7 @@ from lightning_gradkit.diagnostics.autograd_graph import (
     steady_growth,
     storage_keys,
 )
-from lightning_gradkit.events import events_dir, write_rank_event
+from lightning_gradkit.engine import events_dir, write_rank_event
 
 __all__ = ["GraphLeakGuard", "LeakReport"]
 

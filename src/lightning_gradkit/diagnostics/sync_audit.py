@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_gradkit._arguments import check_choice, check_int, check_strings
+from gradkit._arguments import check_choice, check_int, check_strings
 from lightning_gradkit.diagnostics.host_sync import (
     HostSyncRecorder,
     StepSyncs,
@@ -18,7 +18,7 @@ from lightning_gradkit.diagnostics.host_sync import (
     site_row,
 )
 from lightning_gradkit.diagnostics.sources import SourceClassifier, package_dirs
-from lightning_gradkit.events import events_dir, write_rank_event
+from lightning_gradkit.engine import events_dir, write_rank_event
 
 __all__ = ["SyncAudit"]
 
@@ -185,7 +185,7 @@ class SyncAudit(Callback):
             try:
                 result = hook(*args, **kwargs)
             except BaseException:
-                self._finish(pl_module)
+                self.finish(pl_module)
                 raise
             self._close(trainer, pl_module, batch_idx)
             return result
@@ -193,13 +193,13 @@ class SyncAudit(Callback):
         pl_module.__dict__[_HOOK] = recorded_hook
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._finish(pl_module)  # a batch skipped by `on_train_batch_start` returning -1 never reaches its end hook
+        self.finish(pl_module)  # a batch skipped by `on_train_batch_start` returning -1 never reaches its end hook
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._finish(pl_module)
+        self.finish(pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._finish(pl_module)
+        self.finish(pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._table.steps == 0:
@@ -227,14 +227,14 @@ class SyncAudit(Callback):
         self._method = state_dict["method"]
 
     # -- internals ---------------------------------------------------------------------------------------------
-    def _finish(self, pl_module: pl.LightningModule) -> StepSyncs | None:
+    def finish(self, pl_module: pl.LightningModule) -> StepSyncs | None:
         """Stop recording and restore the LightningModule's hook (exception-safe; a no-op when not recording)."""
         recorder, self._recorder = self._recorder, None
         pl_module.__dict__.pop(_HOOK, None)
         return recorder.stop() if recorder is not None and recorder.active else None
 
     def _close(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        step = self._finish(pl_module)
+        step = self.finish(pl_module)
         if step is None:
             return
         self._table.add(step)

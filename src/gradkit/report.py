@@ -1,6 +1,6 @@
 """The gradient report: one PNG of a run's gradient norms, clipping, skipped steps and events.
 
-    python -m lightning_gradkit.report LOG_DIR [--out FILE]
+    python -m gradkit.report LOG_DIR [--out FILE]
 
 ``LOG_DIR`` is a run directory: a ``CSVLogger``'s (it holds ``metrics.csv``) or a ``TensorBoardLogger``'s (it holds
 ``events.out.tfevents.*``, read when tensorboard is installed), with the ``gradkit_events.jsonl`` that gradkit's
@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_gradkit.events import EVENTS_FILENAME as EVENTS_FILE
-from lightning_gradkit.events import read_metadata
+from gradkit.events import EVENTS_FILENAME as EVENTS_FILE
+from gradkit.events import read_metadata
 
 __all__ = [
     "INCIDENT_RADIUS",
@@ -959,7 +959,7 @@ grad_norm/* metrics drawn here."""
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_gradkit.report",
+        prog="python -m gradkit.report",
         description=_CLI_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

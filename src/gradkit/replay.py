@@ -23,7 +23,7 @@ The first two are *replays*: the training never sees them. :func:`replay` runs t
 
 A later closure evaluation is not a replay: the optimizer consumes it. The model's own state follows plain
 Lightning there (its buffers, RNG draws and ``self.log`` calls count, as they do without gradkit), and every
-gradkit callback forgets what its micro-batch hooks collected for it in ``GradKitCallback._decide_again`` (the
+gradkit callback forgets what its micro-batch hooks collected for it in ``GradKitCallback.decide_again`` (the
 engine calls it for every later evaluation, with or without a GradKit strategy): the step was decided and
 normalized on the first evaluation, so counting the later ones would skew the next window's token count and loss.
 
@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gradkit._compat import metric_state_names
-from lightning_gradkit.core.buffers import BufferState
-from lightning_gradkit.core.gate import shadowed
+from gradkit._torch_compat import metric_state_names
+from gradkit.buffers import BufferState
+from gradkit.gate import shadowed
 
 __all__ = ["RNGState", "capture_rng", "preserved_state", "replay", "replaying", "restore_rng"]
 

@@ -8,7 +8,7 @@ of all parameters travel in a single all-reduce (:func:`reduce_sharded`; the inf
 
 Gradients (and losses) that still carry the AMP loss scale are expressed without it through :func:`loss_scale`, the
 one reader of a ``GradScaler``'s scale tensor (defined with the other torch private reads in
-:mod:`lightning_gradkit.core._torch_compat`, importable from here).
+:mod:`gradkit._torch_compat`, importable from here).
 
 The functions here are pure tensor math with no Lightning in them; the engine (:mod:`lightning_gradkit.engine`)
 wires them to the Trainer.
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradkit.core._multi_norm import multi_tensor_norms
-from lightning_gradkit.core._torch_compat import loss_scale as loss_scale  # re-exported: callers import it here
+from gradkit._multi_norm import multi_tensor_norms
+from gradkit._torch_compat import loss_scale as loss_scale  # re-exported: callers import it here
 
 __all__ = [
     "GradStats",
@@ -152,7 +152,7 @@ def _run_norms(run: list[Tensor], norm_type: float) -> Tensor:
 
     On CPU the inf-norm comes from one ``aminmax`` per tensor (``max(max, -min)``): ``_foreach_norm`` has no fused
     CPU kernel and its inf-norm there costs about 7x as much. NaN propagates either way. Elsewhere
-    :func:`~lightning_gradkit.core._multi_norm.multi_tensor_norms`: on CUDA a Triton multi-tensor kernel (within fp32
+    :func:`~gradkit._multi_norm.multi_tensor_norms`: on CUDA a Triton multi-tensor kernel (within fp32
     rounding of ``_foreach_norm``), otherwise ``_foreach_norm`` itself, so CPU results are those of before.
     """
     if math.isinf(norm_type) and run[0].device.type == "cpu":
@@ -202,7 +202,7 @@ def per_tensor_norms(
 
     One multi-tensor call per run of consecutive tensors that share device and dtype (callers keep parameters
     ordered by group, so this is one call per (device, dtype) group): two Triton launches on CUDA, one
-    ``torch._foreach_norm`` elsewhere (:func:`~lightning_gradkit.core._multi_norm.multi_tensor_norms`).
+    ``torch._foreach_norm`` elsewhere (:func:`~gradkit._multi_norm.multi_tensor_norms`).
     Low-precision tensors are reduced in fp32. The norm of a sparse COO tensor is the norm of its coalesced values (see
     :func:`sparse_values`).
 

@@ -21,19 +21,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+import torch.distributed as dist
 
 __all__ = [
     "EVENTS_FILENAME",
     "METADATA_FILENAME",
     "EventLog",
     "EventWriter",
-    "events_dir",
     "read_metadata",
     "write_metadata",
-    "write_rank_event",
 ]
 
 
@@ -41,30 +38,15 @@ EVENTS_FILENAME = "gradkit_events.jsonl"
 #: A small JSON record next to the events file: what the logged metrics alone do not tell a reader of the run, such
 #: as the model order of the per-module rows (``CSVLogger`` sorts its columns by name).
 METADATA_FILENAME = "gradkit_run.json"
-# Where the events go when the Trainer has no logger and no `default_root_dir` of its own: Lightning's default log
-# folder (its default logger writes there too), never the bare working directory.
-_FALLBACK_DIRNAME = "lightning_logs"
 
 # Files whose write already failed once in this process: the warning is given once per file.
 _failed_paths: set[Path] = set()
 
 
-def events_dir(trainer: pl.Trainer) -> Path:
-    """The directory of the event file.
-
-    The first logger's directory; without a logger ``trainer.default_root_dir``, unless that is only Lightning's
-    fallback (the current working directory, used when no ``default_root_dir`` is given): then
-    ``<cwd>/lightning_logs``, so that a run with ``logger=False`` does not drop files into a source tree.
-
-    Must be called on every rank at the same point (``setup``): ``trainer.log_dir`` broadcasts rank 0's value.
-    """
-    directory = trainer.log_dir if trainer.loggers else None
-    if directory:
-        return Path(directory)
-    root = Path(trainer.default_root_dir)
-    if root.resolve() == Path.cwd().resolve():
-        return root / _FALLBACK_DIRNAME
-    return root
+def _warn_rank_zero(message: str) -> None:
+    """A warning from global rank 0 only (every rank writes the same message)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _jsonable(value: Any) -> Any:
@@ -162,27 +144,13 @@ class EventLog:
         if self.every_rank:
             warnings.warn(f"[rank {self.rank}] {message}", stacklevel=3)
         else:
-            rank_zero_warn(message)
+            _warn_rank_zero(message)
 
     def read(self) -> list[dict[str, Any]]:
         """All events written so far (empty when there is no file yet)."""
         if not self.path.exists():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-
-
-def write_rank_event(directory: str | Path, trainer: pl.Trainer, what: str, batch_idx: int, **details: Any) -> None:
-    """Append one event for this rank's findings to ``<directory>/gradkit_events.jsonl``."""
-    log = EventLog(Path(directory), rank=trainer.global_rank, every_rank=True)
-    log.write(
-        step=trainer.global_step,
-        batch_idx=batch_idx,
-        rank=trainer.global_rank,
-        what=what,
-        culprit=None,
-        values={},
-        **details,
-    )
 
 
 def write_metadata(directory: str | Path, **fields: Any) -> None:
@@ -207,7 +175,7 @@ def write_metadata(directory: str | Path, **fields: Any) -> None:
         partial.write_text(json.dumps(record, indent=1) + "\n")
         os.replace(partial, path)
     except (OSError, TypeError, ValueError) as err:
-        rank_zero_warn(f"lightning_gradkit: could not write {path} ({type(err).__name__}: {err}); training goes on.")
+        _warn_rank_zero(f"lightning_gradkit: could not write {path} ({type(err).__name__}: {err}); training goes on.")
 
 
 def read_metadata(directory: str | Path) -> dict[str, Any]:

@@ -9,7 +9,7 @@ engine meets new gradients for a step it has already run. The rule, stated here 
   it calls the optimizer (:func:`first_evaluation`), so the skip is known before anything can be applied; the
   optimizer's own first call of the closure returns that evaluation's result, whose gradients are already in place.
 - **A later evaluation is scaled and clipped, never decided.** Every later call of the closure runs the real one.
-  The engine gives its fresh gradients the step's accumulation scale and each policy's ``_decide_again``
+  The engine gives its fresh gradients the step's accumulation scale and each policy's ``decide_again``
   (:func:`decide_again`): clippers clip them, as Lightning's ``gradient_clip_val`` clips every evaluation, with the
   threshold of the first evaluation; every policy forgets what the evaluation's micro-batch hooks collected (token
   counts, window losses), which belongs to no decision. Nothing is guarded, counted or logged again: once the
@@ -21,7 +21,7 @@ engine meets new gradients for a step it has already run. The rule, stated here 
   same set of gradients again and the engine does nothing.
 
 The model's own state follows plain Lightning in a later evaluation (its buffers, RNG draws and ``self.log`` calls
-count): it is not a replay (:mod:`lightning_gradkit.replay`), the optimizer consumes it.
+count): it is not a replay (:mod:`gradkit.replay`), the optimizer consumes it.
 
 Used by :mod:`lightning_gradkit.strategy` (the gate's half: :func:`first_evaluation`) and
 :mod:`lightning_gradkit.engine` (the engine's half: :class:`Evaluations`, :func:`decide_again`).
@@ -38,7 +38,7 @@ import torch
 from torch.optim import Optimizer
 
 if TYPE_CHECKING:
-    from lightning_gradkit.core.pipeline import Policy, StepContext, StepPlan
+    from gradkit.pipeline import StepContext, StepPlan
 
 __all__ = ["Evaluation", "Evaluations", "decide_again", "first_evaluation"]
 
@@ -104,20 +104,20 @@ def _grad_versions(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
 def decide_again(
     plan: StepPlan,
     first: StepPlan,
-    policies: list[Policy],
+    hooks: list[Callable[[StepPlan, StepPlan, StepContext], None]],
     ctx: StepContext,
 ) -> None:
-    """The decide phase of a later evaluation: the step's accumulation scale, then each policy's ``_decide_again``.
+    """The decide phase of a later evaluation: the step's accumulation scale, then each policy's ``decide_again``.
 
     Args:
         plan: the later evaluation's plan (its fresh gradients' statistics).
         first: the step's plan, decided on its first evaluation.
-        policies: the step's policies, in stage order.
+        hooks: the ``decide_again`` hooks of the step's policies, in stage order.
         ctx: the loop the step runs in.
     """
     plan.scale = first.scale
-    for policy in policies:
-        policy._decide_again(plan, first, ctx)
+    for decide_again_ in hooks:
+        decide_again_(plan, first, ctx)
 
 
 def first_evaluation(closure: Callable[[], Any]) -> tuple[Any, Callable[[], Any]]:

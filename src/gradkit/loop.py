@@ -36,11 +36,11 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_gradkit._layout import verify_same_layout
-from lightning_gradkit.core._torch_compat import gradients_still_scaled, loss_scale
-from lightning_gradkit.core.buffers import BufferGuard
-from lightning_gradkit.core.gate import shadowed, step_as_decided
-from lightning_gradkit.core.pipeline import Pipeline, Policy, Stage, StepContext, StepPlan, unwrapped, values_to_host
+from gradkit._layout import verify_same_layout
+from gradkit._torch_compat import gradients_still_scaled, loss_scale
+from gradkit.buffers import BufferGuard
+from gradkit.gate import shadowed, step_as_decided
+from gradkit.pipeline import Pipeline, Policy, Stage, StepContext, StepPlan, hook, is_policy, unwrapped, values_to_host
 
 __all__ = ["GradKit", "LoopContext"]
 
@@ -66,9 +66,8 @@ def _fabric_scaler(fabric: Any) -> torch.amp.GradScaler | None:
 
 def _fabric_flat_sharded(fabric: Any) -> bool:
     """Whether Fabric runs FSDP1 over several ranks (every gradient a flat local shard)."""
-    from lightning.fabric.strategies import FSDPStrategy
-
-    return isinstance(fabric.strategy, FSDPStrategy) and fabric.world_size > 1
+    strategies = sys.modules.get("lightning.fabric.strategies") or sys.modules.get("lightning_fabric.strategies")
+    return strategies is not None and isinstance(fabric.strategy, strategies.FSDPStrategy) and fabric.world_size > 1
 
 
 class LoopContext(StepContext):
@@ -247,7 +246,7 @@ class GradKit:
 
         >>> import torch
         >>> from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard
-        >>> from lightning_gradkit.loop import GradKit
+        >>> from gradkit.loop import GradKit
         >>> model = torch.nn.Linear(4, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> logged = []
@@ -307,14 +306,13 @@ class GradKit:
         for scheduler, owner in owned:
             self._schedulers_of.setdefault(id(owner), []).append(scheduler)
         verify_same_layout(inner, self.ctx.param_names())
-        for policy in self.policies:
-            policy._attach(self.ctx, root)
+        self._call("attach", self.ctx, root)
         # What a loop that bypasses the door would not notice: no `kit.step` at all, no `note_loss` for a loss watcher.
         self._steps_through_kit = 0
         self._loss_watchers = [f"{type(p).__name__}(monitor='loss')" for p in self.policies if _watches_loss(p)]
         self._buffers: BufferGuard | None = None
         self._first_forward: list[Any] = []
-        if any(policy._needs_step_control() for policy in self.policies):
+        if any((may_skip := hook(p, "may_skip")) is not None and may_skip() for p in self.policies):
             # What a skipped step's forwards wrote into the buffers (BatchNorm statistics) is put back: a window
             # opens when the previous step ends (`step`), the first one (and the first after `load_state_dict`) at
             # the first forward of any submodule, whatever calls it (a `no_grad` pass, a `model.loss(...)` method).
@@ -333,8 +331,7 @@ class GradKit:
 
     def _opened(self) -> None:
         self._first_forward = []
-        for policy in self.policies:
-            policy._before_first_forward(self.ctx)
+        self._call("before_first_forward", self.ctx)
         if self._buffers is not None and not self._buffers.open:
             self._buffers.capture()
 
@@ -342,8 +339,7 @@ class GradKit:
         """Hand a micro-batch loss (as the loss function returned it, without an AMP scale) to the policies that
         watch it: ``NonFiniteGuard``'s loss check and ``SpikeGuard(monitor="loss")``. No host sync."""
         self.ctx.micro_batches += 1  # the policies that keep the loss detach it (none may keep it)
-        for policy in self.policies:
-            policy._note_loss(loss, self.ctx)
+        self._call("note_loss", loss, self.ctx)
 
     def step(self, optimizer: Optimizer | None = None, **kwargs: Any) -> bool | None:
         """Run the pipeline for ``optimizer``'s gradients and step it, unless a policy decided to skip the step.
@@ -379,8 +375,7 @@ class GradKit:
         self._step_schedulers(inner, plan)
         step = self.ctx.step
         self.ctx.step += 1  # the step is done: what follows sees it counted, as `on_train_batch_end` does
-        for policy in self.policies:
-            policy._after_optimizer_step(self.ctx)
+        self._call("after_step", self.ctx)
         self.ctx.flush_log(step)
         if self._buffers is not None and not self._first_forward:
             # The next window opens now, after everything this step changed (a rollback's restore included): a
@@ -405,8 +400,7 @@ class GradKit:
 
         Warns when no optimizer step went through :meth:`step` (the policies then measured and guarded nothing) or
         a policy that watches the loss was never given one (:meth:`note_loss`)."""
-        for policy in self.policies:
-            policy._finish(self.ctx)
+        self._call("finish", self.ctx)
         self.ctx.flush_log(self.ctx.step)
         if self._steps_through_kit == 0:
             self.ctx.warn(
@@ -447,10 +441,17 @@ class GradKit:
         self.pipeline.skipped_steps = torch.tensor(float(state_dict["skipped_steps"]), device=self.ctx.device)
         for policy, state in zip(self.policies, state_dict["policies"], strict=True):
             policy.load_state_dict(state)  # type: ignore[attr-defined]
-            policy._attach(self.ctx, self.ctx.model)
+        self._call("attach", self.ctx, self.ctx.model)
         # The model's weights and buffers may be loaded after this call as well as before: the next window's
         # buffers are taken at its first forward, after both.
         self._arm_first_forward()
+
+    def _call(self, name: str, *args: Any) -> None:
+        """Call the protocol hook ``name`` of every policy that defines it."""
+        for policy in self.policies:
+            method = hook(policy, name)
+            if method is not None:
+                method(*args)
 
     def _optimizer(self, optimizer: Optimizer | None) -> Optimizer:
         optimizers = self.ctx.optimizers
@@ -490,11 +491,9 @@ def _gated_step(optimizer: Optimizer, inner: Callable[..., Any], plan: StepPlan 
 
 
 def _watches_loss(policy: Policy) -> bool:
-    """Whether ``policy`` watches the loss, which only :meth:`GradKit.note_loss` hands it behind this door."""
-    # Imported here: the spike policies are Lightning callbacks; a loop that has one has Lightning loaded already.
-    from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm
-
-    return isinstance(policy, WatchesLossOrGradNorm) and policy.monitor == "loss"
+    """Whether ``policy`` watches the loss (``monitor="loss"``), which only :meth:`GradKit.note_loss` hands it behind
+    this door."""
+    return getattr(policy, "monitor", None) == "loss"
 
 
 def _checked_schedulers(schedulers: Any, optimizers: list[Optimizer]) -> list[tuple[Any, Optimizer]]:
@@ -538,7 +537,7 @@ def _checked_policies(policies: Policy | Sequence[Policy]) -> list[Policy]:
         TypeError: a class instead of an instance, or an object that is not a gradkit policy.
         ValueError: more than one clipper.
     """
-    if isinstance(policies, (Policy, type)):
+    if is_policy(policies) or isinstance(policies, type):
         out: list[Policy] = [policies]  # type: ignore[list-item]  # a class is refused below, with the fix
     elif isinstance(policies, Iterable) and not isinstance(policies, (str, Mapping)):
         out = list(policies)
@@ -553,13 +552,13 @@ def _checked_policies(policies: Policy | Sequence[Policy]) -> list[Policy]:
                 f"`policies` holds the class `{policy.__name__}`, not an instance of it: use `{policy.__name__}()`, "
                 "with its arguments in the parentheses."
             )
-        if not isinstance(policy, Policy):
+        if not is_policy(policy):
             raise TypeError(
                 f"`policies` holds a {type(policy).__name__}, which takes no part in the optimizer step's pipeline "
                 "(a Trainer callback such as `ActivationCheckpointing` or `InferenceModeValidation` works only as "
                 "one). Give gradkit policies such as `GradNormMonitor()`, `ClipGradNorm(1.0)` or `NonFiniteGuard()`."
             )
-    clippers = [type(p).__name__ for p in out if p._stage is Stage.CLIP]
+    clippers = [type(p).__name__ for p in out if p.stage is Stage.CLIP]
     if len(clippers) > 1:
         raise ValueError(
             f"`policies` holds {len(clippers)} gradient clippers ({', '.join(clippers)}); each would rescale the "

@@ -1,7 +1,7 @@
-"""The Triton kernels of :mod:`lightning_gradkit.core._multi_norm`; imported only there, and only once triton is known
+"""The Triton kernels of :mod:`gradkit._multi_norm`; imported only there, and only once triton is known
 to import (triton is optional: nothing else in the package may import this module).
 
-Two launches for any number of tensors (the reduction order is in :func:`lightning_gradkit.core._multi_norm.
+Two launches for any number of tensors (the reduction order is in :func:`gradkit._multi_norm.
 multi_tensor_norms`): ``_block_partials`` reduces fixed-size blocks of every tensor into one fp32 partial per block,
 ``_segment_norms`` folds each tensor's partials in block order and takes the root.
 """
@@ -105,7 +105,7 @@ def _launch(
     dtype: torch.dtype,
     norm_type: float,
 ) -> torch.Tensor:
-    """Per-tensor norms from the tables of :func:`lightning_gradkit.core._multi_norm._build_tables` (on the tensors'
+    """Per-tensor norms from the tables of :func:`gradkit._multi_norm._build_tables` (on the tensors'
     device), as an fp32 vector; ``num_blocks`` is ``len(owner)``, known on the host, ``aligned`` whether every data
     pointer is a multiple of 16 bytes, ``block`` the elements per block the tables were built for (a multiple of
     ``_TILE``)."""

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_gradkit.core.norms import clean_name
+from gradkit.norms import clean_name
 
 __all__ = ["first_mismatch", "parameter_layout", "verify_same_layout"]
 

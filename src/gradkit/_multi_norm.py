@@ -38,7 +38,7 @@ _KERNEL_FAILED: list[str] = []
 @functools.cache
 def _triton_import_error() -> str | None:
     try:
-        import lightning_gradkit.core._triton_norm_kernels  # noqa: F401
+        import gradkit._triton_norm_kernels  # noqa: F401
     except Exception as error:  # triton missing, or too old for the kernels: either way the fallback runs
         return f"{type(error).__name__}: {error}"
     return None
@@ -184,7 +184,7 @@ def _kernel_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor | None:
     device = tensors[0].device
     if tables.num_blocks == 0:
         return torch.zeros(len(tensors), dtype=torch.float32, device=device)
-    from lightning_gradkit.core._triton_norm_kernels import _launch
+    from gradkit._triton_norm_kernels import _launch
 
     t = tables
     args = (t.ptrs, t.numels, t.starts, t.owner, t.num_blocks, t.aligned, _BLOCK, tensors[0].dtype, norm_type)

@@ -8,7 +8,7 @@ long). Two forms of the same rules:
   ops only, no value read to the host, for statistics that must be decided on device every step (``SpikeRollback``'s
   per-module statistics);
 - on the host (:class:`HostMoments`): Python floats fed with each value one step late
-  (:mod:`lightning_gradkit.core.host_lag`), so that a detector's decision on device is one comparison
+  (:mod:`gradkit.host_lag`), so that a detector's decision on device is one comparison
   (``SpikeGuard``).
 
 No Lightning here; both stateful forms round-trip through ``state_dict``/``load_state_dict`` exactly, so a resumed
@@ -23,7 +23,7 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from lightning_gradkit.core.norms import finite_mask
+from gradkit.norms import finite_mask
 
 __all__ = [
     "HostMoments",
@@ -189,7 +189,7 @@ class RunningMoments:
 class HostMoments:
     """The statistics of :class:`RunningMoments` (``alpha``) or of the last ``window`` finite values, in Python floats,
     for a detector that reads each value on the host one step late
-    (:class:`~lightning_gradkit.core.host_lag.HostLag`): the same rules (:func:`ema_update`, :func:`std_of`,
+    (:class:`~gradkit.host_lag.HostLag`): the same rules (:func:`ema_update`, :func:`std_of`,
     :func:`spike_decision`'s clamp), no device operation, and the same ``state_dict`` format.
 
     Args:

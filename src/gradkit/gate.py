@@ -1,7 +1,7 @@
 """Step the optimizer, or do not, as the step's plan decided: the one rule behind every front door.
 
 The Lightning strategy mixin (:class:`~lightning_gradkit.GradKitStrategyMixin`) and the Fabric / plain-PyTorch door
-(:class:`~lightning_gradkit.loop.GradKit`) both put :func:`step_as_decided` in place of ``optimizer.step`` for the
+(:class:`~gradkit.loop.GradKit`) both put :func:`step_as_decided` in place of ``optimizer.step`` for the
 duration of the step, so that whatever calls it (the precision plugin, a ``GradScaler``, Fabric's strategy) reaches
 the same decision:
 
@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit.core._torch_compat import handles_found_inf
-from lightning_gradkit.core.pipeline import StepPlan
+from gradkit._torch_compat import handles_found_inf
+from gradkit.pipeline import StepPlan
 
 __all__ = ["fused_step", "shadowed", "step_as_decided"]
 

@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_gradkit.core.norms import local_tensor, per_tensor_norms
+from gradkit.norms import local_tensor, per_tensor_norms
 
 __all__ = [
     "TOKENS_KEY",

@@ -2,24 +2,24 @@
 
 This is the engine every front door drives: the Lightning ``Trainer`` callbacks
 (:class:`~lightning_gradkit.engine.Engine`), Lightning Fabric and a plain PyTorch loop
-(:class:`~lightning_gradkit.loop.GradKit`). It imports torch only. :meth:`Pipeline.run` is the list of the phases,
+(:class:`~gradkit.loop.GradKit`). It imports torch only. :meth:`Pipeline.run` is the list of the phases,
 one method or function each:
 
 1. **measure** (:meth:`Pipeline._measure`): every gradient is read once, into this rank's per-parameter norms (and
-   the unit norms AGC asks for), for the norm types the policies request (``_stats_request``).
+   the unit norms AGC asks for), for the norm types the policies request (``request_stats``).
 2. **reduce** (:meth:`Pipeline._reduce`): at most ONE all-reduce carries the sharded norm contributions and the
-   per-rank scalars the policies name (``_reduce_request``: window loss, token counts) together, and, when a guard
+   per-rank scalars the policies name (``reduce_request``: window loss, token counts) together, and, when a guard
    asks for it, each rank's flag of non-finite local gradients: the finite flag, and so every skip decision, is
    then the same on every rank. The inf-norm of sharded gradients is a maximum, not a sum: when a policy asks for
-   it, it takes a second all-reduce (:func:`~lightning_gradkit.core.norms.reduce_sharded`). The result is the
+   it, it takes a second all-reduce (:func:`~gradkit.norms.reduce_sharded`). The result is the
    :class:`StepPlan`.
-3. **decide** (:func:`_decide`): each policy's ``_decide`` in stage order, ``SCALE`` (accumulation) -> ``GUARD``
+3. **decide** (:func:`decide`): each policy's ``decide`` in stage order, ``SCALE`` (accumulation) -> ``GUARD``
    (skip flags) -> ``CLIP`` (coefficient) -> ``OBSERVE``. Each reads the plan and writes its decision to it; none
    reads the gradients.
 4. **apply** (:meth:`StepPlan.apply`): one ``torch._foreach_mul_`` per (device, dtype) group with the product of
    all scales, kept in fp32 (per-parameter factors, if any, are folded into that same pass), plus a clamp for value
    clipping. Sparse gradients are written through their values.
-5. **observe** (:meth:`Pipeline._observe`): the skip count, and each policy's ``_observe`` (logging, on logging
+5. **observe** (:meth:`Pipeline.observe`): the skip count, and each policy's ``observe`` (logging, on logging
    steps only).
 
 A phase that has nothing to do this step costs nothing: no unit norms unless asked, no collective in a single
@@ -39,7 +39,7 @@ equally valid on scaled gradients, and a value clamp is widened by that factor.
 Once per set of gradients: the pipeline runs at the first call for an optimizer step, whoever makes it, and later
 calls for the same gradients find it done. An optimizer that evaluates its closure again inside ``step`` (``LBFGS``,
 SAM) produces new gradients within the same step: they are scaled and clipped, never decided again
-(:mod:`lightning_gradkit._closure` states the rule and holds its code).
+(:mod:`gradkit._closure` states the rule and holds its code).
 
 Map of this file, in order: :class:`Stage`; :class:`UnitNorms` and :class:`StepPlan` (the plan, its one write and
 the write kernels); :class:`StatsRequest`; :class:`StepContext` and :class:`Policy` (what the pipeline reads of the
@@ -50,21 +50,23 @@ gradient read (``_read_step``, ``_measure_units``, ``_param_norms``).
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit._arguments import name_list
-from lightning_gradkit._closure import Evaluation, Evaluations, decide_again
-from lightning_gradkit.core._torch_compat import handles_found_inf
-from lightning_gradkit.core.norms import (
+from gradkit._arguments import name_list
+from gradkit._closure import Evaluation, Evaluations, decide_again
+from gradkit._torch_compat import handles_found_inf
+from gradkit.norms import (
     GradStats,
     ParamIndex,
     build_param_index,
@@ -86,11 +88,15 @@ from lightning_gradkit.core.norms import (
 __all__ = [
     "Pipeline",
     "Policy",
+    "Roster",
     "Stage",
     "StatsRequest",
     "StepContext",
     "StepPlan",
     "UnitNorms",
+    "hook",
+    "is_policy",
+    "state_key",
     "unwrapped",
     "values_to_host",
 ]
@@ -269,7 +275,7 @@ class StepPlan:
     def apply(self, fold: bool = False) -> None:
         """Write the gradients once: multiply by the product of all factors, then clamp for value clipping.
 
-        With ``fold`` (the door steps a fused optimizer through :func:`~lightning_gradkit.core.gate.step_as_decided`)
+        With ``fold`` (the door steps a fused optimizer through :func:`~gradkit.gate.step_as_decided`)
         a plan whose only write is one common factor makes no pass over the gradients: the factor is kept in
         :attr:`folded` and the fused kernel, which reads every gradient anyway, divides it by ``1 / factor`` (its
         ``grad_scale``) and stores the result back, as it does for a ``GradScaler``'s unscale. The step then reads the
@@ -394,7 +400,7 @@ def _clamp_(tensors: list[Tensor], bound: float) -> None:
 
 @dataclass
 class StatsRequest:
-    """What the measure phase reads this step: the union of the policies' ``_stats_request``.
+    """What the measure phase reads this step: the union of the policies' ``request_stats``.
 
     Attributes:
         norm_types: the norm types of the per-parameter norms (2.0 when no policy asks for one).
@@ -428,7 +434,7 @@ class StepContext:
     """The loop a step runs in, as the pipeline and the policies read it: one subclass per front door.
 
     The Lightning ``Trainer`` door answers from the Trainer (:class:`~lightning_gradkit.engine.TrainerContext`), the
-    Fabric and plain-PyTorch door from its own step counter (:class:`~lightning_gradkit.loop.LoopContext`). A
+    Fabric and plain-PyTorch door from its own step counter (:class:`~gradkit.loop.LoopContext`). A
     feature that only exists under a Trainer (the culprit replay of ``training_step``, the gradient report, the LR
     gate) reads ``trainer``, which is ``None`` behind the other doors.
 
@@ -498,7 +504,7 @@ class StepContext:
         return None
 
     def steps_through_gate(self) -> bool:
-        """Whether every optimizer step of the loop goes through :func:`~lightning_gradkit.core.gate.step_as_decided`
+        """Whether every optimizer step of the loop goes through :func:`~gradkit.gate.step_as_decided`
         (the door gates ``optimizer.step``)."""
         return False
 
@@ -569,64 +575,128 @@ def unwrapped(optimizer: Optimizer) -> Optimizer:
     return inner if isinstance(inner, Optimizer) else optimizer
 
 
-class Policy:
-    """What a policy does in the pipeline's phases: the base of every gradkit callback, behind every front door.
+class Policy(Protocol):
+    """What a policy is to the pipeline: a plain object with a ``stage`` and any of the hooks below.
 
-    Subclasses set ``_stage`` and override the ``_stats_request``, ``_reduce_request``, ``_decide`` and
-    ``_observe`` steps they need; every one reads the loop through the :class:`StepContext`.
+    A policy does not derive from this class (gradkit's own do not: one class per algorithm, no base); it is a
+    :class:`typing.Protocol`, and :func:`is_policy` tells whether an object is one (it has a ``stage``). The pipeline
+    calls only the hooks a policy defines (:class:`Roster`); each reads the loop through the :class:`StepContext`, so
+    a policy decides the same way behind every door. A class that subclasses ``Policy`` explicitly inherits the no-op
+    hooks below.
+
+    The protocol, in the order of a step:
+
+    - ``attach(ctx, model)``: the door is set up (the Trainer's ``setup``, ``GradKit(...)``, ``load_state_dict``);
+      raise ``ValueError`` if the policy, as configured, cannot work behind this door.
+    - ``before_first_forward(ctx)``: the first forward after the door was built or loaded is about to run.
+    - ``note_loss(loss, ctx)``: a micro-batch loss (before any division, without the AMP scale).
+    - ``request_stats(request)``, ``primary_norm_type()``, ``reduce_request(ctx)``: what the measure and reduce
+      phases read for it.
+    - ``decide(plan, ctx)`` / ``decide_again(plan, first, ctx)``: its decision, written into the plan; no gradient
+      is read, nothing syncs.
+    - ``observe(plan, ctx)``: after the write; logs on logging steps.
+    - ``after_step(ctx)``: after the optimizer step (applied or skipped) and the LR schedulers of the batch.
+    - ``finish(ctx)``: the loop ended.
+    - ``may_skip()``: whether it may ask for a step to be skipped (the door must be able to skip).
+    - ``state_dict()`` / ``load_state_dict(state)`` and ``state_key``: its state, one format behind every door.
     """
 
-    _stage: Stage = Stage.OBSERVE
+    stage: Stage
 
-    def _needs_step_control(self) -> bool:
+    def may_skip(self) -> bool:
         """Whether this policy may ask for an optimizer step to be skipped (the door must be able to skip)."""
         return False
 
-    def _stats_request(self, request: StatsRequest) -> None:
+    def request_stats(self, request: StatsRequest) -> None:
         """Measure: add the norm types and module depth this policy reads."""
 
-    def _primary_norm_type(self) -> float | None:
+    def primary_norm_type(self) -> float | None:
         """The norm type whose statistics are logged as the step's gradient norm (the monitor's)."""
         return None
 
-    def _reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
+    def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         """Reduce: per-rank scalars to be summed across ranks in the step's single collective (keys must be unique)."""
         return {}
 
-    def _decide(self, plan: StepPlan, ctx: StepContext) -> None:
+    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         """Decide: read the plan's statistics and write a decision into it. Must not read gradients or sync."""
 
-    def _decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         """Decide, for a later evaluation of the closure within the same optimizer step (``LBFGS``, SAM; see
-        :mod:`lightning_gradkit._closure`): ``plan`` holds the fresh gradients' statistics and the step's accumulation
+        :mod:`gradkit._closure`): ``plan`` holds the fresh gradients' statistics and the step's accumulation
         scale, ``first`` the step's decision. Write what applies to every evaluation's gradients (clipping); forget
         what this evaluation's micro-batch hooks collected for a decision (the step was decided on the first
         evaluation). Must not read gradients or sync."""
 
-    def _observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
         """Observe, after the gradients are written: log on logging steps."""
 
-    def _note_loss(self, loss: Tensor, ctx: StepContext) -> None:
-        """A micro-batch loss as the loop computed it (before any division, without the AMP scale), behind the
-        Fabric and plain-PyTorch door (under the Trainer, ``on_before_backward`` receives it)."""
+    def note_loss(self, loss: Tensor, ctx: StepContext) -> None:
+        """A micro-batch loss as the loop computed it (before any division, without the AMP scale)."""
 
-    def _finish(self, ctx: StepContext) -> None:
-        """The loop ended: report what is still pending (the Trainer's ``on_train_end``)."""
+    def finish(self, ctx: StepContext) -> None:
+        """The loop ended: report what is still pending."""
 
-    def _after_optimizer_step(self, ctx: StepContext) -> None:
-        """After the optimizer step (applied or skipped) and the LR schedulers of the batch, behind the Fabric and
-        plain-PyTorch door (under the Trainer, ``on_train_batch_end``)."""
+    def after_step(self, ctx: StepContext) -> None:
+        """After the optimizer step (applied or skipped) and the LR schedulers of the batch."""
 
-    def _before_first_forward(self, ctx: StepContext) -> None:
-        """Behind the Fabric and plain-PyTorch door: the first forward after the door was built or loaded is about to
-        run (the model's weights and buffers are loaded by then, in whatever order the loop loaded them)."""
+    def before_first_forward(self, ctx: StepContext) -> None:
+        """The first forward after the door was built or loaded is about to run (the model's weights and buffers are
+        loaded by then, in whatever order the loop loaded them)."""
 
-    def _attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
-        """Behind the Fabric and plain-PyTorch door: what the Trainer's ``setup`` / ``on_fit_start`` hooks prepare.
+    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+        """The door is set up: prepare what needs the model.
 
         Raises:
-            ValueError: if the policy, as configured, needs a Lightning ``Trainer``.
+            ValueError: if the policy, as configured, cannot work behind this door.
         """
+
+
+def state_key(policy: object, **identity: object) -> str:
+    """The key of ``policy``'s state in a checkpoint, the same behind every door: Lightning's
+    ``Callback._generate_state_key`` format (class name, then the arguments that tell two instances apart), so that a
+    Trainer checkpoint's ``"callbacks"`` entry and :meth:`~gradkit.loop.GradKit.state_dict` use one key."""
+    return f"{type(policy).__qualname__}{identity!r}" if identity else type(policy).__qualname__
+
+
+def is_policy(obj: object) -> bool:
+    """Whether ``obj`` is a policy instance: it has a :class:`Stage` as ``stage`` (a class is not an instance)."""
+    return not isinstance(obj, type) and isinstance(getattr(obj, "stage", None), Stage)
+
+
+def hook(policy: object, name: str) -> Callable[..., Any] | None:
+    """``policy``'s protocol hook ``name`` (bound), or ``None`` when it does not define it."""
+    return getattr(policy, name, None)
+
+
+class Roster:
+    """A step's policies in stage order, and each phase's hooks (bound methods of the policies that define them).
+
+    Built once per set of policies (:meth:`Pipeline._roster`): a phase calls only the policies that take part in it.
+    """
+
+    __slots__ = ("decide", "decide_again", "observe", "policies", "primary", "reduce_request", "request")
+
+    def __init__(self, policies: Sequence[object]) -> None:
+        self.policies = sorted(policies, key=lambda policy: policy.stage)  # type: ignore[attr-defined]
+        found = {
+            name: [m for p in self.policies if (m := hook(p, name)) is not None]
+            for name in ("decide", "decide_again", "observe", "reduce_request")
+        }
+        self.decide = found["decide"]
+        self.decide_again = found["decide_again"]
+        self.observe = found["observe"]
+        self.reduce_request = found["reduce_request"]
+        request = StatsRequest()
+        for p in self.policies:
+            add = hook(p, "request_stats")
+            if add is not None:
+                add(request)
+        if not request.norm_types:
+            request.norm_types.add(2.0)
+        self.request = request
+        primaries = (hook(p, "primary_norm_type") for p in self.policies)
+        self.primary = next((v for f in primaries if f is not None and (v := f()) is not None), None)
 
 
 # -- the pipeline ----------------------------------------------------------------------------------------------------
@@ -641,6 +711,7 @@ class Pipeline:
         self.generation = 0
         self._pending_scales: list[tuple[Policy, Optimizer | None]] = []
         self._warned_frozen: set[str] = set()
+        self._cached_roster: tuple[list[Policy], Roster] | None = None
 
     def reset(self) -> None:
         """Forget the parameter indexes (parameters may be replaced between fits, e.g. by sharding)."""
@@ -670,7 +741,7 @@ class Pipeline:
         """Run the step's pipeline once per set of gradients of an optimizer step; ``None`` when it already ran.
 
         A closure evaluated again within the step (new gradients) gets a plan that only scales and clips them (see
-        :mod:`lightning_gradkit._closure`); the step's decision stays in ``last_plans``.
+        :mod:`gradkit._closure`); the step's decision stays in ``last_plans``.
 
         Args:
             ctx: the loop the step runs in.
@@ -698,36 +769,43 @@ class Pipeline:
         ``first`` is the step's plan when these gradients come from a later evaluation of its closure: they are
         decided again (scaled and clipped) and not observed.
         """
-        ordered = self._policies(optimizer, policies)
-        request = _stats_request(ordered)
-        measured = self._measure(ctx, optimizer, request)
-        plan = self._reduce(ctx, optimizer, ordered, request, measured)
-        _decide(plan, first, ordered, ctx)
+        roster = self._roster(optimizer, policies)
+        measured = self._measure(ctx, optimizer, roster.request)
+        plan = self._reduce(ctx, optimizer, roster, measured)
+        if first is not None:
+            decide_again(plan, first, roster.decide_again, ctx)
+        else:
+            for decide in roster.decide:
+                decide(plan, ctx)
         # Only a first evaluation's dense, plain-tensor gradients are left to a fused kernel (one `grad_scale`).
         fold = first is None and measured.bounds is not None and not measured.index.any_dtensor
         plan.apply(fold=fold and ctx.folds_into(optimizer))
         # After the write, which bumps the gradients' versions: a later call must find these written ones the same.
         self._evaluations.record(optimizer, step, self.generation, shared=len(ctx.optimizers) > 1)
         if first is None:
-            self._observe(plan, ordered, ctx)
+            self.observe(plan, roster, ctx)
         plan.release_gradients()  # a plan kept after its step must not keep its gradients alive
         return plan
 
     # -- the phases ------------------------------------------------------------------------------------------------
-    def _policies(self, optimizer: Optimizer, policies: Sequence[Policy]) -> list[Policy]:
-        """The step's policies in stage order, with the pending scales for ``optimizer`` (taken: each is used by one
-        run)."""
-        taken = [p for p, o in self._pending_scales if o is None or o is optimizer]
-        if taken:
+    def _roster(self, optimizer: Optimizer, policies: Sequence[Policy]) -> Roster:
+        """The step's :class:`Roster`: ``policies`` and the pending scales for ``optimizer`` (taken: each is used by
+        one run), built again only when that set changes."""
+        if self._pending_scales:
+            taken = [p for p, o in self._pending_scales if o is None or o is optimizer]
             self._pending_scales = [(p, o) for p, o in self._pending_scales if not (o is None or o is optimizer)]
-        return sorted([*policies, *taken], key=lambda policy: policy._stage)
+            policies = [*policies, *taken]
+        cached = self._cached_roster
+        if cached is None or len(cached[0]) != len(policies) or any(map(operator.is_not, cached[0], policies)):
+            cached = self._cached_roster = (list(policies), Roster(policies))
+        return cached[1]
 
     def _index(self, ctx: StepContext, optimizer: Optimizer, depth: int) -> ParamIndex:
         """The index of the parameters ``optimizer`` steps now, rebuilt only when that set changed.
 
         A parameter of the param groups belongs to it when it has a gradient (the optimizer applies it, whatever its
         ``requires_grad``) or asks for one (``requires_grad=True``): see
-        :func:`~lightning_gradkit.core.norms.steps_in_optimizer`. Parameters can join after the first step (a
+        :func:`~gradkit.norms.steps_in_optimizer`. Parameters can join after the first step (a
         backbone unfrozen with ``requires_grad_(True)``, a param group added with ``add_param_group``, as Lightning's
         ``BackboneFinetuning`` does) or leave it (frozen again). The check every step looks at the param groups
         (identity and length of each list) and, for each parameter left out of the index, at its gradient and its
@@ -803,20 +881,19 @@ class Pipeline:
         self,
         ctx: StepContext,
         optimizer: Optimizer,
-        policies: list[Policy],
-        request: StatsRequest,
+        roster: Roster,
         measured: _Measured,
     ) -> StepPlan:
         """Reduce: one collective for the sharded norms and the policies' per-rank scalars; the plan's statistics.
 
         Nothing is reduced in a single process, nor without sharded gradients and per-rank scalars
-        (:func:`~lightning_gradkit.core.norms.reduce_sharded`).
+        (:func:`~gradkit.norms.reduce_sharded`).
         """
         index = measured.index
         extras: dict[str, Tensor] = {}
-        for policy in policies:
-            extras.update(policy._reduce_request(ctx))
-        if request.rank_flags and world_size() > 1:
+        for reduce_request in roster.reduce_request:
+            extras.update(reduce_request(ctx))
+        if roster.request.rank_flags and world_size() > 1:
             # A rank's gradients can turn non-finite after the DDP all-reduce (a hook, `on_after_backward`, a faulty
             # kernel): its flags then differ from the others'. Summed in the one collective, every rank sees them all.
             extras[_NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(measured.local, index.shard_weight.device)
@@ -826,7 +903,7 @@ class Pipeline:
             anywhere = reduced[_NONFINITE_GRAD_RANKS].sum() > 0
             for grad_stats in stats.values():
                 grad_stats.finite = grad_stats.finite & ~anywhere
-        primary = next((p for p in (policy._primary_norm_type() for policy in policies) if p is not None), None)
+        primary = roster.primary
         return StepPlan(
             optimizer=optimizer,
             optimizer_idx=ctx.optimizer_index(optimizer),
@@ -843,42 +920,17 @@ class Pipeline:
             run_bounds=measured.bounds,
         )
 
-    def _observe(self, plan: StepPlan, policies: list[Policy], ctx: StepContext) -> None:
+    def observe(self, plan: StepPlan, roster: Roster, ctx: StepContext) -> None:
         """Observe (a step's first evaluation only): keep the decision for the gate, count a skip, let the policies
         log. Off logging steps nothing here reads a value to the host."""
         if plan.skip is not None:
             count = plan.skip.to(torch.float32)
             self.skipped_steps = count if self.skipped_steps is None else self.skipped_steps + count
         self.last_plans[id(plan.optimizer)] = plan
-        for policy in policies:
-            policy._observe(plan, ctx)
+        for observe in roster.observe:
+            observe(plan, ctx)
         if self.skipped_steps is not None and plan.logging_step:
             ctx.log({"gradkit/skipped_steps": self.skipped_steps})
-
-
-def _stats_request(policies: list[Policy]) -> StatsRequest:
-    """What the measure phase reads: the union of the policies' requests (the 2-norm when none asks)."""
-    request = StatsRequest()
-    for policy in policies:
-        policy._stats_request(request)
-    if not request.norm_types:
-        request.norm_types.add(2.0)
-    return request
-
-
-def _decide(
-    plan: StepPlan,
-    first: StepPlan | None,
-    policies: list[Policy],
-    ctx: StepContext,
-) -> None:
-    """Decide: each policy in stage order reads the plan's statistics and writes its decision (no gradient is read,
-    nothing syncs). A later evaluation of the step's closure decides nothing new (:func:`decide_again`)."""
-    if first is not None:
-        decide_again(plan, first, policies, ctx)
-        return
-    for policy in policies:
-        policy._decide(plan, ctx)
 
 
 @dataclass(frozen=True)

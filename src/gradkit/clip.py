@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradkit._arguments import check_float, check_int, validate_norm_type
-from lightning_gradkit.core.host_lag import HostLag, as_float32
-from lightning_gradkit.core.norms import finite_mask
+from gradkit._arguments import check_float, check_int, validate_norm_type
+from gradkit.host_lag import HostLag, as_float32
+from gradkit.norms import finite_mask
 
 __all__ = [
     "MAX_HISTORY",
@@ -87,7 +87,7 @@ def agc_coefficients(grad_norms: Tensor, weight_norms: Tensor, clip_factor: floa
     units (e.g. a zeroed last layer of a residual branch) still update. Multiplying by these coefficients gives
     bit-for-bit the result of ``timm.utils.agc.adaptive_clip_grad``.
 
-    A unit is a row along dim 0 of a weight (an output unit: :func:`~lightning_gradkit.core.norms.row_norms`), or a
+    A unit is a row along dim 0 of a weight (an output unit: :func:`~gradkit.norms.row_norms`), or a
     whole bias, gain or scalar (its norm).
 
     Args:
@@ -347,7 +347,7 @@ class ZClipPolicy(ScalarClipPolicy):
 
     The statistics are Python floats, updated with each norm one step later: a step's decision needs the statistics
     of the steps before it only, so its norm reaches the host through a non-blocking copy
-    (:class:`~lightning_gradkit.core.host_lag.HostLag`) and is folded in at the next step (or when the statistics are
+    (:class:`~gradkit.host_lag.HostLag`) and is folded in at the next step (or when the statistics are
     read: :attr:`mean`, :meth:`state_dict`). On the device a step costs a comparison with a Python number and, past
     warm-up, the reciprocal rule: about 10 operations instead of 35 for the same decision on device statistics.
 

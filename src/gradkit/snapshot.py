@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradkit.core.norms import local_tensor
+from gradkit.norms import local_tensor
 
 __all__ = ["HostSnapshot", "trained_parameters"]
 

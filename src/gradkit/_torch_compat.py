@@ -1,19 +1,22 @@
-"""The torch private attributes the optimizer-step path reads, one small function each, no Lightning in it.
+"""The torch (and torchmetrics) private attributes gradkit reads, one small function each, no Lightning in it.
 
-They sit in ``core`` (not in :mod:`lightning_gradkit._compat`, which indexes them) because the Lightning-free step
-pipeline needs them as much as the Trainer does: a plain PyTorch or Fabric loop with a ``GradScaler`` and a fused
-optimizer asks the same two questions (what is the loss scale, without a host sync; does ``optimizer.step`` honour
-``found_inf``). Each function says why no public API does. Run on torch 2.13, and read in the source of torch 2.4.0
-and 2.5.1 (the package's floor is ``torch>=2.5``): same attributes, same meaning.
+They sit in the torch-only ``gradkit`` root (not in :mod:`lightning_gradkit._compat`, which indexes them) because
+the Lightning-free step pipeline needs them as much as the Trainer does: a plain PyTorch or Fabric loop with a
+``GradScaler`` and a fused optimizer asks the same two questions (what is the loss scale, without a host sync;
+does ``optimizer.step`` honour ``found_inf``). Each function says why no public API does. Run on torch 2.13, and
+read in the source of torch 2.4.0 and 2.5.1 (the package's floor is ``torch>=2.5``): same attributes, same
+meaning.
 """
 
 from __future__ import annotations
 
-from torch import Tensor
+from collections.abc import Sequence
+
+from torch import Tensor, nn
 from torch.amp.grad_scaler import GradScaler, OptState
 from torch.optim import Optimizer
 
-__all__ = ["gradients_still_scaled", "handles_found_inf", "loss_scale"]
+__all__ = ["gradients_still_scaled", "handles_found_inf", "loss_scale", "metric_state_names"]
 
 
 def loss_scale(scaler: GradScaler | None) -> Tensor | None:
@@ -50,3 +53,12 @@ def handles_found_inf(optimizer: Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and bool(
         optimizer.defaults.get("fused", False)
     )
+
+
+def metric_state_names(metric: nn.Module) -> Sequence[str]:
+    """The state attributes of a ``torchmetrics.Metric``: its private ``_defaults`` (the names ``add_state`` made).
+
+    The public ``Metric.metric_state`` arrived after torchmetrics 1.0.0 (the package's floor), and reads the same
+    ``_defaults``. Checked on torchmetrics 1.0.0 and 1.9.0.
+    """
+    return list(metric._defaults)

@@ -9,7 +9,7 @@ entry of such a list is one pattern (a single string is a list of one):
 - ``"torch.nn.TransformerEncoderLayer"``: a dotted class path. It selects the instances of that class (and of its
   subclasses) when the path imports; otherwise it is compared with ``module.qualname`` of the module's classes.
 - ``"re:<regex>"``: a regular expression that must match a *whole* qualified name (:func:`re.fullmatch`), as
-  :func:`~lightning_gradkit.core.norms.clean_name` writes it (the names ``GradNormMonitor`` logs: relative to the
+  :func:`~gradkit.norms.clean_name` writes it (the names ``GradNormMonitor`` logs: relative to the
   model, without the ``_orig_mod``, FSDP1 and checkpoint-wrapper components, nor DDP's leading ``module``).
   ``"re:blocks\.\d+"`` selects ``blocks.0``, ``blocks.1``, ... but neither ``blocks.0.attn`` nor
   ``model.blocks.0``; ``"re:.*attn"`` selects every module whose name ends in ``attn``, at any depth.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_gradkit._arguments import check_strings
+from gradkit._arguments import check_strings
 
 __all__ = ["REGEX_PREFIX", "NamePattern", "no_match_hint", "parameters_selected", "parse_patterns"]
 
@@ -116,7 +116,7 @@ def parse_patterns(argument: str, patterns: object, allow_empty: bool = True) ->
         patterns,
         allow_empty=allow_empty,
         hint="Give module class names (e.g. 'Block', 'torch.nn.Linear') or 're:<regex>' patterns that match whole "
-        "qualified names (see `lightning_gradkit.core.selection`).",
+        "qualified names (see `gradkit.selection`).",
     )
     return tuple(NamePattern.parse(entry.strip(), argument) for entry in entries)
 

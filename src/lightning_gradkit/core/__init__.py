@@ -1,1 +1,0 @@
-"""Pure tensor code with no Lightning in it (a test enforces it)."""
