@@ -455,6 +455,10 @@ class PolicyCallback(GradKitCallback):
 
     _first_forward_done = False
 
+    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+        """A policy without an ``attach`` of its own works behind every door (``GradKitCallback.attach`` refuses the
+        loop door for the Trainer-only callbacks)."""
+
     def _forward(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         method = hook(self, name)
         if method is not None:
