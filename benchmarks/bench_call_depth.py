@@ -25,7 +25,8 @@ def traced(fn: Callable[[], object]) -> tuple[list[str], list[str]]:
     def profile(frame, event, arg):
         if event == "call":
             code = frame.f_code
-            if code.co_filename.startswith(ROOTS):
+            # Comprehensions, generator expressions and lambdas are expressions, not functions a reader follows.
+            if code.co_filename.startswith(ROOTS) and not code.co_name.startswith("<"):
                 seen[f"{Path(code.co_filename).name}:{code.co_qualname}"] = None
 
     sys.setprofile(profile)

@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from gradkit._multi_norm import fallback_reason, norm_implementation
-from gradkit.norms import build_param_index, derive_stats, per_tensor_norms
+from gradkit.norms import derive_stats, per_tensor_norms
+from gradkit.params import build_param_index
 
 TARGET = 2.0  # GradStats pass / floor
 GPT2_SMALL = {"vocab": 50257, "block": 1024, "embd": 768, "layers": 12}

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from architectures import ArchModule, ResNet18Like, TiedTransformerLM, TinyViT, data_loader, image_data, token_data
-from gradkit.norms import clean_name
+from gradkit.params import clean_name
 from gradkit.replay import capture_rng, preserved_state
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import NonFiniteGuard

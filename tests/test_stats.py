@@ -9,14 +9,8 @@ import torch
 from torch import nn
 
 from gradkit._arguments import validate_norm_type
-from gradkit.norms import (
-    build_param_index,
-    clean_name,
-    derive_stats,
-    grouped_norms,
-    module_key,
-    per_tensor_norms,
-)
+from gradkit.norms import derive_stats, grouped_norms, per_tensor_norms
+from gradkit.params import build_param_index, clean_name, module_key
 
 NORMS = [1.0, 2.0, 3.0, math.inf]
 

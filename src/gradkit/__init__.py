@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from gradkit.loop import GradKit
 from gradkit.norms import GradStats
-from gradkit.pipeline import Policy, Stage, StepContext, StepPlan
+from gradkit.pipeline import StepPlan
+from gradkit.protocol import Policy, Stage, StepContext
 
 __all__ = ["GradKit", "GradStats", "Policy", "Stage", "StepContext", "StepPlan"]

@@ -14,7 +14,8 @@ engine meets new gradients for a step it has already run. The rule, stated here 
   threshold of the first evaluation; every policy forgets what the evaluation's micro-batch hooks collected (token
   counts, window losses), which belongs to no decision. Nothing is guarded, counted or logged again: once the
   optimizer runs, the step is applied.
-- **How the engine tells them apart** (:class:`Evaluations`): every ``backward`` advances ``Engine.generation``
+- **How the pipeline tells them apart** (:meth:`gradkit.pipeline.Pipeline.run`): every ``backward`` advances
+  ``Pipeline.generation``
   (``on_after_backward``, which Lightning calls for closure re-evaluations too). A run for an optimizer step that
   was run already is a later evaluation, unless no backward happened since (same generation) or, with several
   optimizers, the backward since did not touch this optimizer's gradients (same gradient versions): then it is the
@@ -24,81 +25,21 @@ The model's own state follows plain Lightning in a later evaluation (its buffers
 count): it is not a replay (:mod:`gradkit.replay`), the optimizer consumes it.
 
 Used by :mod:`lightning_gradkit.strategy` (the gate's half: :func:`first_evaluation`) and
-:mod:`lightning_gradkit.engine` (the engine's half: :class:`Evaluations`, :func:`decide_again`).
+:mod:`gradkit.pipeline` (the pipeline's half: telling the evaluations apart, :func:`decide_again`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.optim import Optimizer
 
 if TYPE_CHECKING:
-    from gradkit.pipeline import StepContext, StepPlan
+    from gradkit.pipeline import StepPlan
+    from gradkit.protocol import StepContext
 
-__all__ = ["Evaluation", "Evaluations", "decide_again", "first_evaluation"]
-
-
-class Evaluation(Enum):
-    """What a run of the engine for an optimizer step meets."""
-
-    FIRST = "first"  # the step's first gradients: measure, reduce, decide, apply, observe
-    LATER = "later"  # a closure evaluated again within the step: scale and clip the fresh gradients only
-    SAME = "same"  # the gradients the engine already wrote for this step: nothing to do
-
-
-@dataclass(frozen=True)
-class _Run:
-    """When the engine last ran for an optimizer: its step, the backward generation, its gradients after the write."""
-
-    step: tuple[int, ...]
-    generation: int
-    versions: tuple[tuple[int, int], ...] | None
-
-
-class Evaluations:
-    """Per optimizer, the engine's last run: tells a step's first evaluation from a later one (see the module)."""
-
-    def __init__(self) -> None:
-        self._runs: dict[int, _Run] = {}
-
-    def clear(self) -> None:
-        self._runs.clear()
-
-    def ran(self, optimizer: Optimizer, step: tuple[int, ...]) -> bool:
-        """Whether the engine has run for ``optimizer`` at ``step``."""
-        run = self._runs.get(id(optimizer))
-        return run is not None and run.step == step
-
-    def classify(self, optimizer: Optimizer, step: tuple[int, ...], generation: int) -> Evaluation:
-        """What a run for ``optimizer`` at ``step``, after backward number ``generation``, meets."""
-        run = self._runs.get(id(optimizer))
-        if run is None or run.step != step:
-            return Evaluation.FIRST
-        if run.generation == generation or (run.versions is not None and run.versions == _grad_versions(optimizer)):
-            return Evaluation.SAME
-        return Evaluation.LATER
-
-    def record(self, optimizer: Optimizer, step: tuple[int, ...], generation: int, shared: bool) -> None:
-        """Note a run for ``optimizer`` at ``step``, once its gradients are written.
-
-        ``shared``: whether several optimizers share the backward passes. With one optimizer every backward within
-        its step writes its gradients, so the generation alone tells a new evaluation; reading the versions of every
-        gradient would cost a host call per tensor every step.
-        """
-        self._runs[id(optimizer)] = _Run(step, generation, _grad_versions(optimizer) if shared else None)
-
-
-def _grad_versions(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
-    """Identity and in-place version of every gradient of ``optimizer``: a backward that wrote into them (or new
-    ones after ``zero_grad``) changes it, a backward into other parameters does not. Host metadata only."""
-    return tuple(
-        (id(p.grad), p.grad._version) for group in optimizer.param_groups for p in group["params"] if p.grad is not None
-    )
+__all__ = ["decide_again", "first_evaluation"]
 
 
 def decide_again(

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from gradkit.norms import clean_name
+from gradkit.params import clean_name
 
 __all__ = ["first_mismatch", "parameter_layout", "verify_same_layout"]
 

@@ -21,17 +21,22 @@ wires them into the Trainer, :class:`~lightning_gradkit.ManualAccumulator` into 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
 
-from gradkit.norms import local_tensor, per_tensor_norms
+from gradkit.norms import local_tensor, per_tensor_norms, world_size
+from gradkit.protocol import Stage, StepContext
+
+if TYPE_CHECKING:
+    from gradkit.pipeline import StepPlan
 
 __all__ = [
     "TOKENS_KEY",
     "Normalize",
     "TokenCount",
+    "WindowScale",
     "is_window_boundary",
     "mean_window_scale",
     "micro_batches_in_window",
@@ -143,3 +148,34 @@ class TokenCount:
 def nonzero_grad_flags(grads: list[Tensor]) -> Tensor:
     """A bool device vector: which gradients hold a non-zero (or non-finite) value. No host synchronization."""
     return per_tensor_norms([local_tensor(g) for g in grads], 1.0) != 0
+
+
+class WindowScale:
+    """The scale of one ended accumulation window (``ManualAccumulator``'s), as a ``Stage.SCALE`` policy.
+
+    Handed to the pipeline at the window's last backward (``Pipeline.add_pending_scale``) and folded into its next run
+    for the optimizer, so the window scale, any clipping (which then reads the norm of the window mean) and every other
+    policy reach the gradients in the engine's one multiply. The token count rides the engine's one collective.
+    """
+
+    stage = Stage.SCALE
+
+    def __init__(self, normalize: str, micro_batches: int, tokens: Tensor | None) -> None:
+        self.normalize = normalize
+        self.micro_batches = micro_batches
+        self.tokens = tokens
+        self.applied = False
+        self._key = f"ManualAccumulator/tokens/{id(self)}"
+
+    def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
+        return {} if self.tokens is None else {self._key: self.tokens}
+
+    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
+        self.applied = True
+        device = plan.index.shard_weight.device
+        if self.normalize == "tokens":
+            plan.multiply_scale(token_window_scale(plan.reduced[self._key].to(device), world_size(), 1))
+        elif self.micro_batches > 1:
+            # A fill kernel, no host-to-device copy.
+            factor = mean_window_scale(1, self.micro_batches)
+            plan.multiply_scale(torch.full((), factor, dtype=torch.float32, device=device))

@@ -29,6 +29,7 @@ import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ from gradkit._layout import verify_same_layout
 from gradkit._torch_compat import gradients_still_scaled, loss_scale
 from gradkit.buffers import BufferGuard
 from gradkit.gate import shadowed, step_as_decided
-from gradkit.pipeline import Pipeline, Policy, Stage, StepContext, StepPlan, hook, is_policy, unwrapped, values_to_host
+from gradkit.pipeline import Pipeline, StepPlan
+from gradkit.protocol import Policy, Stage, StepContext, hook, is_policy, policy_key, unwrapped, values_to_host
 
 __all__ = ["GradKit", "LoopContext"]
 
@@ -135,6 +137,13 @@ class LoopContext(StepContext):
     def log_every_n_steps(self) -> int:
         return self._log_every_n_steps
 
+    def step_key(self) -> tuple[int, ...]:
+        return (self.step,)
+
+    def is_logging_step(self, every_n_steps: int | None = None) -> bool:
+        n = self._log_every_n_steps if every_n_steps is None else every_n_steps
+        return n != 0 and (self.step + 1) % n == 0
+
     @property
     def batch_idx(self) -> int:
         # The current micro-batch when the loop hands its losses over (`note_loss`), else the step.
@@ -164,6 +173,8 @@ class LoopContext(StepContext):
         return True  # `GradKit.step` gates every optimizer step
 
     def loss_scale(self, optimizer: Optimizer) -> Tensor | None:
+        if self.scaler is None:
+            return None
         scale = loss_scale(self.scaler)
         if scale is None or not gradients_still_scaled(self.scaler, optimizer):
             return None
@@ -182,6 +193,10 @@ class LoopContext(StepContext):
     def log_values(self, values: dict[str, float]) -> None:
         if self._log is not None:
             self._logged_host.update(values)
+
+    def pending_log(self) -> bool:
+        """Whether the step logged values that :meth:`flush_log` has not sent yet."""
+        return self._log is not None and bool(self._logged or self._logged_host)
 
     def flush_log(self, step: int) -> None:
         """Send what every policy logged during the step in one call of ``log`` (one row of Fabric's CSV per step,
@@ -306,9 +321,12 @@ class GradKit:
         for scheduler, owner in owned:
             self._schedulers_of.setdefault(id(owner), []).append(scheduler)
         verify_same_layout(inner, self.ctx.param_names())
+        self._inner = {id(opt): unwrapped(opt) for opt in optimizers}
         self._call("attach", self.ctx, root)
+        self._after_step = [m for p in self.policies if (m := hook(p, "after_step")) is not None]
         # What a loop that bypasses the door would not notice: no `kit.step` at all, no `note_loss` for a loss watcher.
         self._steps_through_kit = 0
+        self._finished = False
         self._loss_watchers = [f"{type(p).__name__}(monitor='loss')" for p in self.policies if _watches_loss(p)]
         self._buffers: BufferGuard | None = None
         self._first_forward: list[Any] = []
@@ -355,28 +373,37 @@ class GradKit:
         Raises:
             ValueError: if ``optimizer`` is not one of the loop's optimizers.
         """
-        optimizer = self._optimizer(optimizer)
-        inner = unwrapped(optimizer)
+        ctx = self.ctx
+        inner = self._inner.get(id(optimizer))
+        if inner is None:
+            optimizer = self._optimizer(optimizer)
+            inner = self._inner[id(optimizer)]
         self._steps_through_kit += 1
-        self._warn_no_loss()
-        plan = self.pipeline.run(self.ctx, inner, self.policies)
-        gate = functools.partial(_gated_step, inner, inner.step, plan)
-        with shadowed(inner, step=gate):
+        if self._loss_watchers and not ctx.micro_batches:
+            self._warn_no_loss()
+        plan = self.pipeline.run(ctx, inner, self.policies)
+        # The gate stands in for `optimizer.step` (whatever calls it: Fabric's strategy, a `GradScaler`) only when the
+        # plan may skip the step or left a factor to the fused kernel; otherwise the optimizer steps as it is.
+        gated = plan is not None and (plan.skip is not None or plan.folded is not None)
+        with shadowed(inner, step=functools.partial(_gated_step, inner, inner.step, plan)) if gated else nullcontext():
             if self._own_scaler:
-                assert self.ctx.scaler is not None
-                self.ctx.scaler.step(optimizer, **kwargs)
-                self.ctx.scaler.update()
+                ctx.scaler.step(optimizer, **kwargs)  # type: ignore[union-attr]
+                ctx.scaler.update()  # type: ignore[union-attr]
             else:
                 optimizer.step(**kwargs)
-        skipped = plan.skip_known_on_host() if plan is not None else False
+        skipped = plan.skip_known_on_host() if gated else False
         if skipped:
             inner.zero_grad(set_to_none=True)
-        self._close_window(plan, skipped)
-        self._step_schedulers(inner, plan)
-        step = self.ctx.step
-        self.ctx.step += 1  # the step is done: what follows sees it counted, as `on_train_batch_end` does
-        self._call("after_step", self.ctx)
-        self.ctx.flush_log(step)
+        if self._buffers is not None:
+            self._buffers.close(skipped, plan.skip if plan is not None else None)
+        if self._schedulers_of:
+            self._step_schedulers(inner, plan)
+        step = ctx.step
+        ctx.step += 1  # the step is done: what follows sees it counted, as `on_train_batch_end` does
+        for after_step in self._after_step:
+            after_step(ctx)
+        if ctx.pending_log():
+            ctx.flush_log(step)
         if self._buffers is not None and not self._first_forward:
             # The next window opens now, after everything this step changed (a rollback's restore included): a
             # skipped next step puts the buffers back to this.
@@ -400,6 +427,7 @@ class GradKit:
 
         Warns when no optimizer step went through :meth:`step` (the policies then measured and guarded nothing) or
         a policy that watches the loss was never given one (:meth:`note_loss`)."""
+        self._finished = True
         self._call("finish", self.ctx)
         self.ctx.flush_log(self.ctx.step)
         if self._steps_through_kit == 0:
@@ -428,23 +456,76 @@ class GradKit:
         return 0 if count is None else int(count)
 
     def state_dict(self) -> dict[str, Any]:
-        """The door's state for a checkpoint: the step counter, the skip count and every policy's state."""
+        """The door's state for a checkpoint: the step counter, the skip count and every policy's state.
+
+        Each policy's state is keyed by its ``state_key``, the key a Lightning ``Trainer`` checkpoint keeps it under
+        (``checkpoint["callbacks"][state_key]``): a state saved behind either door loads behind the other.
+        """
         return {
             "step": self.ctx.step,
             "skipped_steps": self.skipped_steps,
-            "policies": [policy.state_dict() for policy in self.policies],  # type: ignore[attr-defined]
+            "policies": {policy_key(p): p.state_dict() for p in self.policies if hook(p, "state_dict") is not None},
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: give the policies in the same order as when it was saved."""
-        self.ctx.step = int(state_dict["step"])
-        self.pipeline.skipped_steps = torch.tensor(float(state_dict["skipped_steps"]), device=self.ctx.device)
-        for policy, state in zip(self.policies, state_dict["policies"], strict=True):
-            policy.load_state_dict(state)  # type: ignore[attr-defined]
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`, or from a Lightning ``Trainer`` checkpoint of the same policies.
+
+        A Trainer checkpoint (``torch.load(path)``, with its ``"callbacks"`` and ``"global_step"``) gives every
+        policy the state its callback saved and the step count. A state saved before the policies were keyed (a list,
+        in the order of ``policies``) loads by position.
+
+        Raises:
+            KeyError: if a policy of this door has no state in ``state_dict`` (a different set of policies, or
+                different arguments that change their ``state_key``), naming the keys that are there.
+        """
+        if "callbacks" in state_dict and "global_step" in state_dict:  # a Lightning checkpoint
+            step, skipped, states = state_dict["global_step"], None, state_dict["callbacks"]
+        else:
+            step, skipped, states = state_dict["step"], state_dict["skipped_steps"], state_dict["policies"]
+        self.ctx.step = int(step)
+        if skipped is not None:
+            self.pipeline.skipped_steps = torch.tensor(float(skipped), device=self.ctx.device)
+        stateful = [p for p in self.policies if hook(p, "load_state_dict") is not None]
+        if isinstance(states, Mapping):
+            missing = [policy_key(p) for p in stateful if policy_key(p) not in states]
+            if missing:
+                raise KeyError(
+                    f"GradKit.load_state_dict: no state for {', '.join(missing)}; the state holds "
+                    f"{', '.join(map(str, states)) or 'none'}. Build the door with the policies (and arguments) the "
+                    "state was saved with."
+                )
+            for policy in stateful:
+                policy.load_state_dict(states[policy_key(policy)])
+        else:
+            for policy, state in zip(self.policies, states, strict=True):
+                policy.load_state_dict(state)  # type: ignore[attr-defined]
         self._call("attach", self.ctx, self.ctx.model)
         # The model's weights and buffers may be loaded after this call as well as before: the next window's
         # buffers are taken at its first forward, after both.
         self._arm_first_forward()
+
+    def close(self) -> None:
+        """Remove everything the door registered: its forward hooks on the model, the policies' own (their
+        ``detach`` hook), the buffers it kept. The model and optimizers are left as they are; the door is not used
+        again. Called by ``with GradKit(...) as kit:`` on leaving the block (after :meth:`finish`, if the block ended
+        without an exception)."""
+        for handle in self._first_forward:
+            handle.remove()
+        self._first_forward = []
+        self._call("detach", self.ctx)
+        if self._buffers is not None:
+            self._buffers.drop()
+            self._buffers = None
+
+    def __enter__(self) -> GradKit:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        try:
+            if exc_type is None and self._steps_through_kit and not self._finished:
+                self.finish()
+        finally:
+            self.close()
 
     def _call(self, name: str, *args: Any) -> None:
         """Call the protocol hook ``name`` of every policy that defines it."""
@@ -466,11 +547,6 @@ class GradKit:
             f"`step(optimizer)` got a {type(optimizer).__name__} that is not one of the optimizers given to GradKit. "
             "Pass every optimizer the loop steps to `GradKit(model, optimizers=[...], ...)`."
         )
-
-    def _close_window(self, plan: StepPlan | None, skipped: bool | None) -> None:
-        """Put back the buffers of a skipped step (on device for a fused optimizer), keep them otherwise."""
-        if self._buffers is not None:
-            self._buffers.close(skipped, plan.skip if plan is not None else None)
 
 
 def _open_first_window(kit: weakref.ref[GradKit], handles: list[Any], module: nn.Module, args: Any) -> None:
@@ -558,6 +634,13 @@ def _checked_policies(policies: Policy | Sequence[Policy]) -> list[Policy]:
                 "(a Trainer callback such as `ActivationCheckpointing` or `InferenceModeValidation` works only as "
                 "one). Give gradkit policies such as `GradNormMonitor()`, `ClipGradNorm(1.0)` or `NonFiniteGuard()`."
             )
+    keys = [policy_key(p) for p in out if hook(p, "state_dict") is not None]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(
+            f"`policies` holds more than one policy with the state key {', '.join(twice)}: their states would "
+            "overwrite each other in a checkpoint (a Trainer refuses such callbacks too). Keep one of each."
+        )
     clippers = [type(p).__name__ for p in out if p.stage is Stage.CLIP]
     if len(clippers) > 1:
         raise ValueError(

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from gradkit.accumulate import mean_window_scale
 from gradkit.norms import world_size
-from gradkit.pipeline import StatsRequest, StepContext, StepPlan
+from gradkit.pipeline import StepPlan
+from gradkit.protocol import StatsRequest, StepContext
 
 __all__ = ["WatchedValue", "WindowLoss"]
 

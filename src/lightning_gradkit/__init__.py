@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from gradkit.loop import GradKit
 from gradkit.norms import GradStats
-from gradkit.pipeline import Policy, Stage, StepContext, StepPlan
+from gradkit.pipeline import StepPlan
+from gradkit.protocol import Policy, Stage, StepContext
 from lightning_gradkit._compat import register_strategy_names
 from lightning_gradkit.activation_checkpointing.callback import ActivationCheckpointing
 from lightning_gradkit.activation_checkpointing.injection import inject_activation_checkpointing
-from lightning_gradkit.callbacks.accumulation import AccumulationGuard, ManualAccumulator
+from lightning_gradkit.callbacks.accumulation import AccumulationGuard
 from lightning_gradkit.callbacks.clipping import (
     AdaptiveGradClip,
     AutoClip,
@@ -30,6 +31,7 @@ from lightning_gradkit.callbacks.clipping import (
     clip_gradients,
 )
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
+from lightning_gradkit.callbacks.manual_accumulation import ManualAccumulator
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
 from lightning_gradkit.callbacks.rollback import SpikeRollback
 from lightning_gradkit.callbacks.validation import InferenceModeValidation

@@ -11,7 +11,8 @@ says where releases differ.
 
 **Private reads** (one function each, below; a comment says why no public API does):
 
-- :func:`batches_that_stepped`: ``fit_loop.epoch_loop._batches_that_stepped``, the step Lightning logs under.
+- :func:`~lightning_gradkit.engine.batches_that_stepped` (in ``engine.py``, the Trainer door, whose every step reads
+  it): ``fit_loop.epoch_loop._batches_that_stepped``, the step Lightning logs under.
 - :func:`epoch_ends_with_this_batch`: ``fit_loop.epoch_loop._num_ready_batches_reached()``.
 - :func:`publish_callback_metrics`: writes into the dict ``trainer.callback_metrics`` returns.
 - :func:`ddp_start_method`: ``DDPStrategy._start_method``.
@@ -87,7 +88,6 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
 __all__ = [
-    "batches_that_stepped",
     "ddp_start_method",
     "epoch_ends_with_this_batch",
     "publish_callback_metrics",
@@ -97,17 +97,6 @@ __all__ = [
 
 
 # -- private reads ---------------------------------------------------------------------------------------------------
-def batches_that_stepped(trainer: pl.Trainer) -> int:
-    """The step Lightning logs metrics under: ``fit_loop.epoch_loop._batches_that_stepped``.
-
-    Lightning's ``_LoggerConnector`` logs with this step and decides ``log_every_n_steps`` on it plus one;
-    ``LearningRateMonitor`` and ``DeviceStatsMonitor`` read the same attribute. ``trainer.global_step`` differs (it
-    counts every optimizer's steps). 2.5.0 and later also add one when resuming a checkpoint saved mid-epoch before
-    the batch end; reading Lightning's own counter keeps gradkit's steps equal to Lightning's in every release.
-    """
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
-
-
 def publish_callback_metrics(trainer: pl.Trainer, values: dict[str, float]) -> None:
     """Make host values logged straight to the loggers visible in ``trainer.callback_metrics`` too (0-dim CPU tensors,
     as Lightning keeps them), for ``ModelCheckpoint(monitor=...)``, ``EarlyStopping`` and user code.

@@ -48,18 +48,9 @@ from gradkit._layout import verify_same_layout
 from gradkit._torch_compat import gradients_still_scaled
 from gradkit.events import EventLog
 from gradkit.norms import loss_scale, world_size
-from gradkit.pipeline import (
-    Pipeline,
-    Policy,
-    Stage,
-    StatsRequest,
-    StepContext,
-    StepPlan,
-    UnitNorms,
-    hook,
-    values_to_host,
-)
-from lightning_gradkit._compat import batches_that_stepped, epoch_ends_with_this_batch, publish_callback_metrics
+from gradkit.pipeline import Pipeline, StepPlan, UnitNorms
+from gradkit.protocol import Policy, Stage, StatsRequest, StepContext, hook, values_to_host
+from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
 
 __all__ = [
@@ -71,6 +62,7 @@ __all__ = [
     "StepPlan",
     "TrainerContext",
     "UnitNorms",
+    "batches_that_stepped",
     "check_callback_instances",
     "events_dir",
     "flat_sharded",
@@ -96,6 +88,17 @@ def _pending_loss_scale(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor | N
     if scale is None or not gradients_still_scaled(scaler, optimizer):
         return None
     return scale
+
+
+def batches_that_stepped(trainer: pl.Trainer) -> int:
+    """The step Lightning logs metrics under: ``fit_loop.epoch_loop._batches_that_stepped``.
+
+    Lightning's ``_LoggerConnector`` logs with this step and decides ``log_every_n_steps`` on it plus one;
+    ``LearningRateMonitor`` and ``DeviceStatsMonitor`` read the same attribute. ``trainer.global_step`` differs (it
+    counts every optimizer's steps). 2.5.0 and later also add one when resuming a checkpoint saved mid-epoch before
+    the batch end; reading Lightning's own counter keeps gradkit's steps equal to Lightning's in every release.
+    """
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
 def is_logging_step(trainer: pl.Trainer, every_n_steps: int | None) -> bool:
@@ -185,13 +188,18 @@ class TrainerContext(StepContext):
         return bool(getattr(self.trainer.strategy, "_gradkit_gate_active", False))
 
     def loss_scale(self, optimizer: Optimizer) -> Tensor | None:
+        if getattr(self.trainer.precision_plugin, "scaler", None) is None:
+            return None
         return _pending_loss_scale(self.trainer, optimizer)
 
     def loss_scale_source(self) -> object | None:
         return getattr(self.trainer.precision_plugin, "scaler", None)
 
     def is_logging_step(self, every_n_steps: int | None = None) -> bool:
-        return is_logging_step(self.trainer, every_n_steps)
+        # `is_logging_step`, inline: this runs every step.
+        trainer = self.trainer
+        n = trainer.log_every_n_steps if every_n_steps is None else every_n_steps
+        return n != 0 and ((trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % n == 0 or trainer.should_stop)
 
     def is_last_step(self) -> bool:
         return _is_last_step(self.trainer)
@@ -285,6 +293,7 @@ class Engine(Pipeline):
         super().__init__()
         self._layout_verified = False
         self._ctx: TrainerContext | None = None
+        self._policies: list[Policy] | None = None  # the Trainer's gradkit callbacks, taken once per fit
 
     @classmethod
     def of(cls, trainer: pl.Trainer) -> Engine:
@@ -298,6 +307,7 @@ class Engine(Pipeline):
         super().reset()
         self._layout_verified = False
         self._ctx = None
+        self._policies = None
 
     def context(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainerContext:
         """The :class:`TrainerContext` of ``trainer`` (one object, made again only when the module changes)."""
@@ -319,9 +329,7 @@ class Engine(Pipeline):
 
     def step_plan(self, trainer: pl.Trainer, optimizer: Optimizer) -> StepPlan | None:  # type: ignore[override]
         """The plan decided for ``optimizer``'s current step (its first evaluation), ``None`` if none ran yet."""
-        if not self._evaluations.ran(optimizer, (trainer.global_step, trainer.fit_loop.total_batch_idx)):
-            return None
-        return self.last_plans.get(id(optimizer))
+        return super().step_plan((trainer.global_step, trainer.fit_loop.total_batch_idx), optimizer)
 
     def run(  # type: ignore[override]
         self,
@@ -333,7 +341,14 @@ class Engine(Pipeline):
         """Run the step's pipeline for the Trainer's gradkit callbacks and ``extra`` (policies that are not in
         ``trainer.callbacks``: the manual-optimization entry point); ``None`` when it already ran for these
         gradients."""
-        return super().run(self.context(trainer, pl_module), optimizer, self.callbacks(trainer, extra))
+        ctx = self._ctx
+        if ctx is None or ctx.trainer is not trainer or ctx.pl_module is not pl_module:
+            ctx = self.context(trainer, pl_module)
+        if extra:
+            return super().run(ctx, optimizer, self.callbacks(trainer, extra))
+        if self._policies is None:
+            self._policies = self.callbacks(trainer)
+        return super().run(ctx, optimizer, self._policies)
 
 
 # -- the policies' base class --------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
-from gradkit.norms import clean_name, is_ddp_wrapped, loss_scale
+from gradkit.norms import loss_scale
+from gradkit.params import clean_name, is_ddp_wrapped
 from gradkit.replay import RNGState, replay
 
 __all__ = ["Finding", "all_finite", "describe_error", "find_nonfinite_origin", "replay_training_step"]

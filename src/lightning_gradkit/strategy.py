@@ -75,7 +75,7 @@ from gradkit._closure import first_evaluation
 from gradkit._torch_compat import handles_found_inf
 from gradkit.buffers import BufferGuard
 from gradkit.gate import shadowed, step_as_decided
-from gradkit.pipeline import hook
+from gradkit.protocol import hook
 from gradkit.replay import replaying
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, clipping_instead, is_deepspeed_strategy

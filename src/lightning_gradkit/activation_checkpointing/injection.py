@@ -37,7 +37,7 @@ from torch.utils.checkpoint import (
 )
 
 from gradkit._arguments import validate_every_n
-from gradkit.norms import clean_name, is_ddp_wrapped
+from gradkit.params import clean_name, is_ddp_wrapped
 from gradkit.selection import NamePattern, no_match_hint, parse_patterns
 
 __all__ = [

@@ -40,17 +40,9 @@ from gradkit.clip import (
     clip_coefficient,
     clip_to_threshold,
 )
-from gradkit.norms import (
-    ParamIndex,
-    clean_name,
-    host_to_device,
-    local_tensor,
-    per_tensor_norms,
-    reduce_sharded,
-    replication,
-    row_norms,
-)
-from gradkit.pipeline import StepContext
+from gradkit.norms import ParamIndex, host_to_device, local_tensor, per_tensor_norms, reduce_sharded, row_norms
+from gradkit.params import clean_name, replication
+from gradkit.protocol import StepContext
 from gradkit.selection import NamePattern, no_match_hint, parameters_selected, parse_patterns
 from lightning_gradkit._deepspeed import clipping_instead, refuse_under_deepspeed
 from lightning_gradkit.engine import (

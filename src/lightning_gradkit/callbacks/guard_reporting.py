@@ -26,7 +26,7 @@ from torch import Tensor
 
 from gradkit.events import EventLog, EventWriter
 from gradkit.host_lag import HostLag
-from gradkit.pipeline import StepContext, unwrapped
+from gradkit.protocol import StepContext, unwrapped
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, refuse_under_deepspeed
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StepPlan, events_dir
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint, handles_found_inf

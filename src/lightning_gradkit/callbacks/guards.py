@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from gradkit._arguments import check_bool, check_choice, check_float, check_int
 from gradkit.host_lag import HostLag, as_float32
 from gradkit.norms import nonfinite_mask
-from gradkit.pipeline import StepContext
+from gradkit.protocol import StepContext
 from gradkit.replay import RNGState, capture_rng
 from gradkit.running import HostMoments
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, deepspeed_step, refuse_under_deepspeed, uses_deepspeed

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from gradkit.accumulate import mean_window_scale
 from gradkit.norms import loss_scale
-from gradkit.pipeline import StepContext
+from gradkit.protocol import StepContext
 from lightning_gradkit.engine import GradKitCallback, StatsRequest, StepPlan, world_size
 
 __all__ = ["WatchesLossOrGradNorm", "WindowLoss", "unscaled_loss"]

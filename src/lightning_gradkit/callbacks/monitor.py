@@ -22,19 +22,17 @@ from gradkit._arguments import check_bool, check_int, name_list, validate_norm_t
 from gradkit.events import EVENTS_FILENAME, write_metadata
 from gradkit.norms import (
     ParamIndex,
-    clean_name,
     combine_sharded,
     grouped_norms,
     host_to_device,
     local_tensor,
-    module_key,
     per_tensor_norms,
     powered,
     reduce_sharded,
     total_norm,
 )
-from gradkit.pipeline import StepContext, values_to_host
-from lightning_gradkit._compat import batches_that_stepped
+from gradkit.params import clean_name, module_key
+from gradkit.protocol import StepContext, values_to_host
 from lightning_gradkit._deepspeed import deepspeed_step, refuse_under_deepspeed, uses_deepspeed
 from lightning_gradkit.engine import (
     Engine,
@@ -42,6 +40,7 @@ from lightning_gradkit.engine import (
     Stage,
     StatsRequest,
     StepPlan,
+    batches_that_stepped,
     events_dir,
     log_metrics,
 )

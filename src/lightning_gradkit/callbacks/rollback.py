@@ -25,15 +25,9 @@ from torch.utils.hooks import RemovableHandle
 
 from gradkit._arguments import check_bool, check_choice, check_float, check_int, name_list
 from gradkit.events import EventLog, EventWriter
-from gradkit.norms import (
-    ParamIndex,
-    clean_name,
-    grouped_norms,
-    host_to_device,
-    local_tensor,
-    nonfinite_mask,
-)
-from gradkit.pipeline import StepContext, unwrapped
+from gradkit.norms import ParamIndex, grouped_norms, host_to_device, local_tensor, nonfinite_mask
+from gradkit.params import clean_name
+from gradkit.protocol import StepContext, unwrapped
 from gradkit.replay import RNGState, capture_rng, restore_rng
 from gradkit.running import RunningMoments, spike_decision
 from gradkit.snapshot import HostSnapshot, trained_parameters

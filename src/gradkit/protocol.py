@@ -1,0 +1,359 @@
+"""The protocol between the step pipeline, the policies and the front doors: what each reads of the others.
+
+- :class:`Policy`: what a policy is to the pipeline (a plain object with a ``stage`` and any of the hooks); gradkit's
+  policies are plain torch classes that do not derive from it.
+- :class:`StepContext`: what the pipeline and the policies read of the loop (one subclass per front door: the
+  Trainer's in :mod:`lightning_gradkit.engine`, the loop door's in :mod:`gradkit.loop`).
+- :class:`Stage` (the order of decisions within a step), :class:`StatsRequest` (what the measure phase reads for the
+  policies), :class:`Roster` (a step's policies and each phase's hooks).
+
+The pipeline that runs a step on them is :mod:`gradkit.pipeline`. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from gradkit._torch_compat import handles_found_inf
+from gradkit.norms import world_size
+
+if TYPE_CHECKING:
+    from gradkit.pipeline import Pipeline, StepPlan
+
+__all__ = [
+    "Policy",
+    "Roster",
+    "Stage",
+    "StatsRequest",
+    "StepContext",
+    "hook",
+    "is_policy",
+    "policy_key",
+    "state_key",
+    "unwrapped",
+    "values_to_host",
+]
+
+
+class Stage(IntEnum):
+    """The order in which policies decide within one step."""
+
+    SCALE = 0
+    GUARD = 1
+    CLIP = 2
+    OBSERVE = 3
+
+
+@dataclass
+class StatsRequest:
+    """What the measure phase reads this step: the union of the policies' ``request_stats``.
+
+    Attributes:
+        norm_types: the norm types of the per-parameter norms (2.0 when no policy asks for one).
+        depth: module depth of the per-module norms (``ParamIndex`` groups).
+        unit_norm_names: parameters whose unit-wise 2-norms are measured (AGC), see :class:`UnitNorms`.
+        rank_flags: make the finite flag global: every rank's local flag travels in the step's collective.
+    """
+
+    norm_types: set[float] = field(default_factory=set)
+    depth: int = 0
+    unit_norm_names: set[str] = field(default_factory=set)
+    rank_flags: bool = False
+
+
+def values_to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """Step values (device scalars) as Python floats, in one device-to-host transfer (logging steps only). Values
+    already on the host (a policy's host statistics) are read where they are."""
+    on_device = {k: v for k, v in metrics.items() if v.device.type != "cpu"} or metrics
+    first = next(iter(on_device.values()))
+    stacked = torch.stack([v.detach().reshape(()).to(first.device, torch.float32) for v in on_device.values()])
+    values = dict(zip(on_device, stacked.tolist(), strict=True))
+    return {k: values[k] if k in values else float(v) for k, v in metrics.items()}
+
+
+# -- what the pipeline reads of the loop and of the policies --------------------------------------------------------
+class StepContext:
+    """The loop a step runs in, as the pipeline and the policies read it: one subclass per front door.
+
+    The Lightning ``Trainer`` door answers from the Trainer (:class:`~lightning_gradkit.engine.TrainerContext`), the
+    Fabric and plain-PyTorch door from its own step counter (:class:`~gradkit.loop.LoopContext`). A
+    feature that only exists under a Trainer (the culprit replay of ``training_step``, the gradient report, the LR
+    gate) reads ``trainer``, which is ``None`` behind the other doors.
+
+    Attributes:
+        trainer: the Lightning ``Trainer`` when the loop is one, else ``None``.
+        pl_module: its ``LightningModule``, else ``None``.
+        log_dir: the directory of the guards' event file behind the other doors (the Trainer's is its log
+            directory, chosen at ``setup``).
+    """
+
+    trainer = None
+    pl_module = None
+    #: Where the guards write their event file outside a Trainer (``None``: none is written).
+    log_dir: Path | None = None
+
+    @property
+    def optimizers(self) -> Sequence[Optimizer]:
+        """Every optimizer of the loop, in a fixed order (the index of one names its logged metrics)."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's parameters on this rank."""
+        raise NotImplementedError
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps attempted before the current one (skipped ones included)."""
+        raise NotImplementedError
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if world_size() > 1 else 0
+
+    @property
+    def batch_idx(self) -> int:
+        """The current batch of the epoch, as the loop counts it (the step, where the loop has no epochs)."""
+        return self.global_step
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """The micro-batches per optimizer step whose losses the loop divides before ``backward`` (1 if none)."""
+        return 1
+
+    @property
+    def log_every_n_steps(self) -> int:
+        raise NotImplementedError
+
+    def step_key(self) -> tuple[int, ...]:
+        """What identifies the current optimizer step: equal for all calls within it, different for the next."""
+        return (self.global_step,)
+
+    def param_names(self) -> dict[int, str]:
+        """``id(parameter) -> name`` for every parameter of the model."""
+        raise NotImplementedError
+
+    def flat_sharded(self) -> bool:
+        """Whether every gradient is a flat local shard (FSDP1 over several ranks)."""
+        return False
+
+    def loss_scale(self, optimizer: Optimizer) -> Tensor | None:
+        """The AMP loss scale ``optimizer``'s gradients still carry (a device tensor), or ``None``."""
+        return None
+
+    def loss_scale_source(self) -> object | None:
+        """The loop's fp16 ``GradScaler``, or ``None``."""
+        return None
+
+    def steps_through_gate(self) -> bool:
+        """Whether every optimizer step of the loop goes through :func:`~gradkit.gate.step_as_decided`
+        (the door gates ``optimizer.step``)."""
+        return False
+
+    def folds_into(self, optimizer: Optimizer) -> bool:
+        """Whether a plan's common factor can go to ``optimizer``'s fused kernel (its ``grad_scale``) instead of a
+        write pass: the door gates the step and the optimizer is fused."""
+        return self.steps_through_gate() and handles_found_inf(optimizer)
+
+    def is_logging_step(self, every_n_steps: int | None = None) -> bool:
+        """Whether the current step logs: ``every_n_steps`` or the loop's own period."""
+        n = self.log_every_n_steps if every_n_steps is None else every_n_steps
+        return n != 0 and (self.global_step + 1) % n == 0
+
+    def is_last_step(self) -> bool:
+        """Whether the current step is known to be the loop's last one."""
+        return False
+
+    def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
+        """Send step values (device tensors) to the loop's loggers; called on logging steps only."""
+        raise NotImplementedError
+
+    def log_values(self, values: dict[str, float]) -> None:
+        """Send values already on the host to the loop's loggers at the current step (a step off the period)."""
+        raise NotImplementedError
+
+    def warn(self, message: str) -> None:
+        """A warning, from rank 0 only."""
+        if self.global_rank == 0:
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The module being trained (its buffers are part of a step's state)."""
+        raise NotImplementedError
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The loop's pipeline (its count of skipped steps is part of a step's state)."""
+        raise NotImplementedError
+
+    def policies(self) -> list[Policy]:
+        """Every policy of the loop."""
+        raise NotImplementedError
+
+    def schedulers(self) -> list[object]:
+        """The LR schedulers of the loop (``state_dict``/``load_state_dict``), in a fixed order."""
+        return []
+
+    def step_state(self) -> dict[str, object]:
+        """What the door itself changes per step besides the above (the Trainer's LR-schedule counts)."""
+        return {}
+
+    def load_step_state(self, state: dict[str, object]) -> None:
+        """Rewind :meth:`step_state` at the current batch."""
+
+    def optimizer_index(self, optimizer: Optimizer) -> int:
+        """The position of ``optimizer`` (or of the optimizer a wrapper holds) in :attr:`optimizers`, 0 if absent."""
+        for i, opt in enumerate(self.optimizers):
+            if opt is optimizer or unwrapped(opt) is optimizer:
+                return i
+        return 0
+
+
+def unwrapped(optimizer: Optimizer) -> Optimizer:
+    """The optimizer a wrapper holds (Lightning's ``LightningOptimizer._optimizer``, Fabric's
+    ``_FabricOptimizer.optimizer``), or the optimizer itself."""
+    inner = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, Optimizer) else optimizer
+
+
+class Policy(Protocol):
+    """What a policy is to the pipeline: a plain object with a ``stage`` and any of the hooks below.
+
+    A policy does not derive from this class (gradkit's own do not: one class per algorithm, no base); it is a
+    :class:`typing.Protocol`, and :func:`is_policy` tells whether an object is one (it has a ``stage``). The pipeline
+    calls only the hooks a policy defines (:class:`Roster`); each reads the loop through the :class:`StepContext`, so
+    a policy decides the same way behind every door. A class that subclasses ``Policy`` explicitly inherits the no-op
+    hooks below.
+
+    The protocol, in the order of a step:
+
+    - ``attach(ctx, model)``: the door is set up (the Trainer's ``setup``, ``GradKit(...)``, ``load_state_dict``);
+      raise ``ValueError`` if the policy, as configured, cannot work behind this door.
+    - ``before_first_forward(ctx)``: the first forward after the door was built or loaded is about to run.
+    - ``note_loss(loss, ctx)``: a micro-batch loss (before any division, without the AMP scale).
+    - ``request_stats(request)``, ``primary_norm_type()``, ``reduce_request(ctx)``: what the measure and reduce
+      phases read for it.
+    - ``decide(plan, ctx)`` / ``decide_again(plan, first, ctx)``: its decision, written into the plan; no gradient
+      is read, nothing syncs.
+    - ``observe(plan, ctx)``: after the write; logs on logging steps.
+    - ``after_step(ctx)``: after the optimizer step (applied or skipped) and the LR schedulers of the batch.
+    - ``finish(ctx)``: the loop ended.
+    - ``may_skip()``: whether it may ask for a step to be skipped (the door must be able to skip).
+    - ``state_dict()`` / ``load_state_dict(state)`` and ``state_key``: its state, one format behind every door.
+    - ``detach(ctx)``: remove what ``attach`` registered (hooks on the model); the loop door's ``close`` calls it.
+    """
+
+    stage: Stage
+
+    def may_skip(self) -> bool:
+        """Whether this policy may ask for an optimizer step to be skipped (the door must be able to skip)."""
+        return False
+
+    def request_stats(self, request: StatsRequest) -> None:
+        """Measure: add the norm types and module depth this policy reads."""
+
+    def primary_norm_type(self) -> float | None:
+        """The norm type whose statistics are logged as the step's gradient norm (the monitor's)."""
+        return None
+
+    def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
+        """Reduce: per-rank scalars to be summed across ranks in the step's single collective (keys must be unique)."""
+        return {}
+
+    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
+        """Decide: read the plan's statistics and write a decision into it. Must not read gradients or sync."""
+
+    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+        """Decide, for a later evaluation of the closure within the same optimizer step (``LBFGS``, SAM; see
+        :mod:`gradkit._closure`): ``plan`` holds the fresh gradients' statistics and the step's accumulation
+        scale, ``first`` the step's decision. Write what applies to every evaluation's gradients (clipping); forget
+        what this evaluation's micro-batch hooks collected for a decision (the step was decided on the first
+        evaluation). Must not read gradients or sync."""
+
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+        """Observe, after the gradients are written: log on logging steps."""
+
+    def note_loss(self, loss: Tensor, ctx: StepContext) -> None:
+        """A micro-batch loss as the loop computed it (before any division, without the AMP scale)."""
+
+    def finish(self, ctx: StepContext) -> None:
+        """The loop ended: report what is still pending."""
+
+    def after_step(self, ctx: StepContext) -> None:
+        """After the optimizer step (applied or skipped) and the LR schedulers of the batch."""
+
+    def before_first_forward(self, ctx: StepContext) -> None:
+        """The first forward after the door was built or loaded is about to run (the model's weights and buffers are
+        loaded by then, in whatever order the loop loaded them)."""
+
+    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+        """The door is set up: prepare what needs the model.
+
+        Raises:
+            ValueError: if the policy, as configured, cannot work behind this door.
+        """
+
+
+def state_key(policy: object, **identity: object) -> str:
+    """The key of ``policy``'s state in a checkpoint, the same behind every door: Lightning's
+    ``Callback._generate_state_key`` format (class name, then the arguments that tell two instances apart), so that a
+    Trainer checkpoint's ``"callbacks"`` entry and :meth:`~gradkit.loop.GradKit.state_dict` use one key."""
+    return f"{type(policy).__qualname__}{identity!r}" if identity else type(policy).__qualname__
+
+
+def policy_key(policy: object) -> str:
+    """The key of ``policy``'s state behind every door: its ``state_key`` (a Lightning callback's, or a torch policy's
+    own, made by :func:`state_key`), else its class name, as Lightning's ``Callback.state_key`` defaults to."""
+    key = getattr(policy, "state_key", None)
+    return key if isinstance(key, str) else type(policy).__qualname__
+
+
+def is_policy(obj: object) -> bool:
+    """Whether ``obj`` is a policy instance: it has a :class:`Stage` as ``stage`` (a class is not an instance)."""
+    return not isinstance(obj, type) and isinstance(getattr(obj, "stage", None), Stage)
+
+
+def hook(policy: object, name: str) -> Callable[..., Any] | None:
+    """``policy``'s protocol hook ``name`` (bound), or ``None`` when it does not define it."""
+    return getattr(policy, name, None)
+
+
+class Roster:
+    """A step's policies in stage order, and each phase's hooks (bound methods of the policies that define them).
+
+    Built once per set of policies (:meth:`Pipeline._roster`): a phase calls only the policies that take part in it.
+    """
+
+    __slots__ = ("decide", "decide_again", "observe", "policies", "primary", "reduce_request", "request")
+
+    def __init__(self, policies: Sequence[object]) -> None:
+        self.policies = sorted(policies, key=lambda policy: policy.stage)  # type: ignore[attr-defined]
+        found = {
+            name: [m for p in self.policies if (m := hook(p, name)) is not None]
+            for name in ("decide", "decide_again", "observe", "reduce_request")
+        }
+        self.decide = found["decide"]
+        self.decide_again = found["decide_again"]
+        self.observe = found["observe"]
+        self.reduce_request = found["reduce_request"]
+        request = StatsRequest()
+        for p in self.policies:
+            add = hook(p, "request_stats")
+            if add is not None:
+                add(request)
+        if not request.norm_types:
+            request.norm_types.add(2.0)
+        self.request = request
+        primaries = (hook(p, "primary_norm_type") for p in self.policies)
+        self.primary = next((v for f in primaries if f is not None and (v := f()) is not None), None)
