@@ -1,6 +1,6 @@
 """Every Lightning callback of lightning_gradkit, importable from one place.
 
-The gradient-path callbacks live here, one module per job: ``monitor`` (norm logging), ``clipping`` (the five
+The gradient-path callbacks live here, one module per job: ``monitor`` (norm logging), ``clip_callbacks`` (the five
 clippers and :func:`clip_gradients`), ``guards`` (non-finite values and spikes), ``rollback``, ``accumulation``
 (:class:`AccumulationGuard` and :class:`~lightning_gradkit.ManualAccumulator`) and ``validation`` (inference-mode
 validation). The diagnostics' callbacks live in :mod:`lightning_gradkit.diagnostics` and activation checkpointing's in
@@ -9,7 +9,7 @@ validation). The diagnostics' callbacks live in :mod:`lightning_gradkit.diagnost
 
 from lightning_gradkit.activation_checkpointing.callback import ActivationCheckpointing
 from lightning_gradkit.callbacks.accumulation import AccumulationGuard
-from lightning_gradkit.callbacks.clipping import (
+from lightning_gradkit.callbacks.clip_callbacks import (
     AdaptiveGradClip,
     AutoClip,
     ClipGradNorm,
