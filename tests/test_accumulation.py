@@ -18,13 +18,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from clip_reference import AGCRef
+from gradkit import clipping
 from gradkit.accumulate import (
     is_window_boundary,
     mean_window_scale,
     micro_batches_in_window,
     token_window_scale,
 )
-from gradkit.clip import GradNormPolicy
 from helpers import MLPModule, column, count_syncs, loader, make_trainer, read_metrics, regression_data
 from lightning_gradkit import (
     AccumulationGuard,
@@ -574,7 +574,7 @@ class ManualClipped(pl.LightningModule):
         self.base = base
         self.route = route
         self.accumulator = ManualAccumulator(4, normalize=normalize)  # type: ignore[arg-type]
-        self.clip = GradNormPolicy(MAX_NORM)
+        self.clip = clipping.ClipGradNorm(MAX_NORM)
         self.grad_writes: list[Counter[str]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> None:

@@ -106,8 +106,8 @@ def test_valid_values_keep_their_type() -> None:
     assert check_float("x", 2) == 2.0 and type(check_float("x", 2)) is float
     assert check_float("p", math.inf, minimum=1.0, allow_inf=True) == math.inf
     assert check_strings("t", ("a", "b")) == ["a", "b"]
-    assert ZClip(warmup_steps=10).policy.warmup_steps == 10
-    assert AutoClip(history_size=10_000_000).policy.history_size == 10_000_000
+    assert ZClip(warmup_steps=10).warmup_steps == 10
+    assert AutoClip(history_size=10_000_000).history_size == 10_000_000
 
 
 def test_two_monitors_fail_at_setup(tmp_path: Path) -> None:

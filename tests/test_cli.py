@@ -117,8 +117,8 @@ CALLBACK_ARGS: dict[str, dict[str, object]] = {
 
 
 def stored(callback: object, name: str) -> object:
-    """The value a callback keeps for a constructor argument (the clipping callbacks keep theirs on ``policy``)."""
-    return getattr(callback, name) if hasattr(callback, name) else getattr(callback.policy, name)
+    """The value a callback keeps for a constructor argument."""
+    return getattr(callback, name)
 
 
 def test_every_public_callback_is_covered() -> None:

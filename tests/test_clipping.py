@@ -16,9 +16,10 @@ from torch import nn
 from clip_reference import AGCRef, AutoClipRef, NormRef, ValueRef, ZClipRef, total_norm
 from helpers import MLPModule, column, count_syncs, loader, make_trainer, read_metrics
 from lightning_gradkit import AdaptiveGradClip, AutoClip, ClipGradNorm, ClipGradValue, GradNormMonitor, ZClip
-from lightning_gradkit.callbacks.clipping import _GradClipCallback
 
 STEPS = 20
+
+Clipper = ClipGradNorm | ClipGradValue | AdaptiveGradClip | AutoClip | ZClip
 
 
 class ZeroInitMLP(MLPModule):
@@ -49,7 +50,7 @@ def reference_params(
 
 def lightning_params(
     tmp_path: Path,
-    callback: _GradClipCallback,
+    callback: Clipper,
     accumulate: int = 1,
     model_cls: type[MLPModule] = MLPModule,
     **kwargs: Any,
@@ -61,7 +62,7 @@ def lightning_params(
     return {n: p.detach().clone() for n, p in model.named_parameters()}, read_metrics(trainer)
 
 
-CASES: dict[str, tuple[Callable[[], _GradClipCallback], Callable[[], Callable[[nn.Module], None]]]] = {
+CASES: dict[str, tuple[Callable[[], Clipper], Callable[[], Callable[[nn.Module], None]]]] = {
     "norm-2": (lambda: ClipGradNorm(0.8), lambda: NormRef(0.8)),
     "norm-1": (lambda: ClipGradNorm(2.0, norm_type=1.0), lambda: NormRef(2.0, 1.0)),
     "norm-inf": (lambda: ClipGradNorm(0.3, norm_type=math.inf), lambda: NormRef(0.3, math.inf)),
@@ -329,7 +330,7 @@ def test_no_host_sync_per_step(tmp_path: Path, case: str) -> None:
         assert counter.total == 0, counter.counts
 
 
-def _strict_after_first_step(callback: _GradClipCallback) -> None:
+def _strict_after_first_step(callback: Clipper) -> None:
     """Make any CUDA host sync inside the callback's hook an error (the first step builds index tensors)."""
     original = callback.on_before_optimizer_step
 
@@ -449,14 +450,14 @@ def test_non_finite_norm_never_enters_the_statistics(tmp_path: Path, case: str) 
 
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
-    policy = callback.policy
+    state = callback.state_dict()["policies"][0]
     if isinstance(ref, ZClipRef):
-        assert int(policy.count) == STEPS - 1
-        assert float(policy.mean) == pytest.approx(ref.mean, rel=1e-6)
-        assert float(policy.var) == pytest.approx(ref.var, rel=1e-5)
+        assert int(state["count"]) == STEPS - 1
+        assert float(state["mean"]) == pytest.approx(ref.mean, rel=1e-6)
+        assert float(state["var"]) == pytest.approx(ref.var, rel=1e-5)
     else:
-        assert int(policy.count) == STEPS - 1
-        assert sorted(policy.history.tolist()) == pytest.approx(sorted(ref.history), rel=1e-6)
+        assert int(state["count"]) == STEPS - 1
+        assert sorted(state["history"].tolist()) == pytest.approx(sorted(ref.history), rel=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -506,12 +507,12 @@ def test_two_clipping_callbacks_fail_at_setup(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", [ClipGradNorm, AutoClip])
-def test_two_clipping_callbacks_of_one_class_fail_at_setup_with_our_message(tmp_path: Path, kind: type) -> None:
-    """Lightning's own check at ``Trainer(...)`` would reject two callbacks with one state key, generically."""
+def test_two_clipping_callbacks_of_one_class_are_refused_at_trainer_construction(tmp_path: Path, kind: type) -> None:
+    """One state key per class, the same behind every door: Lightning's own check refuses the twins, naming them (two
+    clippers of different classes reach gradkit's check at setup, above)."""
     twins = [kind(1.0), kind(1.0)] if kind is ClipGradNorm else [kind(), kind()]
-    trainer = make_trainer(tmp_path, callbacks=twins)
-    with pytest.raises(ValueError, match=rf"2 gradient-clipping callbacks \({kind.__name__}, {kind.__name__}\).*Keep"):
-        trainer.fit(MLPModule(), loader())
+    with pytest.raises(RuntimeError, match=rf"more than one stateful callback of type `{kind.__name__}`"):
+        make_trainer(tmp_path, callbacks=twins)
 
 
 def test_clipping_state_is_saved_under_the_class_name(tmp_path: Path) -> None:

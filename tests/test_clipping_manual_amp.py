@@ -12,14 +12,11 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor, nn
 
 from clip_reference import AGCRef, AutoClipRef, NormRef, ValueRef, ZClipRef, total_norm
-from gradkit.clip import (
-    AdaptiveGradClipPolicy,
-    AutoClipPolicy,
-    ClipPolicy,
-    GradNormPolicy,
-    GradValuePolicy,
-    ZClipPolicy,
-)
+from gradkit.agc import AdaptiveGradClip as TorchAdaptiveGradClip
+from gradkit.clipping import ClipGradNorm as TorchClipGradNorm
+from gradkit.clipping import ClipGradValue as TorchClipGradValue
+from gradkit.history_clipping import AutoClip as TorchAutoClip
+from gradkit.history_clipping import ZClip as TorchZClip
 from helpers import MLPModule, count_syncs, loader, make_trainer
 from lightning_gradkit import AdaptiveGradClip, ClipGradNorm, ClipGradValue, GradNormMonitor, ZClip, clip_gradients
 
@@ -133,16 +130,16 @@ def reference_manual(clip: Callable[[nn.Module], None], amp: bool) -> tuple[dict
 
 
 MANUAL_CASES: dict[str, tuple[Callable[[], Any], Callable[[], Callable[[nn.Module], None]], bool]] = {
-    # (policy given to clip_gradients, reference, also attach it to the Trainer)
-    "policy-object": (lambda: GradNormPolicy(0.5), lambda: NormRef(0.5), False),
+    # (clipper given to clip_gradients, reference, also attach it to the Trainer)
+    "torch-clipper": (lambda: TorchClipGradNorm(0.5), lambda: NormRef(0.5), False),
     "callback-object": (
         lambda: ZClip(alpha=0.9, z_threshold=0.5, warmup_steps=3),
         lambda: ZClipRef(0.9, 0.5, 3),
         False,
     ),
     "attached-callback": (lambda: ClipGradNorm(0.5), lambda: NormRef(0.5), True),
-    "zclip-policy": (
-        lambda: ZClipPolicy(alpha=0.9, z_threshold=0.5, warmup_steps=3),
+    "torch-zclip": (
+        lambda: TorchZClip(alpha=0.9, z_threshold=0.5, warmup_steps=3),
         lambda: ZClipRef(0.9, 0.5, 3),
         False,
     ),
@@ -166,17 +163,17 @@ def test_manual_optimization_clips_once_and_returns_the_norm(tmp_path: Path, cas
         torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
 
 
-POLICY_OBJECTS: dict[str, tuple[Callable[[], ClipPolicy], Callable[[], Callable[[nn.Module], None]]]] = {
-    # Every policy class clip_gradients accepts, given as a bare policy object (the other cases are above).
-    "value": (lambda: GradValuePolicy(0.05), lambda: ValueRef(0.05)),
-    "agc": (lambda: AdaptiveGradClipPolicy(clip_factor=0.05), lambda: AGCRef(0.05)),
-    "autoclip": (lambda: AutoClipPolicy(percentile=30.0, history_size=50), lambda: AutoClipRef(30.0, 50)),
+TORCH_CLIPPERS: dict[str, tuple[Callable[[], Any], Callable[[], Callable[[nn.Module], None]]]] = {
+    # Every other torch clipper class clip_gradients accepts (ClipGradNorm and ZClip are above).
+    "value": (lambda: TorchClipGradValue(0.05), lambda: ValueRef(0.05)),
+    "agc": (lambda: TorchAdaptiveGradClip(clip_factor=0.05), lambda: AGCRef(0.05)),
+    "autoclip": (lambda: TorchAutoClip(percentile=30.0, history_size=50), lambda: AutoClipRef(30.0, 50)),
 }
 
 
-@pytest.mark.parametrize("case", list(POLICY_OBJECTS))
-def test_manual_clip_gradients_applies_every_kind_of_policy_object(tmp_path: Path, case: str) -> None:
-    make_policy, make_ref = POLICY_OBJECTS[case]
+@pytest.mark.parametrize("case", list(TORCH_CLIPPERS))
+def test_manual_clip_gradients_applies_every_torch_clipper(tmp_path: Path, case: str) -> None:
+    make_policy, make_ref = TORCH_CLIPPERS[case]
     torch.manual_seed(0)
     model = ManualModule(make_policy())
     make_trainer(tmp_path).fit(model, loader(n=STEPS * 8, batch_size=8))
@@ -188,11 +185,11 @@ def test_manual_clip_gradients_applies_every_kind_of_policy_object(tmp_path: Pat
 
 
 def test_manual_clip_gradients_syncs_nothing(tmp_path: Path) -> None:
-    import lightning_gradkit.callbacks.clipping as clipping_module
+    import lightning_gradkit.callbacks.clip_callbacks as clipping_module
 
     with count_syncs() as counter:
         counter.watch(clipping_module, "clip_gradients")
-        model = ManualModule(ZClipPolicy(warmup_steps=2))
+        model = ManualModule(TorchZClip(warmup_steps=2))
 
         def training_step(batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
             opt = model.optimizers()
@@ -211,27 +208,21 @@ def test_manual_clip_gradients_syncs_nothing(tmp_path: Path) -> None:
 def test_manual_clip_gradients_rejects_automatic_optimization_and_second_clipper(tmp_path: Path) -> None:
     class Automatic(MLPModule):
         def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-            clip_gradients(self, optimizer, GradNormPolicy(1.0))
+            clip_gradients(self, optimizer, TorchClipGradNorm(1.0))
 
     with pytest.raises(RuntimeError, match="manual optimization"):
         make_trainer(tmp_path).fit(Automatic(), loader(n=8))
 
     trainer = make_trainer(tmp_path, callbacks=[ClipGradNorm(1.0)])
     with pytest.raises(ValueError, match="would clip twice"):
-        trainer.fit(ManualModule(ZClipPolicy()), loader(n=8))
+        trainer.fit(ManualModule(TorchZClip()), loader(n=8))
 
-
-def test_policy_state_round_trips_exactly() -> None:
-    policy: ClipPolicy = ZClipPolicy(warmup_steps=2)
-    for v in (1.0, 2.0, 1.5, 9.0):
-        policy(torch.tensor(v))
-    clone = ZClipPolicy(warmup_steps=2)
-    clone.load_state_dict(policy.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(policy(torch.tensor(3.0)), clone(torch.tensor(3.0)), strict=True))
+    with pytest.raises(ValueError, match=r"must be a gradkit clipper .* got GradNormMonitor"):
+        make_trainer(tmp_path).fit(ManualModule(GradNormMonitor()), loader(n=8))
 
 
 class TwoOptimizers(MLPModule):
-    """Manual optimization with one optimizer for the encoder and one for the head, one clipping policy for both."""
+    """Manual optimization with one optimizer for the encoder and one for the head, one clipper for both."""
 
     def __init__(self, policy: Any) -> None:
         super().__init__()
@@ -270,8 +261,8 @@ def reference_two_optimizers(make_ref: Callable[[], Callable[[nn.Module], None]]
 
 
 TWO_OPTIMIZER_CASES: dict[str, tuple[Callable[[], Any], Callable[[], Callable[[nn.Module], None]]]] = {
-    "zclip-policy": (lambda: ZClipPolicy(alpha=0.9, z_threshold=0.5, warmup_steps=3), lambda: ZClipRef(0.9, 0.5, 3)),
-    "autoclip-policy": (lambda: AutoClipPolicy(percentile=30.0, history_size=50), lambda: AutoClipRef(30.0, 50)),
+    "torch-zclip": (lambda: TorchZClip(alpha=0.9, z_threshold=0.5, warmup_steps=3), lambda: ZClipRef(0.9, 0.5, 3)),
+    "torch-autoclip": (lambda: TorchAutoClip(percentile=30.0, history_size=50), lambda: AutoClipRef(30.0, 50)),
     "zclip-callback": (lambda: ZClip(alpha=0.9, z_threshold=0.5, warmup_steps=3), lambda: ZClipRef(0.9, 0.5, 3)),
 }
 

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from gradkit.clip import ZClipPolicy
+from gradkit.history_clipping import ZClip
 from gradkit.host_lag import HostLag, as_float32
 from helpers import count_syncs
+from test_clipping_policies import drive
 
 
 def test_pop_returns_the_last_pushed_values_once() -> None:
@@ -53,20 +54,18 @@ def test_as_float32_rounds_as_a_float32_tensor_comparison_does() -> None:
 
 
 def test_zclip_statistics_fold_each_norm_in_at_the_next_step_or_when_read() -> None:
-    """A norm passed at step t is in the statistics the decision of step t + 1 uses, and in ``mean`` read after
+    """A norm passed at step t is in the statistics the decision of step t + 1 uses, and in the state read after
     step t: the lag changes when the host learns a value, never which values count."""
-    policy = ZClipPolicy(alpha=0.9, warmup_steps=2)
-    for v in (1.0, 3.0):
-        policy(torch.tensor(v))
-    assert policy.mean.item() == pytest.approx(2.0) and policy.var.item() == pytest.approx(1.0)
-    assert int(policy.count) == 2
-    state = policy.state_dict()
-    clone = ZClipPolicy(alpha=0.9, warmup_steps=2)
-    clone.load_state_dict(state)
-    for v in (2.5, 40.0, 2.0):  # a spike in the middle: both clip it the same way
-        a, b = policy(torch.tensor(v)), clone(torch.tensor(v))
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    ours, theirs = policy.state_dict(), clone.state_dict()
+    clipper = ZClip(alpha=0.9, warmup_steps=2)
+    drive(clipper, [1.0, 3.0])
+    state = clipper.state_dict()["policies"][0]
+    assert state["mean"].item() == pytest.approx(2.0) and state["var"].item() == pytest.approx(1.0)
+    assert int(state["count"]) == 2
+    clone = ZClip(alpha=0.9, warmup_steps=2)
+    clone.load_state_dict(clipper.state_dict())
+    later = [2.5, 40.0, 2.0]  # a spike in the middle: both clip it the same way
+    assert drive(clipper, later) == drive(clone, later)
+    ours, theirs = clipper.state_dict()["policies"][0], clone.state_dict()["policies"][0]
     assert all(torch.equal(ours[k], theirs[k]) for k in state)
 
 

@@ -51,7 +51,7 @@ def _run(code: str) -> str:
 def test_importing_the_torch_root_loads_no_lightning() -> None:
     # The loop door and the policies, used the way a plain PyTorch loop uses them.
     out = _run(
-        "import sys, gradkit, gradkit.clip, gradkit.norms, gradkit.accumulate\n"
+        "import sys, gradkit, gradkit.clipping, gradkit.agc, gradkit.norms, gradkit.accumulate\n"
         "print(sorted({'lightning', 'lightning_fabric', 'pytorch_lightning'} & set(sys.modules)))"
     )
     assert out.strip() == "[]"

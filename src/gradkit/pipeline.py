@@ -145,7 +145,8 @@ class StepPlan:
 
     def pre_clip_total(self, norm_type: float | None = None) -> Tensor:
         """Total norm of the gradients as the optimizer would see them without clipping."""
-        return self.scaled(self.stats[self.primary_norm_type if norm_type is None else norm_type].total)
+        total = self.stats[self.primary_norm_type if norm_type is None else norm_type].total
+        return total if self.scale is None else total * self.scale  # `scaled`, inlined: every clipper's step calls it
 
     def multiply_scale(self, factor: Tensor) -> None:
         """Fold a factor for every gradient (e.g. accumulation normalization) into the single multiply."""

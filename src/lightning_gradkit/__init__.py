@@ -22,7 +22,7 @@ from lightning_gradkit._compat import register_strategy_names
 from lightning_gradkit.activation_checkpointing.callback import ActivationCheckpointing
 from lightning_gradkit.activation_checkpointing.injection import inject_activation_checkpointing
 from lightning_gradkit.callbacks.accumulation import AccumulationGuard
-from lightning_gradkit.callbacks.clipping import (
+from lightning_gradkit.callbacks.clip_callbacks import (
     AdaptiveGradClip,
     AutoClip,
     ClipGradNorm,

@@ -449,9 +449,9 @@ def unscaled_loss(trainer: pl.Trainer, loss: Tensor) -> Tensor:
 class PolicyCallback(GradKitCallback):
     """The Lightning adapter of a torch policy: every Trainer hook forwarded to the policy's protocol hook.
 
-    A gradkit callback is ``class ZClip(gradkit.clipping.ZClip, PolicyCallback)``: the policy class (a plain torch
-    object, :class:`~gradkit.pipeline.Policy`) holds the algorithm and its state; this class turns the Trainer's
-    hooks into the protocol's calls, the same calls the loop door makes:
+    A gradkit callback is ``class ClipGradNorm(gradkit.clipping.ClipGradNorm, PolicyCallback)``: the policy class (a
+    plain torch object, :class:`~gradkit.pipeline.Policy`) holds the algorithm and its state; this class turns the
+    Trainer's hooks into the protocol's calls, the same calls the loop door makes:
 
     ====================================  ==========================================================
     Trainer hook                          protocol hook
@@ -494,7 +494,9 @@ class PolicyCallback(GradKitCallback):
             self._forward("before_first_forward", trainer, pl_module)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self._forward("note_loss", trainer, pl_module, unscaled_loss(trainer, loss))
+        note_loss = getattr(self, "note_loss", None)  # `hook`, inline: this runs every micro-batch
+        if note_loss is not None:  # the unscaled loss costs a `detach` per micro-batch: only for a policy that reads it
+            note_loss(unscaled_loss(trainer, loss), Engine.of(trainer).context(trainer, pl_module))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -1,0 +1,198 @@
+"""One state format behind every door, and a loop door that leaves nothing behind.
+
+A policy's state is keyed by its ``state_key`` behind the Trainer (``checkpoint["callbacks"]``) and behind
+:class:`~gradkit.loop.GradKit` (``state_dict()["policies"]``): a Trainer checkpoint resumes a plain loop and a plain
+loop's state resumes a Trainer, each continuing exactly as the uninterrupted run (the reference: one plain loop over
+all batches, which tests/test_front_doors.py proves equal to the Trainer and to ``clip_grad_norm_``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from gradkit.loop import GradKit
+from gradkit.protocol import Stage
+from helpers import make_trainer
+from lightning_gradkit import NonFiniteGuard, SpikeGuard, ZClip
+from test_front_doors import Net, NetModule, _batches, _initial_state, _optimizer
+
+pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning", "ignore:SpikeGuard:UserWarning")
+
+HALF = 6  # one epoch of 6 batches, trained twice; its NaN batch (5) is skipped in each epoch
+
+
+def _policies() -> list[Any]:
+    return [
+        ZClip(alpha=0.9, z_threshold=1.5, warmup_steps=3),
+        NonFiniteGuard(action="skip"),
+        SpikeGuard(monitor="loss", warmup_steps=3, z_threshold=2.0, action="warn"),
+    ]
+
+
+def _plain(model: nn.Module, opt: torch.optim.Optimizer, kit: GradKit, batches: list[tuple[Tensor, Tensor]]) -> None:
+    model.train()
+    for x, y in batches:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        kit.note_loss(loss)
+        kit.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+
+def _epoch() -> list[tuple[Tensor, Tensor]]:
+    return _batches()[:HALF]
+
+
+def _uninterrupted() -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Two epochs in one plain loop."""
+    model = Net()
+    model.load_state_dict(_initial_state())
+    opt = _optimizer("sgd", model.parameters())
+    kit = GradKit(model, opt, _policies(), log_every_n_steps=1)
+    _plain(model, opt, kit, _epoch() * 2)
+    return model.state_dict(), kit.state_dict()
+
+
+def _trainer_checkpoint(tmp_path: Path) -> dict[str, Any]:
+    """A Trainer's checkpoint after the first epoch."""
+    module = NetModule("sgd")
+    module.load_state_dict(_initial_state())
+    trainer = make_trainer(tmp_path, default_root_dir=tmp_path, strategy="gradkit", callbacks=_policies(), logger=False)
+    trainer.fit(module, DataLoader(_epoch(), batch_size=None))
+    path = tmp_path / "half.ckpt"
+    trainer.save_checkpoint(path)
+    return torch.load(path, weights_only=False)
+
+
+def _assert_same(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_a_trainer_checkpoint_resumes_behind_the_loop_door(tmp_path: Path) -> None:
+    expected, expected_state = _uninterrupted()
+    checkpoint = _trainer_checkpoint(tmp_path)
+    model = Net()
+    model.load_state_dict(checkpoint["state_dict"])
+    opt = _optimizer("sgd", model.parameters())
+    opt.load_state_dict(checkpoint["optimizer_states"][0])
+    kit = GradKit(model, opt, _policies(), log_every_n_steps=1)
+    kit.load_state_dict(checkpoint)
+    assert kit.state_dict()["step"] == HALF
+    _plain(model, opt, kit, _epoch())
+    _assert_same(model.state_dict(), expected)
+    # The policies' statistics went on from the Trainer's, as in the uninterrupted run.
+    state = kit.state_dict()["policies"]
+    assert state.keys() == expected_state["policies"].keys() == {cb.state_key for cb in _policies()}
+    zclip_key = _policies()[0].state_key
+    assert state[zclip_key] == expected_state["policies"][zclip_key]
+
+
+def test_a_loop_door_state_resumes_a_trainer(tmp_path: Path) -> None:
+    expected, _ = _uninterrupted()
+    model = Net()
+    model.load_state_dict(_initial_state())
+    opt = _optimizer("sgd", model.parameters())
+    kit = GradKit(model, opt, _policies(), log_every_n_steps=1)
+    _plain(model, opt, kit, _epoch())
+    # A Trainer checkpoint of the same point, whose callbacks, weights and optimizer are replaced by the loop's.
+    checkpoint = _trainer_checkpoint(tmp_path / "skeleton")
+    assert checkpoint["callbacks"].keys() >= kit.state_dict()["policies"].keys()
+    checkpoint["callbacks"].update(kit.state_dict()["policies"])
+    checkpoint["state_dict"] = model.state_dict()
+    checkpoint["optimizer_states"] = [opt.state_dict()]
+    path = tmp_path / "from_loop.ckpt"
+    torch.save(checkpoint, path)
+    module = NetModule("sgd")
+    trainer = make_trainer(
+        tmp_path, default_root_dir=tmp_path, strategy="gradkit", callbacks=_policies(), logger=False, max_epochs=2
+    )
+    trainer.fit(module, DataLoader(_epoch(), batch_size=None), ckpt_path=path)
+    _assert_same(module.state_dict(), expected)
+
+
+def test_a_state_saved_as_a_list_still_loads_by_position() -> None:
+    model = Net()
+    opt = _optimizer("sgd", model.parameters())
+    kit = GradKit(model, opt, _policies(), log_every_n_steps=1)
+    _plain(model, opt, kit, _batches()[:4])
+    keyed = kit.state_dict()
+    legacy = {**keyed, "policies": [keyed["policies"][p.state_key] for p in kit.policies]}
+    other = GradKit(model, opt, _policies(), log_every_n_steps=0)
+    other.load_state_dict(legacy)
+    assert other.state_dict() == keyed
+
+
+def test_loading_a_state_without_a_policy_names_the_keys() -> None:
+    model = Net()
+    opt = _optimizer("sgd", model.parameters())
+    state = GradKit(model, opt, [NonFiniteGuard(action="skip")], log_every_n_steps=0).state_dict()
+    kit = GradKit(model, opt, [ZClip()], log_every_n_steps=0)
+    with pytest.raises(KeyError, match=r"no state for ZClip.*the state holds NonFiniteGuard"):
+        kit.load_state_dict(state)
+
+
+def test_two_policies_with_one_state_key_are_refused() -> None:
+    model = Net()
+    opt = _optimizer("sgd", model.parameters())
+    with pytest.raises(ValueError, match="more than one policy with the state key ZClip"):
+        GradKit(model, opt, [ZClip(), ZClip()])
+
+
+class _Probe:
+    """A policy of the user's own: a plain object with a stage and the hooks it needs (the protocol)."""
+
+    stage = Stage.OBSERVE
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.handles: list[Any] = []
+
+    def attach(self, ctx: Any, model: nn.Module) -> None:
+        self.calls.append("attach")
+        self.handles = [model.register_forward_hook(lambda *args: None)]
+
+    def finish(self, ctx: Any) -> None:
+        self.calls.append("finish")
+
+    def detach(self, ctx: Any) -> None:
+        self.calls.append("detach")
+        for handle in self.handles:
+            handle.remove()
+
+
+def _hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def test_close_removes_every_hook_the_door_and_its_policies_registered() -> None:
+    model = Net()
+    opt = _optimizer("sgd", model.parameters())
+    probe = _Probe()
+    kit = GradKit(model, opt, [NonFiniteGuard(action="skip"), probe], log_every_n_steps=0)
+    assert _hooks(model) > 0  # the first window's forward pre-hooks and the probe's hook
+    kit.close()
+    assert _hooks(model) == 0
+    assert probe.calls == ["attach", "detach"]
+
+
+def test_the_context_manager_finishes_then_closes() -> None:
+    model = Net()
+    model.load_state_dict(_initial_state())
+    opt = _optimizer("sgd", model.parameters())
+    probe = _Probe()
+    with GradKit(model, opt, [NonFiniteGuard(action="skip"), probe], log_every_n_steps=0) as kit:
+        _plain(model, opt, kit, _batches()[:3])
+        assert _hooks(model) == 1  # the probe's; the door's first-window hooks removed themselves
+    assert probe.calls == ["attach", "finish", "detach"]
+    assert _hooks(model) == 0
+    with pytest.raises(RuntimeError, match="boom"), GradKit(model, opt, [probe], log_every_n_steps=0):
+        raise RuntimeError("boom")
+    assert probe.calls[-2:] == ["attach", "detach"]  # no finish after an exception
