@@ -435,8 +435,8 @@ class StepContext:
 
     The Lightning ``Trainer`` door answers from the Trainer (:class:`~lightning_gradkit.engine.TrainerContext`), the
     Fabric and plain-PyTorch door from its own step counter (:class:`~gradkit.loop.LoopContext`). A
-    feature that only exists under a Trainer (the culprit replay of ``training_step``, the gradient report, the LR
-    gate) reads ``trainer``, which is ``None`` behind the other doors.
+    feature that only exists under a Trainer (the culprit replay of ``training_step``, the LR gate) reads
+    ``trainer``, which is ``None`` behind the other doors.
 
     Attributes:
         trainer: the Lightning ``Trainer`` when the loop is one, else ``None``.
@@ -447,8 +447,10 @@ class StepContext:
 
     trainer = None
     pl_module = None
-    #: Where the guards write their event file outside a Trainer (``None``: none is written).
+    #: Where the guards write their event file and the monitor its report outside a Trainer (``None``: none).
     log_dir: Path | None = None
+    #: Shows step values (host floats) in the loop's progress bar; ``None`` where the loop has none.
+    progress_bar: Callable[[dict[str, float]], None] | None = None
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:
@@ -482,6 +484,11 @@ class StepContext:
     @property
     def log_every_n_steps(self) -> int:
         raise NotImplementedError
+
+    @property
+    def log_step(self) -> int:
+        """The step the loop's loggers file the current step's values under."""
+        return self.global_step
 
     def step_key(self) -> tuple[int, ...]:
         """What identifies the current optimizer step: equal for all calls within it, different for the next."""

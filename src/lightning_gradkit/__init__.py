@@ -30,7 +30,7 @@ from lightning_gradkit.callbacks.clipping import (
     clip_gradients,
 )
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
-from lightning_gradkit.callbacks.monitor import GradNormMonitor
+from lightning_gradkit.callbacks.monitor_callback import GradNormMonitor
 from lightning_gradkit.callbacks.rollback import SpikeRollback
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
 from lightning_gradkit.diagnostics.graph_leak import GraphLeakGuard

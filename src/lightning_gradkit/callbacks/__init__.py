@@ -1,6 +1,6 @@
 """Every Lightning callback of lightning_gradkit, importable from one place.
 
-The gradient-path callbacks live here, one module per job: ``monitor`` (norm logging), ``clipping`` (the five
+The gradient-path callbacks live here, one module per job: ``monitor_callback`` (norm logging), ``clipping`` (the five
 clippers and :func:`clip_gradients`), ``guards`` (non-finite values and spikes), ``rollback``, ``accumulation``
 (:class:`AccumulationGuard` and :class:`~lightning_gradkit.ManualAccumulator`) and ``validation`` (inference-mode
 validation). The diagnostics' callbacks live in :mod:`lightning_gradkit.diagnostics` and activation checkpointing's in
@@ -18,7 +18,7 @@ from lightning_gradkit.callbacks.clipping import (
     clip_gradients,
 )
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
-from lightning_gradkit.callbacks.monitor import GradNormMonitor
+from lightning_gradkit.callbacks.monitor_callback import GradNormMonitor
 from lightning_gradkit.callbacks.rollback import SpikeRollback
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
 from lightning_gradkit.diagnostics.graph_leak import GraphLeakGuard
