@@ -1,10 +1,7 @@
-"""Gradient-norm logging from the shared one-pass statistics: :class:`GradNormMonitor`, a plain torch policy.
-
-The same object works behind every door: the Lightning ``Trainer`` (as the callback
-:class:`lightning_gradkit.GradNormMonitor`), Lightning Fabric and a plain loop (:class:`~gradkit.loop.GradKit`).
-Beside it: the per-module rows (:func:`repeated_blocks`, :func:`auto_module_keys`, :func:`module_rows`, which
-``SpikeRollback`` shares) and the update-to-weight ratio (:func:`update_ratios`).
-"""
+"""Gradient-norm logging from the shared one-pass statistics: :class:`GradNormMonitor`, a plain torch policy that
+works behind every door (the ``Trainer`` through :class:`lightning_gradkit.GradNormMonitor`, :class:`~gradkit.GradKit`
+for Fabric and plain loops); the per-module rows (:func:`repeated_blocks`, :func:`auto_module_keys`,
+:func:`module_rows`, shared with ``SpikeRollback``) and the update-to-weight ratio (:func:`update_ratios`)."""
 
 from __future__ import annotations
 
@@ -167,13 +164,10 @@ class GradNormMonitor:
     r"""Log gradient norms (total, per module, per param group) and optionally weight norms and update ratios.
 
     The norms come from the step's shared :class:`~gradkit.norms.GradStats`: one ``torch._foreach_norm`` pass over
-    all gradients at the optimizer-step boundary (after AMP unscaling and the DDP all-reduce; correct global values
-    under FSDP1/FSDP2 through one all-reduce), once per optimizer step with accumulation. Values are read to the host
-    and logged on logging steps only, so the other steps cost no host-device synchronization. Logging steps are every
-    ``log_every_n_steps`` optimizer steps, plus the first optimizer step (of each ``fit``, or of the loop) and the last
-    one when the loop knows it (``max_steps``, ``max_epochs``), so a run shorter than the period still shows its
-    norms. Behind a ``Trainer`` the values reach ``trainer.loggers``, behind :class:`~gradkit.loop.GradKit` its
-    ``log`` function.
+    all gradients at the optimizer-step boundary (after AMP unscaling and the DDP all-reduce; global values under
+    FSDP1/FSDP2 through one all-reduce), once per optimizer step. They are read to the host on logging steps only
+    (every ``log_every_n_steps`` optimizer steps, the first one and, when the loop knows it, the last one), so other
+    steps cost no host-device synchronization; they reach the ``Trainer``'s loggers or ``GradKit``'s ``log``.
 
     Logged keys (``/opt{i}`` is appended when the loop has several optimizers):
 
@@ -188,25 +182,18 @@ class GradNormMonitor:
     **Update-to-weight ratio.** The ratio of the size of a step's update to the size of the weights is the usual
     learning-rate health signal: about ``1e-3`` per step is healthy (Karpathy, CS231n "ratio of weights:updates");
     far below, the learning rate is too low or the module does not train; far above, it is too high. On a logging
-    step the monitor copies this optimizer's parameters (the local shards under FSDP/FSDP2) after the gradients are
-    written and before the optimizer steps, and computes the ratio right after ``optimizer.step()`` returns (a
-    ``torch.optim`` step post-hook, removed after the step, which logs it): one ``_foreach_sub_`` and two
-    ``_foreach_norm`` passes, and under sharding one all-reduce. The ratio divides by the weights before the step (a
-    module whose weights are all zero gets ``inf``, or ``nan`` if it did not move either). Cost: on logging steps
-    only, one copy of the (local) parameters held during the optimizer step; other steps cost nothing (no hook, no
-    copy, no sync). A step the optimizer did not apply (a guard skipped it, the ``GradScaler`` found an inf, a fused
-    optimizer was told ``found_inf``) logs ``0``: its update was zero.
+    step the monitor copies this optimizer's (local) parameters after the gradients are written and measures the
+    update right after ``optimizer.step()`` returns (a ``torch.optim`` step post-hook, removed after the step): one
+    ``_foreach_sub_``, two ``_foreach_norm`` passes and under sharding one all-reduce, and the copy held during the
+    step; other steps cost nothing. A module whose weights are all zero gets ``inf`` (``nan`` if it did not move). A
+    step the optimizer did not apply (a guard skipped it, the ``GradScaler`` found an inf) logs ``0``.
 
-    Trainable parameters that receive no gradient, or an all-zero gradient, are named in a warning, once each
-    (the classic "training under ``no_grad``" or "loss not connected" failures). A gradient counts as all-zero when
-    it is all zero on each of the first 4 optimizer steps (``ZERO_GRADIENT_STEPS``) of the fit, or after parameters
-    joined the optimizer: a zero-initialised gain (the last BatchNorm of each ResNet block with
-    ``zero_init_residual``) zeroes the gradients upstream of it on the first step only, which is no fault. Those
-    steps cost two element-wise kernels on the per-parameter norms each and no host sync; the result is read on the
-    first logging step after them. The checks start again for the parameters that join the optimizer during the fit
-    (e.g. a backbone unfrozen by ``BackboneFinetuning``); a model with no trainable parameter at the start gets a
-    warning, and its parameters are measured from the step they join. Every gradient the optimizer applies is
-    measured, also one on a parameter with ``requires_grad=False`` (FSDP2, see ``GradKitModelParallelStrategy``).
+    Trainable parameters that receive no gradient, or an all-zero gradient on each of the first 4 optimizer steps
+    (``ZERO_GRADIENT_STEPS``: a zero-initialised gain zeroes the gradients upstream of it on the first step only), are
+    named in a warning, once each: the classic "training under ``no_grad``" or "loss not connected" failures. The
+    checks cost no host sync until the first logging step after them, and start again for parameters that join the
+    optimizer (a backbone unfrozen by ``BackboneFinetuning``). Every gradient the optimizer applies is measured, also
+    one on a parameter with ``requires_grad=False`` (FSDP2, see ``GradKitModelParallelStrategy``).
 
     Args:
         norm_type: the p of the norm, ``p >= 1`` or ``float("inf")``.
@@ -224,8 +211,7 @@ class GradNormMonitor:
             monitor keeps the values it logs (rank 0, on logging steps), so any logger, or none, will do. Needs
             matplotlib: ``pip install -e '.[report]'`` in the lightning_gradkit checkout.
         log_every_n_steps: how often to log, in optimizer steps; defaults to the loop's period (the Trainer's
-            ``log_every_n_steps``). With a period of its own the values go straight to the loggers (Lightning's
-            ``self.log`` would re-send stale values on its own logging steps).
+            ``log_every_n_steps``).
         prog_bar: show the total norm (``grad_norm``), the fraction of optimizer steps clipped since the previous
             logging step (``clipped``, with a clipping callback) and the number of skipped steps (``skipped``, with
             a guard that skips) in Lightning's progress bar, updated on logging steps (a ``Trainer`` only).
@@ -266,13 +252,8 @@ class GradNormMonitor:
     ) -> None:
         self.norm_type = validate_norm_type(norm_type)
         if not (isinstance(depth, str) and depth == "auto"):
-            depth = check_int(
-                "depth",
-                depth,
-                0,
-                hint="Use 'auto' for one row per repeated block, an integer to cut module names at that many "
-                "components, 0 to turn per-module norms off.",
-            )
+            hint = "Use 'auto' for one row per repeated block, an integer to cut module names at that many components."
+            depth = check_int("depth", depth, 0, hint=hint + " 0 turns per-module norms off.")
         self.depth: int | Literal["auto"] = depth
         self.param_groups = check_bool("param_groups", param_groups)
         self.weight_norms = check_bool("weight_norms", weight_norms)
@@ -284,12 +265,8 @@ class GradNormMonitor:
                 f"{INSTALL_HINT}; or leave `report=False`."
             )
         if log_every_n_steps is not None:
-            check_int(
-                "log_every_n_steps",
-                log_every_n_steps,
-                1,
-                hint="Leave it as None to follow the Trainer's `log_every_n_steps`.",
-            )
+            hint = "Leave it as None to follow the Trainer's `log_every_n_steps`."
+            check_int("log_every_n_steps", log_every_n_steps, 1, hint=hint)
         self.log_every_n_steps = log_every_n_steps
         # The parameter index each check was done for (re-armed when parameters join or leave the optimizer), and
         # the names already reported.
@@ -342,8 +319,7 @@ class GradNormMonitor:
                 "loop does not have: leave `prog_bar=False` (the values reach the loop's `log` function)."
             )
         if not any(p.requires_grad for p in model.parameters()):
-            # Valid in Lightning: a `BaseFinetuning` callback may freeze everything in `setup` and unfreeze at an epoch
-            # start. The pipeline's index picks the parameters up when they join.
+            # Valid: a `BaseFinetuning` callback may freeze everything in `setup`; the index takes them as they join.
             ctx.warn(
                 f"GradNormMonitor: `{type(model).__name__}` has no trainable parameter at fit start (none has "
                 "`requires_grad=True`; a `BaseFinetuning` callback may have frozen them). The monitor picks "
@@ -362,7 +338,7 @@ class GradNormMonitor:
         self._metadata_dir = directory if rank_zero else None
         self._record = _Record() if self.report and rank_zero else None
 
-    def write_report(self, ctx: StepContext) -> Path | None:
+    def finish(self, ctx: StepContext) -> Path | None:
         """Render the report (``report=True``, rank 0) from what the monitor logged; returns the file written."""
         if self._record is None or self._report_dir is None:
             return None
@@ -373,9 +349,6 @@ class GradNormMonitor:
         except ValueError as err:  # nothing logged (a run stopped before its first optimizer step)
             ctx.warn(f"GradNormMonitor: no gradient report written: {err}")
             return None
-
-    def finish(self, ctx: StepContext) -> None:
-        self.write_report(ctx)
 
     def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(self.norm_type)
@@ -412,11 +385,10 @@ class GradNormMonitor:
         metrics = {k + suffix: v for k, v in self.metrics(plan).items()}
         if self.weight_norms:
             metrics.update({k + suffix: v for k, v in self._weight_metrics(plan).items()})
-        host: dict[str, float] | None = None
-        if on_period:
+        host = None if on_period else values_to_host(metrics)  # off the period (first, last step): now, on the host
+        if host is None:
             ctx.log(metrics, self.log_every_n_steps)
         else:
-            host = values_to_host(metrics)
             ctx.log_values(host)
         if watch.ready:
             self._warn_zero_gradients(watch, ctx)
@@ -432,12 +404,10 @@ class GradNormMonitor:
         index = plan.index
         before = [local_tensor(p.detach()).clone() for p in index.params]
         weight_norms = per_tensor_norms(before, 2.0, index.run_bounds).to(index.shard_weight.device)
-        idx = plan.optimizer_idx
-        rows = self._module_rows(plan)
+        idx, rows = plan.optimizer_idx, self._module_rows(plan)
         self._before[idx] = _Before(index, before, weight_norms, rows, suffix, on_period, ctx.log_step)
         if idx not in self._step_hooks:
-            hook = functools.partial(self._after_step, idx)
-            self._step_hooks[idx] = plan.optimizer.register_step_post_hook(hook)
+            self._step_hooks[idx] = plan.optimizer.register_step_post_hook(functools.partial(self._after_step, idx))
 
     def _after_step(self, idx: int, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """``optimizer.step()`` returned (a ``torch.optim`` step post-hook): measure the update of a logging step.
@@ -466,8 +436,7 @@ class GradNormMonitor:
                 rows = before.rows[0] if before.rows is not None else []
                 ratios = {f"update_ratio/{name}": zero for name in ["total", *(f"module/{r}" for r in rows)]}
             metrics = {k + before.suffix: v for k, v in ratios.items()}
-            # Logged as the step's other values were (one host transfer off the loop's period).
-            host = None if before.on_period else values_to_host(metrics)
+            host = None if before.on_period else values_to_host(metrics)  # as the step's other values were logged
             if host is None:
                 ctx.log(metrics, self.log_every_n_steps)
             else:
@@ -520,12 +489,9 @@ class GradNormMonitor:
         if self._record is not None:
             self._record.add(ctx.log_step, values, self._rows[idx][1] if idx in self._rows else [], suffix)
         if self.prog_bar:
-            shown = {
-                "grad_norm": values.get("grad_norm/total" + suffix),
-                "clipped": values.get("grad_clip/clipped_fraction" + suffix),
-                "skipped": values.get("gradkit/skipped_steps"),
-            }
-            ctx.progress_bar({k + suffix: v for k, v in shown.items() if v is not None})
+            keys = ("grad_norm/total" + suffix, "grad_clip/clipped_fraction" + suffix, "gradkit/skipped_steps")
+            shown = zip(PROG_BAR_KEYS, keys, strict=True)
+            ctx.progress_bar({name + suffix: values[key] for name, key in shown if key in values})
 
     def metrics(self, plan: StepPlan) -> dict[str, Tensor]:
         """The gradient-norm metrics of one step, as device tensors (no host sync)."""
@@ -539,9 +505,7 @@ class GradNormMonitor:
             module_norms = plan.scaled(grouped_norms(stats.param_norms, index, len(names), self.norm_type))
             out.update({f"grad_norm/module/{name}": module_norms[i] for i, name in enumerate(names)})
         if self.param_groups:
-            scaled_groups = plan.scaled(stats.group_norms)
-            for i in range(stats.group_norms.numel()):
-                out[f"grad_norm/param_group_{i}"] = scaled_groups[i]
+            out.update({f"grad_norm/param_group_{i}": g for i, g in enumerate(plan.scaled(stats.group_norms))})
         return out
 
     def _module_rows(self, plan: StepPlan) -> tuple[list[str], Tensor] | None:

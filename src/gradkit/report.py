@@ -2,34 +2,32 @@
 
     python -m gradkit.report LOG_DIR [--out FILE]
 
-``LOG_DIR`` is a run directory: a ``CSVLogger``'s (it holds ``metrics.csv``) or a ``TensorBoardLogger``'s (it holds
-``events.out.tfevents.*``, read when tensorboard is installed), with the ``gradkit_events.jsonl`` that gradkit's
-guards write there. ``GradNormMonitor(report=True)`` renders the same figure at the end of ``fit`` from the values
-it logged, whatever the logger. The figure shows:
+``LOG_DIR`` is a run directory: a ``CSVLogger``'s (``metrics.csv``) or a ``TensorBoardLogger``'s
+(``events.out.tfevents.*``, read when tensorboard is installed), with the ``gradkit_events.jsonl`` of gradkit's
+guards. ``GradNormMonitor(report=True)`` renders the same figure from the values it logged, whatever the logger, at
+the end of ``fit`` or at ``GradKit.finish()``. What the report reads and finds (:class:`~gradkit.report_data.RunData`,
+the incidents) is in :mod:`gradkit.report_data`; this module draws it. From the top, on one step axis:
 
-1. a heatmap of per-module gradient norms (``grad_norm/module/*``, log10) over optimizer steps, one row per module
-   in model order (from the monitor, the ``gradkit_run.json`` it writes next to the logs, or a TensorBoard file;
-   without them, from ``metrics.csv`` alone, whose columns ``CSVLogger`` sorts, in name order with numbers compared
-   as numbers: ``blocks.2`` before ``blocks.10``). Its title says how many steps logged norms. A logged value is
-   drawn over the steps nearest to it, at most 1% of the run either side: a sparse log (Lightning's default period
-   in a short run) shows blank columns where nothing was logged;
-2. below it, on the same step axis (integer ticks), the total gradient norm before and after clipping with the
-   clipped steps marked (or "no step clipped"), a marker on every logged point when the log is sparse and on each
-   point no line reaches (between two non-finite steps), the fraction of steps clipped
-   (``grad_clip/clipped_fraction``) and the number of skipped steps (``gradkit/skipped_steps``) where logged;
-3. every event of ``gradkit_events.jsonl`` (skipped steps, spikes, non-finite values, leaks, ...) as a line at its
-   step, labelled with what happened ("step skipped" only for a training step a guard skipped; validation events
-   dash-dotted); the events of one step share the height of the panel instead of hiding each other.
-4. with ``GradNormMonitor(update_ratio=True)``, between the two: the update-to-weight ratio per module
-   (``update_ratio/*``, log10) on the same step axis, coloured around the ``1e-3`` rule of thumb;
-5. below them, one incident panel per group of events that skipped a step, rolled back or escalated
-   (:func:`is_incident`; events within ``INCIDENT_RADIUS`` steps share a panel): each module's gradient norm over its
-   usual norm (its median before the first event) for the 10 steps either side, the event steps framed, and in the
-   title what happened, the culprit a replay named and the module that rose first (:func:`first_rise`). The
-   panels need per-module norms at those steps: log every step to see an incident step by step.
+1. a heatmap of per-module gradient norms (``grad_norm/module/*``, log10), one row per module in model order (from
+   the monitor, the ``gradkit_run.json`` it writes next to the logs, or a TensorBoard file; else in name order with
+   numbers compared as numbers, as ``metrics.csv`` sorts its columns: ``blocks.2`` before ``blocks.10``), its title
+   saying how many steps logged norms. A logged value is drawn over the steps nearest to it, at most 1% of the run
+   either side: a sparse log (Lightning's default period in a short run) shows blank columns where nothing was logged;
+2. with ``GradNormMonitor(update_ratio=True)``: the update-to-weight ratio per module (``update_ratio/*``, log10),
+   coloured around the ``1e-3`` rule of thumb;
+3. the total gradient norm before and after clipping with the clipped steps marked (or "no step clipped"), a marker
+   on every logged point when the log is sparse and on each point no line reaches (between two non-finite steps),
+   the fraction of steps clipped (``grad_clip/clipped_fraction``) and the number of skipped steps
+   (``gradkit/skipped_steps``) where logged; and every event of ``gradkit_events.jsonl`` (skipped steps, spikes,
+   non-finite values, leaks, ...) as a line at its step, labelled with what happened ("step skipped" only for a
+   training step a guard skipped; validation events dash-dotted; the events of one step share the panel's height);
+4. below them, one incident panel per group of events that skipped a step, rolled back or escalated (events within
+   ``INCIDENT_RADIUS`` steps share a panel): each module's gradient norm over its usual norm (its median before the
+   first event) for the 10 steps either side, the event steps framed, and in the title what happened, the culprit a
+   replay named and the module that rose first. Log every step to see an incident step by step.
 
-matplotlib is an optional dependency, the ``report`` extra. The package is on no package index: run
-``pip install -e '.[report]'`` in a checkout of lightning_gradkit (or ``pip install matplotlib``).
+matplotlib is the optional ``report`` extra: ``pip install -e '.[report]'`` in a checkout of lightning_gradkit (the
+package is on no package index), or ``pip install matplotlib``.
 """
 
 from __future__ import annotations
@@ -102,11 +100,6 @@ def render(log_dir: str | Path, out: str | Path | None = None) -> Path:
         ModuleNotFoundError: if matplotlib is not installed (the ``report`` extra), or tensorboard for a
             TensorBoard-only run.
         ValueError: if the run logged no gradient norm and no event (nothing to draw).
-
-    Example::
-
-        >>> render("lightning_logs/version_0")  # doctest: +SKIP
-        PosixPath('lightning_logs/version_0/gradient_report.png')
     """
     out = Path(out) if out is not None else Path(log_dir) / REPORT_FILE
     return render_data(load_run(log_dir), out, source=str(log_dir))
@@ -236,8 +229,8 @@ def build_figure(data: RunData):
 
     modules = data.modules
     ratio_rows = data.ratio_rows
-    logged = [s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v]
-    incidents = incident_windows(data.events, run_end=max(logged) if logged else None)
+    steps = sorted({s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v})
+    incidents = incident_windows(data.events, run_end=steps[-1] if steps else None)
     layout = _Layout(
         rows=max(len(modules), 1),
         label_chars=max((len(m) for m in modules), default=10),
@@ -248,7 +241,6 @@ def build_figure(data: RunData):
     ax_heat = fig.add_axes(layout.rect(layout.top, layout.heat_height), label="gradient norm")
     ax_total = fig.add_axes(layout.rect(layout.total_top, _TOTAL_HEIGHT), sharex=ax_heat, label="totals")
 
-    steps = sorted({s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v})
     event_steps = [int(e["step"]) for e in data.events if isinstance(e.get("step"), (int, float))]
     span = steps + event_steps
     if modules and steps:

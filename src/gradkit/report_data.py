@@ -1,9 +1,6 @@
-"""What the gradient report reads and finds: a run's logged series and events, where its logged steps fall on the
-step axis, and its incidents (the events that skipped a step, rolled back or escalated, and where each began).
-
-Pure Python over the values of a run, no plotting: :mod:`gradkit.report` draws the figure from it, and
-:class:`~gradkit.monitor.GradNormMonitor` keeps its record as a :class:`RunData`.
-"""
+"""What the gradient report reads and finds, without plotting (:mod:`gradkit.report` draws it): a run's logged series
+and events (:class:`RunData`, also the record of :class:`~gradkit.monitor.GradNormMonitor`), where its logged steps
+fall on the step axis, and its incidents (the events that skipped a step, rolled back or escalated)."""
 
 from __future__ import annotations
 

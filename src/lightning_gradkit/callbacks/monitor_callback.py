@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -11,7 +12,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
 import gradkit.monitor
-from lightning_gradkit._compat import batches_that_stepped
 from lightning_gradkit._deepspeed import deepspeed_step, refuse_under_deepspeed, uses_deepspeed
 from lightning_gradkit.engine import Engine, PolicyCallback
 
@@ -21,27 +21,19 @@ __all__ = ["GradNormMonitor"]
 class GradNormMonitor(gradkit.monitor.GradNormMonitor, PolicyCallback):
     r"""Log gradient norms (total, per module, per param group) and optionally weight norms.
 
-    :class:`gradkit.monitor.GradNormMonitor` (its docstring has the keys, the costs and the arguments) as a
-    ``Trainer`` callback. The values go to ``trainer.loggers`` (one host transfer per logging step; the first and
-    the last step of a fit too, off Lightning's own period), ``log_every_n_steps`` defaults to the Trainer's, and a
-    warning at train start says when the run has fewer optimizer steps than the period. The report is drawn at
-    ``on_fit_end``, after every callback's ``on_train_end`` (the guards' last events are in the file by then).
+    :class:`gradkit.monitor.GradNormMonitor` (the keys, the costs and the arguments) as a ``Trainer`` callback: the
+    values go to ``trainer.loggers`` in one host transfer per logging step (not ``self.log``: it would re-send stale
+    values off its period), a run shorter than the period gets a warning at train start, a second GradNormMonitor a
+    ``ValueError`` at setup, and the report is drawn after every callback's ``on_train_end`` (the guards' events).
 
     **Under Lightning's** ``DeepSpeedStrategy`` the DeepSpeed engine owns the step (see
-    :mod:`lightning_gradkit._deepspeed`); the monitor logs what it measures, after ``engine.step()``:
-
-    - ``grad_norm/total``: ``engine.get_global_grad_norm()``, the global 2-norm of the gradients after unscaling and
-      before DeepSpeed's ``gradient_clipping`` (``inf`` on a step DeepSpeed skipped). Not logged, with one warning,
-      where DeepSpeed computes none (ZeRO stage 0 in full precision).
-    - ``deepspeed/skipped_steps``: ``engine.skipped_steps``, the steps DeepSpeed did not apply (fp16 overflow).
-
-    Logging steps count DeepSpeed's optimizer steps (``engine.global_steps``, one per accumulation window), plus the
-    first; the values go to ``trainer.loggers`` directly. A non-logging step reads two Python ints of the engine and
-    nothing from the device. ``depth`` is not used; ``norm_type`` other than 2, ``param_groups``, ``weight_norms``,
-    ``update_ratio``, ``report`` and ``prog_bar`` are refused at setup.
-
-    Raises:
-        ValueError: at setup, if the Trainer has another GradNormMonitor (and see the policy's arguments).
+    :mod:`lightning_gradkit._deepspeed`): after each DeepSpeed optimizer step (``engine.global_steps``) on logging
+    steps, the monitor logs ``grad_norm/total``, DeepSpeed's global 2-norm after unscaling and before its
+    ``gradient_clipping`` (``inf`` on a step it skipped; none, with one warning, under ZeRO stage 0 in full
+    precision), and ``deepspeed/skipped_steps``, the steps DeepSpeed did not apply (fp16 overflow). A non-logging
+    step reads two Python ints of the engine and nothing from the device. ``depth`` is not used; options other than
+    their defaults (``norm_type=2``, ``param_groups``, ``weight_norms``, ``update_ratio``, ``report``, ``prog_bar``)
+    are refused at setup.
 
     Example::
 
@@ -101,7 +93,7 @@ class GradNormMonitor(gradkit.monitor.GradNormMonitor, PolicyCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._deepspeed:
-            self._log_deepspeed(trainer)
+            self._log_deepspeed(trainer, pl_module)
         else:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
@@ -109,7 +101,7 @@ class GradNormMonitor(gradkit.monitor.GradNormMonitor, PolicyCallback):
         """Nothing here: the report waits for ``on_fit_end``, when every callback's ``on_train_end`` has run."""
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        path = self.write_report(Engine.of(trainer).context(trainer, pl_module))
+        path = self.finish(Engine.of(trainer).context(trainer, pl_module))
         if path is not None:
             rank_zero_info(f"GradNormMonitor: gradient report written to {path}")
 
@@ -119,16 +111,10 @@ class GradNormMonitor(gradkit.monitor.GradNormMonitor, PolicyCallback):
 
     # -- under DeepSpeed: the engine's own values, after its step -------------------------------------------------
     def _refuse_deepspeed_options(self, trainer: pl.Trainer) -> None:
-        """Refuse the options DeepSpeed's one global 2-norm per step cannot serve."""
-        options = {
-            "norm_type": (self.norm_type, 2.0),
-            "param_groups": (self.param_groups, False),
-            "weight_norms": (self.weight_norms, False),
-            "update_ratio": (self.update_ratio, False),
-            "report": (self.report, False),
-            "prog_bar": (self.prog_bar, False),
-        }
-        for name, (value, supported) in options.items():
+        """Refuse the options DeepSpeed's one global 2-norm per step cannot serve: anything but their defaults."""
+        defaults = inspect.signature(gradkit.monitor.GradNormMonitor).parameters
+        for name in ("norm_type", "param_groups", "weight_norms", "update_ratio", "report", "prog_bar"):
+            value, supported = getattr(self, name), defaults[name].default
             if value != supported:
                 refuse_under_deepspeed(
                     trainer,
@@ -140,7 +126,7 @@ class GradNormMonitor(gradkit.monitor.GradNormMonitor, PolicyCallback):
                     "are logged.",
                 )
 
-    def _log_deepspeed(self, trainer: pl.Trainer) -> None:
+    def _log_deepspeed(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Log DeepSpeed's global norm and skipped steps after a DeepSpeed optimizer step, on logging steps only.
 
         Counted in DeepSpeed optimizer steps (``engine.global_steps``): with ``accumulate_grad_batches``, Lightning
@@ -168,6 +154,4 @@ class GradNormMonitor(gradkit.monitor.GradNormMonitor, PolicyCallback):
                 "optimizer directly and measures nothing."
             )
         metrics["deepspeed/skipped_steps"] = float(step.skipped)
-        logged_at = batches_that_stepped(trainer)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=logged_at)
+        Engine.of(trainer).context(trainer, pl_module).log_values(metrics)
