@@ -441,15 +441,14 @@ class StepContext:
     Attributes:
         trainer: the Lightning ``Trainer`` when the loop is one, else ``None``.
         pl_module: its ``LightningModule``, else ``None``.
-        log_dir: the directory of the guards' event file behind the other doors (the Trainer's is its log
-            directory, chosen at ``setup``).
+        log_dir: the directory of the guards' event file and the monitor's report (the Trainer's log directory;
+            ``None``: the loop has none).
+        progress_bar: shows step values (host floats) in the loop's progress bar; ``None`` where it has none.
     """
 
     trainer = None
     pl_module = None
-    #: Where the guards write their event file and the monitor its report outside a Trainer (``None``: none).
     log_dir: Path | None = None
-    #: Shows step values (host floats) in the loop's progress bar; ``None`` where the loop has none.
     progress_bar: Callable[[dict[str, float]], None] | None = None
 
     @property
