@@ -56,7 +56,7 @@ def hook_times(update_ratio: bool, steps: int, log_every: int, accelerator: str)
     The step post-hook that computes the ratio runs inside ``optimizer.step()``; it is timed by wrapping
     ``update_ratios`` and added to the logging steps' times.
     """
-    import lightning_gradkit.callbacks.monitor as monitor_module
+    import gradkit.monitor as monitor_module
 
     log: dict[str, list[float]] = {name: [] for name in (*HOOKS, "after_step")}
     original = monitor_module.update_ratios

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from gradkit.monitor import auto_module_keys, module_rows, repeated_blocks
 from helpers import MLPModule, column, count_syncs, loader, make_trainer, read_metrics
 from lightning_gradkit import GradNormMonitor
-from lightning_gradkit.callbacks.monitor import auto_module_keys, module_rows, repeated_blocks
 
 
 class RecordingModule(MLPModule):

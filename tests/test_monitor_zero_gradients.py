@@ -12,9 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from architectures import ArchModule, ResNet18Like, data_loader, image_data
+from gradkit.monitor import ZERO_GRADIENT_STEPS
 from helpers import MLPModule, count_syncs, loader, make_trainer
 from lightning_gradkit import GradNormMonitor
-from lightning_gradkit.callbacks.monitor import ZERO_GRADIENT_STEPS
 
 
 class ZeroRecord:

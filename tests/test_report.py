@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradkit.report import build_figure, load_run, main, render
+from gradkit.report import build_figure, main, render
+from gradkit.report_data import load_run
 from helpers import MLPModule, column, loader, make_trainer, read_metrics
 from lightning_gradkit import GradNormMonitor
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gradkit.report import RunData, build_figure, load_run
+from gradkit.report import build_figure
+from gradkit.report_data import RunData, load_run
 from helpers import MLPModule, loader, make_trainer, read_metrics
 from lightning_gradkit import GradNormMonitor, NonFiniteGuard
 from lightning_gradkit.demos import FaultInjector

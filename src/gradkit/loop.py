@@ -218,8 +218,8 @@ class GradKit:
     optimizer state and module buffers exactly as they were. No host synchronization off logging steps, except the
     one read of the skip flag with an ordinary optimizer when a policy may skip (none with a fused optimizer).
 
-    Policies that work here: ``GradNormMonitor`` (without ``report``/``prog_bar``/``update_ratio``, which need a
-    Trainer), ``ClipGradNorm``, ``ClipGradValue``, ``AutoClip``, ``ZClip``, ``AdaptiveGradClip``,
+    Policies that work here: ``GradNormMonitor`` (``prog_bar`` needs a Trainer, ``report`` a ``log_dir``),
+    ``ClipGradNorm``, ``ClipGradValue``, ``AutoClip``, ``ZClip``, ``AdaptiveGradClip``,
     ``NonFiniteGuard`` (``skip``/``warn``/``raise``; the culprit replay of ``training_step`` needs a Trainer, the
     first non-finite parameter is still named), ``SpikeGuard`` and ``SpikeRollback`` (its snapshots hold the model's
     parameters and buffers, the optimizer state, the ``schedulers`` given here, RNG and the other policies' state).
@@ -249,7 +249,7 @@ class GradKit:
             optimizer's applied steps.
         fabric: the ``Fabric`` object of a Fabric loop: its logger, precision plugin and strategy are used.
         max_steps: the loop's number of optimizer steps, if known (the monitor then also logs the last step).
-        log_dir: directory of the guards' ``gradkit_events.jsonl``; ``None``: no event file.
+        log_dir: directory of the guards' ``gradkit_events.jsonl`` and the monitor's report; ``None``: no event file.
 
     Raises:
         TypeError: if ``policies`` is neither a policy nor a list, or a policy is a class instead of an instance, or
@@ -423,12 +423,16 @@ class GradKit:
             scheduler.step()
 
     def finish(self) -> None:
-        """End of the loop: the guards report what their device ledgers still hold (as at ``on_train_end``).
+        """End of the loop: the guards report what their device ledgers still hold (as at ``on_train_end``), then the
+        monitor draws its report (the policies' ``finish`` in stage order: the report shows the guards' last events).
 
         Warns when no optimizer step went through :meth:`step` (the policies then measured and guarded nothing) or
         a policy that watches the loss was never given one (:meth:`note_loss`)."""
         self._finished = True
-        self._call("finish", self.ctx)
+        for policy in sorted(self.policies, key=lambda policy: policy.stage):
+            finish = hook(policy, "finish")
+            if finish is not None:
+                finish(self.ctx)
         self.ctx.flush_log(self.ctx.step)
         if self._steps_through_kit == 0:
             self.ctx.warn(
@@ -497,8 +501,9 @@ class GradKit:
             for policy in stateful:
                 policy.load_state_dict(states[policy_key(policy)])
         else:
-            for policy, state in zip(self.policies, states, strict=True):
-                policy.load_state_dict(state)  # type: ignore[attr-defined]
+            for policy, state in zip(self.policies, states, strict=True):  # a stateless policy saved {} there
+                if (load := hook(policy, "load_state_dict")) is not None:
+                    load(state)
         self._call("attach", self.ctx, self.ctx.model)
         # The model's weights and buffers may be loaded after this call as well as before: the next window's
         # buffers are taken at its first forward, after both.

@@ -87,20 +87,21 @@ class StepContext:
 
     The Lightning ``Trainer`` door answers from the Trainer (:class:`~lightning_gradkit.engine.TrainerContext`), the
     Fabric and plain-PyTorch door from its own step counter (:class:`~gradkit.loop.LoopContext`). A
-    feature that only exists under a Trainer (the culprit replay of ``training_step``, the gradient report, the LR
-    gate) reads ``trainer``, which is ``None`` behind the other doors.
+    feature that only exists under a Trainer (the culprit replay of ``training_step``, the LR gate) reads
+    ``trainer``, which is ``None`` behind the other doors.
 
     Attributes:
         trainer: the Lightning ``Trainer`` when the loop is one, else ``None``.
         pl_module: its ``LightningModule``, else ``None``.
-        log_dir: the directory of the guards' event file behind the other doors (the Trainer's is its log
-            directory, chosen at ``setup``).
+        log_dir: the directory of the guards' event file and the monitor's report (the Trainer's log directory;
+            ``None``: the loop has none).
+        progress_bar: shows step values (host floats) in the loop's progress bar; ``None`` where it has none.
     """
 
     trainer = None
     pl_module = None
-    #: Where the guards write their event file outside a Trainer (``None``: none is written).
     log_dir: Path | None = None
+    progress_bar: Callable[[dict[str, float]], None] | None = None
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:
@@ -134,6 +135,11 @@ class StepContext:
     @property
     def log_every_n_steps(self) -> int:
         raise NotImplementedError
+
+    @property
+    def log_step(self) -> int:
+        """The step the loop's loggers file the current step's values under."""
+        return self.global_step
 
     def step_key(self) -> tuple[int, ...]:
         """What identifies the current optimizer step: equal for all calls within it, different for the next."""

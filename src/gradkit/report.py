@@ -2,99 +2,72 @@
 
     python -m gradkit.report LOG_DIR [--out FILE]
 
-``LOG_DIR`` is a run directory: a ``CSVLogger``'s (it holds ``metrics.csv``) or a ``TensorBoardLogger``'s (it holds
-``events.out.tfevents.*``, read when tensorboard is installed), with the ``gradkit_events.jsonl`` that gradkit's
-guards write there. ``GradNormMonitor(report=True)`` renders the same figure at the end of ``fit`` from the values
-it logged, whatever the logger. The figure shows:
+``LOG_DIR`` is a run directory: a ``CSVLogger``'s (``metrics.csv``) or a ``TensorBoardLogger``'s
+(``events.out.tfevents.*``, read when tensorboard is installed), with the ``gradkit_events.jsonl`` of gradkit's
+guards. ``GradNormMonitor(report=True)`` renders the same figure from the values it logged, whatever the logger, at
+the end of ``fit`` or at ``GradKit.finish()``. What the report reads and finds (:class:`~gradkit.report_data.RunData`,
+the incidents) is in :mod:`gradkit.report_data`; this module draws it. From the top, on one step axis:
 
-1. a heatmap of per-module gradient norms (``grad_norm/module/*``, log10) over optimizer steps, one row per module
-   in model order (from the monitor, the ``gradkit_run.json`` it writes next to the logs, or a TensorBoard file;
-   without them, from ``metrics.csv`` alone, whose columns ``CSVLogger`` sorts, in name order with numbers compared
-   as numbers: ``blocks.2`` before ``blocks.10``). Its title says how many steps logged norms. A logged value is
-   drawn over the steps nearest to it, at most 1% of the run either side: a sparse log (Lightning's default period
-   in a short run) shows blank columns where nothing was logged;
-2. below it, on the same step axis (integer ticks), the total gradient norm before and after clipping with the
-   clipped steps marked (or "no step clipped"), a marker on every logged point when the log is sparse and on each
-   point no line reaches (between two non-finite steps), the fraction of steps clipped
-   (``grad_clip/clipped_fraction``) and the number of skipped steps (``gradkit/skipped_steps``) where logged;
-3. every event of ``gradkit_events.jsonl`` (skipped steps, spikes, non-finite values, leaks, ...) as a line at its
-   step, labelled with what happened ("step skipped" only for a training step a guard skipped; validation events
-   dash-dotted); the events of one step share the height of the panel instead of hiding each other.
-4. with ``GradNormMonitor(update_ratio=True)``, between the two: the update-to-weight ratio per module
-   (``update_ratio/*``, log10) on the same step axis, coloured around the ``1e-3`` rule of thumb;
-5. below them, one incident panel per group of events that skipped a step, rolled back or escalated
-   (:func:`is_incident`; events within ``INCIDENT_RADIUS`` steps share a panel): each module's gradient norm over its
-   usual norm (its median before the first event) for the 10 steps either side, the event steps framed, and in the
-   title what happened, the culprit a replay named and the module that rose first (:func:`first_rise`). The
-   panels need per-module norms at those steps: log every step to see an incident step by step.
+1. a heatmap of per-module gradient norms (``grad_norm/module/*``, log10), one row per module in model order (from
+   the monitor, the ``gradkit_run.json`` it writes next to the logs, or a TensorBoard file; else in name order with
+   numbers compared as numbers, as ``metrics.csv`` sorts its columns: ``blocks.2`` before ``blocks.10``), its title
+   saying how many steps logged norms. A logged value is drawn over the steps nearest to it, at most 1% of the run
+   either side: a sparse log (Lightning's default period in a short run) shows blank columns where nothing was logged;
+2. with ``GradNormMonitor(update_ratio=True)``: the update-to-weight ratio per module (``update_ratio/*``, log10),
+   coloured around the ``1e-3`` rule of thumb;
+3. the total gradient norm before and after clipping with the clipped steps marked (or "no step clipped"), a marker
+   on every logged point when the log is sparse and on each point no line reaches (between two non-finite steps),
+   the fraction of steps clipped (``grad_clip/clipped_fraction``) and the number of skipped steps
+   (``gradkit/skipped_steps``) where logged; and every event of ``gradkit_events.jsonl`` (skipped steps, spikes,
+   non-finite values, leaks, ...) as a line at its step, labelled with what happened ("step skipped" only for a
+   training step a guard skipped; validation events dash-dotted; the events of one step share the panel's height);
+4. below them, one incident panel per group of events that skipped a step, rolled back or escalated (events within
+   ``INCIDENT_RADIUS`` steps share a panel): each module's gradient norm over its usual norm (its median before the
+   first event) for the 10 steps either side, the event steps framed, and in the title what happened, the culprit a
+   replay named and the module that rose first. Log every step to see an incident step by step.
 
-matplotlib is an optional dependency, the ``report`` extra. The package is on no package index: run
-``pip install -e '.[report]'`` in a checkout of lightning_gradkit (or ``pip install matplotlib``).
+matplotlib is the optional ``report`` extra: ``pip install -e '.[report]'`` in a checkout of lightning_gradkit (the
+package is on no package index), or ``pip install matplotlib``.
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
-import csv
-import importlib.util
 import itertools
-import json
 import math
-import re
-import statistics
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradkit.events import EVENTS_FILENAME as EVENTS_FILE
-from gradkit.events import read_metadata
-
-__all__ = [
-    "INCIDENT_RADIUS",
-    "INSTALL_HINT",
-    "RATIO_GUIDE",
-    "REPORT_FILE",
-    "RISE_FACTOR",
-    "Incident",
-    "Rise",
-    "RunData",
-    "build_figure",
-    "cell_reach",
-    "event_label",
-    "first_rise",
-    "incident_grid",
-    "incident_windows",
-    "is_incident",
-    "is_sparse",
-    "is_validation_event",
-    "isolated_points",
-    "load_run",
-    "logged_steps_text",
-    "main",
-    "render",
-    "render_data",
-    "step_lattice",
-]
-
-
-REPORT_FILE = "gradient_report.png"
-#: How to install matplotlib, for error messages: lightning_gradkit is installed from a checkout, not an index.
-INSTALL_HINT = (
-    "run `pip install -e '.[report]'` in the lightning_gradkit checkout (the package is on no package index), or "
-    "`pip install 'matplotlib>=3.7'`"
+from gradkit.report_data import (
+    INSTALL_HINT,
+    REPORT_FILE,
+    RISE_FACTOR,
+    Incident,
+    Rise,
+    RunData,
+    event_label,
+    first_rise,
+    heat_grid,
+    incident_grid,
+    incident_windows,
+    is_sparse,
+    is_validation_event,
+    isolated_points,
+    load_run,
+    logged_steps_text,
 )
-_MODULE_PREFIX = "grad_norm/module/"
+
+__all__ = ["RATIO_GUIDE", "build_figure", "main", "render", "render_data"]
+
+
 _TOTAL = "grad_norm/total"
 _POST = "grad_norm/total_post_clip"
 _CLIP_FRACTION = "grad_clip/clipped_fraction"
 _SKIPPED = "gradkit/skipped_steps"
-_RATIO_TOTAL = "update_ratio/total"
-_RATIO_MODULE_PREFIX = "update_ratio/module/"
 #: The update-to-weight ratio that the ratio panel centres its colours on (Karpathy's rule of thumb).
 RATIO_GUIDE = 1e-3
-_TB_GLOB = "events.out.tfevents.*"
 
 # Figure geometry, in inches: panel heights stay fixed whatever the number of modules (the figure grows instead).
 _WIDTH = 12.0
@@ -103,10 +76,7 @@ _MAX_HEAT_HEIGHT = 11.0
 _MIN_HEAT_HEIGHT = 1.4
 _LABEL_HEIGHT = 0.12  # below this many inches per row, only every k-th module name is written
 _TOTAL_HEIGHT = 2.6
-_MAX_COLUMNS = 2000  # heatmap columns; longer runs show the logged step nearest each column
-_REACH_FRACTION = 0.01  # a logged value is drawn over at most this fraction of the run's steps either side
 # Incident panels: the steps either side of an event, panels per row, at most this many panels, rows' height.
-INCIDENT_RADIUS = 10
 _INCIDENT_COLUMNS = 2
 _MAX_INCIDENTS = 8
 _INCIDENT_ROW_HEIGHT = 0.16
@@ -116,129 +86,6 @@ _INCIDENT_TITLE = 0.62  # inches above each panel for its title (up to three lin
 _INCIDENT_BELOW = 0.45  # inches below each panel for its step labels
 _INCIDENT_HEADER = 0.6  # inches above the first row for the section title (two lines)
 _INCIDENT_RANGE = 2.0  # the colour scale spans 10**-2 .. 10**2 times a module's median
-#: A module counts as risen when its norm is this many times its usual norm (its median before the incident).
-RISE_FACTOR = 5.0
-
-
-def _natural_key(name: str) -> list[Any]:
-    """``blocks.2`` before ``blocks.10``: digit runs compare as numbers (they sit at odd positions of the split)."""
-    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name))]
-
-
-@dataclass
-class RunData:
-    """Per-step series of a run and its events.
-
-    Attributes:
-        series: metric name -> {optimizer step: value}.
-        events: the records of ``gradkit_events.jsonl``.
-        module_order: the modules (names after ``grad_norm/module/``) in model order, when the source knows it.
-    """
-
-    series: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
-    events: list[dict] = field(default_factory=list)
-    module_order: list[str] = field(default_factory=list)
-
-    @property
-    def modules(self) -> list[str]:
-        """The logged modules: in ``module_order`` where it lists them, the others after them in natural order."""
-        logged = {k[len(_MODULE_PREFIX) :] for k in self.series if k.startswith(_MODULE_PREFIX)}
-        known = [m for m in self.module_order if m in logged]
-        return known + sorted(logged.difference(known), key=_natural_key)
-
-    @property
-    def ratio_rows(self) -> list[str]:
-        """The rows of the update-ratio panel: ``total`` (when logged), then the modules in :attr:`modules` order."""
-        logged = {k[len(_RATIO_MODULE_PREFIX) :] for k in self.series if k.startswith(_RATIO_MODULE_PREFIX)}
-        order = [m for m in self.modules if m in logged] + sorted(logged.difference(self.modules), key=_natural_key)
-        return (["total"] if _RATIO_TOTAL in self.series else []) + order
-
-    def ratio_series(self, row: str) -> dict[int, float]:
-        """The logged update ratios of a row of :attr:`ratio_rows`."""
-        return self.series.get(_RATIO_TOTAL if row == "total" else _RATIO_MODULE_PREFIX + row, {})
-
-    @property
-    def has_grad_norms(self) -> bool:
-        return any(k.startswith("grad_norm/") for k in self.series)
-
-    @staticmethod
-    def read_events(path: Path) -> list[dict]:
-        """The events of a ``gradkit_events.jsonl`` file (none when it does not exist)."""
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _read_csv(path: Path, data: RunData) -> None:
-    with path.open() as f:
-        for row in csv.DictReader(f):
-            step = row.get("step")
-            if step in (None, ""):
-                continue
-            for key, value in row.items():
-                if key != "step" and value not in (None, ""):
-                    data.series[key][int(float(step))] = float(value)
-
-
-def _read_tensorboard(log_dir: Path, data: RunData) -> None:
-    """Scalars of the TensorBoard event files in ``log_dir``; tags keep the order they were first logged in."""
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-
-    for path in sorted(log_dir.glob(_TB_GLOB)):
-        accumulator = EventAccumulator(str(path), size_guidance={SCALARS: 0})
-        accumulator.Reload()
-        tags = accumulator.Tags()[SCALARS]
-        for tag in tags:
-            for event in accumulator.Scalars(tag):
-                data.series[tag][int(event.step)] = float(event.value)
-        data.module_order += [t[len(_MODULE_PREFIX) :] for t in tags if t.startswith(_MODULE_PREFIX)]
-
-
-def load_run(log_dir: str | Path) -> RunData:
-    """Read a run directory: ``metrics.csv``, TensorBoard event files, ``gradkit_events.jsonl``.
-
-    Raises:
-        FileNotFoundError: if ``log_dir`` is not a directory or holds none of these files (the message names the
-            run directories below it, if any).
-        ModuleNotFoundError: if the directory holds only TensorBoard files and tensorboard is not installed.
-    """
-    log_dir = Path(log_dir)
-    if not log_dir.is_dir():
-        raise FileNotFoundError(
-            f"{log_dir} is not a directory. Pass the directory of a run logged with `CSVLogger` or `TensorBoardLogger` "
-            "(its `log_dir`, e.g. lightning_logs/version_0)."
-        )
-    metrics, events = log_dir / "metrics.csv", log_dir / EVENTS_FILE
-    tb_files = sorted(log_dir.glob(_TB_GLOB))
-    if not metrics.exists() and not events.exists() and not tb_files:
-        runs = sorted({p.parent for pattern in ("*/metrics.csv", f"*/{_TB_GLOB}") for p in log_dir.glob(pattern)})
-        hint = f" It has run directories below it: {', '.join(str(r) for r in runs[-3:])}." if runs else ""
-        raise FileNotFoundError(
-            f"{log_dir} has no metrics.csv, no TensorBoard event file and no {EVENTS_FILE}. Pass the directory of a "
-            f"run logged with `CSVLogger` or `TensorBoardLogger` (its `log_dir`, e.g. lightning_logs/version_0).{hint}"
-        )
-    data = RunData()
-    if metrics.exists():
-        _read_csv(metrics, data)
-    if tb_files:
-        if importlib.util.find_spec("tensorboard") is None:
-            if not metrics.exists():
-                raise ModuleNotFoundError(
-                    f"{log_dir} holds TensorBoard event files; reading them needs tensorboard: "
-                    "`pip install tensorboard`."
-                )
-        else:
-            _read_tensorboard(log_dir, data)
-    data.events = RunData.read_events(events)
-    # GradNormMonitor writes the model order of the rows next to the logs (metrics.csv sorts its columns by name).
-    order = read_metadata(log_dir).get("module_order")
-    if isinstance(order, list):
-        data.module_order = [str(m) for m in order]
-    return data
-
-
-def _log10(value: float) -> float:
-    return math.log10(value) if value > 0 and math.isfinite(value) else math.nan
 
 
 def render(log_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -253,11 +100,6 @@ def render(log_dir: str | Path, out: str | Path | None = None) -> Path:
         ModuleNotFoundError: if matplotlib is not installed (the ``report`` extra), or tensorboard for a
             TensorBoard-only run.
         ValueError: if the run logged no gradient norm and no event (nothing to draw).
-
-    Example::
-
-        >>> render("lightning_logs/version_0")  # doctest: +SKIP
-        PosixPath('lightning_logs/version_0/gradient_report.png')
     """
     out = Path(out) if out is not None else Path(log_dir) / REPORT_FILE
     return render_data(load_run(log_dir), out, source=str(log_dir))
@@ -292,64 +134,6 @@ def _pyplot():
             f"The gradient report needs matplotlib, which is not installed: {INSTALL_HINT}."
         ) from err
     return plt
-
-
-def cell_reach(steps: list[int]) -> float:
-    """How many steps either side of a logged step its value is drawn over: half a step, or 1% of the run.
-
-    A value stands for its own step only. Stretching it over the steps nearest to it keeps a dense log readable (a
-    column per logged step would be a hair's width in a long run), but in a sparse log it would paint blocks of
-    steps that logged nothing: a logged value reaches at most 1% of the run's steps either side.
-
-    Example::
-
-        >>> cell_reach([0, 9]), cell_reach([0, 500, 999])
-        (0.5, 9.99)
-    """
-    return max(0.5, _REACH_FRACTION * (steps[-1] - steps[0]))
-
-
-def is_sparse(steps: list[int]) -> bool:
-    """Whether the logged steps lie further apart than their values reach (:func:`cell_reach`): then the heatmap
-    shows blank columns between them and the lines of the lower panel mark every logged point.
-
-    Example::
-
-        >>> is_sparse([0, 9]), is_sparse(list(range(0, 300, 5)))
-        (True, False)
-    """
-    if len(steps) <= 2:
-        return True
-    return statistics.median(b - a for a, b in itertools.pairwise(steps)) > 2 * cell_reach(steps)
-
-
-def step_lattice(
-    steps: list[int], max_columns: int = _MAX_COLUMNS, reach: float = math.inf
-) -> tuple[list[int], list[int | None]]:
-    """Evenly spaced heatmap columns over ``steps`` and, for each, the index of the nearest logged step.
-
-    Logged steps are not evenly spaced (the first and last step of a run join the logging period), and ``imshow``
-    draws evenly spaced columns: one column per step (or per ``width`` steps in a long run) puts every value at its
-    own step, the same x as in the panel below. A column further than ``reach`` steps from every logged step gets
-    ``None``: nothing was logged there.
-
-    Example::
-
-        >>> step_lattice([0, 4, 9])
-        ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 0, 1, 1, 1, 1, 2, 2, 2])
-        >>> step_lattice([0, 4, 9], reach=0.5)[1]
-        [0, None, None, None, 1, None, None, None, None, 2]
-    """
-    first, last = steps[0], steps[-1]
-    width = max(1, math.ceil((last - first + 1) / max_columns))
-    columns = list(range(first, last + 1, width))
-    nearest: list[int | None] = []
-    for x in columns:
-        i = bisect.bisect_left(steps, x)
-        if i == len(steps) or (i > 0 and x - steps[i - 1] <= steps[i] - x):
-            i -= 1
-        nearest.append(i if abs(steps[i] - x) <= reach else None)
-    return columns, nearest
 
 
 @dataclass
@@ -445,8 +229,8 @@ def build_figure(data: RunData):
 
     modules = data.modules
     ratio_rows = data.ratio_rows
-    logged = [s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v]
-    incidents = incident_windows(data.events, run_end=max(logged) if logged else None)
+    steps = sorted({s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v})
+    incidents = incident_windows(data.events, run_end=steps[-1] if steps else None)
     layout = _Layout(
         rows=max(len(modules), 1),
         label_chars=max((len(m) for m in modules), default=10),
@@ -457,17 +241,16 @@ def build_figure(data: RunData):
     ax_heat = fig.add_axes(layout.rect(layout.top, layout.heat_height), label="gradient norm")
     ax_total = fig.add_axes(layout.rect(layout.total_top, _TOTAL_HEIGHT), sharex=ax_heat, label="totals")
 
-    steps = sorted({s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v})
     event_steps = [int(e["step"]) for e in data.events if isinstance(e.get("step"), (int, float))]
     span = steps + event_steps
     if modules and steps:
-        grid, extent = _heat_grid([data.series[_MODULE_PREFIX + m] for m in modules], steps)
+        grid, extent = heat_grid([data.module_series(m) for m in modules], steps)
         image = ax_heat.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent)
         _row_labels(ax_heat, modules, layout.heat_height)
         fig.colorbar(
             image, cax=fig.add_axes(layout.bar_rect(layout.top, layout.heat_height)), label="log10 gradient norm"
         )
-        _mark_nonfinite(ax_heat, [data.series[_MODULE_PREFIX + m] for m in modules])
+        _mark_nonfinite(ax_heat, [data.module_series(m) for m in modules])
     else:
         reason = (
             "no per-module norms logged: GradNormMonitor(depth=0)?"
@@ -511,34 +294,6 @@ def build_figure(data: RunData):
     return fig
 
 
-def logged_steps_text(steps: list[int]) -> str:
-    """How many optimizer steps logged gradient norms, for a title.
-
-    Example::
-
-        >>> logged_steps_text([0, 9])
-        '2 of 10 steps logged (0-9; blank: none logged)'
-        >>> logged_steps_text([0, 1, 2])
-        'every step logged (0-2)'
-    """
-    total = steps[-1] - steps[0] + 1
-    if len(steps) == total:
-        return f"every step logged ({steps[0]}-{steps[-1]})"
-    blank = "; blank: none logged" if None in step_lattice(steps, reach=cell_reach(steps))[1] else ""
-    return f"{len(steps)} of {total} steps logged ({steps[0]}-{steps[-1]}{blank})"
-
-
-def _heat_grid(series: list[dict[int, float]], steps: list[int]) -> tuple[list[list[float]], tuple[float, ...]]:
-    """log10 of each series on the heatmap's columns over ``steps`` (NaN where nothing was logged), and the extent."""
-    columns, nearest = step_lattice(steps, reach=cell_reach(steps))
-    width = columns[1] - columns[0] if len(columns) > 1 else 1
-    grid = []
-    for values in series:
-        logged = [_log10(values.get(s, math.nan)) for s in steps]
-        grid.append([math.nan if i is None else logged[i] for i in nearest])
-    return grid, (columns[0] - width / 2, columns[-1] + width / 2, len(series) - 0.5, -0.5)
-
-
 def _row_labels(ax, rows: list[str], height: float) -> None:
     """Name the rows, every k-th one when the rows are too thin for a label each."""
     every = max(1, math.ceil(_LABEL_HEIGHT * len(rows) / height))
@@ -564,7 +319,7 @@ def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layo
     plt = _pyplot()
     series = [data.ratio_series(row) for row in rows]
     ratio_steps = sorted({s for values in series for s in values})
-    grid, extent = _heat_grid(series, steps or ratio_steps)
+    grid, extent = heat_grid(series, steps or ratio_steps)
     guide = math.log10(RATIO_GUIDE)
     finite = [v for row in grid for v in row if math.isfinite(v)]
     low = min([*finite, guide - 1.0])
@@ -586,144 +341,6 @@ def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layo
     ax.tick_params(labelbottom=False)
 
 
-# -- incidents: the per-module norms around each event that skipped, rolled back or escalated ------------------------
-#: Events that are incidents whatever their ``action``.
-_INCIDENT_WHATS = ("rollback", "rollback_stopped", "escalation")
-
-
-def is_incident(event: dict) -> bool:
-    """Whether an event gets an incident panel: a training step a guard skipped or stopped on, a rollback, an
-    escalation (validation events and warnings do not).
-
-    Example::
-
-        >>> is_incident({"what": "spike", "action": "skip", "step": 4}), is_incident({"what": "spike", "step": 4})
-        (True, False)
-    """
-    if not isinstance(event.get("step"), (int, float)) or is_validation_event(event):
-        return False
-    return event.get("action") in ("skip", "raise") or event.get("what") in _INCIDENT_WHATS
-
-
-@dataclass
-class Incident:
-    """Events close together and the steps their panel shows.
-
-    Attributes:
-        first: the first step shown (``INCIDENT_RADIUS`` before the first event, or the run's first step).
-        last: the last step shown.
-        events: the events, in step order.
-    """
-
-    first: int
-    last: int
-    events: list[dict]
-
-    @property
-    def steps(self) -> list[int]:
-        return list(range(self.first, self.last + 1))
-
-    @property
-    def event_steps(self) -> list[int]:
-        return sorted({int(e["step"]) for e in self.events})
-
-
-def incident_windows(events: list[dict], radius: int = INCIDENT_RADIUS, run_end: int | None = None) -> list[Incident]:
-    """One :class:`Incident` per group of incident events (:func:`is_incident`) whose windows of ``radius`` steps
-    either side overlap: a run of skipped steps and the rollback that ends it make one panel. The windows stop at
-    step 0 and at ``run_end`` (the run's last step), when given.
-
-    Example::
-
-        >>> events = [{"step": s, "what": "spike", "action": "skip"} for s in (3, 5, 40)]
-        >>> [(i.first, i.last, i.event_steps) for i in incident_windows(events)]
-        [(0, 15, [3, 5]), (30, 50, [40])]
-    """
-    found = sorted((e for e in events if is_incident(e)), key=lambda e: int(e["step"]))
-    out: list[Incident] = []
-    for event in found:
-        step = int(event["step"])
-        if out and step - radius <= out[-1].last:
-            out[-1].events.append(event)
-            out[-1].last = step + radius
-        else:
-            out.append(Incident(max(0, step - radius), step + radius, [event]))
-    if run_end is not None:
-        for incident in out:
-            incident.last = max(min(incident.last, run_end), incident.event_steps[-1])
-    return out
-
-
-def incident_grid(series: list[dict[int, float]], steps: list[int], before: int | None = None) -> list[list[float]]:
-    """log10 of each series over ``steps`` divided by its median before the incident (NaN where nothing finite was
-    logged).
-
-    Each row is normalized by the median of its own finite positive values at the steps before ``before`` (the
-    first event's step: the module's usual norm before the incident; the whole window when no step precedes it),
-    so a module that went ten times its usual norm reads +1 whatever its scale. A non-finite value stays
-    non-finite (NaN or inf).
-
-    Example::
-
-        >>> incident_grid([{0: 1.0, 1: 1.0, 2: 100.0}, {0: 5.0, 2: 5.0}], [0, 1, 2], before=2)
-        [[0.0, 0.0, 2.0], [0.0, nan, 0.0]]
-    """
-    grid = []
-    for values in series:
-        window = [values.get(s, math.nan) for s in steps]
-        finite = [v for s, v in zip(steps, window, strict=True) if math.isfinite(v) and v > 0]
-        usual = [values[s] for s in steps if before is not None and s < before and values.get(s, 0.0) > 0]
-        usual = [v for v in usual if math.isfinite(v)] or finite
-        median = statistics.median(usual) if usual else math.nan
-        grid.append(
-            [(v if v == math.inf else math.nan) if not math.isfinite(v) else _log10(v / median) for v in window]
-        )
-    return grid
-
-
-@dataclass
-class Rise:
-    """Where an incident began: the earliest step at which some module rose, and which modules rose there.
-
-    Attributes:
-        step: the step.
-        rows: the modules that rose there, most first (a non-finite one before any finite one).
-        factors: for each, its norm over its usual (median) norm; ``inf`` for a non-finite value.
-    """
-
-    step: int
-    rows: list[str]
-    factors: list[float]
-
-
-def first_rise(
-    rows: list[str], series: list[dict[int, float]], grid: list[list[float]], steps: list[int]
-) -> Rise | None:
-    """The modules whose norm rose first: the earliest step at which a row is non-finite or :data:`RISE_FACTOR`
-    times its usual norm (``grid``, from :func:`incident_grid`), with every row that rose there; ``None`` if none
-    rose.
-
-    Example::
-
-        >>> series = [{0: 1.0, 1: 1.0, 2: 50.0}, {0: 1.0, 1: 1.0, 2: 1.0}]
-        >>> first_rise(["a", "b"], series, incident_grid(series, [0, 1, 2], before=2), [0, 1, 2])
-        Rise(step=2, rows=['a'], factors=[50.0])
-    """
-    threshold = math.log10(RISE_FACTOR)
-    for j, step in enumerate(steps):
-        risen = []
-        for i, row in enumerate(rows):
-            raw = series[i].get(step)
-            if raw is not None and not math.isfinite(raw):
-                risen.append((math.inf, -i, row))
-            elif math.isfinite(grid[i][j]) and grid[i][j] >= threshold:
-                risen.append((10 ** grid[i][j], -i, row))
-        if risen:
-            risen.sort(reverse=True)  # most first; equal factors in model order
-            return Rise(step, [r[2] for r in risen], [round(r[0], 6) for r in risen])
-    return None
-
-
 def _draw_incidents(fig, data: RunData, incidents: list[Incident], layout: _Layout) -> None:
     plt = _pyplot()
     from matplotlib import ticker
@@ -731,7 +348,7 @@ def _draw_incidents(fig, data: RunData, incidents: list[Incident], layout: _Layo
 
     modules = data.modules
     rows = modules or ["total"]
-    series = [data.series[_MODULE_PREFIX + m] for m in modules] or [data.series.get(_TOTAL, {})]
+    series = [data.module_series(m) for m in modules] or [data.series.get(_TOTAL, {})]
     shown = incidents[:_MAX_INCIDENTS]
     more = f" (the first {len(shown)} of {len(incidents)})" if len(incidents) > len(shown) else ""
     header_y = 1 - (layout.incident_top + _INCIDENT_HEADER - 0.05) / layout.height
@@ -814,22 +431,6 @@ def _clipped_count(fraction: dict[int, float]) -> tuple[int, int]:
     return round(sum(fraction[s] * n for s, n in zip(steps, lengths, strict=True))), sum(lengths)
 
 
-def isolated_points(values: list[float]) -> list[int]:
-    """Positions of the finite values with no finite neighbour: a line through the others never reaches them.
-
-    Example::
-
-        >>> isolated_points([1.0, math.nan, 2.0, math.nan, 3.0, 4.0])
-        [0, 2]
-    """
-    finite = [math.isfinite(v) for v in values]
-    return [
-        i
-        for i, ok in enumerate(finite)
-        if ok and not (i > 0 and finite[i - 1]) and not (i + 1 < len(finite) and finite[i + 1])
-    ]
-
-
 def _plot_series(ax, series: dict[int, float], sparse: bool, **style: Any) -> None:
     """A line through the logged values, with a marker on each when sparse, else on each isolated one."""
     steps = sorted(series)
@@ -892,34 +493,6 @@ def _draw_totals(ax, data: RunData, sparse: bool = False) -> None:
 
 
 _EVENT_COLORS = ("tab:red", "tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
-
-
-#: Events found in validation (``NonFiniteGuard``'s ``nonfinite_val_loss``, ``InferenceModeValidation``'s
-#: ``validation_non_finite``): they skip no optimizer step, whatever the guard's ``action``.
-_VALIDATION_EVENT = re.compile(r"(^|_)val(idation)?(_|$)")
-
-
-def is_validation_event(event: dict) -> bool:
-    """Whether an event was found in validation, where no optimizer step is taken (nor skipped)."""
-    return bool(_VALIDATION_EVENT.search(str(event.get("what", ""))))
-
-
-def event_label(event: dict) -> str:
-    """What an event of ``gradkit_events.jsonl`` says happened, for the legend.
-
-    Example::
-
-        >>> event_label({"what": "nonfinite_grads", "action": "skip"})
-        'nonfinite_grads (step skipped)'
-        >>> event_label({"what": "nonfinite_val_loss", "action": "skip", "stopped": False})
-        'nonfinite_val_loss (in validation)'
-    """
-    what = str(event.get("what", "event"))
-    if is_validation_event(event):
-        return f"{what} (in validation{', training stopped' if event.get('stopped') else ''})"
-    if event.get("action") == "skip":
-        return f"{what} (step skipped)"
-    return what
 
 
 def _draw_events(ax, events: list[dict]) -> None:

@@ -173,6 +173,15 @@ class TrainerContext(StepContext):
     def log_every_n_steps(self) -> int:
         return self.trainer.log_every_n_steps
 
+    @property
+    def log_step(self) -> int:
+        return batches_that_stepped(self.trainer)
+
+    @property
+    def log_dir(self) -> Path:  # type: ignore[override]
+        # Collective where the Trainer has loggers (`trainer.log_dir` broadcasts rank 0's): every rank asks together.
+        return events_dir(self.trainer)
+
     def step_key(self) -> tuple[int, ...]:
         # `global_step` counts every attempted step (manual optimization too); the batch tells two fits apart.
         return self.trainer.global_step, self.trainer.fit_loop.total_batch_idx
@@ -215,6 +224,11 @@ class TrainerContext(StepContext):
 
     def warn(self, message: str) -> None:
         rank_zero_warn(message)
+
+    def progress_bar(self, values: dict[str, float]) -> None:  # type: ignore[override]
+        # CPU tensors: the progress bar reads them every batch, which must not synchronize the device.
+        tensors = {k: torch.tensor(v) for k, v in values.items()}
+        self.pl_module.log_dict(tensors, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradkit._arguments import check_bool, check_choice, check_float, check_int, name_list
 from gradkit.events import EventLog, EventWriter
+from gradkit.monitor import auto_module_keys, module_rows, repeated_blocks
 from gradkit.norms import ParamIndex, grouped_norms, host_to_device, local_tensor, nonfinite_mask
 from gradkit.params import clean_name
 from gradkit.protocol import StepContext, unwrapped
@@ -33,7 +34,6 @@ from gradkit.running import RunningMoments, spike_decision
 from gradkit.snapshot import HostSnapshot, trained_parameters
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
 from lightning_gradkit.callbacks.loss_window import WatchesLossOrGradNorm, WindowLoss
-from lightning_gradkit.callbacks.monitor import auto_module_keys, module_rows, repeated_blocks
 from lightning_gradkit.engine import Engine, GradKitCallback, Stage, StatsRequest, StepPlan, events_dir
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
 

@@ -1,4 +1,7 @@
-"""Gradient-norm logging from the shared one-pass statistics."""
+"""Gradient-norm logging from the shared one-pass statistics: :class:`GradNormMonitor`, a plain torch policy that
+works behind every door (the ``Trainer`` through :class:`lightning_gradkit.GradNormMonitor`, :class:`~gradkit.GradKit`
+for Fabric and plain loops); the per-module rows (:func:`repeated_blocks`, :func:`auto_module_keys`,
+:func:`module_rows`, shared with ``SpikeRollback``) and the update-to-weight ratio (:func:`update_ratios`)."""
 
 from __future__ import annotations
 
@@ -8,12 +11,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -32,22 +32,9 @@ from gradkit.norms import (
     total_norm,
 )
 from gradkit.params import clean_name, module_key
-from gradkit.protocol import StepContext, values_to_host
-from lightning_gradkit._deepspeed import deepspeed_step, refuse_under_deepspeed, uses_deepspeed
-from lightning_gradkit.engine import (
-    Engine,
-    GradKitCallback,
-    Stage,
-    StatsRequest,
-    StepPlan,
-    batches_that_stepped,
-    events_dir,
-    log_metrics,
-)
-
-if TYPE_CHECKING:
-    from gradkit.report import RunData
-
+from gradkit.pipeline import StepPlan
+from gradkit.protocol import Stage, StatsRequest, StepContext, state_key, values_to_host
+from gradkit.report_data import INSTALL_HINT, REPORT_FILE, RunData
 
 __all__ = [
     "PROG_BAR_KEYS",
@@ -173,68 +160,40 @@ def _clipped_flag(plan: StepPlan) -> Tensor | None:
     return torch.stack([f.to(flags[0].device) for f in flags]).any() if flags else None
 
 
-class GradNormMonitor(GradKitCallback):
-    r"""Log gradient norms (total, per module, per param group) and optionally weight norms.
+class GradNormMonitor:
+    r"""Log gradient norms (total, per module, per param group) and optionally weight norms and update ratios.
 
-    The norms come from the step's shared :class:`~gradkit.norms.GradStats`: one
-    ``torch._foreach_norm`` pass over all gradients at the optimizer-step boundary (after AMP unscaling and the DDP
-    all-reduce; correct global values under FSDP1/FSDP2 through one all-reduce). Values are logged with
-    ``pl_module.log`` on logging steps only, so any Lightning logger receives them and non-logging steps cost no
-    host-device synchronization. With accumulation, the norms are measured once per optimizer step, at the boundary.
+    The norms come from the step's shared :class:`~gradkit.norms.GradStats`: one ``torch._foreach_norm`` pass over
+    all gradients at the optimizer-step boundary (after AMP unscaling and the DDP all-reduce; global values under
+    FSDP1/FSDP2 through one all-reduce), once per optimizer step. They are read to the host on logging steps only
+    (every ``log_every_n_steps`` optimizer steps, the first one and, when the loop knows it, the last one), so other
+    steps cost no host-device synchronization; they reach the ``Trainer``'s loggers or ``GradKit``'s ``log``.
 
-    Logging steps are every ``log_every_n_steps`` optimizer steps, plus the first optimizer step of each ``fit`` and
-    the last one (when ``max_steps`` or ``max_epochs`` ends the run), so a run shorter than the period still shows
-    its norms; a warning at train start says when the run has fewer optimizer steps than the period. The first and
-    last steps go straight to ``trainer.loggers`` (one host transfer), since Lightning flushes ``self.log`` values
-    on its own period only.
-
-    Logged keys (``/opt{i}`` is appended when the Trainer has several optimizers):
+    Logged keys (``/opt{i}`` is appended when the loop has several optimizers):
 
     - ``grad_norm/total``: the total norm of the gradients the optimizer receives, before clipping.
-    - ``grad_norm/total_post_clip``: the same after a gradkit clipping callback acted (when one is present).
+    - ``grad_norm/total_post_clip``: the same after a gradkit clipping policy acted (when one is present).
     - ``grad_norm/module/<name>``: per module (see ``depth``).
     - ``grad_norm/param_group_<i>``: per optimizer param group.
     - ``weight_norm/total`` and ``weight_norm/module/<name>``: with ``weight_norms=True``.
     - ``update_ratio/total`` and ``update_ratio/module/<name>``: with ``update_ratio=True``, the update-to-weight
       ratio ``||w_after - w_before|| / ||w_before||`` (2-norms, whatever ``norm_type``) of this optimizer step.
 
-    **Under Lightning's** ``DeepSpeedStrategy`` the DeepSpeed engine owns the step (see
-    :mod:`lightning_gradkit._deepspeed`); the monitor logs what it measures, after ``engine.step()``:
-
-    - ``grad_norm/total``: ``engine.get_global_grad_norm()``, the global 2-norm of the gradients after unscaling and
-      before DeepSpeed's ``gradient_clipping`` (``inf`` on a step DeepSpeed skipped). Not logged, with one warning,
-      where DeepSpeed computes none (ZeRO stage 0 in full precision).
-    - ``deepspeed/skipped_steps``: ``engine.skipped_steps``, the steps DeepSpeed did not apply (fp16 overflow).
-
-    Logging steps count DeepSpeed's optimizer steps (``engine.global_steps``, one per accumulation window), plus the
-    first; the values go to ``trainer.loggers`` directly. A non-logging step reads two Python ints of the engine and
-    nothing from the device. ``depth`` is not used; ``norm_type`` other than 2, ``param_groups``, ``weight_norms``,
-    ``update_ratio``, ``report`` and ``prog_bar`` are refused at setup.
-
     **Update-to-weight ratio.** The ratio of the size of a step's update to the size of the weights is the usual
     learning-rate health signal: about ``1e-3`` per step is healthy (Karpathy, CS231n "ratio of weights:updates");
     far below, the learning rate is too low or the module does not train; far above, it is too high. On a logging
-    step the monitor copies this optimizer's parameters (the local shards under FSDP/FSDP2) after the gradients are
-    written and before the optimizer steps, and computes the ratio right after ``optimizer.step()`` returns (a
-    ``torch.optim`` step post-hook, removed at the end of the batch, which logs it): one ``_foreach_sub_`` and two
-    ``_foreach_norm`` passes, and under sharding one all-reduce. The ratio divides by the weights before the step (a
-    module whose weights are all zero gets ``inf``, or ``nan`` if it did not move either). Cost: on logging steps
-    only, one copy of the (local) parameters held during the optimizer step, so peak memory grows by the parameter
-    bytes there; other steps cost nothing (no hook, no copy, no sync). A step the optimizer did not apply (a guard
-    skipped it, the ``GradScaler`` found an inf, a fused optimizer was told ``found_inf``) logs ``0``: its update
-    was zero.
+    step the monitor copies this optimizer's (local) parameters after the gradients are written and measures the
+    update right after ``optimizer.step()`` returns (a ``torch.optim`` step post-hook, removed after the step): one
+    ``_foreach_sub_``, two ``_foreach_norm`` passes and under sharding one all-reduce, and the copy held during the
+    step; other steps cost nothing. A module whose weights are all zero gets ``inf`` (``nan`` if it did not move). A
+    step the optimizer did not apply (a guard skipped it, the ``GradScaler`` found an inf) logs ``0``.
 
-    Trainable parameters that receive no gradient, or an all-zero gradient, are named in a warning, once each
-    (the classic "training under ``no_grad``" or "loss not connected" failures). A gradient counts as all-zero when
-    it is all zero on each of the first 4 optimizer steps (``ZERO_GRADIENT_STEPS``) of the fit, or after parameters
-    joined the optimizer: a zero-initialised gain (the last BatchNorm of each ResNet block with
-    ``zero_init_residual``) zeroes the gradients upstream of it on the first step only, which is no fault. Those
-    steps cost two element-wise kernels on the per-parameter norms each and no host sync; the result is read on the
-    first logging step after them. The checks start again for the parameters that join the optimizer during the fit
-    (e.g. a backbone unfrozen by ``BackboneFinetuning``). A model with no trainable parameter at fit start (a
-    ``BaseFinetuning`` callback froze everything in ``setup`` and unfreezes at an epoch start) gets a warning; its
-    parameters are measured from the step they join. Every gradient the optimizer applies is measured, also one on a
-    parameter with ``requires_grad=False`` (FSDP2, see ``GradKitModelParallelStrategy``).
+    Trainable parameters that receive no gradient, or an all-zero gradient on each of the first 4 optimizer steps
+    (``ZERO_GRADIENT_STEPS``: a zero-initialised gain zeroes the gradients upstream of it on the first step only), are
+    named in a warning, once each: the classic "training under ``no_grad``" or "loss not connected" failures. The
+    checks cost no host sync until the first logging step after them, and start again for parameters that join the
+    optimizer (a backbone unfrozen by ``BackboneFinetuning``). Every gradient the optimizer applies is measured, also
+    one on a parameter with ``requires_grad=False`` (FSDP2, see ``GradKitModelParallelStrategy``).
 
     Args:
         norm_type: the p of the norm, ``p >= 1`` or ``float("inf")``.
@@ -247,27 +206,35 @@ class GradNormMonitor(GradKitCallback):
         weight_norms: also log the weight norms (total and, with ``depth``, per module) on logging steps.
         update_ratio: also log the update-to-weight ratio (total and, with ``depth``, per module) on logging steps;
             see above for what it costs. The report draws it as a panel of its own.
-        report: at the end of ``fit``, render the gradient report (``gradkit.report``) to
-            ``gradient_report.png`` in the log directory. The monitor keeps the values it logs (rank 0, on logging
-            steps), so any logger, or none, will do. Needs matplotlib: ``pip install -e '.[report]'`` in the
-            lightning_gradkit checkout.
-        log_every_n_steps: how often to log, in optimizer steps; defaults to the Trainer's
-            ``log_every_n_steps``. With a period of its own the values go straight to ``trainer.loggers``
-            (Lightning's ``self.log`` would re-send stale values on its own logging steps).
+        report: at the end of ``fit`` (or at ``GradKit.finish()``), render the gradient report (``gradkit.report``)
+            to ``gradient_report.png`` in the log directory (the ``Trainer``'s, or ``GradKit(log_dir=...)``). The
+            monitor keeps the values it logs (rank 0, on logging steps), so any logger, or none, will do. Needs
+            matplotlib: ``pip install -e '.[report]'`` in the lightning_gradkit checkout.
+        log_every_n_steps: how often to log, in optimizer steps; defaults to the loop's period (the Trainer's
+            ``log_every_n_steps``).
         prog_bar: show the total norm (``grad_norm``), the fraction of optimizer steps clipped since the previous
             logging step (``clipped``, with a clipping callback) and the number of skipped steps (``skipped``, with
-            a guard that skips) in Lightning's progress bar, updated on logging steps.
+            a guard that skips) in Lightning's progress bar, updated on logging steps (a ``Trainer`` only).
 
     Raises:
         ValueError: if ``norm_type`` < 1, ``depth`` is neither ``"auto"`` nor an integer >= 0, or
-            ``log_every_n_steps`` is not a positive integer; at setup, if the Trainer has another GradNormMonitor.
+            ``log_every_n_steps`` is not a positive integer; behind a loop door, ``report=True`` without a
+            ``log_dir`` or ``prog_bar=True``.
         ModuleNotFoundError: with ``report=True``, if matplotlib is not installed.
 
     Example::
 
-        >>> from lightning.pytorch import Trainer
-        >>> from lightning_gradkit import GradNormMonitor
-        >>> trainer = Trainer(callbacks=[GradNormMonitor(param_groups=True, report=True)])
+        >>> from gradkit.loop import GradKit
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> logged = []
+        >>> kit = GradKit(model, optimizer, GradNormMonitor(update_ratio=True), log_every_n_steps=1,
+        ...               log=lambda metrics, step: logged.append(metrics))
+        >>> model(torch.ones(2, 4)).sum().backward()
+        >>> kit.step(optimizer)
+        True
+        >>> [key for key in logged[0] if key.endswith("total")]
+        ['grad_norm/total', 'update_ratio/total']
     """
 
     stage = Stage.OBSERVE
@@ -285,32 +252,21 @@ class GradNormMonitor(GradKitCallback):
     ) -> None:
         self.norm_type = validate_norm_type(norm_type)
         if not (isinstance(depth, str) and depth == "auto"):
-            depth = check_int(
-                "depth",
-                depth,
-                0,
-                hint="Use 'auto' for one row per repeated block, an integer to cut module names at that many "
-                "components, 0 to turn per-module norms off.",
-            )
+            hint = "Use 'auto' for one row per repeated block, an integer to cut module names at that many components."
+            depth = check_int("depth", depth, 0, hint=hint + " 0 turns per-module norms off.")
         self.depth: int | Literal["auto"] = depth
         self.param_groups = check_bool("param_groups", param_groups)
         self.weight_norms = check_bool("weight_norms", weight_norms)
         self.update_ratio = check_bool("update_ratio", update_ratio)
         self.report = check_bool("report", report)
         if report and importlib.util.find_spec("matplotlib") is None:
-            from gradkit.report import INSTALL_HINT
-
             raise ModuleNotFoundError(
                 "GradNormMonitor(report=True) draws the report with matplotlib, which is not installed: "
                 f"{INSTALL_HINT}; or leave `report=False`."
             )
         if log_every_n_steps is not None:
-            check_int(
-                "log_every_n_steps",
-                log_every_n_steps,
-                1,
-                hint="Leave it as None to follow the Trainer's `log_every_n_steps`.",
-            )
+            hint = "Leave it as None to follow the Trainer's `log_every_n_steps`."
+            check_int("log_every_n_steps", log_every_n_steps, 1, hint=hint)
         self.log_every_n_steps = log_every_n_steps
         # The parameter index each check was done for (re-armed when parameters join or leave the optimizer), and
         # the names already reported.
@@ -329,173 +285,70 @@ class GradNormMonitor(GradKitCallback):
         self._report_dir: Path | None = None
         self._metadata_dir: Path | None = None
         self._written_rows: dict[int, list[str]] = {}
-        # Under DeepSpeed: the engine's step count at the last batch end, and whether a missing norm was reported.
-        self._deepspeed = False
-        self._deepspeed_steps = 0
-        self._warned_no_deepspeed_norm = False
         # Update ratio: the parameters before the step of a logging step, per optimizer, and the step hooks.
         self._before: dict[int, _Before] = {}
         self._step_hooks: dict[int, RemovableHandle] = {}
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(norm_type=self.norm_type, depth=self.depth)
+        return state_key(self, norm_type=self.norm_type, depth=self.depth)
 
     @property
     def report_data(self) -> RunData | None:
         """With ``report=True``, on global rank 0: the values logged so far (what the report draws), else None."""
-        if self._record is None:
+        if self._record is None or self._report_dir is None:
             return None
-        # Imported here: `python -m gradkit.report` must not find the module imported by the package.
-        from gradkit.report import RunData
+        return self._record.run_data(RunData.read_events(self._report_dir / EVENTS_FILENAME))
 
-        events = RunData.read_events(self._report_dir / EVENTS_FILENAME) if self._report_dir is not None else []
-        return self._record.run_data(events)
+    def attach(self, ctx: StepContext, model: nn.Module) -> None:
+        """What a run starts from: the model's parameter order and blocks, the log directory, nothing logged yet.
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        monitors = [cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor)]
-        if len(monitors) > 1:
+        Raises:
+            ValueError: ``report=True`` where the loop has no log directory, ``prog_bar=True`` where it has no
+                progress bar.
+        """
+        directory = ctx.log_dir  # the Trainer's broadcasts rank 0's directory: every rank asks here
+        if self.report and directory is None:
             raise ValueError(
-                f"The Trainer has {len(monitors)} GradNormMonitor callbacks: each would log the same `grad_norm/*` "
-                "keys. Keep exactly one and give it every option you need (`depth`, `param_groups`, `weight_norms`, "
-                "`update_ratio`, `report`, `prog_bar`)."
+                "GradNormMonitor(report=True) writes gradient_report.png into the loop's log directory, and this "
+                "loop has none: pass `GradKit(..., log_dir=...)`, or leave `report=False`."
             )
-        self._deepspeed = uses_deepspeed(trainer)
-        if self._deepspeed and stage == "fit":
-            self._refuse_deepspeed_options(trainer)
-        # `trainer.log_dir` broadcasts rank 0's directory: every rank asks at the same point.
-        directory = events_dir(trainer) if self.report or trainer.loggers else None
-        if self.report:
-            self._report_dir = directory
-        # The model order of the rows goes next to the logs (rank 0), for `python -m gradkit.report`.
-        self._metadata_dir = directory if trainer.loggers and trainer.is_global_zero else None
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._deepspeed:
-            self._first_pending = True
-            self._deepspeed_steps = deepspeed_step(trainer.strategy).steps
-            return
-        super().on_fit_start(trainer, pl_module)
-        if not any(p.requires_grad for p in pl_module.parameters()):
-            # Valid in Lightning: a `BaseFinetuning` callback may freeze everything in `setup` and unfreeze at an epoch
-            # start. The engine's index picks the parameters up when they join.
-            rank_zero_warn(
-                f"GradNormMonitor: `{type(pl_module).__name__}` has no trainable parameter at fit start (none has "
+        if self.prog_bar and ctx.progress_bar is None:
+            raise ValueError(
+                "GradNormMonitor(prog_bar=True) shows its values in a Lightning Trainer's progress bar, which this "
+                "loop does not have: leave `prog_bar=False` (the values reach the loop's `log` function)."
+            )
+        if not any(p.requires_grad for p in model.parameters()):
+            # Valid: a `BaseFinetuning` callback may freeze everything in `setup`; the index takes them as they join.
+            ctx.warn(
+                f"GradNormMonitor: `{type(model).__name__}` has no trainable parameter at fit start (none has "
                 "`requires_grad=True`; a `BaseFinetuning` callback may have frozen them). The monitor picks "
                 "parameters up when they join (unfrozen with `requires_grad_(True)` or added with `add_param_group`) "
                 "and logs their norms from then on."
             )
-        self._start(pl_module)
-        self._record = _Record() if self.report and trainer.is_global_zero else None
-
-    def _start(self, model: torch.nn.Module) -> None:
-        """What a fit starts from: the model's parameter order and blocks, nothing logged yet."""
-        # Names as the engine cleans them (no FSDP / checkpoint-wrapper / compile components), in registration order.
+        # Names as the pipeline cleans them (no FSDP / checkpoint-wrapper / compile components), in registration order.
         self._model_order = [clean_name(n) for n, _ in model.named_parameters()]
         self._blocks = repeated_blocks((clean_name(n), m) for n, m in model.named_modules())
-        self._rows.clear()
-        self._written_rows.clear()
-        self._clipped.clear()
-        self._steps_since_log.clear()
+        for kept in (self._rows, self._written_rows, self._clipped, self._steps_since_log):
+            kept.clear()
         self._first_pending = True
+        rank_zero = ctx.global_rank == 0
+        self._report_dir = directory if self.report else None
+        # The model order of the rows goes next to the logs (rank 0), for `python -m gradkit.report`.
+        self._metadata_dir = directory if rank_zero else None
+        self._record = _Record() if self.report and rank_zero else None
 
-    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
-        needs_trainer = [name for name in ("report", "prog_bar", "update_ratio") if getattr(self, name)]
-        if needs_trainer:
-            raise ValueError(
-                f"GradNormMonitor({needs_trainer[0]}=True) needs a Lightning `Trainer` (its loggers' directory, "
-                "progress bar or batch hooks); outside one, set it to False. The gradient norms are logged through "
-                "the loop's `log` function."
-            )
-        self._start(model)
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        period = trainer.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
-        try:
-            total = trainer.estimated_stepping_batches
-        except MisconfigurationException:  # an accumulation schedule: no single estimate
-            return
-        if period and math.isfinite(total) and 0 < total < period:
-            rank_zero_warn(
-                f"GradNormMonitor: this run has {int(total)} optimizer step(s), fewer than the logging period of "
-                f"{period} (`log_every_n_steps`, counted in optimizer steps): gradient norms are logged on the first "
-                "and the last step only. Lower `Trainer(log_every_n_steps=...)` or "
-                "`GradNormMonitor(log_every_n_steps=...)` to see more."
-            )
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def finish(self, ctx: StepContext) -> Path | None:
+        """Render the report (``report=True``, rank 0) from what the monitor logged; returns the file written."""
         if self._record is None or self._report_dir is None:
-            return
-        from gradkit.report import REPORT_FILE, render_data
+            return None
+        from gradkit.report import render_data  # here: `python -m gradkit.report` must not find it imported
 
         try:
-            path = render_data(self.report_data, self._report_dir / REPORT_FILE, source="GradNormMonitor")
+            return render_data(self.report_data, self._report_dir / REPORT_FILE, source="GradNormMonitor")
         except ValueError as err:  # nothing logged (a run stopped before its first optimizer step)
-            rank_zero_warn(f"GradNormMonitor: no gradient report written: {err}")
-            return
-        rank_zero_info(f"GradNormMonitor: gradient report written to {path}")
-
-    # -- under DeepSpeed: the engine's own values, after its step -------------------------------------------------
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
-    ) -> None:
-        if not self._deepspeed:  # DeepSpeed measures inside `engine.step()`, which comes after this hook
-            super().on_before_optimizer_step(trainer, pl_module, optimizer)
-
-    def _refuse_deepspeed_options(self, trainer: pl.Trainer) -> None:
-        """Refuse the options DeepSpeed's one global 2-norm per step cannot serve."""
-        options = {
-            "norm_type": (self.norm_type, 2.0),
-            "param_groups": (self.param_groups, False),
-            "weight_norms": (self.weight_norms, False),
-            "update_ratio": (self.update_ratio, False),
-            "report": (self.report, False),
-            "prog_bar": (self.prog_bar, False),
-        }
-        for name, (value, supported) in options.items():
-            if value != supported:
-                refuse_under_deepspeed(
-                    trainer,
-                    f"`GradNormMonitor({name}={value!r})`",
-                    "under DeepSpeed the monitor logs what the DeepSpeed engine measures inside its step, one global "
-                    "2-norm per optimizer step (`engine.get_global_grad_norm()`), since the gradients live in "
-                    "DeepSpeed's own buffers (ZeRO)",
-                    f"Leave `{name}={supported!r}` (the default): `grad_norm/total` and `deepspeed/skipped_steps` "
-                    "are logged.",
-                )
-
-    def _log_deepspeed(self, trainer: pl.Trainer) -> None:
-        """Log DeepSpeed's global norm and skipped steps after a DeepSpeed optimizer step, on logging steps only.
-
-        Counted in DeepSpeed optimizer steps (``engine.global_steps``): with ``accumulate_grad_batches``, Lightning
-        calls ``engine.step()`` after every micro-batch and DeepSpeed steps once per window. A non-logging step reads
-        two Python ints of the engine and nothing from the device.
-        """
-        step = deepspeed_step(trainer.strategy)
-        if step.steps == self._deepspeed_steps:  # inside an accumulation window: DeepSpeed did not step
-            return
-        self._deepspeed_steps = step.steps
-        period = trainer.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
-        last = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
-        if period == 0 or not (step.steps % period == 0 or self._first_pending or last or trainer.should_stop):
-            return
-        self._first_pending = False
-        metrics: dict[str, float] = {}
-        if step.grad_norm is not None:
-            metrics["grad_norm/total"] = float(step.grad_norm)  # the one device read, on logging steps only
-        elif not self._warned_no_deepspeed_norm:
-            self._warned_no_deepspeed_norm = True
-            rank_zero_warn(
-                "GradNormMonitor: the DeepSpeed engine computed no global gradient norm "
-                "(`engine.get_global_grad_norm()` is None), so `grad_norm/total` is not logged. DeepSpeed computes it "
-                "under ZeRO stage 1-3 or with fp16/bf16; with ZeRO stage 0 in full precision it steps the torch "
-                "optimizer directly and measures nothing."
-            )
-        metrics["deepspeed/skipped_steps"] = float(step.skipped)
-        logged_at = batches_that_stepped(trainer)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=logged_at)
+            ctx.warn(f"GradNormMonitor: no gradient report written: {err}")
+            return None
 
     def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(self.norm_type)
@@ -532,37 +385,35 @@ class GradNormMonitor(GradKitCallback):
         metrics = {k + suffix: v for k, v in self.metrics(plan).items()}
         if self.weight_norms:
             metrics.update({k + suffix: v for k, v in self._weight_metrics(plan).items()})
-        host: dict[str, float] | None = None
-        if on_period:
+        host = None if on_period else values_to_host(metrics)  # off the period (first, last step): now, on the host
+        if host is None:
             ctx.log(metrics, self.log_every_n_steps)
         else:
-            host = values_to_host(metrics)
             ctx.log_values(host)
         if watch.ready:
             self._warn_zero_gradients(watch, ctx)
         self._write_row_order(idx, suffix)
         if self._record is not None or self.prog_bar:
-            self._note(plan, ctx.trainer, ctx.pl_module, metrics, host, suffix)
+            self._note(plan, ctx, metrics, host, suffix)
         if self.update_ratio:
-            self._keep_before(plan, suffix, on_period)
+            self._keep_before(plan, ctx, suffix, on_period)
 
     # -- update-to-weight ratio (logging steps only) --------------------------------------------------------------
-    def _keep_before(self, plan: StepPlan, suffix: str, on_period: bool) -> None:
+    def _keep_before(self, plan: StepPlan, ctx: StepContext, suffix: str, on_period: bool) -> None:
         """Copy the parameters before the step and arm the hook that measures the update after it."""
         index = plan.index
         before = [local_tensor(p.detach()).clone() for p in index.params]
         weight_norms = per_tensor_norms(before, 2.0, index.run_bounds).to(index.shard_weight.device)
-        idx = plan.optimizer_idx
-        self._before[idx] = _Before(index, before, weight_norms, self._module_rows(plan), suffix, on_period)
+        idx, rows = plan.optimizer_idx, self._module_rows(plan)
+        self._before[idx] = _Before(index, before, weight_norms, rows, suffix, on_period, ctx.log_step)
         if idx not in self._step_hooks:
-            hook = functools.partial(self._after_step, idx)
-            self._step_hooks[idx] = plan.optimizer.register_step_post_hook(hook)
+            self._step_hooks[idx] = plan.optimizer.register_step_post_hook(functools.partial(self._after_step, idx))
 
     def _after_step(self, idx: int, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """``optimizer.step()`` returned (a ``torch.optim`` step post-hook): measure the update of a logging step.
 
-        The ratios are logged at the batch end, with those of a step that did not happen, from one hook: Lightning
-        keeps a logged key per hook, and the same key logged from two hooks would be re-sent stale.
+        The ratios are logged after the step (:meth:`after_step`), with those of a step that did not happen, from one
+        hook: Lightning keeps a logged key per hook, and the same key logged from two hooks would be re-sent stale.
         """
         before = self._before.get(idx)
         if before is None or before.ratios is not None:  # another step of the same batch (manual optimization)
@@ -571,17 +422,11 @@ class GradNormMonitor(GradKitCallback):
             before.ratios = update_ratios(before.index, before.params, before.weight_norms, before.rows)
         before.params = []
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._deepspeed:
-            self._log_deepspeed(trainer)
-            return
+    def after_step(self, ctx: StepContext) -> None:
+        """Log the update ratios of a logging step (the batch's end under a Trainer)."""
         if not self._step_hooks:  # not a logging step with `update_ratio`: nothing to do
             return
-        for handle in self._step_hooks.values():
-            handle.remove()
-        self._step_hooks.clear()
+        self._drop_step_hooks()
         for before in self._before.values():
             ratios = before.ratios
             if ratios is None:
@@ -590,31 +435,22 @@ class GradNormMonitor(GradKitCallback):
                 zero = torch.zeros((), device=before.weight_norms.device)
                 rows = before.rows[0] if before.rows is not None else []
                 ratios = {f"update_ratio/{name}": zero for name in ["total", *(f"module/{r}" for r in rows)]}
-            self._log_ratios(trainer, pl_module, before, ratios)
+            metrics = {k + before.suffix: v for k, v in ratios.items()}
+            host = None if before.on_period else values_to_host(metrics)  # as the step's other values were logged
+            if host is None:
+                ctx.log(metrics, self.log_every_n_steps)
+            else:
+                ctx.log_values(host)
+            if self._record is not None:
+                self._record.merge(before.step, host or values_to_host(metrics))
         self._before.clear()
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for handle in self._step_hooks.values():  # a fit that raised inside a logging step's batch
+    def _drop_step_hooks(self) -> None:
+        for handle in self._step_hooks.values():
             handle.remove()
         self._step_hooks.clear()
-        self._before.clear()
 
-    def _log_ratios(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, before: _Before, ratios: dict[str, Tensor]
-    ) -> None:
-        """Log the ratios as the step's other values were logged (one host transfer off the Trainer's period)."""
-        metrics = {k + before.suffix: v for k, v in ratios.items()}
-        step = batches_that_stepped(trainer)
-        host: dict[str, float] | None = None
-        if before.on_period:
-            log_metrics(trainer, pl_module, metrics, self.log_every_n_steps)
-        else:
-            host = values_to_host(metrics)
-            for logger in trainer.loggers:
-                logger.log_metrics(host, step=step)
-        if self._record is not None:
-            self._record.merge(step, host or values_to_host(metrics))
-
+    # -- what a logging step logs and keeps -------------------------------------------------------------------------
     def _write_row_order(self, idx: int, suffix: str) -> None:
         """Record the per-module rows in model order in ``gradkit_run.json`` when they change (rank 0, a logger)."""
         rows = self._rows.get(idx)
@@ -638,13 +474,7 @@ class GradNormMonitor(GradKitCallback):
         self._steps_since_log[idx] = self._steps_since_log.get(idx, 0) + 1
 
     def _note(
-        self,
-        plan: StepPlan,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        metrics: dict[str, Tensor],
-        host: dict[str, float] | None,
-        suffix: str,
+        self, plan: StepPlan, ctx: StepContext, metrics: dict[str, Tensor], host: dict[str, float] | None, suffix: str
     ) -> None:
         """Keep the logged values for the report and show them in the progress bar (one more host transfer)."""
         idx = plan.optimizer_idx
@@ -652,28 +482,16 @@ class GradNormMonitor(GradKitCallback):
         clipped = self._clipped.pop(idx, None)
         if clipped is not None:
             extra["grad_clip/clipped_fraction" + suffix] = clipped / self._steps_since_log.pop(idx)
-        skipped = Engine.of(trainer).skipped_steps
+        skipped = ctx.pipeline.skipped_steps
         if skipped is not None:
             extra["gradkit/skipped_steps"] = skipped
         values = {**(host or values_to_host(metrics)), **(values_to_host(extra) if extra else {})}
-        step = batches_that_stepped(trainer)
         if self._record is not None:
-            self._record.add(step, values, self._rows[idx][1] if idx in self._rows else [], suffix)
+            self._record.add(ctx.log_step, values, self._rows[idx][1] if idx in self._rows else [], suffix)
         if self.prog_bar:
-            shown = {
-                "grad_norm": values.get("grad_norm/total" + suffix),
-                "clipped": values.get("grad_clip/clipped_fraction" + suffix),
-                "skipped": values.get("gradkit/skipped_steps"),
-            }
-            # CPU tensors: the progress bar reads them every batch, which must not synchronize the device.
-            pl_module.log_dict(
-                {k + suffix: torch.tensor(v) for k, v in shown.items() if v is not None},
-                prog_bar=True,
-                logger=False,
-                on_step=True,
-                on_epoch=False,
-                batch_size=1,
-            )
+            keys = ("grad_norm/total" + suffix, "grad_clip/clipped_fraction" + suffix, "gradkit/skipped_steps")
+            shown = zip(PROG_BAR_KEYS, keys, strict=True)
+            ctx.progress_bar({name + suffix: values[key] for name, key in shown if key in values})
 
     def metrics(self, plan: StepPlan) -> dict[str, Tensor]:
         """The gradient-norm metrics of one step, as device tensors (no host sync)."""
@@ -684,18 +502,16 @@ class GradNormMonitor(GradKitCallback):
         rows = self._module_rows(plan)
         if rows is not None:
             names, index = rows
-            module_norms = grouped_norms(stats.param_norms, index, len(names), self.norm_type)
-            out.update(self._module_metrics("grad_norm", plan.scaled(module_norms), names))
+            module_norms = plan.scaled(grouped_norms(stats.param_norms, index, len(names), self.norm_type))
+            out.update({f"grad_norm/module/{name}": module_norms[i] for i, name in enumerate(names)})
         if self.param_groups:
-            scaled_groups = plan.scaled(stats.group_norms)
-            for i in range(stats.group_norms.numel()):
-                out[f"grad_norm/param_group_{i}"] = scaled_groups[i]
+            out.update({f"grad_norm/param_group_{i}": g for i, g in enumerate(plan.scaled(stats.group_norms))})
         return out
 
     def _module_rows(self, plan: StepPlan) -> tuple[list[str], Tensor] | None:
         """The per-module rows of this optimizer's parameters, in model order, built once per parameter layout.
 
-        Module norms are grouped here, from the per-parameter norms, on logging steps only: the engine need not
+        Module norms are grouped here, from the per-parameter norms, on logging steps only: the pipeline need not
         group every step.
         """
         if self.depth == 0:
@@ -734,12 +550,9 @@ class GradNormMonitor(GradKitCallback):
         rows = self._module_rows(plan)
         if rows is not None:
             names, row_index = rows
-            out.update(self._module_metrics("weight_norm", grouped_norms(norms, row_index, len(names), p), names))
+            module_norms = grouped_norms(norms, row_index, len(names), p)
+            out.update({f"weight_norm/module/{name}": module_norms[i] for i, name in enumerate(names)})
         return out
-
-    @staticmethod
-    def _module_metrics(prefix: str, norms: Tensor, names: list[str]) -> dict[str, Tensor]:
-        return {f"{prefix}/module/{name}": norms[i] for i, name in enumerate(names)}
 
 
 def update_ratios(
@@ -791,7 +604,7 @@ _WEIGHT_SQUARES = "update_ratio.weight_squares"
 @dataclass
 class _Before:
     """What a logging step keeps of one optimizer's parameters for the update ratio: the copies until the step
-    returns, then the ratios until the batch ends."""
+    returns, then the ratios until they are logged (``step``: the step they are logged under)."""
 
     index: ParamIndex
     params: list[Tensor]
@@ -799,6 +612,7 @@ class _Before:
     rows: tuple[list[str], Tensor] | None
     suffix: str
     on_period: bool
+    step: int
     ratios: dict[str, Tensor] | None = None
 
 
@@ -876,8 +690,6 @@ class _Record:
             self.values[-1].update(values)
 
     def run_data(self, events: list[dict]) -> RunData:
-        from gradkit.report import RunData
-
         data = RunData(events=events, module_order=self.module_order)
         for step, values in zip(self.steps, self.values, strict=True):
             for key, value in values.items():
