@@ -21,6 +21,7 @@ FOLDER = Path(__file__).parent / "_inventories"
 
 
 def main() -> int:
+    FOLDER.mkdir(exist_ok=True)
     failed = []
     for name, root in INVENTORIES.items():
         target = FOLDER / f"{name}.inv"
