@@ -97,7 +97,9 @@ lint: $(STAMP)
 # (git-ignored), every warning an error (-W; --keep-going lists them all first). -E re-reads every page, so a warning
 # in an unchanged page fails a second build too. No network: intersphinx reads only the inventories committed in
 # docs/_inventories (`make docs-inventories` fetches them where the documentation hosts are reachable).
-# tests/test_docs.py runs the pages' code blocks (part of `make test`).
+# tests/test_docs.py runs the pages' code blocks (part of `make test`). `make docs SPHINXOPTS=-n` also lists the
+# cross-references that resolve nowhere (not an error: the docstrings name private modules the site leaves out, and
+# torch's and Lightning's names resolve only with their inventories).
 SPHINXOPTS ?=
 
 docs: $(STAMP)

@@ -10,7 +10,7 @@ A page's fenced blocks are taken by language:
   ``pip`` line names extras that ``pyproject.toml`` declares (and the wheel of its version), an example's command line
   is accepted by the example (LightningCLI builds the Trainer with ``run=False``; ``--help`` output names the class;
   argparse parses it). A command this file has no check for fails the test.
-- ``yaml``: parsed, and every ``class_path`` imports.
+- ``yaml``: parsed, and every ``class_path`` imports and builds with its ``init_args``.
 - ``text``: output or a listing, not code. ``{directive}`` fences (``{eval-rst}``, ``{toctree}``, ``{include}``) are
   Sphinx's, checked by the ``-W`` build (``make docs``).
 
@@ -308,24 +308,27 @@ def test_bash_commands_are_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 # ---------------------------------------------------------------------------------------------------------- yaml
 
 
-def test_yaml_blocks_name_importable_classes() -> None:
-    def class_paths(node: Any) -> list[str]:
+def test_yaml_blocks_build_their_classes() -> None:
+    """Every ``class_path`` of a YAML block imports and builds with its ``init_args``, as LightningCLI would."""
+
+    def specs(node: Any) -> list[dict[str, Any]]:
         if isinstance(node, dict):
-            own = [node["class_path"]] if isinstance(node.get("class_path"), str) else []
-            return own + [p for value in node.values() for p in class_paths(value)]
+            own = [node] if isinstance(node.get("class_path"), str) else []
+            return own + [spec for value in node.values() for spec in specs(value)]
         if isinstance(node, list):
-            return [p for value in node for p in class_paths(value)]
+            return [spec for value in node for spec in specs(value)]
         return []
 
-    paths = []
+    built = []
     for page in PAGES:
         for block in blocks(page):
             if block.language == "yaml":
-                paths += class_paths(yaml.safe_load(block.code))
-    assert paths
-    for path in paths:
-        module, _, name = path.rpartition(".")
-        assert isinstance(getattr(importlib.import_module(module), name), type), path
+                for spec in specs(yaml.safe_load(block.code)):
+                    module, _, name = spec["class_path"].rpartition(".")
+                    cls = getattr(importlib.import_module(module), name)
+                    built.append(cls(**spec.get("init_args", {})))
+    # an unknown or invalid init_arg raises at construction (TypeError, ValueError naming the argument)
+    assert {"GradKitDDPStrategy", "ZClip"} <= {type(b).__name__ for b in built}, built
 
 
 # ---------------------------------------------------------------------------------------------------------- reference
