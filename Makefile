@@ -1,16 +1,16 @@
-# Two commands for a fresh machine: `make demo` and `make test`.
+# Two commands for a fresh machine: `make demo` and `make test`. `make docs` builds the documentation site.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradkit-installed
 
-.PHONY: demo test test-compat lint bench gpu-check clean
+.PHONY: demo test test-compat lint bench gpu-check docs docs-inventories clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# CPU wheel of torch first: any other spec pulls the CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -90,8 +90,23 @@ $(COMPAT_DIR)/lightning-%/.gradkit-installed: pyproject.toml constraints.txt con
 	touch $@
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests examples benchmarks
-	$(VENV)/bin/ruff format --check src tests examples benchmarks
+	$(VENV)/bin/ruff check src tests examples benchmarks docs/conf.py docs/fetch_inventories.py
+	$(VENV)/bin/ruff format --check src tests examples benchmarks docs/conf.py docs/fetch_inventories.py
+
+# `make docs`: the documentation site (Sphinx: MyST pages, autodoc + napoleon for the API reference) into docs/_build
+# (git-ignored), every warning an error (-W; --keep-going lists them all first). -E re-reads every page, so a warning
+# in an unchanged page fails a second build too. No network: intersphinx reads only the inventories committed in
+# docs/_inventories (`make docs-inventories` fetches them where the documentation hosts are reachable).
+# tests/test_docs.py runs the pages' code blocks (part of `make test`). `make docs SPHINXOPTS=-n` also lists the
+# cross-references that resolve nowhere (not an error: the docstrings name private modules the site leaves out, and
+# torch's and Lightning's names resolve only with their inventories).
+SPHINXOPTS ?=
+
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -b html -W --keep-going -E -q $(SPHINXOPTS) docs docs/_build/html
+
+docs-inventories: $(STAMP)
+	$(PY) docs/fetch_inventories.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_monitoring.py
@@ -106,4 +121,4 @@ gpu-check:
 	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT_DIR) lightning_logs .pytest_cache gpu-check-results
+	rm -rf $(VENV) $(COMPAT_DIR) lightning_logs .pytest_cache gpu-check-results docs/_build

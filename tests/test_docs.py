@@ -1,0 +1,369 @@
+"""Every code block of the documentation site (``docs/**/*.md``) runs here, as a reader would copy it.
+
+A page's fenced blocks are taken by language:
+
+- ``python``: the page's blocks run in order in one namespace (a later block may use what an earlier one defined, as
+  a reader follows the page), in a fresh working directory, and then the page's entry in ``OUTCOMES`` checks what
+  they were meant to produce (a metric logged, a step skipped, an event written). ``SHRINK`` lists the only edits
+  made before running (a shorter run than the page shows); each must still match the page.
+- ``bash``: each command is checked without running its side effects: a ``make`` target exists (``make -n``), a
+  ``pip`` line names extras that ``pyproject.toml`` declares (and the wheel of its version), an example's command line
+  is accepted by the example (LightningCLI builds the Trainer with ``run=False``; ``--help`` output names the class;
+  argparse parses it). A command this file has no check for fails the test.
+- ``yaml``: parsed, and every ``class_path`` imports and builds with its ``init_args``.
+- ``text``: output or a listing, not code. ``{directive}`` fences (``{eval-rst}``, ``{toctree}``, ``{include}``) are
+  Sphinx's, checked by the ``-W`` build (``make docs``).
+
+The docstring examples (``>>>``) of the public names, which the API reference renders, run as doctests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import doctest
+import importlib
+import importlib.util
+import io
+import json
+import re
+import shlex
+import subprocess
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).parents[1]
+DOCS = ROOT / "docs"
+PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if not {"_build"} & set(p.parts))
+
+# A fence opens with 3+ backticks (indented in a list item or not) and closes with the same fence at the same indent.
+FENCE = re.compile(
+    r"^(?P<indent>[ ]*)(?P<fence>`{3,})(?P<info>[^`\n]*)\n(?P<body>.*?)^(?P=indent)(?P=fence)[ ]*$", re.M | re.S
+)
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str
+    line: int
+    language: str
+    code: str
+
+
+def blocks(page: str) -> list[Block]:
+    text = (DOCS / page).read_text()
+    found = []
+    for match in FENCE.finditer(text):
+        indent = len(match["indent"])
+        code = "".join(line[indent:] if line[:indent].isspace() else line for line in match["body"].splitlines(True))
+        line = text.count("\n", 0, match.start()) + 1
+        found.append(Block(page, line, match["info"].strip().split(" ")[0], code))
+    return found
+
+
+def test_every_fence_is_a_known_language() -> None:
+    unknown = [
+        f"{b.page}:{b.line}: {b.language!r}"
+        for page in PAGES
+        for b in blocks(page)
+        if b.language not in ("python", "bash", "yaml", "text") and not b.language.startswith("{")
+    ]
+    assert not unknown, f"code blocks this test cannot run (python, bash, yaml; text for output): {unknown}"
+
+
+# ---------------------------------------------------------------------------------------------------------- python
+
+# (page, text on the page, what runs instead): a shorter run than the page shows, nothing else.
+SHRINK: dict[str, list[tuple[str, str]]] = {
+    "getting_started.md": [("max_steps=48", "max_steps=2")],
+}
+
+
+def _events(directory: Path) -> list[dict[str, Any]]:
+    files = sorted(directory.rglob("gradkit_events.jsonl"))
+    return [json.loads(line) for file in files for line in file.read_text().splitlines()]
+
+
+def _getting_started(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert ns["trainer"].global_step == 2
+    (run,) = cwd.glob("lightning_logs/version_*")
+    assert (run / "gradient_report.png").is_file()
+    assert "grad_norm/total" in EventAccumulator(str(run)).Reload().Tags()["scalars"]  # the default logger's run
+
+
+def _norm_logging(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    keys = ns["keys"]
+    assert {"grad_norm/total", "grad_norm/param_group_0", "update_ratio/total"} <= set(keys), keys
+    assert any(k.startswith("grad_norm/module/model.blocks.") for k in keys), keys
+    assert len(ns["norms"]) == 4 and all(norm > 0 for norm in ns["norms"])  # every step logged
+
+
+def _clipping(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    last = ns["last"]
+    assert float(last["grad_norm/total"]) > 0.05  # the model's norm is above the ceiling: the clip acted
+    assert float(last["grad_norm/total_post_clip"]) == pytest.approx(0.05, rel=1e-4)
+    assert ns["manual"].norm.ndim == 0 and float(ns["manual"].norm) > 0  # the norm of its last step
+
+
+def _anomalies(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    (event,) = [e for e in _events(cwd) if e["source"] == "NonFiniteGuard"]
+    assert event["step"] == 3 and event["action"] == "skip" and event["culprit"] == "model.blocks.1.mlp"
+    assert any("NonFiniteGuard" in str(w.message) for w in caught)
+    assert [type(c).__name__ for c in ns["rollback_trainer"].callbacks if "Spike" in type(c).__name__] == [
+        "SpikeGuard",
+        "SpikeRollback",
+    ]
+
+
+def _activation_checkpointing(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    assert ns["names_before"] == ns["names_after"]  # state_dict keys unchanged by the injection
+    assert ns["trainer"].global_step == 3
+    assert ns["checkpointing"].saved_bytes_after < ns["checkpointing"].saved_bytes_before
+    assert ns["checkpointed"] == ["blocks.1", "blocks.3"]
+
+
+def _validation(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    assert ns["seen"] == [True, True]  # both validation batches ran under torch.inference_mode
+
+
+def _accumulation(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    # 6 batches in windows of 4: 2 optimizer steps, the last window of 2 batches.
+    assert ns["trainer"].global_step == 2
+    assert ns["manual_trainer"].global_step == 2
+
+
+def _diagnostics(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    (block,) = [b for b in blocks("jobs/diagnostics.md") if b.language == "python"]
+    item_line = 1 + next(i for i, line in enumerate(block.code.splitlines()) if "loss.item()" in line)
+    assert [(site.filename, site.lineno) for site in ns["audit"].report] == [
+        (f"docs/jobs/diagnostics.md:{block.line}", item_line)
+    ]
+    assert any("history" in str(report) for report in ns["leaks"].reports)
+
+
+def _doors(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert ns["kit"].skipped_steps == 1  # the plain loop's fourth step had a NaN loss and gradients
+    assert [(e["step"], e["action"]) for e in _events(cwd / "runs" / "exp1")] == [(3, "skip")]
+    (run,) = {path.parent for path in (cwd / "runs" / "exp1").rglob("events.out.tfevents.*")}  # one run
+    scalars = EventAccumulator(str(run)).Reload().Tags()["scalars"]
+    assert {"grad_norm/total", "grad_norm/total_post_clip"} <= set(scalars), scalars
+    assert ns["fabric_kit"].state_dict()["step"] == 4 and ns["fabric_kit"].skipped_steps == 0
+
+
+def _scale(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    from lightning.pytorch import LightningModule
+
+    # The block defines the hook (a mesh needs 4 processes: tests/test_hsdp_distributed.py runs one).
+    assert ns["HSDPModule"].configure_model is not LightningModule.configure_model
+
+
+def _playbook(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    reproducible, transient = ns["reproducible"], ns["transient"]
+    assert reproducible["reproducible"] is True and reproducible["culprit"] == "model.blocks.1.mlp"
+    assert transient["reproducible"] is None and "replay" in transient["reproducible_reason"]
+
+
+# page -> the check of what its blocks produced: (the namespace, the working directory, the warnings raised).
+OUTCOMES: dict[str, Callable[[dict[str, Any], Path, list[warnings.WarningMessage]], None]] = {
+    "getting_started.md": _getting_started,
+    "jobs/norm_logging.md": _norm_logging,
+    "jobs/clipping.md": _clipping,
+    "jobs/anomalies.md": _anomalies,
+    "jobs/activation_checkpointing.md": _activation_checkpointing,
+    "jobs/validation.md": _validation,
+    "jobs/accumulation.md": _accumulation,
+    "jobs/diagnostics.md": _diagnostics,
+    "doors.md": _doors,
+    "scale.md": _scale,
+    "playbook.md": _playbook,
+}
+
+PYTHON_PAGES = [page for page in PAGES if any(b.language == "python" for b in blocks(page))]
+
+
+def test_every_page_with_python_has_an_outcome_check() -> None:
+    missing = sorted(set(PYTHON_PAGES) - set(OUTCOMES))
+    assert not missing, f"pages whose python blocks run with no check of their result (add one to OUTCOMES): {missing}"
+    assert set(OUTCOMES) <= set(PYTHON_PAGES), sorted(set(OUTCOMES) - set(PYTHON_PAGES))
+    for page, edits in SHRINK.items():
+        text = (DOCS / page).read_text()
+        assert all(old in text for old, _ in edits), f"{page}: a SHRINK edit no longer matches the page"
+
+
+@pytest.mark.parametrize("page", PYTHON_PAGES)
+def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    namespace: dict[str, Any] = {"__name__": "__docs__"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for block in blocks(page):
+            if block.language != "python":
+                continue
+            code = block.code
+            for old, new in SHRINK.get(page, []):
+                code = code.replace(old, new)
+            exec(compile(code, f"docs/{page}:{block.line}", "exec"), namespace)
+    OUTCOMES[page](namespace, tmp_path, caught)
+
+
+# ---------------------------------------------------------------------------------------------------------- bash
+
+
+def _commands(block: Block) -> list[list[str]]:
+    text = block.code.replace("\\\n", " ")
+    return [shlex.split(line, comments=True) for line in text.splitlines() if line.split("#", 1)[0].strip()]
+
+
+def _example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"docs_example_{name}", ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_make(args: list[str]) -> None:
+    (target,) = args
+    done = subprocess.run(["make", "-n", "-C", str(ROOT), target], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, f"`make {target}`: {done.stderr}"
+
+
+def _check_pip(args: list[str]) -> None:
+    # pyproject.toml read with two patterns (tomllib is Python 3.11+, the package supports 3.10)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    (version,) = re.findall(r'^version = "([^"]+)"', pyproject, re.M)
+    table = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = set(re.findall(r"^([A-Za-z0-9_-]+) = \[", table, re.M))
+    wheel = f"dist/lightning_gradkit-{version}-py3-none-any.whl"
+    options = {"-e", "--no-deps", "-w", "dist"}
+    for spec in args[1:]:
+        if spec in options:
+            continue
+        path, _, named = spec.partition("[")
+        assert path in (".", wheel), f"`pip {' '.join(args)}`: {path!r} is neither the checkout nor {wheel}"
+        unknown = set(filter(None, named.rstrip("]").split(","))) - extras
+        assert not unknown, f"`pip {' '.join(args)}`: extras {unknown} are not in pyproject.toml ({sorted(extras)})"
+
+
+def _check_tiny_gpt(args: list[str], tmp_path: Path) -> None:
+    assert args[0] == "fit", args
+    example = _example("tiny_gpt")
+    args = [a.replace("examples/", f"{ROOT}/examples/") for a in args[1:]]
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        try:
+            cli = example.TinyGPTCLI(example.TinyGPTModule, example.StdlibTextDataModule, args=args, run=False)
+        except SystemExit as stop:
+            assert stop.code == 0, output.getvalue()[-2000:]
+            helped = [a.split(".")[-1] for a in args[args.index("--trainer.callbacks.help") + 1 :]]
+            assert helped and all(name in output.getvalue() for name in helped), output.getvalue()[-2000:]
+            return
+    named = [a.split("=")[1].split(".")[-1] for a in args if a.startswith("--trainer.callbacks+=")]
+    built = {type(c).__name__ for c in cli.trainer.callbacks}
+    assert set(named) <= built, (named, built)
+
+
+def _check_fabric_pretrain(args: list[str]) -> None:
+    parsed = _example("fabric_pretrain").parse_args(args)
+    assert parsed.out_dir is not None
+
+
+def test_bash_commands_are_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["docs"])
+    checked = 0
+    for page in PAGES:
+        for block in blocks(page):
+            if block.language != "bash":
+                continue
+            for argv in _commands(block):
+                where = f"docs/{page}:{block.line}: {shlex.join(argv)}"
+                match argv:
+                    case ["make", *rest]:
+                        _check_make(rest)
+                    case ["pip", ("install" | "wheel"), *_]:
+                        _check_pip(argv[1:])
+                    case ["python", "examples/tiny_gpt.py", *rest]:
+                        _check_tiny_gpt(rest, tmp_path)
+                    case ["python", "examples/fabric_pretrain.py", *rest]:
+                        _check_fabric_pretrain(rest)
+                    case _:
+                        pytest.fail(f"{where}: no check for this command in tests/test_docs.py")
+                checked += 1
+    assert checked >= 8
+
+
+# ---------------------------------------------------------------------------------------------------------- yaml
+
+
+def test_yaml_blocks_build_their_classes() -> None:
+    """Every ``class_path`` of a YAML block imports and builds with its ``init_args``, as LightningCLI would."""
+
+    def specs(node: Any) -> list[dict[str, Any]]:
+        if isinstance(node, dict):
+            own = [node] if isinstance(node.get("class_path"), str) else []
+            return own + [spec for value in node.values() for spec in specs(value)]
+        if isinstance(node, list):
+            return [spec for value in node for spec in specs(value)]
+        return []
+
+    built = []
+    for page in PAGES:
+        for block in blocks(page):
+            if block.language == "yaml":
+                for spec in specs(yaml.safe_load(block.code)):
+                    module, _, name = spec["class_path"].rpartition(".")
+                    cls = getattr(importlib.import_module(module), name)
+                    built.append(cls(**spec.get("init_args", {})))
+    # an unknown or invalid init_arg raises at construction (TypeError, ValueError naming the argument)
+    assert {"GradKitDDPStrategy", "ZClip"} <= {type(b).__name__ for b in built}, built
+
+
+# ---------------------------------------------------------------------------------------------------------- reference
+
+
+def _public() -> dict[str, object]:
+    import lightning_gradkit
+
+    return {f"lightning_gradkit.{name}": getattr(lightning_gradkit, name) for name in lightning_gradkit.__all__}
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    documented = {
+        match
+        for page in PAGES
+        for match in re.findall(r"^\.\. auto(?:class|function):: (\S+)", (DOCS / page).read_text(), re.M)
+    }
+    missing = sorted(set(_public()) - documented)
+    assert not missing, f"public names with no autodoc entry in docs/: {missing}"
+    stale = sorted(name for name in documented if name.startswith("lightning_gradkit.") and name not in _public())
+    assert not stale, f"autodoc entries for names that are not in lightning_gradkit.__all__: {stale}"
+
+
+def _doctests(name: str) -> list[doctest.DocTest]:
+    return [t for t in doctest.DocTestFinder(recurse=False).find(_public()[name], name, globs={}) if t.examples]
+
+
+@pytest.mark.parametrize("name", [name for name in sorted(_public()) if _doctests(name)])
+def test_docstring_examples_run(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    output = io.StringIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what an example's Trainer warns about (no GPU, small runs) is not its result
+        for test in _doctests(name):
+            runner.run(test, out=output.write)
+    assert runner.failures == 0, output.getvalue()
+    assert runner.tries > 0
