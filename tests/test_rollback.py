@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from architectures import ResNet18Like, image_data
-from gradkit.snapshot import HostSnapshot, _fits
+from gradkit.snapshot import Snapshot, _fits
 from helpers import column, count_syncs, make_trainer, read_metrics, regression_data
 from lightning_gradkit import NonFiniteGuard, SpikeGuard, SpikeRollback, ZClip
 from test_guards import events
@@ -589,30 +589,29 @@ def test_snapshot_buffers_are_allocated_once_and_reused_by_every_capture_and_aft
     checkpoint keeps the loaded tensors as its buffers. Reference: the values each capture saw, restored bitwise."""
     net = Net()
     opt, _ = make_optimizer(net)
-    params, buffers = list(net.parameters()), list(net.buffers())
-    snap = HostSnapshot()
+    snap = Snapshot(net, host=True)
     net(torch.randn(8, 8)).sum().backward()
     opt.step()
-    snap.capture(params, buffers, [opt])
-    first = list(snap._host)
+    snap.capture([opt])
+    first = list(snap._copies)
     pointers = [t.untyped_storage().data_ptr() for t in first]
     for _ in range(2):
         opt.zero_grad()
         net(torch.randn(8, 8)).sum().backward()
         opt.step()
         saved = copy.deepcopy((net.state_dict(), opt.state_dict()))
-        snap.capture(params, buffers, [opt])
-        assert all(a is b for a, b in zip(snap._host, first, strict=True))
-        assert [t.untyped_storage().data_ptr() for t in snap._host] == pointers
-    loaded = HostSnapshot()
+        snap.capture([opt])
+        assert all(a is b for a, b in zip(snap._copies, first, strict=True))
+        assert [t.untyped_storage().data_ptr() for t in snap._copies] == pointers
+    loaded = Snapshot(net, host=True)
     loaded.load_state_dict(snap.state_dict())
-    adopted = list(loaded._host)
-    loaded.capture(params, buffers, [opt])  # on the host no buffer needs pinning: the loaded tensors are reused
-    assert all(a is b for a, b in zip(loaded._host, adopted, strict=True))
+    adopted = list(loaded._copies)
+    loaded.capture([opt])  # on the host no buffer needs pinning: the loaded tensors are reused
+    assert all(a is b for a, b in zip(loaded._copies, adopted, strict=True))
     opt.zero_grad()
     net(torch.randn(8, 8)).sum().backward()
     opt.step()
-    loaded.restore(params, buffers, [opt])
+    loaded.restore([opt])
     assert_bitwise(net.state_dict(), saved[0])
     assert_bitwise(opt.state_dict(), saved[1])
 
@@ -624,34 +623,34 @@ def test_a_snapshot_on_a_gpu_replaces_every_unpinned_buffer_also_for_a_host_sour
     step = torch.tensor(3.0)  # as torch.optim.Adam(foreach) keeps `state["step"]` beside CUDA parameters
     host = torch.empty(())
     assert not host.is_pinned()
-    assert _fits(host, step, pin=False)
-    assert not _fits(host, step, pin=True)
-    assert not _fits(torch.empty(2), step, pin=False)  # shape
-    assert not _fits(torch.empty((), dtype=torch.float64), step, pin=False)  # dtype
+    assert _fits(host, step, host=True, pin=False)
+    assert not _fits(host, step, host=True, pin=True)
+    assert not _fits(torch.empty(2), step, host=True, pin=False)  # shape
+    assert not _fits(torch.empty((), dtype=torch.float64), step, host=True, pin=False)  # dtype
 
 
 # -- the snapshot on a GPU -----------------------------------------------------------------------------------------
-def cuda_net_after_a_step() -> tuple[nn.Module, torch.optim.Optimizer, list[Tensor], list[Tensor], Any]:
-    """A CUDA net whose optimizer took one step: (net, optimizer, params, buffers, deep copy of both state dicts)."""
+def cuda_net_after_a_step() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """A CUDA net whose optimizer took one step: (net, optimizer, deep copy of both state dicts)."""
     net = Net().cuda()
     opt, _ = make_optimizer(net)
     net(torch.randn(8, 8, device="cuda")).sum().backward()
     opt.step()
     saved = copy.deepcopy((net.state_dict(), opt.state_dict()))
-    return net, opt, list(net.parameters()), list(net.buffers()), saved
+    return net, opt, saved
 
 
 @pytest.mark.gpu
 def test_gpu_snapshot_uses_pinned_buffers_and_restores_bitwise() -> None:
-    net, opt, params, buffers, saved = cuda_net_after_a_step()
-    snap = HostSnapshot()
-    snap.capture(params, buffers, [opt])
-    assert all(t.is_pinned() for t in snap._host if t.numel())
+    net, opt, saved = cuda_net_after_a_step()
+    snap = Snapshot(net, host=True)
+    snap.capture([opt])
+    assert all(t.is_pinned() for t in snap._copies if t.numel())
     for _ in range(3):  # queued right after the non-blocking copies: must not change what was captured
         opt.zero_grad()
         net(torch.randn(8, 8, device="cuda")).sum().backward()
         opt.step()
-    snap.restore(params, buffers, [opt])
+    snap.restore([opt])
     assert_bitwise(net.state_dict(), saved[0])
     assert_bitwise(opt.state_dict(), saved[1])
 
@@ -660,18 +659,18 @@ def test_gpu_snapshot_uses_pinned_buffers_and_restores_bitwise() -> None:
 def test_gpu_snapshot_from_a_checkpoint_restores_bitwise_and_is_pinned_again_at_the_next_capture(
     tmp_path: Path,
 ) -> None:
-    net, opt, params, buffers, saved = cuda_net_after_a_step()
-    snap = HostSnapshot()
-    snap.capture(params, buffers, [opt])
+    net, opt, saved = cuda_net_after_a_step()
+    snap = Snapshot(net, host=True)
+    snap.capture([opt])
     torch.save(snap.state_dict(), tmp_path / "snapshot.pt")
-    loaded = HostSnapshot()
+    loaded = Snapshot(net, host=True)
     loaded.load_state_dict(torch.load(tmp_path / "snapshot.pt", weights_only=True))
     for _ in range(2):
         opt.zero_grad()
         net(torch.randn(8, 8, device="cuda")).sum().backward()
         opt.step()
-    loaded.restore(params, buffers, [opt])
+    loaded.restore([opt])
     assert_bitwise(net.state_dict(), saved[0])
     assert_bitwise(opt.state_dict(), saved[1])
-    loaded.capture(params, buffers, [opt])
-    assert all(t.is_pinned() for t in loaded._host if t.numel())
+    loaded.capture([opt])
+    assert all(t.is_pinned() for t in loaded._copies if t.numel())

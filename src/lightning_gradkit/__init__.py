@@ -31,7 +31,7 @@ from lightning_gradkit.callbacks.clipping import (
 )
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
-from lightning_gradkit.callbacks.rollback import SpikeRollback
+from lightning_gradkit.callbacks.rollback_callback import SpikeRollback
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
 from lightning_gradkit.diagnostics.graph_leak import GraphLeakGuard
 from lightning_gradkit.diagnostics.sync_audit import SyncAudit

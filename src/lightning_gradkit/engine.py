@@ -140,6 +140,15 @@ class TrainerContext(StepContext):
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer = trainer
         self.pl_module = pl_module
+        self._log_dir: Path | None = None
+
+    @property
+    def log_dir(self) -> Path:  # type: ignore[override]
+        """The event file's directory (:func:`events_dir`), read once: the first read must come on every rank (it
+        broadcasts rank 0's value), as a policy's ``attach`` does."""
+        if self._log_dir is None:
+            self._log_dir = events_dir(self.trainer)
+        return self._log_dir
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:

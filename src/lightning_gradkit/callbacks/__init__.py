@@ -1,7 +1,7 @@
 """Every Lightning callback of lightning_gradkit, importable from one place.
 
 The gradient-path callbacks live here, one module per job: ``monitor`` (norm logging), ``clipping`` (the five
-clippers and :func:`clip_gradients`), ``guards`` (non-finite values and spikes), ``rollback``, ``accumulation``
+clippers and :func:`clip_gradients`), ``guards`` (non-finite values and spikes), ``rollback_callback``, ``accumulation``
 (:class:`AccumulationGuard` and :class:`~lightning_gradkit.ManualAccumulator`) and ``validation`` (inference-mode
 validation). The diagnostics' callbacks live in :mod:`lightning_gradkit.diagnostics` and activation checkpointing's in
 :mod:`lightning_gradkit.activation_checkpointing`; they are re-exported here.
@@ -19,7 +19,7 @@ from lightning_gradkit.callbacks.clipping import (
 )
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
-from lightning_gradkit.callbacks.rollback import SpikeRollback
+from lightning_gradkit.callbacks.rollback_callback import SpikeRollback
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
 from lightning_gradkit.diagnostics.graph_leak import GraphLeakGuard
 from lightning_gradkit.diagnostics.sync_audit import SyncAudit
