@@ -674,3 +674,72 @@ def test_gpu_snapshot_from_a_checkpoint_restores_bitwise_and_is_pinned_again_at_
     assert_bitwise(opt.state_dict(), saved[1])
     loaded.capture([opt])
     assert all(t.is_pinned() for t in loaded._copies if t.numel())
+
+
+# -- the torch policy without Lightning ------------------------------------------------------------------------------
+_NO_LIGHTNING_ROLLBACK = """
+import json, sys
+import torch
+from torch import nn
+from gradkit.loop import GradKit
+from gradkit.rollback import SpikeRollback
+
+def batches():
+    g = torch.Generator().manual_seed(0)
+    out = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(12)]
+    return [(x * 30.0, y * 30.0) if i in (7, 8) else (x, y) for i, (x, y) in enumerate(out)]
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+def train(model, opt, data, kit=None):
+    for x, y in data:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if kit is None:
+            opt.step()
+        else:
+            kit.note_loss(loss)
+            kit.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+model, opt = model_and_optimizer()
+rollback = SpikeRollback(z_threshold=3.0, warmup_steps=3, patience=2, snapshot_every_n_steps=2, skip_batches=1)
+train(model, opt, batches(), GradKit(model, opt, rollback, log_every_n_steps=0))
+(record,) = rollback.state_dict()["history"]
+# The reference: a hand-written loop that trains on the batches the rollback kept (those before the restored
+# snapshot, and those after the stepped-over ones).
+kept = [b for i, b in enumerate(batches()) if i < record["to_step"] or i > record["from_step"] + record["skip_batches"] - 1]
+reference, reference_opt = model_and_optimizer()
+train(reference, reference_opt, kept)
+same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+steps = {int(s["step"]) for s in opt.state_dict()["state"].values()}
+print(json.dumps({"record": record, "same": same, "adam_steps": sorted(steps), "kept": len(kept),
+                  "lightning": sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning",
+                                      "lightning_fabric", "lightning_gradkit"))}))
+"""
+
+
+def test_the_torch_policy_rolls_back_behind_the_loop_door_with_lightning_never_imported() -> None:
+    """``gradkit.rollback.SpikeRollback`` behind ``GradKit`` in a fresh interpreter: no Lightning module is ever
+    loaded, and after a rollback (two spiking steps, the snapshot of step 6 restored, one batch stepped over) the
+    model, BatchNorm statistics included, equals bitwise a hand-written loop that trained only on the kept batches,
+    and Adam's step count is the number of kept batches."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_LIGHTNING_ROLLBACK], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["lightning"] == []
+    record = out["record"]
+    assert (record["step"], record["from_step"], record["to_step"], record["spike_start"]) == (8, 9, 6, 7)
+    assert out["kept"] == 8 and out["adam_steps"] == [8]
+    assert out["same"]

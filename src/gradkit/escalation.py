@@ -298,10 +298,13 @@ class Escalation:
         params = [p for p, row in zip(index.params, row_of.tolist(), strict=True) if row in chosen]
         return [rows[i] for i in chosen], params, {rows[i]: zmax[i] for i in chosen}
 
-    def escalate(self, ctx: StepContext, spiking: Spiking | None) -> tuple[dict[str, Any], str]:
+    def escalate(
+        self, ctx: StepContext, spiking: Spiking | None, step: int, rollback: int, since: int, to_step: int
+    ) -> tuple[dict[str, Any], str]:
         """Cut the learning rate and/or reset the optimizer moments of the restored state (``spiking``: what
-        :meth:`spiking_modules` read when the rollback fired). Returns the event's fields about them and, for the
-        warning, what was done."""
+        :meth:`spiking_modules` read when the rollback fired). Returns the event's fields (``step``: the step that
+        fired, ``rollback``: its number, ``since``: steps since the previous rollback ended, ``to_step``: the snapshot's
+        step) and, for the warning, what was done."""
         self.count += 1
         lr_factor = None
         if self.lr_factor is not None:
@@ -327,12 +330,17 @@ class Escalation:
         elif self.reset_moments == "spiking":
             actions.append(f"optimizer moments reset for {reset} parameters of {name_list(modules, quote=True)}")
         fields = {
+            "step": step,
+            "rollback": rollback,
+            "escalation": self.count,
+            "steps_since_previous": since,
             "lr_factor": lr_factor,
             "rewarmup_steps": self.rewarmup_steps if lr_factor is not None else None,
             "reset_moments": self.reset_moments,
             "reset_modules": modules,
             "module_z": module_z,
             "reset_params": reset,
+            "to_step": to_step,
         }
         return fields, "; ".join(actions)
 

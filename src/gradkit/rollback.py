@@ -3,9 +3,8 @@
 Large-model teams do this by hand from disk checkpoints, hours later (PaLM, Chowdhery et al. 2022, section 5.1:
 "we re-started training from a checkpoint roughly 100 steps before the spike started, and skipped roughly 200-500
 data batches"; the OPT-175B and BLOOM logbooks describe the same). :class:`SpikeRollback` does it inside the run,
-from snapshots in host memory (:class:`~gradkit.snapshot.Snapshot`), on every rank alike, behind every door: a
-Lightning ``Trainer`` (``lightning_gradkit.SpikeRollback``), Fabric or a plain loop (:class:`~gradkit.loop.GradKit`).
-What an escalating rollback changes besides the restore is in :mod:`gradkit.escalation`.
+from snapshots in host memory (:class:`~gradkit.snapshot.StepSnapshot`), on every rank alike, behind every door: a
+``Trainer`` (``lightning_gradkit.SpikeRollback``), Fabric or a plain loop (:class:`~gradkit.loop.GradKit`).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ __all__ = ["SpikeRollback"]
 # How a snapshot came to be: at the start of training, every `snapshot_every_n_steps` steps, or at a resume from a
 # checkpoint that held no snapshots (a state the uninterrupted run did not keep).
 _Origin = Literal["start", "schedule", "resume"]
+_NO_EVENTS = " (No events file: pass GradKit(log_dir=...) to save the events.)"
 
 
 class SpikeRollback:
@@ -104,21 +104,17 @@ class SpikeRollback:
     ``rewound_steps``, ``skip_batches``, ``batches_skipped``, ``snapshot_origin`` and the trigger values), shown
     as a marker in the gradient report, and a warning.
 
-    **Escalation** (off by default). When a rollback fires within ``escalate_within_steps`` optimizer steps after
-    the end of the previous one (after its last stepped-over batch), the spike came back: that rollback also cuts the
-    learning rate (``escalate_lr_factor``, ramping back to the schedule over ``escalate_rewarmup_steps`` applied
-    steps) and/or resets the optimizer moments of ``"all"`` parameters or of the ``"spiking"`` modules
-    (``escalate_reset_moments``), as PaLM, OPT, BLOOM and SPAM did. Each escalation is an event
-    (``what="escalation"``) and a warning: :mod:`gradkit.escalation` says exactly what it does.
+    **Escalation** (off by default): a rollback that fires soon after the previous one also cuts the learning rate
+    and/or resets optimizer moments, as PaLM, OPT, BLOOM and SPAM did; :mod:`gradkit.escalation` says how.
 
     **Resume.** The callback's ``state_dict`` holds its statistics, counters, the count of skipped steps and the
     remaining batches to step over, so a run checkpointed after a rollback resumes exactly. With
     ``save_snapshots=True`` it holds the snapshot ring too, and a resumed run rolls back exactly as the
     uninterrupted one: to the same snapshot, also from a checkpoint saved inside a run of flagged steps. The cost is
     the checkpoint's size: it grows by :attr:`snapshot_bytes` (``keep`` snapshots of parameters, buffers and
-    optimizer state), e.g. from 3x to 9x the fp32 parameter bytes with Adam and ``keep=2``. Not under FSDP/FSDP2
-    with several ranks, where each rank's snapshots hold its own shards and Lightning saves callback states from
-    rank 0 only. With ``save_snapshots=False`` (the default) a resumed run takes its first snapshot of the state it
+    optimizer state), e.g. from 3x to 9x the fp32 parameter bytes with Adam and ``keep=2``. Not under a Trainer with
+    FSDP/FSDP2 over several ranks, where each rank's snapshots hold its own shards and Lightning saves callback states
+    from rank 0 only. With ``save_snapshots=False`` (the default) a resumed run takes its first snapshot of the state it
     resumed from (``snapshot_origin="resume"``), and differs from the uninterrupted run exactly there: a rollback
     that the uninterrupted run would take to an older snapshot restores the resumed state instead when that is the
     newest one taken before the spike began, and a run resumed inside a run of flagged steps (no snapshot of it is
@@ -126,17 +122,10 @@ class SpikeRollback:
     ``"resume"`` and the warning says so. Snapshots are otherwise ``"start"`` (the start of training) or
     ``"schedule"``.
 
-    **Why a callback of its own** rather than ``SpikeGuard(action="rollback")``: a rollback costs host memory
-    (the snapshots) and periodic copies, which a guard that warns or skips does not, so it should be a separate,
-    visible choice. It composes with the guards instead of replacing them: ``SpikeGuard(action="skip")`` skips a
-    single bad batch at once, ``NonFiniteGuard(action="skip")`` skips a non-finite one, and ``SpikeRollback``
-    acts only when skipping did not cure the run, with its own ``patience``, thresholds and budget.
-
     Cost: one host read of the step's skip flag (shared with the strategy's read, which an ordinary optimizer does
     anyway; with a fused optimizer, this read is the one host synchronization per step), a second read on skipped
     steps, one read of the step's flag when a snapshot is due, and the copies of a snapshot (the callbacks'
-    ``state_dict`` calls synchronize once per snapshot). Under a Trainer it needs a GradKit strategy and automatic
-    optimization (``lightning_gradkit.SpikeRollback`` checks at ``setup``).
+    ``state_dict`` calls synchronize once per snapshot).
 
     Args:
         monitor: ``"loss"`` or ``"grad_norm"``.
@@ -163,11 +152,9 @@ class SpikeRollback:
         ValueError: at construction, for an unknown ``monitor``, a non-finite or non-positive ``z_threshold``,
             ``alpha`` outside ``(0, 1)``, ``escalate_lr_factor`` outside ``(0, 1)``, an unknown
             ``escalate_reset_moments``, or an integer argument that is not an ``int`` or below its minimum; at
-            ``attach``, for a second ``SpikeRollback`` in the loop; under a Trainer at ``setup``, for
-            ``save_snapshots=True`` under FSDP/FSDP2 with several ranks.
-        RuntimeError: under a Trainer at ``setup``, on a strategy that cannot skip an optimizer step (the message
-            names the GradKit strategy to use) or under manual optimization; during training, when a rollback fires
-            after ``max_rollbacks`` rollbacks or finds no snapshot to restore.
+            ``attach``, for a second ``SpikeRollback`` in the loop.
+        RuntimeError: during training, when a rollback fires after ``max_rollbacks`` rollbacks or finds no snapshot
+            to restore.
 
     Example::
 
@@ -244,9 +231,8 @@ class SpikeRollback:
         self._starting = False
         # What the step found, on device (read to the host only when the step is skipped): whether it fires, whether it
         # is flagged, and the run lengths, value, z-score, mean and std.
-        self._trigger: tuple[Tensor, Tensor, Tensor] | None = None
+        self._trigger: tuple[Tensor, Tensor, list[Tensor]] | None = None
         self._pending: dict[str, Any] | None = None
-        self._anchor: StepSnapshot | None = None
         # Bookkeeping saved in checkpoints.
         self._run: Tensor | float = 0.0
         self._nonfinite_run: Tensor | float = 0.0
@@ -289,16 +275,10 @@ class SpikeRollback:
         """The door is set up: the event file and the model's modules; the first snapshot waits for the start of
         training (``before_first_forward``): the weights may be loaded after the door is built or loaded."""
         if sum(isinstance(p, SpikeRollback) for p in ctx.policies()) > 1:
-            where = "The Trainer has more than one SpikeRollback callback" if ctx.trainer is not None else None
-            where = where or "`policies` holds more than one SpikeRollback"
-            raise ValueError(f"{where}; each would restore its own snapshots. Keep one.")
-        directory = ctx.log_dir
-        self._events = EventLog(directory, rank=ctx.global_rank) if directory is not None else None
-        self._events_note = (
-            f" Events: {self._events.path}."
-            if self._events is not None
-            else " (No events file: pass GradKit(log_dir=...) to save the events.)"
-        )
+            where = "The Trainer has" if ctx.trainer is not None else "`policies` holds"
+            raise ValueError(f"{where} more than one SpikeRollback; each would restore its own snapshots. Keep one.")
+        self._events = EventLog(ctx.log_dir, rank=ctx.global_rank) if ctx.log_dir is not None else None
+        self._events_note = f" Events: {self._events.path}." if self._events is not None else _NO_EVENTS
         self._pipeline = ctx.pipeline
         self._escalation.read_model(model)
         self._starting = True
@@ -332,9 +312,6 @@ class SpikeRollback:
         else:
             # No snapshots came with the run: the state it starts or resumes from is the first one.
             self._capture(ctx, "resume" if resumed else "start")
-        # While batches are still to be stepped over, the state to return to after each of them: the snapshot the
-        # rollback restored (the newest: those after it were dropped, and none is taken while stepping over).
-        self._anchor = max(self._ring, key=lambda s: s.id) if self._skip_left > 0 else None
 
     def note_loss(self, loss: Tensor, ctx: StepContext) -> None:
         self._watch.note_loss(loss)
@@ -348,8 +325,9 @@ class SpikeRollback:
         if pending["kind"] == "snapshot":
             self._capture(ctx)
         elif pending["kind"] == "skip":
-            assert self._anchor is not None
-            self._anchor.restore(ctx, full=False)
+            # A stepped-over batch: back to the snapshot the rollback restored (the newest: those after it were
+            # dropped, and none is taken while stepping over).
+            max(self._ring, key=lambda s: s.id).restore(ctx, full=False)
             self._skip_left -= 1
         else:
             self._roll_back(ctx, pending)
@@ -388,7 +366,7 @@ class SpikeRollback:
         plan.add_skip(fire)
         if self.escalate_reset_moments == "spiking":
             self._escalation.track_modules(plan, flagged)
-        self._trigger = (fire, flagged, torch.stack([run, nonfinite_run, x.float(), z, mean, std]))
+        self._trigger = (fire, flagged, [run, nonfinite_run, x.float(), z, mean, std])
 
     def observe(self, plan: StepPlan, ctx: StepContext) -> None:
         step = ctx.global_step
@@ -402,7 +380,7 @@ class SpikeRollback:
             self._escalation.step_applied()
         fire, flagged, read = t
         if plan.skip_on_host() and bool(fire):
-            run, nonfinite_run, value, z, mean, std = read.tolist()
+            run, nonfinite_run, value, z, mean, std = torch.stack(read).tolist()
             reason = "nonfinite" if nonfinite_run >= self.nonfinite_patience else "spike"
             start = step - int(run) + 1
             values = {
@@ -418,6 +396,8 @@ class SpikeRollback:
             }
             escalate = self._escalation.escalates(step, self._resumed_at)
             entry = self._choose(ctx, step, start, values, allow_last=escalate)
+            # Read now: the rollback starts a new run of flagged steps.
+            spiking = escalate and self.escalate_reset_moments == "spiking"
             self._pending = {
                 "kind": "rollback",
                 "step": step,
@@ -425,10 +405,7 @@ class SpikeRollback:
                 "slot": entry,
                 "values": values,
                 "escalate": escalate,
-                # Read now: the rollback starts a new run of flagged steps.
-                "spiking": self._escalation.spiking_modules()
-                if escalate and self.escalate_reset_moments == "spiking"
-                else None,
+                "spiking": self._escalation.spiking_modules() if spiking else None,
             }
         elif step + 1 >= self._next_snapshot_at and not plan.skip_on_host() and not bool(flagged):
             self._pending = {"kind": "snapshot"}
@@ -440,11 +417,7 @@ class SpikeRollback:
 
     def _stateful(self, ctx: StepContext) -> list[Any]:
         """The loop's other policies that keep a state (``state_dict`` / ``load_state_dict``)."""
-        return [
-            p
-            for p in ctx.policies()
-            if p is not self and hook(p, "state_dict") is not None and hook(p, "load_state_dict") is not None
-        ]
+        return [p for p in ctx.policies() if p is not self and hook(p, "state_dict") and hook(p, "load_state_dict")]
 
     def _capture(self, ctx: StepContext, origin: _Origin = "schedule") -> None:
         entry = min(self._ring, key=lambda s: s.id)  # an empty entry (id -1), else the oldest snapshot
@@ -488,17 +461,7 @@ class SpikeRollback:
         return max(candidates, key=lambda s: s.id)
 
     def _stop(self, ctx: StepContext, step: int, values: dict[str, Any], why: str) -> None:
-        if self._events is not None:
-            self._events.write(
-                step=step,
-                batch_idx=ctx.batch_idx,
-                rank=None,
-                what="rollback_stopped",
-                culprit=None,
-                values=values,
-                source=type(self).__name__,
-                rollbacks=self._rollbacks,
-            )
+        self._event(ctx, "rollback_stopped", values, step=step, rollbacks=self._rollbacks)
         raise RuntimeError(
             f"SpikeRollback: the {values['reason']} at step {step} persisted {values['consecutive']} step(s) "
             f"({self.monitor} {values['value']:.6g}, z {values['z']:.1f}), and cannot roll back: {why} "
@@ -522,7 +485,6 @@ class SpikeRollback:
         resumed_from = self._resumed_at if slot.id == self._last_restored_id else None
         self._reach = pending["start"] - (resumed_from if resumed_from is not None else slot.step)
         self._last_restored_id = slot.id
-        self._anchor = slot
         self._skip_left = self.skip_batches
         self._next_snapshot_at = self._next_multiple(ctx.global_step + self.skip_batches)
         from_step = ctx.global_step
@@ -542,19 +504,19 @@ class SpikeRollback:
             "snapshot_origin": slot.origin,
         }
         self._history.append(record)
-        if self._events is not None:
-            self._events.write(
-                batch_idx=ctx.batch_idx,
-                rank=None,
-                what="rollback",
-                culprit=None,
-                values=pending["values"],
-                source=type(self).__name__,
-                **record,
-            )
+        self._event(ctx, "rollback", pending["values"], **record)
         if pending["escalate"]:
+            # The spike came back: cut the learning rate and/or reset optimizer moments of the restored state.
             assert previous_end is not None
-            self._escalate(ctx, pending, record, pending["step"] - previous_end)
+            since = pending["step"] - previous_end
+            fields, actions = self._escalation.escalate(
+                ctx, pending["spiking"], pending["step"], self._rollbacks, since, slot.step
+            )
+            self._event(ctx, "escalation", pending["values"], next(iter(fields["reset_modules"]), None), **fields)
+            ctx.warn(
+                f"SpikeRollback: the spike came back {since} step(s) after the previous rollback; escalating "
+                f"(escalation {self._escalation.count}): {actions}.{self._events_note}"
+            )
         v = pending["values"]
         ctx.warn(
             f"SpikeRollback: {v['reason']} for {v['consecutive']} step(s) since step {pending['start']} "
@@ -564,28 +526,11 @@ class SpikeRollback:
             f"{self._events_note}"
         )
 
-    def _escalate(self, ctx: StepContext, pending: dict[str, Any], record: dict[str, Any], since: int) -> None:
-        """Cut the learning rate and/or reset optimizer moments of the restored state; one event and a warning."""
-        done, actions = self._escalation.escalate(ctx, pending["spiking"])
+    def _event(self, ctx: StepContext, what: str, values: dict[str, Any], culprit: Any = None, **fields: Any) -> None:
+        """One event in the event file (when there is one), from rank 0."""
         if self._events is not None:
-            self._events.write(
-                step=pending["step"],
-                batch_idx=ctx.batch_idx,
-                rank=None,
-                what="escalation",
-                culprit=done["reset_modules"][0] if done["reset_modules"] else None,
-                values=pending["values"],
-                source=type(self).__name__,
-                rollback=self._rollbacks,
-                escalation=self._escalation.count,
-                steps_since_previous=since,
-                **done,
-                to_step=record["to_step"],
-            )
-        ctx.warn(
-            f"SpikeRollback: the spike came back {since} step(s) after the previous rollback; escalating "
-            f"(escalation {self._escalation.count}): {actions}.{self._events_note}"
-        )
+            head = {"batch_idx": ctx.batch_idx, "rank": None, "what": what, "culprit": culprit, "values": values}
+            self._events.write(**head, source=type(self).__name__, **fields)
 
     def _stats_state(self) -> dict[str, Tensor]:
         """This callback's statistics: the trigger's, and the per-module ones of the "spiking" moment reset."""
@@ -601,10 +546,9 @@ class SpikeRollback:
 
     # -- state ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        pipeline = self._pipeline
-        skipped = (
-            self._restored_skips if pipeline is None or self._restored_skips is not None else pipeline.skipped_steps
-        )
+        skipped = self._restored_skips
+        if skipped is None and self._pipeline is not None:
+            skipped = self._pipeline.skipped_steps
         state = {
             "stats": self._stats_state(),
             "run": float(self._run),

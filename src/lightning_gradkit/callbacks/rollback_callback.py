@@ -19,17 +19,20 @@ class SpikeRollback(rollback.SpikeRollback, PolicyCallback):
     Trainer callback of :class:`gradkit.rollback.SpikeRollback` (its arguments, its algorithm, its state).
 
     Under a Trainer it needs a GradKit strategy (which skips the step that fires and puts back the buffers of every
-    skipped step) and automatic optimization. With ``save_snapshots=True`` it is refused under FSDP/FSDP2 with
-    several ranks: each rank's snapshots hold its own shards, and Lightning saves callback states from rank 0 only.
-    The first snapshot is taken at ``on_train_start``, before the first epoch's data is drawn.
+    skipped step) and automatic optimization. The first snapshot is taken at ``on_train_start``.
+
+    **Why a callback of its own** rather than ``SpikeGuard(action="rollback")``: a rollback costs host memory
+    (the snapshots) and periodic copies, which a guard that warns or skips does not, so it should be a separate,
+    visible choice. It composes with the guards instead of replacing them: ``SpikeGuard(action="skip")`` skips a
+    single bad batch at once, ``NonFiniteGuard(action="skip")`` skips a non-finite one, and ``SpikeRollback``
+    acts only when skipping did not cure the run, with its own ``patience``, thresholds and budget.
 
     Raises:
-        ValueError: at construction, as :class:`gradkit.rollback.SpikeRollback`; at setup, for
-            ``save_snapshots=True`` under FSDP/FSDP2 with several ranks; at fit start, for a second
-            ``SpikeRollback`` on the Trainer.
-        RuntimeError: at setup, on a strategy that cannot skip an optimizer step (the message names the GradKit
-            strategy to use), under manual optimization or under DeepSpeed; during training, when a rollback fires
-            after ``max_rollbacks`` rollbacks or finds no snapshot to restore.
+        ValueError: as :class:`gradkit.rollback.SpikeRollback`; at setup, for ``save_snapshots=True`` under
+            FSDP/FSDP2 with several ranks (each rank's snapshots hold its own shards, and Lightning saves callback
+            states from rank 0 only).
+        RuntimeError: as :class:`gradkit.rollback.SpikeRollback`; at setup, on a strategy that cannot skip an
+            optimizer step (the message names the GradKit strategy to use), under manual optimization or DeepSpeed.
 
     Example::
 
