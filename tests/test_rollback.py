@@ -711,7 +711,8 @@ train(model, opt, batches(), GradKit(model, opt, rollback, log_every_n_steps=0))
 (record,) = rollback.state_dict()["history"]
 # The reference: a hand-written loop that trains on the batches the rollback kept (those before the restored
 # snapshot, and those after the stepped-over ones).
-kept = [b for i, b in enumerate(batches()) if i < record["to_step"] or i > record["from_step"] + record["skip_batches"] - 1]
+resumed = record["from_step"] + record["skip_batches"]
+kept = [b for i, b in enumerate(batches()) if i < record["to_step"] or i >= resumed]
 reference, reference_opt = model_and_optimizer()
 train(reference, reference_opt, kept)
 same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
