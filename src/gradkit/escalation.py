@@ -54,7 +54,7 @@ from gradkit.snapshot import trained_parameters
 __all__ = ["Escalation", "reset_optimizer_state_", "rewarmup_factor"]
 
 #: What :meth:`Escalation.spiking_modules` returns: the modules, their parameters and their largest z-scores.
-Spiking = tuple[list[str], list[Tensor], dict[str, float]]
+_Spiking = tuple[list[str], list[Tensor], dict[str, float]]
 
 
 def rewarmup_factor(start: float, done: int, steps: int) -> float:
@@ -287,7 +287,7 @@ class Escalation:
             self._rows = (plan.index, rows, host_to_device(positions, torch.long, plan.index.shard_weight.device))
         return self._rows[1], self._rows[2]
 
-    def spiking_modules(self) -> Spiking:
+    def spiking_modules(self) -> _Spiking:
         """The modules whose norms spiked in the run that fired (one host read), their parameters and z-scores."""
         assert self._rows is not None and self.module_zmax is not None
         index, rows, row_of = self._rows
@@ -299,7 +299,7 @@ class Escalation:
         return [rows[i] for i in chosen], params, {rows[i]: zmax[i] for i in chosen}
 
     def escalate(
-        self, ctx: StepContext, spiking: Spiking | None, step: int, rollback: int, since: int, to_step: int
+        self, ctx: StepContext, spiking: _Spiking | None, step: int, rollback: int, since: int, to_step: int
     ) -> tuple[dict[str, Any], str]:
         """Cut the learning rate and/or reset the optimizer moments of the restored state (``spiking``: what
         :meth:`spiking_modules` read when the rollback fired). Returns the event's fields (``step``: the step that

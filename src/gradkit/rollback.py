@@ -20,7 +20,7 @@ from gradkit._arguments import check_bool, check_choice, check_float, check_int
 from gradkit.escalation import Escalation
 from gradkit.events import EventLog
 from gradkit.norms import nonfinite_mask
-from gradkit.pipeline import Stage, StatsRequest, StepContext, StepPlan, hook, state_key
+from gradkit.pipeline import Pipeline, Stage, StatsRequest, StepContext, StepPlan, hook, state_key
 from gradkit.running import RunningMoments
 from gradkit.snapshot import Snapshot, StepSnapshot
 from gradkit.watch import WatchedValue
@@ -227,7 +227,7 @@ class SpikeRollback:
         self._ring: list[StepSnapshot] = []
         self._events: EventLog | None = None
         self._events_note = ""
-        self._pipeline: Any = None  # the loop's pipeline, whose count of skipped steps the state saves
+        self._pipeline: Pipeline | None = None  # the loop's pipeline, whose count of skipped steps the state saves
         self._starting = False
         # What the step found, on device (read to the host only when the step is skipped): whether it fires, whether it
         # is flagged, and the run lengths, value, z-score, mean and std.

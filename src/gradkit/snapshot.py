@@ -36,6 +36,7 @@ Pure PyTorch: no Lightning here.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import sys
 from collections.abc import Sequence
@@ -251,21 +252,11 @@ class Snapshot:
         capture overwrites them, so save the state before the next capture.
         """
         self._wait()
-        optimizers = [
-            {
-                "params": [
-                    None if e is None else {"tensors": dict(e.tensors), "values": e.values, "places": dict(e.places)}
-                    for e in o.params
-                ],
-                "groups": o.groups,
-            }
-            for o in self._optimizers
-        ]
         return {
             "host": list(self._copies),
             "num_params": self._num_params,
             "num_buffers": self._num_buffers,
-            "optimizers": optimizers,
+            "optimizers": [dataclasses.asdict(o) for o in self._optimizers],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -276,13 +267,7 @@ class Snapshot:
         self._num_params = int(state_dict["num_params"])
         self._num_buffers = int(state_dict["num_buffers"])
         self._optimizers = [
-            _OptimizerState(
-                [
-                    None if e is None else _ParamState(dict(e["tensors"]), dict(e["values"]), dict(e.get("places", {})))
-                    for e in o["params"]
-                ],
-                list(o["groups"]),
-            )
+            _OptimizerState([None if e is None else _ParamState(**e) for e in o["params"]], list(o["groups"]))
             for o in state_dict["optimizers"]
         ]
         for slot in self._slots:
