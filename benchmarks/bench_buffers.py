@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from harness import common_args, compare, gpt_loader, machine, report
 
 from architectures import ArchModule, ResNet18Like
-from gradkit.buffers import BufferGuard
+from gradkit.snapshot import Snapshot
 from lightning_gradkit import GradKitSingleDeviceStrategy, NonFiniteGuard
 from lightning_gradkit.demos import TinyGPTModule
 
@@ -50,7 +50,7 @@ class NoBufferProtection(GradKitSingleDeviceStrategy):
 
 
 class _Clock:
-    """Seconds spent in the BufferGuard methods the strategy calls, summed over a run."""
+    """Seconds spent in the Snapshot methods the strategy calls, summed over a run."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -58,14 +58,14 @@ class _Clock:
 
     def __enter__(self) -> _Clock:
         for name in ("capture", "drop", "restore"):
-            original = getattr(BufferGuard, name)
+            original = getattr(Snapshot, name)
             self.originals[name] = original
-            setattr(BufferGuard, name, self._timed(original))
+            setattr(Snapshot, name, self._timed(original))
         return self
 
     def __exit__(self, *exc: object) -> None:
         for name, original in self.originals.items():
-            setattr(BufferGuard, name, original)
+            setattr(Snapshot, name, original)
 
     def _timed(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:

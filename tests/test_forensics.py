@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from architectures import ArchModule, ResNet18Like, TiedTransformerLM, TinyViT, data_loader, image_data, token_data
 from gradkit.params import clean_name
-from gradkit.replay import capture_rng, preserved_state
+from gradkit.replay import capture_rng, replay
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import NonFiniteGuard
 from lightning_gradkit.forensics import find_nonfinite_origin, replay_training_step
@@ -258,9 +258,9 @@ def test_replay_changes_nothing_and_repeats_the_dropout_mask(tmp_path: Path) -> 
         assert torch.equal(p.grad, grads[n]), n
 
 
-def test_preserved_state_restores_train_mode() -> None:
+def test_replay_restores_train_mode() -> None:
     model = net(nn.Dropout())
-    with preserved_state(model):
+    with replay(model):
         model.eval()
     assert model.training
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from gradkit.buffers import BufferGuard
+from gradkit.snapshot import Snapshot
 from helpers import make_trainer
 from lightning_gradkit import AccumulationGuard, ActivationCheckpointing, NonFiniteGuard
 
@@ -130,10 +130,10 @@ def test_bert_skip_puts_back_its_constant_buffers_untouched() -> None:
     model = bert()
     before = {name: (buf, buf.clone()) for name, buf in model.named_buffers()}
     assert before  # position_ids, token_type_ids
-    guard = BufferGuard(model)
-    guard.capture()
+    snapshot = Snapshot(model)
+    snapshot.capture()
     ids, mask = batches(1)[0]
     token_loss(model, ids, mask)[0].backward()
-    guard.close(skipped=True)
+    snapshot.close(skipped=True)
     for name, buf in model.named_buffers():
         assert buf is before[name][0] and torch.equal(buf, before[name][1]), name

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from architectures import ResNet18Like, image_data
-from gradkit.snapshot import HostSnapshot, _fits
+from gradkit.snapshot import Snapshot, _fits
 from helpers import column, count_syncs, make_trainer, read_metrics, regression_data
 from lightning_gradkit import NonFiniteGuard, SpikeGuard, SpikeRollback, ZClip
 from test_guards import events
@@ -589,30 +589,29 @@ def test_snapshot_buffers_are_allocated_once_and_reused_by_every_capture_and_aft
     checkpoint keeps the loaded tensors as its buffers. Reference: the values each capture saw, restored bitwise."""
     net = Net()
     opt, _ = make_optimizer(net)
-    params, buffers = list(net.parameters()), list(net.buffers())
-    snap = HostSnapshot()
+    snap = Snapshot(net, host=True)
     net(torch.randn(8, 8)).sum().backward()
     opt.step()
-    snap.capture(params, buffers, [opt])
-    first = list(snap._host)
+    snap.capture([opt])
+    first = list(snap._copies)
     pointers = [t.untyped_storage().data_ptr() for t in first]
     for _ in range(2):
         opt.zero_grad()
         net(torch.randn(8, 8)).sum().backward()
         opt.step()
         saved = copy.deepcopy((net.state_dict(), opt.state_dict()))
-        snap.capture(params, buffers, [opt])
-        assert all(a is b for a, b in zip(snap._host, first, strict=True))
-        assert [t.untyped_storage().data_ptr() for t in snap._host] == pointers
-    loaded = HostSnapshot()
+        snap.capture([opt])
+        assert all(a is b for a, b in zip(snap._copies, first, strict=True))
+        assert [t.untyped_storage().data_ptr() for t in snap._copies] == pointers
+    loaded = Snapshot(net, host=True)
     loaded.load_state_dict(snap.state_dict())
-    adopted = list(loaded._host)
-    loaded.capture(params, buffers, [opt])  # on the host no buffer needs pinning: the loaded tensors are reused
-    assert all(a is b for a, b in zip(loaded._host, adopted, strict=True))
+    adopted = list(loaded._copies)
+    loaded.capture([opt])  # on the host no buffer needs pinning: the loaded tensors are reused
+    assert all(a is b for a, b in zip(loaded._copies, adopted, strict=True))
     opt.zero_grad()
     net(torch.randn(8, 8)).sum().backward()
     opt.step()
-    loaded.restore(params, buffers, [opt])
+    loaded.restore([opt])
     assert_bitwise(net.state_dict(), saved[0])
     assert_bitwise(opt.state_dict(), saved[1])
 
@@ -624,34 +623,34 @@ def test_a_snapshot_on_a_gpu_replaces_every_unpinned_buffer_also_for_a_host_sour
     step = torch.tensor(3.0)  # as torch.optim.Adam(foreach) keeps `state["step"]` beside CUDA parameters
     host = torch.empty(())
     assert not host.is_pinned()
-    assert _fits(host, step, pin=False)
-    assert not _fits(host, step, pin=True)
-    assert not _fits(torch.empty(2), step, pin=False)  # shape
-    assert not _fits(torch.empty((), dtype=torch.float64), step, pin=False)  # dtype
+    assert _fits(host, step, host=True, pin=False)
+    assert not _fits(host, step, host=True, pin=True)
+    assert not _fits(torch.empty(2), step, host=True, pin=False)  # shape
+    assert not _fits(torch.empty((), dtype=torch.float64), step, host=True, pin=False)  # dtype
 
 
 # -- the snapshot on a GPU -----------------------------------------------------------------------------------------
-def cuda_net_after_a_step() -> tuple[nn.Module, torch.optim.Optimizer, list[Tensor], list[Tensor], Any]:
-    """A CUDA net whose optimizer took one step: (net, optimizer, params, buffers, deep copy of both state dicts)."""
+def cuda_net_after_a_step() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """A CUDA net whose optimizer took one step: (net, optimizer, deep copy of both state dicts)."""
     net = Net().cuda()
     opt, _ = make_optimizer(net)
     net(torch.randn(8, 8, device="cuda")).sum().backward()
     opt.step()
     saved = copy.deepcopy((net.state_dict(), opt.state_dict()))
-    return net, opt, list(net.parameters()), list(net.buffers()), saved
+    return net, opt, saved
 
 
 @pytest.mark.gpu
 def test_gpu_snapshot_uses_pinned_buffers_and_restores_bitwise() -> None:
-    net, opt, params, buffers, saved = cuda_net_after_a_step()
-    snap = HostSnapshot()
-    snap.capture(params, buffers, [opt])
-    assert all(t.is_pinned() for t in snap._host if t.numel())
+    net, opt, saved = cuda_net_after_a_step()
+    snap = Snapshot(net, host=True)
+    snap.capture([opt])
+    assert all(t.is_pinned() for t in snap._copies if t.numel())
     for _ in range(3):  # queued right after the non-blocking copies: must not change what was captured
         opt.zero_grad()
         net(torch.randn(8, 8, device="cuda")).sum().backward()
         opt.step()
-    snap.restore(params, buffers, [opt])
+    snap.restore([opt])
     assert_bitwise(net.state_dict(), saved[0])
     assert_bitwise(opt.state_dict(), saved[1])
 
@@ -660,18 +659,88 @@ def test_gpu_snapshot_uses_pinned_buffers_and_restores_bitwise() -> None:
 def test_gpu_snapshot_from_a_checkpoint_restores_bitwise_and_is_pinned_again_at_the_next_capture(
     tmp_path: Path,
 ) -> None:
-    net, opt, params, buffers, saved = cuda_net_after_a_step()
-    snap = HostSnapshot()
-    snap.capture(params, buffers, [opt])
+    net, opt, saved = cuda_net_after_a_step()
+    snap = Snapshot(net, host=True)
+    snap.capture([opt])
     torch.save(snap.state_dict(), tmp_path / "snapshot.pt")
-    loaded = HostSnapshot()
+    loaded = Snapshot(net, host=True)
     loaded.load_state_dict(torch.load(tmp_path / "snapshot.pt", weights_only=True))
     for _ in range(2):
         opt.zero_grad()
         net(torch.randn(8, 8, device="cuda")).sum().backward()
         opt.step()
-    loaded.restore(params, buffers, [opt])
+    loaded.restore([opt])
     assert_bitwise(net.state_dict(), saved[0])
     assert_bitwise(opt.state_dict(), saved[1])
-    loaded.capture(params, buffers, [opt])
-    assert all(t.is_pinned() for t in loaded._host if t.numel())
+    loaded.capture([opt])
+    assert all(t.is_pinned() for t in loaded._copies if t.numel())
+
+
+# -- the torch policy without Lightning ------------------------------------------------------------------------------
+_NO_LIGHTNING_ROLLBACK = """
+import json, sys
+import torch
+from torch import nn
+from gradkit.loop import GradKit
+from gradkit.rollback import SpikeRollback
+
+def batches():
+    g = torch.Generator().manual_seed(0)
+    out = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(12)]
+    return [(x * 30.0, y * 30.0) if i in (7, 8) else (x, y) for i, (x, y) in enumerate(out)]
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+def train(model, opt, data, kit=None):
+    for x, y in data:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if kit is None:
+            opt.step()
+        else:
+            kit.note_loss(loss)
+            kit.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+model, opt = model_and_optimizer()
+rollback = SpikeRollback(z_threshold=3.0, warmup_steps=3, patience=2, snapshot_every_n_steps=2, skip_batches=1)
+train(model, opt, batches(), GradKit(model, opt, rollback, log_every_n_steps=0))
+(record,) = rollback.state_dict()["history"]
+# The reference: a hand-written loop that trains on the batches the rollback kept (those before the restored
+# snapshot, and those after the stepped-over ones).
+resumed = record["from_step"] + record["skip_batches"]
+kept = [b for i, b in enumerate(batches()) if i < record["to_step"] or i >= resumed]
+reference, reference_opt = model_and_optimizer()
+train(reference, reference_opt, kept)
+same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+steps = {int(s["step"]) for s in opt.state_dict()["state"].values()}
+print(json.dumps({"record": record, "same": same, "adam_steps": sorted(steps), "kept": len(kept),
+                  "lightning": sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning",
+                                      "lightning_fabric", "lightning_gradkit"))}))
+"""
+
+
+def test_the_torch_policy_rolls_back_behind_the_loop_door_with_lightning_never_imported() -> None:
+    """``gradkit.rollback.SpikeRollback`` behind ``GradKit`` in a fresh interpreter: no Lightning module is ever
+    loaded, and after a rollback (two spiking steps, the snapshot of step 6 restored, one batch stepped over) the
+    model, BatchNorm statistics included, equals bitwise a hand-written loop that trained only on the kept batches,
+    and Adam's step count is the number of kept batches."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_LIGHTNING_ROLLBACK], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["lightning"] == []
+    record = out["record"]
+    assert (record["step"], record["from_step"], record["to_step"], record["spike_start"]) == (8, 9, 6, 7)
+    assert out["kept"] == 8 and out["adam_steps"] == [8]
+    assert out["same"]

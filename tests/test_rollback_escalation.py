@@ -22,10 +22,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradkit.snapshot import HostSnapshot
+from gradkit.escalation import reset_optimizer_state_, rewarmup_factor
+from gradkit.snapshot import Snapshot
 from helpers import make_trainer, regression_data
 from lightning_gradkit import SpikeRollback
-from lightning_gradkit.callbacks.rollback import reset_optimizer_state_, rewarmup_factor
 from test_guards import events
 from test_rollback import ResumableLoader
 
@@ -368,11 +368,11 @@ def test_a_rollback_after_a_reset_restores_the_state_the_reset_dropped() -> None
     opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
     net(torch.randn(2, 4)).sum().backward()
     opt.step()
-    snap = HostSnapshot()
-    snap.capture(params, [], [opt])
+    snap = Snapshot(net, host=True)
+    snap.capture([opt])
     before = copy.deepcopy(opt.state_dict())
     reset_optimizer_state_(opt, params)
-    snap.restore(params, [], [opt])
+    snap.restore([opt])
     after = opt.state_dict()
     assert after["state"].keys() == before["state"].keys()
     for key, state in before["state"].items():

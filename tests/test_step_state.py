@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from architectures import ArchModule, ResNet18Like, TiedTransformerLM, TinyViT, image_data, token_data
-from gradkit.buffers import BufferGuard
 from gradkit.replay import replay, replaying
+from gradkit.snapshot import Snapshot
 from helpers import make_trainer
 from lightning_gradkit import AccumulationGuard, ActivationCheckpointing, NonFiniteGuard
 from test_accumulation import TokenLM, max_diff, token_loader
@@ -185,18 +185,18 @@ class DataEma(nn.Module):
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
-def test_buffer_guard_puts_back_a_buffer_written_through_data(on_device: bool) -> None:
+def test_window_snapshot_puts_back_a_buffer_written_through_data(on_device: bool) -> None:
     model = DataEma()
-    guard = BufferGuard(model)
-    guard.capture()
+    snapshot = Snapshot(model)
+    snapshot.capture()
     model(torch.ones(4, 3))
-    guard.close(skipped=False)  # applied: kept
+    snapshot.close(skipped=False)  # applied: kept
     kept = model.ema.clone()
-    guard.capture()
+    snapshot.capture()
     version = model.ema._version
     model(torch.full((4, 3), float("nan")))
     assert model.ema._version == version and model.ema.isnan().all()  # the write is invisible to the counter
-    guard.close(None, torch.tensor(True)) if on_device else guard.close(skipped=True)
+    snapshot.close(None, torch.tensor(True)) if on_device else snapshot.close(skipped=True)
     assert torch.equal(model.ema, kept)
 
 
@@ -218,40 +218,40 @@ class Ema(nn.Module):
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
-def test_buffer_guard_restores_replaced_buffers_and_buffers_first_written_late(on_device: bool) -> None:
+def test_window_snapshot_restores_replaced_buffers_and_buffers_first_written_late(on_device: bool) -> None:
     """Every slot comes back: a replaced buffer as the object it was, a buffer written for the first time in the
     skipped window (nothing was learned about it before) with its values from before the window."""
     model = Ema()
     model.sub = Ema()
-    guard = BufferGuard(model)
-    guard.capture()
+    snapshot = Snapshot(model)
+    snapshot.capture()
     model(torch.ones(4, 3))  # the root writes `ema`; `sub` never runs
-    guard.close(skipped=False)
+    snapshot.close(skipped=False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ema_object = model.ema
-    guard.capture()
+    snapshot.capture()
     model.sub.count = True
     model(model.sub(torch.full((4, 3), float("nan"))))  # `sub` starts writing
     assert model.ema is not ema_object
-    guard.close(None, torch.tensor(True)) if on_device else guard.close(skipped=True)
+    snapshot.close(None, torch.tensor(True)) if on_device else snapshot.close(skipped=True)
     assert model.ema is ema_object
     assert_states_equal(model.state_dict(), before)
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_buffer_guard_device_flag_restores_only_when_true(skip: bool) -> None:
+def test_window_snapshot_device_flag_restores_only_when_true(skip: bool) -> None:
     bn = nn.BatchNorm1d(2)
-    guard = BufferGuard(bn)
-    guard.capture()
+    snapshot = Snapshot(bn)
+    snapshot.capture()
     bn(torch.randn(4, 2))
-    guard.close(skipped=False)
-    guard.capture()
+    snapshot.close(skipped=False)
+    snapshot.capture()
     before = {k: v.clone() for k, v in bn.state_dict().items()}
     bn(torch.randn(4, 2))
     bn.running_var[0] = float("inf")  # any bits come back exactly, Inf and NaN included
     bn.running_mean[1] = float("nan")
     after = {k: v.clone() for k, v in bn.state_dict().items()}
-    guard.restore(torch.tensor(skip))
+    snapshot.restore(skip=torch.tensor(skip))
     expected = before if skip else after
     for key, value in bn.state_dict().items():  # bit for bit (NaN is not equal to itself)
         assert torch.equal(value.reshape(-1).view(torch.uint8), expected[key].reshape(-1).view(torch.uint8)), key

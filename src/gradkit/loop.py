@@ -39,10 +39,10 @@ from torch.optim import Optimizer
 
 from gradkit._layout import verify_same_layout
 from gradkit._torch_compat import gradients_still_scaled, loss_scale
-from gradkit.buffers import BufferGuard
 from gradkit.gate import shadowed, step_as_decided
 from gradkit.pipeline import Pipeline, StepPlan
 from gradkit.protocol import Policy, Stage, StepContext, hook, is_policy, policy_key, unwrapped, values_to_host
+from gradkit.snapshot import Snapshot
 
 __all__ = ["GradKit", "LoopContext"]
 
@@ -328,13 +328,13 @@ class GradKit:
         self._steps_through_kit = 0
         self._finished = False
         self._loss_watchers = [f"{type(p).__name__}(monitor='loss')" for p in self.policies if _watches_loss(p)]
-        self._buffers: BufferGuard | None = None
+        self._buffers: Snapshot | None = None
         self._first_forward: list[Any] = []
         if any((may_skip := hook(p, "may_skip")) is not None and may_skip() for p in self.policies):
             # What a skipped step's forwards wrote into the buffers (BatchNorm statistics) is put back: a window
             # opens when the previous step ends (`step`), the first one (and the first after `load_state_dict`) at
             # the first forward of any submodule, whatever calls it (a `no_grad` pass, a `model.loss(...)` method).
-            self._buffers = BufferGuard(root)
+            self._buffers = Snapshot(root)
             self._arm_first_forward()
 
     def _arm_first_forward(self) -> None:
@@ -350,7 +350,7 @@ class GradKit:
     def _opened(self) -> None:
         self._first_forward = []
         self._call("before_first_forward", self.ctx)
-        if self._buffers is not None and not self._buffers.open:
+        if self._buffers is not None and not self._buffers.captured:
             self._buffers.capture()
 
     def note_loss(self, loss: Tensor) -> None:

@@ -33,21 +33,19 @@ it appends to) happen once more per replay.
 
 from __future__ import annotations
 
-import random
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from gradkit._torch_compat import metric_state_names
-from gradkit.buffers import BufferState
 from gradkit.gate import shadowed
+from gradkit.snapshot import RNGState, Snapshot, capture_rng, restore_rng
 
-__all__ = ["RNGState", "capture_rng", "preserved_state", "replay", "replaying", "restore_rng"]
+# The RNG states belong to a step's state (`gradkit.snapshot`); the replay sets and restores them, and names them here.
+__all__ = ["RNGState", "capture_rng", "replay", "replaying", "restore_rng"]
 
 
 _depth = 0
@@ -56,41 +54,6 @@ _depth = 0
 def replaying() -> bool:
     """Whether a replay is running: per-micro-batch statistics must ignore it."""
     return _depth > 0
-
-
-# -- RNG ----------------------------------------------------------------------------------------------------------
-@dataclass
-class RNGState:
-    """RNG states of torch (CPU, every initialized CUDA device), Python's ``random`` and NumPy's global generator."""
-
-    torch_cpu: Tensor
-    torch_cuda: list[Tensor] | None
-    python: Any = None
-    numpy: Any = None
-
-
-def capture_rng(full: bool = True) -> RNGState:
-    """The current RNG states; ``full=False`` takes only torch's (cheap enough for every batch)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    state = RNGState(torch.get_rng_state(), cuda)
-    if full:
-        state.python = random.getstate()
-        np = sys.modules.get("numpy")
-        if np is not None:
-            state.numpy = np.random.get_state()
-    return state
-
-
-def restore_rng(state: RNGState) -> None:
-    """Set the RNG states captured by :func:`capture_rng` (those it did not take are left alone)."""
-    torch.set_rng_state(state.torch_cpu)
-    if state.torch_cuda is not None:
-        torch.cuda.set_rng_state_all(state.torch_cuda)
-    if state.python is not None:
-        random.setstate(state.python)
-    np = sys.modules.get("numpy")
-    if state.numpy is not None and np is not None:
-        np.random.set_state(state.numpy)
 
 
 # -- module state -------------------------------------------------------------------------------------------------
@@ -122,50 +85,8 @@ def _metric_states(module: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
     return saved
 
 
-@contextmanager
-def preserved_state(module: nn.Module, replay_rng: RNGState | None = None) -> Iterator[None]:
-    """Run the body with ``replay_rng`` set (if given); restore RNGs, buffers, ``.grad``, train/eval modes and the
-    state of ``torchmetrics`` metrics afterwards. Plain PyTorch (the part of :func:`replay` without Lightning).
-
-    Example::
-
-        >>> bn = nn.BatchNorm1d(2)
-        >>> with preserved_state(bn):
-        ...     _ = bn(torch.randn(4, 2))
-        >>> bn.running_mean, int(bn.num_batches_tracked)
-        (tensor([0., 0.]), 0)
-    """
-    rng = capture_rng(full=True)
-    buffers = BufferState(module)  # by slot: a buffer the replay replaces gets its old object back too
-    buffers.capture()
-    grads = [(p, p.grad) for p in module.parameters()]
-    modes = [(m, m.training) for m in module.modules()]
-    metrics = _metric_states(module)
-    try:
-        if replay_rng is not None:
-            restore_rng(replay_rng)
-        yield
-    finally:
-        restore_rng(rng)
-        buffers.restore()
-        for p, g in grads:
-            p.grad = g
-        for m, training in modes:
-            m.training = training
-        for metric, state in metrics:
-            for name, value in state.items():
-                setattr(metric, name, value)
-
-
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-@contextmanager
-def _silenced_logging(module: nn.Module) -> Iterator[None]:
-    """``self.log`` / ``self.log_dict`` of a LightningModule do nothing inside (instance attributes shadow them)."""
-    with shadowed(module, log=_no_log, log_dict=_no_log):
-        yield
 
 
 @contextmanager
@@ -180,15 +101,34 @@ def replay(module: nn.Module, rng: RNGState | None = None) -> Iterator[None]:
 
         >>> bn = nn.BatchNorm1d(2)
         >>> with replay(bn):
+        ...     _ = bn(bn.running_var.new_ones(4, 2))
         ...     replaying()
         True
-        >>> replaying()
-        False
+        >>> bn.running_mean, int(bn.num_batches_tracked), replaying()
+        (tensor([0., 0.]), 0, False)
     """
     global _depth
+    saved_rng = capture_rng(full=True)
+    buffers = Snapshot(module)  # by slot: a buffer the replay replaces gets its old object back too
+    buffers.capture()
+    grads = [(p, p.grad) for p in module.parameters()]
+    modes = [(m, m.training) for m in module.modules()]
+    metrics = _metric_states(module)
     _depth += 1
     try:
-        with preserved_state(module, rng), _silenced_logging(module):
+        if rng is not None:
+            restore_rng(rng)
+        # `self.log` / `self.log_dict` of a LightningModule do nothing inside (instance attributes shadow them).
+        with shadowed(module, log=_no_log, log_dict=_no_log):
             yield
     finally:
         _depth -= 1
+        restore_rng(saved_rng)
+        buffers.restore()
+        for p, g in grads:
+            p.grad = g
+        for m, training in modes:
+            m.training = training
+        for metric, state in metrics:
+            for name, value in state.items():
+                setattr(metric, name, value)

@@ -20,7 +20,9 @@ parameter's own qualified name (``"re:.*\.bias"`` for every bias).
 
 In this file: :class:`NamePattern` (one parsed entry), :func:`parse_patterns` (the argument check),
 :func:`parameters_selected` (the parameter rule) and :func:`no_match_hint` (what an error says when a pattern
-selects nothing: the names nearest to it, and a pattern that would match).
+selects nothing: the names nearest to it, and a pattern that would match). Then the rows of
+``GradNormMonitor(depth="auto")`` (which ``SpikeRollback``'s spiking-module reset reads too): :func:`repeated_blocks`,
+:func:`auto_module_keys` and :func:`module_rows`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,16 @@ from torch import nn
 
 from gradkit._arguments import check_strings
 
-__all__ = ["REGEX_PREFIX", "NamePattern", "no_match_hint", "parameters_selected", "parse_patterns"]
+__all__ = [
+    "REGEX_PREFIX",
+    "NamePattern",
+    "auto_module_keys",
+    "module_rows",
+    "no_match_hint",
+    "parameters_selected",
+    "parse_patterns",
+    "repeated_blocks",
+]
 
 #: The prefix that makes an entry a regular expression over qualified names.
 REGEX_PREFIX = "re:"
@@ -194,3 +205,91 @@ def _searching(regex: str) -> str:
 def _pattern_for(name: str) -> str:
     r"""A ``re:`` pattern that matches ``name`` and its numbered siblings (``blocks.0`` -> ``re:blocks\.\d+``)."""
     return REGEX_PREFIX + r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split("."))
+
+
+# -- per-module grouping (pure functions of names and module classes) ---------------------------------------------
+def repeated_blocks(modules: Iterable[tuple[str, nn.Module]]) -> list[str]:
+    """Qualified names of the repeated blocks of a model, in registration order.
+
+    A repeated block is a child of a ``ModuleList`` or ``Sequential`` whose children (two or more) all have the same
+    class: the layers of a transformer (``model.blocks.3``, ``encoder.encoder.layer.3``), the stages of a ResNet.
+    Only the outermost ones count: the experts inside a repeated layer are part of that layer's row.
+
+    Args:
+        modules: ``(qualified name, module)`` pairs in registration order, as ``named_modules()`` yields them.
+
+    Example::
+
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+        >>> repeated_blocks(net.named_modules())
+        ['1.0', '1.1']
+    """
+    blocks: list[str] = []
+    for name, module in modules:
+        if any(name.startswith(b + ".") for b in blocks):
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.named_children())
+            if len(children) >= 2 and len({type(child) for _, child in children}) == 1:
+                blocks.extend(f"{name}.{child}" if name else child for child, _ in children)
+    return blocks
+
+
+def auto_module_keys(param_names: Sequence[str], blocks: Sequence[str]) -> list[str]:
+    """The row (module) of every parameter for ``depth="auto"``.
+
+    A parameter inside a repeated block belongs to that block. Any other parameter belongs to the shortest prefix of
+    its owner's name that holds no block: the other top-level modules (``head``), or, beside the blocks, their
+    siblings (``model.wte``, ``encoder.embeddings``). A wrapper that holds the whole model (``self.model``) is looked
+    through. A parameter of a module that holds other rows (a ViT's ``model.cls_token`` and ``model.pos_embed``, a
+    parameter of the LightningModule itself) is a row of its own, named by the parameter: a row named ``model``
+    would claim the whole model.
+
+    Example::
+
+        >>> names = ["model.cls_token", "model.wte.weight", "model.blocks.0.fc.weight", "head.bias"]
+        >>> auto_module_keys(names, ["model.blocks.0"])
+        ['model.cls_token', 'model.wte', 'model.blocks.0', 'head']
+    """
+    owners = [name.split(".")[:-1] for name in param_names]
+    ancestors = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
+    # Look through the components every parameter shares (a LightningModule that wraps its model in `self.model`).
+    common = owners[0] if owners else []
+    for owner in owners[1:]:
+        shared = 0
+        while shared < min(len(common), len(owner)) and common[shared] == owner[shared]:
+            shared += 1
+        common = common[:shared]
+    ancestors.update(".".join(common[:i]) for i in range(1, len(common) + 1))
+    block_set = set(blocks)
+    keys = []
+    for name, owner in zip(param_names, owners, strict=True):
+        key = name
+        for i in range(1, len(owner) + 1):
+            prefix = ".".join(owner[:i])
+            if prefix in block_set or prefix not in ancestors:
+                key = prefix
+                break
+        keys.append(key)
+    return keys
+
+
+def module_rows(keys: Sequence[str], names: Sequence[str], model_order: Sequence[str]) -> tuple[list[str], list[int]]:
+    """Rows in model order and the row of every parameter.
+
+    Args:
+        keys: the row key of every parameter, aligned with ``names``.
+        names: the parameter names, in the optimizer's (grouped by device and dtype) order.
+        model_order: the parameter names in registration order (``named_parameters()``).
+
+    Returns:
+        ``(rows, index)``: the distinct keys, ordered by their first parameter in ``model_order`` (parameters it does
+        not list come last), and for every parameter the position of its key in ``rows``.
+    """
+    rank = {name: i for i, name in enumerate(model_order)}
+    first: dict[str, int] = {}
+    for key, name in zip(keys, names, strict=True):
+        first[key] = min(first.get(key, len(rank)), rank.get(name, len(rank)))
+    rows = sorted(dict.fromkeys(keys), key=lambda k: first[k])
+    lookup = {k: i for i, k in enumerate(rows)}
+    return rows, [lookup[k] for k in keys]

@@ -33,7 +33,7 @@ from lightning_gradkit.callbacks.clip_callbacks import (
 from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.manual_accumulation import ManualAccumulator
 from lightning_gradkit.callbacks.monitor_callback import GradNormMonitor
-from lightning_gradkit.callbacks.rollback import SpikeRollback
+from lightning_gradkit.callbacks.rollback_callback import SpikeRollback
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
 from lightning_gradkit.diagnostics.graph_leak import GraphLeakGuard
 from lightning_gradkit.diagnostics.sync_audit import SyncAudit

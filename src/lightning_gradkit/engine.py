@@ -143,6 +143,15 @@ class TrainerContext(StepContext):
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer = trainer
         self.pl_module = pl_module
+        self._log_dir: Path | None = None
+
+    @property
+    def log_dir(self) -> Path:  # type: ignore[override]
+        """The event file's directory (:func:`events_dir`), read once: the first read must come on every rank (it
+        broadcasts rank 0's value), as a policy's ``attach`` does."""
+        if self._log_dir is None:
+            self._log_dir = events_dir(self.trainer)
+        return self._log_dir
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:
@@ -176,11 +185,6 @@ class TrainerContext(StepContext):
     @property
     def log_step(self) -> int:
         return batches_that_stepped(self.trainer)
-
-    @property
-    def log_dir(self) -> Path:  # type: ignore[override]
-        # Collective where the Trainer has loggers (`trainer.log_dir` broadcasts rank 0's): every rank asks together.
-        return events_dir(self.trainer)
 
     def step_key(self) -> tuple[int, ...]:
         # `global_step` counts every attempted step (manual optimization too); the batch tells two fits apart.

@@ -73,10 +73,10 @@ from torch.optim import Optimizer
 
 from gradkit._closure import first_evaluation
 from gradkit._torch_compat import handles_found_inf
-from gradkit.buffers import BufferGuard
 from gradkit.gate import shadowed, step_as_decided
 from gradkit.protocol import hook
 from gradkit.replay import replaying
+from gradkit.snapshot import Snapshot
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, clipping_instead, is_deepspeed_strategy
 from lightning_gradkit._window import open_window
@@ -216,7 +216,7 @@ class GradKitStrategyMixin:
 
     _gradkit_gate_active: bool = False
     _gradkit_restored: dict[int, tuple[int, int, int, bool]] | None = None
-    _gradkit_buffers: BufferGuard | None = None
+    _gradkit_buffers: Snapshot | None = None
     _gradkit_window_buffers: dict[str, Any] | None = None
 
     # -- Lightning hooks -----------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ class GradKitStrategyMixin:
         if not self._gradkit_gate_active:
             return
         module = trainer.lightning_module
-        self._gradkit_buffers = BufferGuard(module)
+        self._gradkit_buffers = Snapshot(module)
         if module.automatic_optimization and "lr_scheduler_step" not in module.__dict__:
             module.lr_scheduler_step = _SchedulerGate(self, module.lr_scheduler_step)
             for config in self._gradkit_gated_configs():
@@ -267,10 +267,10 @@ class GradKitStrategyMixin:
         if self._gradkit_gate_active and self._gradkit_frequencies:
             checkpoint = {**checkpoint, _SCHEDULE_KEY: self._gradkit_schedule_state()}
         buffers = self._gradkit_buffers
-        if buffers is not None and buffers.open and open_window(self._gradkit_trainer) is not None:
+        if buffers is not None and buffers.captured and open_window(self._gradkit_trainer) is not None:
             # Saved inside an accumulation window: the buffers from before its first micro-batch, so that a resumed
             # run that skips this window puts back what an uninterrupted one would.
-            checkpoint = {**checkpoint, _WINDOW_BUFFERS_KEY: buffers.state_dict()}
+            checkpoint = {**checkpoint, _WINDOW_BUFFERS_KEY: buffers.buffers_state_dict()}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -283,11 +283,11 @@ class GradKitStrategyMixin:
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         buffers = self._gradkit_buffers
-        if buffers is not None and not buffers.open and not replaying():
+        if buffers is not None and not buffers.captured and not replaying():
             # Before the window's first forward: what a skip puts back (the saved one when resuming inside it).
             saved, self._gradkit_window_buffers = self._gradkit_window_buffers, None
             if saved:
-                buffers.load_state_dict(saved)
+                buffers.load_buffers_state_dict(saved)
             else:
                 buffers.capture()
         return super().training_step(*args, **kwargs)  # type: ignore[misc]

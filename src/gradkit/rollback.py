@@ -1,0 +1,601 @@
+"""Roll a run back to a good state when a loss or gradient-norm spike persists, and step over the bad data.
+
+Large-model teams do this by hand from disk checkpoints, hours later (PaLM, Chowdhery et al. 2022, section 5.1:
+"we re-started training from a checkpoint roughly 100 steps before the spike started, and skipped roughly 200-500
+data batches"; the OPT-175B and BLOOM logbooks describe the same). :class:`SpikeRollback` does it inside the run,
+from snapshots in host memory (:class:`~gradkit.snapshot.StepSnapshot`), on every rank alike, behind every door: a
+``Trainer`` (``lightning_gradkit.SpikeRollback``), Fabric or a plain loop (:class:`~gradkit.loop.GradKit`).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from gradkit._arguments import check_bool, check_choice, check_float, check_int
+from gradkit.escalation import Escalation
+from gradkit.events import EventLog
+from gradkit.norms import nonfinite_mask
+from gradkit.pipeline import Pipeline, StepPlan
+from gradkit.protocol import Stage, StatsRequest, StepContext, hook, state_key
+from gradkit.running import RunningMoments
+from gradkit.snapshot import Snapshot, StepSnapshot
+from gradkit.watch import WatchedValue
+
+__all__ = ["SpikeRollback"]
+
+
+# How a snapshot came to be: at the start of training, every `snapshot_every_n_steps` steps, or at a resume from a
+# checkpoint that held no snapshots (a state the uninterrupted run did not keep).
+_Origin = Literal["start", "schedule", "resume"]
+_NO_EVENTS = " (No events file: pass GradKit(log_dir=...) to save the events.)"
+
+
+class SpikeRollback:
+    r"""When a loss or gradient-norm spike persists, restore the newest good snapshot and step over the bad data.
+
+    **Snapshots.** After every ``snapshot_every_n_steps`` optimizer steps (the loop's step count, under a Trainer
+    ``trainer.global_step``, a multiple of it, and at the start of training), the state is copied into a ring of
+    ``keep`` snapshots in host memory. It is everything a training step may change: the parameters the optimizer
+    trains, the module buffers (BatchNorm running statistics), the optimizer state (moments, step counts,
+    hyperparameters), the LR schedulers' ``state_dict`` (the Trainer's, or those given to
+    :class:`~gradkit.loop.GradKit`) and the GradKit strategy's counts for their ``frequency``, the
+    torch/CUDA/Python/NumPy RNG states, the ``state_dict`` of the other stateful gradkit callbacks (e.g. the
+    statistics of ``ZClip``, ``AutoClip``, ``SpikeGuard``; restored whole, so their counters rewind too, while the
+    events they wrote stay), the count of skipped steps and this callback's own statistics. Other callbacks'
+    states are not part of it. A snapshot is only taken after a step that applied its update and was not flagged
+    (else at the next such step). On a GPU the host buffers are pinned, allocated once, and filled with
+    ``non_blocking`` copies: the step does not wait for them. Under FSDP2 every rank copies its own shards. Host
+    memory: ``keep`` x (trained parameters + optimizer state + buffers) per rank, e.g. about 6x the fp32 parameter
+    bytes with Adam and ``keep=2``.
+
+    **Trigger.** Each optimizer step the monitored value (the loss averaged over the accumulation window and the
+    ranks, or the total gradient 2-norm) gets a z-score against NaN-masked running statistics on device, exactly
+    as in :class:`~lightning_gradkit.SpikeGuard`: ``z > z_threshold`` after ``warmup_steps`` finite values is a
+    spike, and the statistics are fed the value clamped to ``mean + z_threshold * std``. A step is *flagged* when
+    it spikes or when the loss or the gradients are non-finite. A rollback fires after ``patience`` consecutive
+    flagged steps, or after ``nonfinite_patience`` consecutive non-finite ones. The default 2 lets
+    ``NonFiniteGuard(action="skip")`` cure a single bad batch by skipping it, and rolls back when skipping did
+    not cure it (the next step is non-finite too). The values travel in the engine's single collective, so every
+    rank takes the same decision.
+
+    **Rollback.** The step that fires is not applied (the door skips it), then the newest snapshot
+    taken before the spike began is restored bitwise, in place, and snapshots newer than it are dropped. The data
+    stream is not rewound: the batches consumed since the snapshot are not replayed, and ``skip_batches`` more
+    optimizer steps' batches are stepped over: they run forward and backward, their optimizer steps are skipped,
+    the buffers they wrote (BatchNorm running statistics included) are put back as for any skipped step (by the
+    door), and the RNG states and gradkit callback states are restored from the snapshot after each, so the run
+    continues as one that never saw them (their compute is spent, as with any skipped step); an LR scheduler with a
+    ``frequency`` steps as in that run too. After
+    ``max_rollbacks`` rollbacks the next trigger stops training with a ``RuntimeError``.
+
+    **The same snapshot twice.** A rollback restores the snapshot the previous rollback restored again only when the
+    run from it got further than the time before: its flagged steps began more steps after the previous rollback's
+    resume point (after its stepped-over batches) than the previous spike began after that snapshot (or after the
+    resume that restored it). A spike that comes back as soon or sooner suggests that the state itself carries the
+    fault (a snapshot taken after the damage was done, before it showed): the rollback takes the older snapshot
+    instead, or stops when none is left (an escalating rollback, below, may restore the same one: its run from it
+    differs). A spike that comes back later is a new occurrence: a fault that recurs (a bad stretch of data, a
+    periodic learning-rate burst) is met from the newest snapshot taken before it, instead of throwing the run back
+    one snapshot further per occurrence (to the start of training with ``keep=2``). The trade-off: a fault that
+    recurs sooner after each restore than the first time is treated as carried by the state, and a state whose
+    damage shows later after each restore is restored again until ``max_rollbacks`` stops the run;
+    ``escalate_lr_factor`` damps a recurring fault.
+
+    ``skip_batches`` counts optimizer steps, each of ``accumulate_grad_batches`` batches per rank, *beyond* the
+    rewound ones: a rollback leaves out ``rewound_steps + skip_batches`` optimizer steps' batches in all (the
+    event's ``batches_skipped``). PaLM's "skipped roughly 200-500 data batches" counts both: its 200-500 include
+    the ~100 batches between its restart checkpoint and the spike, and those of the spike itself, which here are
+    the rewound steps. For the same total, set ``skip_batches`` to it less the steps a rollback rewinds (from
+    ``patience`` to about ``snapshot_every_n_steps + patience``).
+
+    ``trainer.global_step`` keeps counting attempted optimizer steps, as for any skipped step: the rewound and the
+    stepped-over steps count, so ``max_steps`` and logging/checkpoint periods follow batches. The model, the
+    optimizer's step counts and the LR schedule return to the snapshot's. ``gradkit/skipped_steps`` counts the
+    attempted steps whose update the model does not hold: the skipped ones (the stepped-over ones included) and,
+    at each rollback, its ``rewound_steps`` (the steps since the snapshot, the one that fired included), counted
+    once even where a guard had skipped one of them. So ``global_step - skipped_steps`` stays the number of
+    optimizer steps in the model, e.g. Adam's ``state[p]["step"]``, after any rollback.
+
+    Every rollback is one event in ``gradkit_events.jsonl`` (``what="rollback"``, with ``from_step``, ``to_step``,
+    ``rewound_steps``, ``skip_batches``, ``batches_skipped``, ``snapshot_origin`` and the trigger values), shown
+    as a marker in the gradient report, and a warning.
+
+    **Escalation** (off by default): a rollback that fires soon after the previous one also cuts the learning rate
+    and/or resets optimizer moments, as PaLM, OPT, BLOOM and SPAM did; :mod:`gradkit.escalation` says how.
+
+    **Resume.** The callback's ``state_dict`` holds its statistics, counters, the count of skipped steps and the
+    remaining batches to step over, so a run checkpointed after a rollback resumes exactly. With
+    ``save_snapshots=True`` it holds the snapshot ring too, and a resumed run rolls back exactly as the
+    uninterrupted one: to the same snapshot, also from a checkpoint saved inside a run of flagged steps. The cost is
+    the checkpoint's size: it grows by :attr:`snapshot_bytes` (``keep`` snapshots of parameters, buffers and
+    optimizer state), e.g. from 3x to 9x the fp32 parameter bytes with Adam and ``keep=2``. Not under a Trainer with
+    FSDP/FSDP2 over several ranks, where each rank's snapshots hold its own shards and Lightning saves callback states
+    from rank 0 only. With ``save_snapshots=False`` (the default) a resumed run takes its first snapshot of the state it
+    resumed from (``snapshot_origin="resume"``), and differs from the uninterrupted run exactly there: a rollback
+    that the uninterrupted run would take to an older snapshot restores the resumed state instead when that is the
+    newest one taken before the spike began, and a run resumed inside a run of flagged steps (no snapshot of it is
+    from before the spike) restores the resumed state rather than stopping. The event's ``snapshot_origin`` is then
+    ``"resume"`` and the warning says so. Snapshots are otherwise ``"start"`` (the start of training) or
+    ``"schedule"``.
+
+    Cost: one host read of the step's skip flag (shared with the strategy's read, which an ordinary optimizer does
+    anyway; with a fused optimizer, this read is the one host synchronization per step), a second read on skipped
+    steps, one read of the step's flag when a snapshot is due, and the copies of a snapshot (the callbacks'
+    ``state_dict`` calls synchronize once per snapshot).
+
+    Args:
+        monitor: ``"loss"`` or ``"grad_norm"``.
+        z_threshold: spike threshold in standard deviations (> 0).
+        alpha: EMA decay of the running statistics, in ``(0, 1)``.
+        warmup_steps: finite values seen before any spike decision (>= 2).
+        patience: consecutive flagged steps that trigger a rollback (>= 1).
+        nonfinite_patience: consecutive non-finite steps that trigger a rollback (>= 1).
+        snapshot_every_n_steps: optimizer steps between snapshots (>= 1).
+        keep: snapshots kept in host memory (>= 1).
+        skip_batches: optimizer steps' batches stepped over after a rollback, beyond the rewound ones (>= 0).
+        max_rollbacks: rollbacks allowed; the next trigger raises (>= 0).
+        save_snapshots: keep the snapshot ring in checkpoints, so a resumed run rolls back as the uninterrupted one
+            (see **Resume** for the size).
+        escalate_lr_factor: on an escalation, multiply the learning rate by this factor in ``(0, 1)``, ramping back
+            to the schedule (``None``: no cut).
+        escalate_rewarmup_steps: applied optimizer steps over which the cut ramps back to 1 (>= 1).
+        escalate_reset_moments: on an escalation, reset the optimizer state of ``"all"`` parameters, of the
+            ``"spiking"`` modules, or ``"none"``.
+        escalate_within_steps: a rollback escalates when it fires within this many optimizer steps after the end
+            of the previous one (>= 1).
+
+    Raises:
+        ValueError: at construction, for an unknown ``monitor``, a non-finite or non-positive ``z_threshold``,
+            ``alpha`` outside ``(0, 1)``, ``escalate_lr_factor`` outside ``(0, 1)``, an unknown
+            ``escalate_reset_moments``, or an integer argument that is not an ``int`` or below its minimum; at
+            ``attach``, for a second ``SpikeRollback`` in the loop.
+        RuntimeError: during training, when a rollback fires after ``max_rollbacks`` rollbacks or finds no snapshot
+            to restore.
+
+    Example::
+
+        >>> from gradkit.loop import GradKit
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> rollback = SpikeRollback("loss", patience=3, snapshot_every_n_steps=100, skip_batches=200)
+        >>> kit = GradKit(model, optimizer, [rollback], log_dir=None)
+        >>> loss = model(torch.ones(2, 4)).square().mean()
+        >>> loss.backward()
+        >>> kit.note_loss(loss)
+        >>> kit.step(optimizer)
+        True
+    """
+
+    stage = Stage.GUARD
+
+    def __init__(
+        self,
+        monitor: Literal["loss", "grad_norm"] = "loss",
+        z_threshold: float = 6.0,
+        alpha: float = 0.97,
+        warmup_steps: int = 25,
+        patience: int = 3,
+        nonfinite_patience: int = 2,
+        snapshot_every_n_steps: int = 100,
+        keep: int = 2,
+        skip_batches: int = 0,
+        max_rollbacks: int = 5,
+        save_snapshots: bool = False,
+        escalate_lr_factor: float | None = None,
+        escalate_rewarmup_steps: int = 100,
+        escalate_reset_moments: Literal["none", "all", "spiking"] = "none",
+        escalate_within_steps: int = 1000,
+    ) -> None:
+        self.monitor = check_choice("monitor", monitor, ("loss", "grad_norm"))
+        self.z_threshold = check_float(
+            "z_threshold", z_threshold, above=0.0, hint="E.g. `z_threshold=6.0` (SpikeGuard's default)."
+        )
+        self.alpha = check_float("alpha", alpha, above=0.0, below=1.0, hint="E.g. `alpha=0.97`.")
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 2, hint="E.g. `warmup_steps=25`.")
+        self.patience = check_int("patience", patience, 1, hint="Use 1 to roll back at the first spiking step.")
+        self.nonfinite_patience = check_int(
+            "nonfinite_patience", nonfinite_patience, 1, hint="Use 1 to roll back at the first non-finite step."
+        )
+        self.snapshot_every_n_steps = check_int(
+            "snapshot_every_n_steps", snapshot_every_n_steps, 1, hint="E.g. `snapshot_every_n_steps=100`."
+        )
+        self.keep = check_int("keep", keep, 1, hint="Keep at least one snapshot, e.g. `keep=2`.")
+        self.skip_batches = check_int("skip_batches", skip_batches, 0, hint="Use 0 to resume on the next batch.")
+        self.max_rollbacks = check_int(
+            "max_rollbacks", max_rollbacks, 0, hint="Use 0 to stop training at the first persistent spike."
+        )
+        self.save_snapshots = check_bool("save_snapshots", save_snapshots)
+        self._escalation = Escalation(
+            escalate_lr_factor,
+            escalate_rewarmup_steps,
+            escalate_reset_moments,
+            escalate_within_steps,
+            self.alpha,
+            self.z_threshold,
+            self.warmup_steps,
+        )
+        self.escalate_lr_factor = self._escalation.lr_factor
+        self.escalate_rewarmup_steps = self._escalation.rewarmup_steps
+        self.escalate_reset_moments = self._escalation.reset_moments
+        self.escalate_within_steps = self._escalation.within_steps
+        self._stats = RunningMoments(self.alpha)
+        self._watch = WatchedValue(self.monitor, f"{self.state_key}/loss_sum")
+        self._ring: list[StepSnapshot] = []
+        self._events: EventLog | None = None
+        self._events_note = ""
+        self._pipeline: Pipeline | None = None  # the loop's pipeline, whose count of skipped steps the state saves
+        self._starting = False
+        # What the step found, on device (read to the host only when the step is skipped): whether it fires, whether it
+        # is flagged, and the run lengths, value, z-score, mean and std.
+        self._trigger: tuple[Tensor, Tensor, list[Tensor]] | None = None
+        self._pending: dict[str, Any] | None = None
+        # Bookkeeping saved in checkpoints.
+        self._run: Tensor | float = 0.0
+        self._nonfinite_run: Tensor | float = 0.0
+        self._skip_left = 0
+        self._rollbacks = 0
+        self._next_id = 0
+        self._last_restored_id = -1
+        # Steps from the last restored snapshot (or the resume from it) to the start of the spike that restored it.
+        self._reach: int | None = None
+        self._next_snapshot_at: int | None = None
+        self._history: list[dict[str, Any]] = []
+        # The end of the previous rollback (global step of its first trained step): when a spike comes back soon after.
+        self._resumed_at: int | None = None
+        # From a checkpoint, adopted at the start of training.
+        self._resumed = False
+        self._saved_ring: list[dict[str, Any]] | None = None
+        self._restored_skips: float | None = None
+
+    @property
+    def state_key(self) -> str:
+        return state_key(self, monitor=self.monitor)
+
+    @property
+    def rollbacks(self) -> int:
+        """The number of rollbacks so far."""
+        return self._rollbacks
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host memory held by this rank's snapshot buffers."""
+        return sum(entry.tensors.nbytes for entry in self._ring)
+
+    @property
+    def events_path(self) -> Path | None:
+        """The ``gradkit_events.jsonl`` file this policy writes to (known after ``attach``)."""
+        return self._events.path if self._events is not None else None
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def attach(self, ctx: StepContext, model: nn.Module) -> None:
+        """The door is set up: the event file and the model's modules; the first snapshot waits for the start of
+        training (``before_first_forward``): the weights may be loaded after the door is built or loaded."""
+        if sum(isinstance(p, SpikeRollback) for p in ctx.policies()) > 1:
+            where = "The Trainer has" if ctx.trainer is not None else "`policies` holds"
+            raise ValueError(f"{where} more than one SpikeRollback; each would restore its own snapshots. Keep one.")
+        self._events = EventLog(ctx.log_dir, rank=ctx.global_rank) if ctx.log_dir is not None else None
+        self._events_note = f" Events: {self._events.path}." if self._events is not None else _NO_EVENTS
+        self._pipeline = ctx.pipeline
+        self._escalation.read_model(model)
+        self._starting = True
+
+    def before_first_forward(self, ctx: StepContext) -> None:
+        if self._starting:
+            self._start(ctx)
+
+    def _start(self, ctx: StepContext) -> None:
+        """Where training starts or resumes: the statistics on the device, the LR hooks, the ring and its first
+        snapshot (the state it starts or resumes from, unless the checkpoint held the ring)."""
+        self._starting = False
+        device = ctx.device
+        self._stats.to(device)
+        self._escalation.start(ctx)
+        self._run = torch.tensor(float(self._run), device=device)
+        self._nonfinite_run = torch.tensor(float(self._nonfinite_run), device=device)
+        if self._restored_skips is not None:
+            ctx.pipeline.skipped_steps = torch.tensor(self._restored_skips, device=device)
+            self._restored_skips = None
+        self._ring = [StepSnapshot(Snapshot(ctx.model, host=True)) for _ in range(self.keep)]
+        self._pending = None
+        saved, self._saved_ring = self._saved_ring, None
+        resumed, self._resumed = self._resumed, False
+        if saved:
+            # The newest `keep` snapshots of the checkpoint: the ring of the uninterrupted run.
+            policies = {p.state_key: p for p in self._stateful(ctx)}
+            newest = sorted(saved, key=lambda state: int(state["id"]), reverse=True)[: self.keep]
+            for entry, state in zip(self._ring, newest, strict=False):
+                entry.load_state_dict(state, policies, device)
+        else:
+            # No snapshots came with the run: the state it starts or resumes from is the first one.
+            self._capture(ctx, "resume" if resumed else "start")
+
+    def note_loss(self, loss: Tensor, ctx: StepContext) -> None:
+        self._watch.note_loss(loss)
+
+    def after_step(self, ctx: StepContext) -> None:
+        # After the optimizer step (skipped or not) and the LR schedulers, before a checkpoint of this batch (the
+        # Trainer calls ModelCheckpoint last): a checkpoint saved at this batch holds the restored state.
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending["kind"] == "snapshot":
+            self._capture(ctx)
+        elif pending["kind"] == "skip":
+            # A stepped-over batch: back to the snapshot the rollback restored (the newest: those after it were
+            # dropped, and none is taken while stepping over).
+            max(self._ring, key=lambda s: s.id).restore(ctx, full=False)
+            self._skip_left -= 1
+        else:
+            self._roll_back(ctx, pending)
+
+    def finish(self, ctx: StepContext) -> None:
+        self._escalation.remove_hooks()
+
+    # -- the step's pipeline -----------------------------------------------------------------------------------
+    def may_skip(self) -> bool:
+        return True
+
+    def request_stats(self, request: StatsRequest) -> None:
+        self._watch.request_stats(request)
+        if self.escalate_reset_moments == "spiking":
+            request.norm_types.add(2.0)
+
+    def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
+        return self._watch.reduce_request(ctx)
+
+    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
+        if self._skip_left > 0:
+            # Stepping over a batch after a rollback: no statistics, no trigger; the door skips the step.
+            plan.add_skip(torch.ones((), dtype=torch.bool, device=plan.primary.total.device))
+            self._trigger = None
+            return
+        x = self._watch.value(plan)
+        spike, z, mean, std = self._stats.spike_step(x, self.z_threshold, self.warmup_steps)
+        # No loss handed over this window (no `note_loss` behind the loop door): the NaN stands for "no value", not
+        # a non-finite loss; the statistics mask it either way.
+        nonfinite = (nonfinite_mask(x) | ~plan.primary.finite) if self._watch.had_loss else ~plan.primary.finite
+        flagged = spike | nonfinite
+        run = torch.where(flagged, self._run + 1, 0.0)
+        nonfinite_run = torch.where(nonfinite, self._nonfinite_run + 1, 0.0)
+        self._run, self._nonfinite_run = run, nonfinite_run
+        fire = (run >= self.patience) | (nonfinite_run >= self.nonfinite_patience)
+        plan.add_skip(fire)
+        if self.escalate_reset_moments == "spiking":
+            self._escalation.track_modules(plan, flagged)
+        self._trigger = (fire, flagged, [run, nonfinite_run, x.float(), z, mean, std])
+
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+        step = ctx.global_step
+        t = self._trigger
+        self._escalation.step_factor = 1.0
+        if t is None:
+            self._pending = {"kind": "skip"}
+            return
+        if not plan.skip_on_host():
+            # An applied step: it takes the ramp's multiplier (set on the optimizer by the step pre-hook).
+            self._escalation.step_applied()
+        fire, flagged, read = t
+        if plan.skip_on_host() and bool(fire):
+            run, nonfinite_run, value, z, mean, std = torch.stack(read).tolist()
+            reason = "nonfinite" if nonfinite_run >= self.nonfinite_patience else "spike"
+            start = step - int(run) + 1
+            values = {
+                "monitor": self.monitor,
+                "reason": reason,
+                "value": value,
+                "z": z,
+                "mean": mean,
+                "std": std,
+                "z_threshold": self.z_threshold,
+                "consecutive": int(run),
+                "nonfinite_consecutive": int(nonfinite_run),
+            }
+            escalate = self._escalation.escalates(step, self._resumed_at)
+            entry = self._choose(ctx, step, start, values, allow_last=escalate)
+            # Read now: the rollback starts a new run of flagged steps.
+            spiking = escalate and self.escalate_reset_moments == "spiking"
+            self._pending = {
+                "kind": "rollback",
+                "step": step,
+                "start": start,
+                "slot": entry,
+                "values": values,
+                "escalate": escalate,
+                "spiking": self._escalation.spiking_modules() if spiking else None,
+            }
+        elif step + 1 >= self._next_snapshot_at and not plan.skip_on_host() and not bool(flagged):
+            self._pending = {"kind": "snapshot"}
+
+    # -- snapshots ---------------------------------------------------------------------------------------------
+    def _next_multiple(self, step: int) -> int:
+        n = self.snapshot_every_n_steps
+        return (step // n + 1) * n
+
+    def _stateful(self, ctx: StepContext) -> list[Any]:
+        """The loop's other policies that keep a state (``state_dict`` / ``load_state_dict``)."""
+        return [p for p in ctx.policies() if p is not self and hook(p, "state_dict") and hook(p, "load_state_dict")]
+
+    def _capture(self, ctx: StepContext, origin: _Origin = "schedule") -> None:
+        entry = min(self._ring, key=lambda s: s.id)  # an empty entry (id -1), else the oldest snapshot
+        entry.capture(ctx, self._stateful(ctx), self._stats_state())
+        entry.id, entry.origin = self._next_id, origin
+        self._next_id += 1
+        self._next_snapshot_at = self._next_multiple(ctx.global_step)
+
+    def _choose(
+        self, ctx: StepContext, step: int, start: int, values: dict[str, Any], allow_last: bool = False
+    ) -> StepSnapshot:
+        """The newest snapshot taken before the spike began; failing that, the state of a resume inside the run of
+        flagged steps (from a checkpoint without snapshots). Not the one the previous rollback restored unless the run
+        from it got further than the time before (or the rollback escalates, ``allow_last``): a spike that comes back
+        as soon suggests that the state itself carries the fault."""
+        if self._rollbacks >= self.max_rollbacks:
+            self._stop(
+                ctx,
+                step,
+                values,
+                f"the budget of `max_rollbacks={self.max_rollbacks}` is spent. Look for the cause in the events "
+                "(a learning rate too high, bad data), or raise `max_rollbacks`.",
+            )
+        # A spike that begins later after the resume than the previous one began after that snapshot is a new
+        # occurrence: a fault that recurs every few hundred steps must not throw the run back one snapshot per spike.
+        further = self._reach is not None and self._resumed_at is not None and start - self._resumed_at > self._reach
+        again = allow_last or further
+        usable = [s for s in self._ring if s.valid and (again or s.id != self._last_restored_id)]
+        candidates = [s for s in usable if s.step <= start] or [s for s in usable if s.origin == "resume"]
+        if not candidates:
+            kept = sorted(s.step for s in self._ring if s.valid)
+            self._stop(
+                ctx,
+                step,
+                values,
+                f"no snapshot is left to restore (snapshots at steps {kept}; the last rollback restored the newest "
+                "good one already, and the spike came back as soon after it as the time before: that state may carry "
+                "the fault, so it is not restored again). Raise `keep` or `snapshot_every_n_steps`, set "
+                "`escalate_lr_factor`, or look for the cause in the events.",
+            )
+        return max(candidates, key=lambda s: s.id)
+
+    def _stop(self, ctx: StepContext, step: int, values: dict[str, Any], why: str) -> None:
+        self._event(ctx, "rollback_stopped", values, step=step, rollbacks=self._rollbacks)
+        raise RuntimeError(
+            f"SpikeRollback: the {values['reason']} at step {step} persisted {values['consecutive']} step(s) "
+            f"({self.monitor} {values['value']:.6g}, z {values['z']:.1f}), and cannot roll back: {why} "
+            f"The step was not applied.{self._events_note}"
+        )
+
+    def _roll_back(self, ctx: StepContext, pending: dict[str, Any]) -> None:
+        slot: StepSnapshot = pending["slot"]
+        slot.restore(ctx, full=True)
+        self._load_stats(copy.deepcopy(slot.stats))
+        for other in self._ring:
+            if other.id > slot.id:  # states of the abandoned stretch
+                other.id = -1
+        device = ctx.device
+        self._run = torch.zeros((), device=device)
+        self._nonfinite_run = torch.zeros((), device=device)
+        self._escalation.module_zmax = None
+        self._rollbacks += 1
+        # How far the run from this snapshot got before the spike began: from the previous resume when that one
+        # restored the same snapshot, else from the snapshot itself.
+        resumed_from = self._resumed_at if slot.id == self._last_restored_id else None
+        self._reach = pending["start"] - (resumed_from if resumed_from is not None else slot.step)
+        self._last_restored_id = slot.id
+        self._skip_left = self.skip_batches
+        self._next_snapshot_at = self._next_multiple(ctx.global_step + self.skip_batches)
+        from_step = ctx.global_step
+        previous_end, self._resumed_at = self._resumed_at, from_step + self.skip_batches
+        # The rewound steps join the skipped ones: `global_step - skipped_steps` stays the optimizer's step count.
+        rewound = torch.tensor(float(from_step - slot.step), device=device)
+        ctx.pipeline.skipped_steps = rewound if slot.skipped is None else slot.skipped + rewound
+        record = {
+            "step": pending["step"],
+            "from_step": from_step,
+            "to_step": slot.step,
+            "spike_start": pending["start"],
+            "rewound_steps": from_step - slot.step,
+            "skip_batches": self.skip_batches,
+            "batches_skipped": from_step - slot.step + self.skip_batches,
+            "rollback": self._rollbacks,
+            "snapshot_origin": slot.origin,
+        }
+        self._history.append(record)
+        self._event(ctx, "rollback", pending["values"], **record)
+        if pending["escalate"]:
+            # The spike came back: cut the learning rate and/or reset optimizer moments of the restored state.
+            assert previous_end is not None
+            since = pending["step"] - previous_end
+            fields, actions = self._escalation.escalate(
+                ctx, pending["spiking"], pending["step"], self._rollbacks, since, slot.step
+            )
+            self._event(ctx, "escalation", pending["values"], next(iter(fields["reset_modules"]), None), **fields)
+            ctx.warn(
+                f"SpikeRollback: the spike came back {since} step(s) after the previous rollback; escalating "
+                f"(escalation {self._escalation.count}): {actions}.{self._events_note}"
+            )
+        v = pending["values"]
+        ctx.warn(
+            f"SpikeRollback: {v['reason']} for {v['consecutive']} step(s) since step {pending['start']} "
+            f"({self.monitor} {v['value']:.6g}, z {v['z']:.1f}); rolled back from step {from_step} to the snapshot "
+            f"of step {slot.step} ({record['rewound_steps']} steps rewound) and stepping over {self.skip_batches} more "
+            f"batch(es). Rollback {self._rollbacks} of at most {self.max_rollbacks}.{_resume_note(slot, pending)} "
+            f"{self._events_note}"
+        )
+
+    def _event(self, ctx: StepContext, what: str, values: dict[str, Any], culprit: Any = None, **fields: Any) -> None:
+        """One event in the event file (when there is one), from rank 0."""
+        if self._events is not None:
+            head = {"batch_idx": ctx.batch_idx, "rank": None, "what": what, "culprit": culprit, "values": values}
+            self._events.write(**head, source=type(self).__name__, **fields)
+
+    def _stats_state(self) -> dict[str, Tensor]:
+        """This callback's statistics: the trigger's, and the per-module ones of the "spiking" moment reset."""
+        state = self._stats.state_dict()
+        if self.escalate_reset_moments == "spiking":
+            state.update({f"module_{k}": v for k, v in self._escalation.module_stats.state_dict().items()})
+        return state
+
+    def _load_stats(self, state: dict[str, Tensor]) -> None:
+        self._stats.load_state_dict(state)
+        if "module_mean" in state:
+            self._escalation.module_stats.load_state_dict({k: state[f"module_{k}"] for k in ("mean", "var", "count")})
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        skipped = self._restored_skips
+        if skipped is None and self._pipeline is not None:
+            skipped = self._pipeline.skipped_steps
+        state = {
+            "stats": self._stats_state(),
+            "run": float(self._run),
+            "nonfinite_run": float(self._nonfinite_run),
+            "skip_left": self._skip_left,
+            "rollbacks": self._rollbacks,
+            "next_id": self._next_id,
+            "last_restored_id": self._last_restored_id,
+            "reach": self._reach,
+            "next_snapshot_at": self._next_snapshot_at,
+            "history": copy.deepcopy(self._history),
+            "skipped_steps": float(skipped) if skipped is not None else 0.0,
+            "resumed_at": self._resumed_at,
+            **self._escalation.state_dict(),
+        }
+        if self.save_snapshots:
+            state["snapshots"] = [slot.state_dict() for slot in self._ring if slot.valid]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._load_stats(state_dict["stats"])
+        self._resumed_at = state_dict.get("resumed_at")  # absent from older checkpoints: no escalation state
+        self._escalation.load_state_dict(state_dict)
+        self._run = float(state_dict["run"])
+        self._nonfinite_run = float(state_dict["nonfinite_run"])
+        self._skip_left = int(state_dict["skip_left"])
+        self._rollbacks = int(state_dict["rollbacks"])
+        self._next_id = int(state_dict["next_id"])
+        self._last_restored_id = int(state_dict["last_restored_id"])
+        # Absent from older checkpoints: the last restored snapshot is not restored again (the earlier rule).
+        self._reach = state_dict.get("reach")
+        self._next_snapshot_at = state_dict["next_snapshot_at"]
+        self._history = copy.deepcopy(state_dict["history"])
+        skipped = state_dict.get("skipped_steps")  # absent from older checkpoints: the guards' count stands
+        self._restored_skips = None if skipped is None else float(skipped)
+        self._saved_ring = state_dict.get("snapshots")
+        self._resumed = True
+
+
+def _resume_note(slot: StepSnapshot, pending: dict[str, Any]) -> str:
+    """What a rollback to a resume-time snapshot does differently from the uninterrupted run (empty otherwise)."""
+    if slot.origin != "resume":
+        return ""
+    after = f", after the spike began at step {pending['start']}" if slot.step > pending["start"] else ""
+    return (
+        f" The snapshot is the state the run resumed from{after}: the checkpoint held no snapshots "
+        "(`save_snapshots=True` keeps them), so this rollback may differ from the uninterrupted run's, which restores "
+        "the newest snapshot of its schedule taken before the spike began."
+    )

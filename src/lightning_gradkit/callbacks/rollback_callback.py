@@ -1,0 +1,89 @@
+"""``SpikeRollback`` as a Lightning ``Trainer`` callback: the torch policy (:mod:`gradkit.rollback`) with the checks
+and hooks only a Trainer has."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+from gradkit import rollback
+from lightning_gradkit._deepspeed import refuse_under_deepspeed
+from lightning_gradkit.engine import Engine, PolicyCallback
+from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
+
+__all__ = ["SpikeRollback"]
+
+
+class SpikeRollback(rollback.SpikeRollback, PolicyCallback):
+    """When a loss or gradient-norm spike persists, restore the newest good snapshot and step over the bad data: the
+    Trainer callback of :class:`gradkit.rollback.SpikeRollback` (its arguments, its algorithm, its state).
+
+    Under a Trainer it needs a GradKit strategy (which skips the step that fires and puts back the buffers of every
+    skipped step) and automatic optimization. The first snapshot is taken at ``on_train_start``.
+
+    **Why a callback of its own** rather than ``SpikeGuard(action="rollback")``: a rollback costs host memory
+    (the snapshots) and periodic copies, which a guard that warns or skips does not, so it should be a separate,
+    visible choice. It composes with the guards instead of replacing them: ``SpikeGuard(action="skip")`` skips a
+    single bad batch at once, ``NonFiniteGuard(action="skip")`` skips a non-finite one, and ``SpikeRollback``
+    acts only when skipping did not cure the run, with its own ``patience``, thresholds and budget.
+
+    Raises:
+        ValueError: as :class:`gradkit.rollback.SpikeRollback`; at setup, for ``save_snapshots=True`` under
+            FSDP/FSDP2 with several ranks (each rank's snapshots hold its own shards, and Lightning saves callback
+            states from rank 0 only).
+        RuntimeError: as :class:`gradkit.rollback.SpikeRollback`; at setup, on a strategy that cannot skip an
+            optimizer step (the message names the GradKit strategy to use), under manual optimization or DeepSpeed.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import NonFiniteGuard, SpikeGuard, SpikeRollback
+        >>> trainer = Trainer(
+        ...     strategy="gradkit",
+        ...     accelerator="cpu",
+        ...     callbacks=[
+        ...         NonFiniteGuard(action="skip"),
+        ...         SpikeGuard("loss", action="skip"),
+        ...         SpikeRollback("loss", patience=3, snapshot_every_n_steps=100, skip_batches=200),
+        ...     ],
+        ... )
+    """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        refuse_under_deepspeed(
+            trainer,
+            "`SpikeRollback(...)`",
+            "it restores the parameters and optimizer state from a snapshot and skips the triggering step, but the "
+            "DeepSpeed engine owns the optimizer state (partitioned under ZeRO) and its step",
+            "DeepSpeed has no rollback (no config key does it). Save checkpoints (`ModelCheckpoint(every_n_train_steps="
+            "...)`) and resume from the last good one with `trainer.fit(..., ckpt_path=...)`.",
+        )
+        if not isinstance(trainer.strategy, GradKitStrategyMixin):
+            raise RuntimeError(
+                f"SpikeRollback skips the optimizer step that triggers a rollback, which needs a GradKit strategy, but "
+                f"the Trainer uses {type(trainer.strategy).__name__}. Use {gradkit_strategy_hint(trainer.strategy)}."
+            )
+        if not pl_module.automatic_optimization:
+            raise RuntimeError(
+                "SpikeRollback needs automatic optimization (one optimizer step per batch that the GradKit strategy "
+                "can skip), but the LightningModule sets `automatic_optimization = False`."
+            )
+        sharded = isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)) and trainer.world_size > 1
+        if self.save_snapshots and sharded:
+            raise ValueError(
+                f"SpikeRollback(save_snapshots=True) saves the snapshots in its checkpoint state, which Lightning "
+                f"saves from rank 0 only, but under {type(trainer.strategy).__name__} every rank's snapshots hold its "
+                "own shards. Use `save_snapshots=False`: a resumed run then takes its first snapshot at the resume."
+            )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the checkpoint's states were loaded, before the first epoch's data loader draws from the RNGs (its
+        # sampler's seed): the first snapshot holds the RNG states the run starts with.
+        self._start(Engine.of(trainer).context(trainer, pl_module))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Also when training ended with an error (no `on_train_end`): the learning-rate hooks leave the optimizers.
+        self._escalation.remove_hooks()
