@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test runs in its own temporary directory: what a door writes to the working directory by default
+    (`GradKit`'s `./gradkit_logs`, Lightning's `./lightning_logs`) lands there, never in the source tree."""
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture(autouse=True)

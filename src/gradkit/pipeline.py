@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,9 @@ from gradkit.norms import (
     total_norm,
     world_size,
 )
+
+if TYPE_CHECKING:
+    from gradkit.culprit import MicroBatch
 
 __all__ = [
     "Pipeline",
@@ -441,14 +444,16 @@ class StepContext:
     Attributes:
         trainer: the Lightning ``Trainer`` when the loop is one, else ``None``.
         pl_module: its ``LightningModule``, else ``None``.
-        log_dir: the directory of the guards' event file behind the other doors (the Trainer's is its log
-            directory, chosen at ``setup``).
+        log_dir: the directory of the guards' event file (``None``: none is written).
+        micro_batch: the micro-batch whose loss the door hands to ``note_loss``, kept for the culprit replay
+            (``None`` where the door keeps none): the loop door's ``note_loss(loss, replay=...)``, the Trainer's
+            batch of ``training_step``.
     """
 
     trainer = None
     pl_module = None
-    #: Where the guards write their event file outside a Trainer (``None``: none is written).
     log_dir: Path | None = None
+    micro_batch: MicroBatch | None = None
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:
@@ -521,6 +526,10 @@ class StepContext:
     def is_last_step(self) -> bool:
         """Whether the current step is known to be the loop's last one."""
         return False
+
+    def checkpoint_note(self) -> str:
+        """Where to resume from, for an error that stops training (the Trainer names its last checkpoints)."""
+        return "keep checkpoints of the loop to resume from"
 
     def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
         """Send step values (device tensors) to the loop's loggers; called on logging steps only."""

@@ -29,7 +29,7 @@ from lightning_gradkit.callbacks.clipping import (
     ZClip,
     clip_gradients,
 )
-from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
+from lightning_gradkit.callbacks.guard_callbacks import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.monitor import GradNormMonitor
 from lightning_gradkit.callbacks.rollback import SpikeRollback
 from lightning_gradkit.callbacks.validation import InferenceModeValidation

@@ -19,7 +19,7 @@ backward (the autograd engine runs the backward under the modes of the code that
   forward operator of the running autograd node ran (``torch._C._current_autograd_node()``, matched by the node's
   sequence number); a hook on a parameter's gradient names that parameter. No module backward hook is installed,
   so in-place operators (``ReLU(inplace=True)``, ``out += identity``) replay exactly as they trained.
-- The source line is the innermost frame of the Python stack outside torch, Lightning and lightning_gradkit, read
+- The source line is the innermost frame of the Python stack outside torch, Lightning and gradkit, read
   when the operator runs; for an operator of the backward, the line of the forward call it differentiates, unless
   user code (a custom ``autograd.Function``'s backward, a gradient hook) made it.
 - The parameters' gradients of the replay come from ``torch.autograd.grad``, so ``.grad`` is not touched;
@@ -37,7 +37,8 @@ repeat. Other Python side effects of the replayed code (a counter, a print, an a
 The replay costs about two forward-and-backward passes (a host read per operator), once, at the first detection;
 the training steps themselves run without any of it.
 
-:func:`find_nonfinite_origin` is plain PyTorch; :func:`replay_training_step` wires it to a LightningModule.
+:func:`find_nonfinite_origin` replays one loss function; :func:`gradkit.culprit.replay_micro_batches` replays a
+step's micro-batches as a door kept them.
 """
 
 from __future__ import annotations
@@ -54,17 +55,15 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
-from gradkit.norms import clean_name, is_ddp_wrapped, loss_scale
-from gradkit.replay import RNGState, replay
+from gradkit.norms import clean_name, is_ddp_wrapped
 
-__all__ = ["Finding", "all_finite", "describe_error", "find_nonfinite_origin", "replay_training_step"]
+__all__ = ["Finding", "all_finite", "describe_error", "find_nonfinite_origin"]
 
 
 @dataclass
@@ -240,9 +239,9 @@ def _unique(tensors: list[Tensor]) -> list[Tensor]:
 
 
 def _internal_roots() -> tuple[str, ...]:
-    """The directories whose frames are not the user's code: torch, Lightning and this package."""
+    """The directories whose frames are not the user's code: torch, Lightning and gradkit's two roots."""
     roots = []
-    for name in ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_gradkit"):
+    for name in ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_gradkit", "gradkit"):
         file = getattr(sys.modules.get(name), "__file__", None)
         if file:
             roots.append(os.path.dirname(file) + os.sep)
@@ -555,42 +554,3 @@ def _conclude(
             return Finding(found.culprit, found.phase, dict(found.detail))
         return Finding(None, "failed", {"error": describe_error(error)})
     return Finding(None, "not_reproduced")
-
-
-def replay_training_step(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    batch: Any,
-    batch_idx: int,
-    rng: RNGState | None = None,
-    anomaly: bool = False,
-) -> Finding:
-    """Replay ``pl_module.training_step(batch, batch_idx)`` once and locate the first non-finite value.
-
-    Runs under the precision plugin's autocast, with ``self.log`` silenced, and with the ``GradScaler``'s scale on
-    the loss. The LightningModule is called directly (not through the DDP wrapper): no collective is issued by
-    the replay itself, but ``training_step`` may issue its own (``self.all_gather``): then every rank must replay
-    the same micro-batches in the same order. Parameters, buffers, gradients, RNG states and ``torchmetrics``
-    states are the same afterwards; other side effects of ``training_step`` happen a second time.
-
-    Args:
-        trainer: the running Trainer.
-        pl_module: the LightningModule.
-        batch: the batch as ``training_step`` received it.
-        batch_idx: its index.
-        rng: torch RNG state captured before the original ``training_step`` (repeats dropout masks).
-        anomaly: also run the replay under ``torch.autograd.detect_anomaly``.
-    """
-    if not pl_module.automatic_optimization:
-        return Finding(None, "unavailable", {"reason": "manual optimization: the training step steps optimizers"})
-    scale = loss_scale(getattr(trainer.precision_plugin, "scaler", None))
-
-    def compute_loss() -> Tensor | None:
-        with trainer.precision_plugin.train_step_context():
-            out = pl_module.training_step(batch, batch_idx)
-        if isinstance(out, dict):
-            out = out.get("loss")
-        return out if isinstance(out, Tensor) else None
-
-    with replay(pl_module, rng):
-        return find_nonfinite_origin(pl_module, compute_loss, scale, anomaly)
