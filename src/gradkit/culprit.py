@@ -1,15 +1,7 @@
-"""Where a flagged non-finite step began, and the one sentence that says so.
-
-The replay of the step (:class:`MicroBatch`, :func:`replay_micro_batches`), then pure functions over what
-:class:`~gradkit.guards.NonFiniteGuard` gathered from every rank at a flagged step (the losses, the parameters with a
-non-finite gradient, the replay's finding):
-
-- :func:`nonfinite_kind`: the event's ``what`` (loss, gradients or both).
-- :class:`Culprit` and :func:`locate_culprit`: the one meaning of ``culprit`` in every mode.
-- :func:`first_bad_batch`: the micro-batch where the non-finite value was first seen.
-- :func:`reproducibility`: whether the forensic replay reproduced the value, on which ranks, and why not.
-- :func:`sample_ids` and :func:`id_list`: the sample ids a batch carries, for the event and the console line.
-- :func:`step_summary`: the console line; the error and the event say the same.
+"""Where a flagged non-finite step began, and the one sentence that says so: the replay of the step's micro-batches
+(:func:`replay_micro_batches`), then pure functions over what :class:`~gradkit.guards.NonFiniteGuard` gathered from
+every rank (the losses, the parameters with a non-finite gradient, the replay's finding), ending in
+:func:`step_summary`, the console line that the error and the event repeat.
 """
 
 from __future__ import annotations

@@ -29,16 +29,10 @@ A replay that raises or cannot hook the model says so (``"failed"`` with the err
 reason): it never reports a finite replay it did not see. Values that no operator of the replay made (a non-finite
 batch, or a parameter that was already non-finite) are named as such.
 
-The replay runs inside the package's one replay context (:func:`gradkit.replay.replay`): the RNG
-states, module buffers (e.g. BatchNorm running stats), ``.grad``, train/eval modes and ``torchmetrics`` states are
-restored afterwards, ``self.log`` does nothing, and gradkit's own per-micro-batch statistics (token counts, window
-losses) ignore it. The RNG state saved at the start of the bad batch is set for the replay, so dropout masks
-repeat. Other Python side effects of the replayed code (a counter, a print, an append to a list) happen once more.
-The replay costs about two forward-and-backward passes (a host read per operator), once, at the first detection;
-the training steps themselves run without any of it.
-
 :func:`find_nonfinite_origin` replays one loss function; :func:`gradkit.culprit.replay_micro_batches` replays a
-step's micro-batches as a door kept them.
+step's micro-batches in the one replay context (:func:`gradkit.replay.replay`: RNG set to the batch's, then RNG,
+buffers, ``.grad``, modes and metrics restored). The replay costs about two forward-and-backward passes (a host read
+per operator), once, at the first detection; the training steps themselves run without any of it.
 """
 
 from __future__ import annotations
@@ -49,7 +43,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from types import FrameType
@@ -63,7 +57,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradkit.norms import clean_name, is_ddp_wrapped
 
-__all__ = ["Finding", "all_finite", "describe_error", "find_nonfinite_origin"]
+__all__ = ["Finding", "describe_error", "find_nonfinite_origin"]
 
 
 @dataclass
@@ -128,17 +122,6 @@ class Finding:
         return f"no replay: {d.get('reason', 'not available')}"
 
 
-def _tensors(obj: Any) -> Iterator[Tensor]:
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
 def _stored_values(t: Tensor) -> Tensor:
     """The values a tensor stores: those of a sparse one (an ``Embedding(sparse=True)`` gradient), else itself."""
     if t.layout == torch.sparse_coo:
@@ -148,11 +131,9 @@ def _stored_values(t: Tensor) -> Tensor:
     return t
 
 
-def all_finite(obj: Any) -> bool:
-    """Whether every floating-point tensor in a (nested) structure is finite. Reads to the host."""
-    return all(
-        bool(torch.isfinite(_stored_values(t)).all()) for t in _tensors(obj) if t.is_floating_point() or t.is_complex()
-    )
+def _all_finite(t: Tensor) -> bool:
+    """Whether every value a tensor stores is finite (a sparse one's stored values). Reads to the host."""
+    return bool(torch.isfinite(_stored_values(t)).all())
 
 
 # -- the replay ---------------------------------------------------------------------------------------------------
@@ -522,10 +503,10 @@ def find_nonfinite_origin(
     finally:
         for h in handles:
             h.remove()
-    loss_bad = loss is not None and not all_finite(loss.detach())
+    loss_bad = loss is not None and not _all_finite(loss.detach())
     if loss is not None:
         detail["loss_finite"] = not loss_bad
-    bad = [(n, g) for (n, _), g in zip(param_names, grads, strict=False) if g is not None and not all_finite(g)]
+    bad = [(n, g) for (n, _), g in zip(param_names, grads, strict=False) if g is not None and not _all_finite(g)]
     if bad:
         detail["nonfinite_param_grads"] = [n for n, _ in bad[:20]]
     finding = _conclude(recorder, loss if loss_bad else None, bad, error, anomaly)

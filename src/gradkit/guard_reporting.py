@@ -19,7 +19,7 @@ the event file, which of the two ways applies, the saved count of skipped steps)
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ from gradkit.events import EventLog
 from gradkit.host_lag import HostLag
 from gradkit.pipeline import Pipeline, StepContext, StepPlan, unwrapped
 
-__all__ = ["Ledger", "Reporter"]
+__all__ = ["Ledger", "Period", "Reporter"]
 
 
 class Ledger:
@@ -76,9 +76,8 @@ class Ledger:
         if self._run >= self._longest[0]:
             self._longest = (self._run, self._run_first, step)
 
-    def read(self) -> dict[str, Any] | None:
-        """The period's summary (``count``, ``first``, ``last``, ``max_run``, ``max_run_first``, ``max_run_last``,
-        ``flags`` and ``keep`` of the first flagged step), then start a new period; ``None`` if nothing was flagged."""
+    def read(self) -> Period | None:
+        """The period's summary, then start a new period; ``None`` if nothing was flagged."""
         self.fold()
         flagged, self._flagged = self._flagged, []
         longest = self._longest
@@ -87,16 +86,21 @@ class Ledger:
         if not flagged:
             return None
         step, flags, keep = flagged[0]
-        return {
-            "count": len(flagged),
-            "first": step,
-            "last": flagged[-1][0],
-            "max_run": longest[0],
-            "max_run_first": longest[1],
-            "max_run_last": longest[2],
-            "flags": flags,
-            "keep": keep,
-        }
+        return Period(len(flagged), step, flagged[-1][0], *longest, flags, keep)
+
+
+class Period(NamedTuple):
+    """What :meth:`Ledger.read` found: the number of flagged steps, the first and last, the longest run of consecutive
+    flagged steps with its first and last step, and the flags and kept values of the first flagged step."""
+
+    count: int
+    first: int
+    last: int
+    longest_run: int
+    run_first: int
+    run_last: int
+    flags: list[float]
+    keep: Any
 
 
 class Reporter:

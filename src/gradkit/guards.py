@@ -19,7 +19,6 @@ from torch import Tensor
 
 from gradkit._arguments import check_bool, check_choice, check_int
 from gradkit.culprit import (
-    Culprit,
     MicroBatch,
     first_bad_batch,
     id_list,
@@ -35,10 +34,6 @@ from gradkit.norms import loss_scale, nonfinite_mask, world_size
 from gradkit.pipeline import Stage, StatsRequest, StepContext, StepPlan, state_key
 
 __all__ = ["NonFiniteGuard"]
-
-
-def _rank() -> int:
-    return dist.get_rank() if world_size() > 1 else 0
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -57,7 +52,7 @@ class NonFiniteGuard:
     the gradients (the finite flag of the step's shared gradient statistics, after unscaling and the DDP
     all-reduce). A loss that is non-finite on one rank only flags the step on every rank, and so do gradients that
     turn non-finite on one rank after the all-reduce (a gradient hook, ``on_after_backward``): the per-rank flags
-    travel in the engine's single collective, so every rank takes the same decision.
+    travel in the pipeline's single collective, so every rank takes the same decision.
 
     ``action``:
 
@@ -139,8 +134,8 @@ class NonFiniteGuard:
         check_loss: check each micro-batch loss.
         check_grads: check the gradients (one finite flag from the step's shared norms: no extra pass).
         max_consecutive: stop after this many flagged steps in a row (``>= 1``).
-        forensics: replay the first bad step's micro-batches to name the culprit module (``training_step`` or the
-            loop's replay closure runs again: see "Forensics" above).
+        forensics: replay the first bad step's micro-batches to name the culprit module (``training_step`` runs
+            again: see "Forensics" above).
         detect_anomaly: run that single replay under ``torch.autograd.detect_anomaly(check_nan=True)`` as well
             (single-process runs only).
         check_validation: report non-finite validation losses.
@@ -272,7 +267,7 @@ class NonFiniteGuard:
             return {}
         ranks = torch.zeros(world_size(), dtype=torch.float32, device=ctx.device)
         if self._loss_bad is not None:
-            ranks[_rank()] = self._loss_bad.to(torch.float32)
+            ranks[dist.get_rank()] = self._loss_bad.to(torch.float32)
         return {self._key: ranks}
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
@@ -439,48 +434,45 @@ class NonFiniteGuard:
         if record is None:
             return
         names = self._param_names
-        first, last, count = int(record["first"]), int(record["last"]), int(record["count"])
-        flags = record["flags"]  # [flag, loss non-finite, gradients non-finite, per-rank losses...]
+        first, last, count = record.first, record.last, record.count
+        flags = record.flags  # [flag, loss non-finite, gradients non-finite, per-rank losses...]
         loss_ranks = flags[3:] if len(flags) > 3 else [flags[1] if self.check_loss else 0]
         bad_ranks = [r if len(flags) > 3 else ctx.global_rank for r, v in enumerate(loss_ranks) if v > 0]
         grads = self.check_grads and bool(flags[2])
         param = None
         if grads and names:  # the first parameter with a non-finite gradient (a logging step: the read is allowed)
-            param = names[int(nonfinite_mask(record["keep"]).to(torch.float32).argmax())]
+            param = names[int(nonfinite_mask(record.keep).to(torch.float32).argmax())]
         what = nonfinite_kind(bool(bad_ranks), grads)
         if self._scaler and grads and not bad_ranks:
             what = "fp16_overflow"
-        run, run_first, run_last = int(record["max_run"]), int(record["max_run_first"]), int(record["max_run_last"])
+        run = record.longest_run
         values = {"flagged_steps": count, "first_step": first, "last_step": last, "longest_run": run}
+        culprit, source, detail = param, "gradients" if param is not None else None, []
         if bad_ranks:
-            culprit = Culprit("<loss>", "loss", "", None)
-        else:
-            culprit = Culprit(param, "gradients" if param is not None else None, "", None)
+            culprit, source = "<loss>", "loss"
+            detail = [f"loss non-finite on rank(s) {bad_ranks}", "culprit `<loss>`: the loss was already non-finite"]
+        elif param is not None:
+            detail = [f"culprit `{param}`: the first parameter with a non-finite gradient"]
+        if detail:
+            detail[-1] += " (no replay in this mode)"
         self._reporter.write(
             ctx,
             rank=bad_ranks or None,
             what=what,
-            culprit=culprit.name,
-            culprit_source=culprit.source,
+            culprit=culprit,
+            culprit_source=source,
             reproducible=None,
             reproducible_reason="no replay ran (steps reported lazily, on logging steps, are never replayed)",
             values=values,
             first_step=first,
         )
-        detail = []
-        if bad_ranks:
-            detail.append(f"loss non-finite on rank(s) {bad_ranks}")
-        if bad_ranks:
-            detail.append("culprit `<loss>`: the loss was already non-finite (no replay in this mode)")
-        elif param is not None:
-            detail.append(f"culprit `{param}`: the first parameter with a non-finite gradient (no replay in this mode)")
         verb = "skipped" if self.action == "skip" else "applied"
         summary = (
             f"{count} optimizer step(s) with non-finite values between steps {first} and {last} (updates {verb}); "
             f"at step {first}: {'; '.join(detail) or 'non-finite values'}."
         )
         if run >= self.max_consecutive:
-            self._stop(ctx, run, run_first, run_last, summary)
+            self._stop(ctx, run, record.run_first, record.run_last, summary)
         if what != "fp16_overflow":
             ctx.warn(f"NonFiniteGuard: {summary}{self._reporter.note}")
 

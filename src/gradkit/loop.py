@@ -50,7 +50,7 @@ __all__ = ["GradKit", "LoopContext"]
 _LogFn = Callable[[dict[str, float], int], Any]
 
 #: The events' folder when neither ``log_dir`` nor Fabric's logger names one (as the Trainer's ``lightning_logs``).
-DEFAULT_LOG_DIR = "gradkit_logs"
+_DEFAULT_LOG_DIR = "gradkit_logs"
 
 
 def _events_dir(log_dir: str | Path | Literal[False] | None, fabric: Any) -> Path | None:
@@ -62,7 +62,7 @@ def _events_dir(log_dir: str | Path | Literal[False] | None, fabric: Any) -> Pat
         return Path(log_dir)
     loggers = getattr(fabric, "loggers", None) or []
     directory = getattr(loggers[0], "log_dir", None) if loggers else None
-    return Path(directory) if directory else Path.cwd() / DEFAULT_LOG_DIR
+    return Path(directory) if directory else Path.cwd() / _DEFAULT_LOG_DIR
 
 
 def _root_module(model: nn.Module) -> nn.Module:

@@ -182,7 +182,7 @@ class SpikeGuard:
             if self.monitor == "grad_norm":
                 norms = plan.stats[2.0].param_norms
                 culprit = plan.stats[2.0].names[int(norms.argmax())] if norms.numel() else None
-            self._report(ctx, ctx.global_step, ctx.global_step, 1, value, (value - mean) / std, mean, std, culprit)
+            self._report(ctx, [(ctx.global_step, value, (value - mean) / std, mean, std)], culprit)
         elif plan.logging_step:
             self._report_ledger(ctx)
 
@@ -194,21 +194,13 @@ class SpikeGuard:
             return
         flagged, self._flagged = self._flagged, []
         self._spikes += len(flagged)
-        step, value, z, mean, std = flagged[0]
-        self._report(ctx, step, flagged[-1][0], len(flagged), value, z, mean, std, None)
+        self._report(ctx, flagged, None)
 
     def _report(
-        self,
-        ctx: StepContext,
-        first: int,
-        last: int,
-        count: int,
-        value: float,
-        z: float,
-        mean: float,
-        std: float,
-        culprit: str | None,
+        self, ctx: StepContext, flagged: list[tuple[int, float, float, float, float]], culprit: str | None
     ) -> None:
+        """Report ``flagged`` spikes, ``(step, value, z, mean, std)`` each, by the first one's values."""
+        (first, value, z, mean, std), last, count = flagged[0], flagged[-1][0], len(flagged)
         what = f"{self.monitor}_spike"
         values = {"value": value, "z": z, "mean": mean, "std": std, "z_threshold": self.z_threshold, "spikes": count}
         self._reporter.write(ctx, step=first, rank=None, what=what, culprit=culprit, values=values, last_step=last)

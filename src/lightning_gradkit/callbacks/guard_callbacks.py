@@ -8,7 +8,6 @@ validation checks, and its checks under Lightning's ``DeepSpeedStrategy``.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -50,20 +49,11 @@ def _check_strategy(guard: NonFiniteGuard | SpikeGuard, trainer: pl.Trainer) -> 
         )
 
 
-def _training_step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Any:
-    """``training_step``'s loss for the culprit replay, under the precision plugin's autocast."""
-    with trainer.precision_plugin.train_step_context():
-        out = pl_module.training_step(batch, batch_idx)
-    if isinstance(out, dict):
-        out = out.get("loss")
-    return out if isinstance(out, Tensor) else None
-
-
 def training_step_batch(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, replay: bool = True
 ) -> MicroBatch:
-    """The Trainer's micro-batch for the culprit replay: ``training_step(batch, batch_idx)`` with the torch RNG state
-    of now (call it before ``training_step``), or the reason it cannot be replayed.
+    """The Trainer's micro-batch for the culprit replay: ``training_step(batch, batch_idx)`` under the precision
+    plugin's autocast, with the torch RNG state of now (call it before ``training_step``); or why it cannot replay.
 
     The LightningModule is called directly (not through the DDP wrapper): the replay issues no collective of its
     own, but ``training_step`` may (``self.all_gather``); every rank then replays the same micro-batches in order.
@@ -78,15 +68,22 @@ def training_step_batch(
     ids = sample_ids(batch)
     if not replay:
         return MicroBatch(batch_idx, ids=ids)
-    reason = None
     if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
-        reason = "sharded parameters: a replay would need the strategy's collectives"
-    elif not pl_module.automatic_optimization:
-        reason = "manual optimization: the training step steps optimizers itself"
-    if reason is not None:
-        return MicroBatch(batch_idx, ids=ids, unavailable=reason)
-    step = functools.partial(_training_step_loss, trainer, pl_module, batch, batch_idx)
-    return MicroBatch(batch_idx, step, capture_rng(full=False), ids)
+        return MicroBatch(
+            batch_idx, ids=ids, unavailable="sharded parameters: a replay would need the strategy's collectives"
+        )
+    if not pl_module.automatic_optimization:
+        return MicroBatch(
+            batch_idx, ids=ids, unavailable="manual optimization: the training step steps optimizers itself"
+        )
+
+    def compute_loss() -> Tensor | None:
+        with trainer.precision_plugin.train_step_context():
+            out = pl_module.training_step(batch, batch_idx)
+        out = out.get("loss") if isinstance(out, dict) else out
+        return out if isinstance(out, Tensor) else None
+
+    return MicroBatch(batch_idx, compute_loss, capture_rng(full=False), ids)
 
 
 class NonFiniteGuard(gradkit.guards.NonFiniteGuard, PolicyCallback):
@@ -159,6 +156,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, PolicyCallback):
             self._check_deepspeed_step(trainer, pl_module)
         else:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            Engine.of(trainer).context(trainer, pl_module).micro_batch = None  # the batch is not kept past its step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._deepspeed:
