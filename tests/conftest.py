@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +22,11 @@ def _seed() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test runs in its own temporary directory: what a door writes to the working directory by default
-    (`GradKit`'s `./gradkit_logs`, Lightning's `./lightning_logs`) lands there, never in the source tree."""
-    monkeypatch.chdir(tmp_path)
+def _in_own_working_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test runs in a fresh temporary working directory (not its ``tmp_path``, whose contents tests check): what
+    a door writes there by default (`GradKit`'s `./gradkit_logs`, Lightning's `./lightning_logs`) never lands in the
+    source tree."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
 
 
 @pytest.fixture(autouse=True)

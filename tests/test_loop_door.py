@@ -238,16 +238,18 @@ def _event_of(message: str, events: Path) -> dict[str, Any]:
 
 
 def test_guard_events_are_written_by_default_where_asked_or_not_at_all(tmp_path: Path) -> None:
-    # conftest runs each test in its own tmp_path: the default folder is ./gradkit_logs there.
+    # conftest runs each test in a fresh working directory: the default folder is ./gradkit_logs there.
     (message,) = _nan_loop(None)
-    assert _event_of(message, tmp_path / "gradkit_logs" / "gradkit_events.jsonl")["step"] == 2
+    assert _event_of(message, Path.cwd() / "gradkit_logs" / "gradkit_events.jsonl")["step"] == 2
 
     (message,) = _nan_loop(tmp_path / "run")
     assert _event_of(message, tmp_path / "run" / "gradkit_events.jsonl")["step"] == 2
 
     (message,) = _nan_loop(False)
     assert message.endswith(" (No events file: pass GradKit(log_dir=...) to save the events.)"), message
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gradkit_logs", "run"]  # nothing new
+    assert [p.name for p in Path.cwd().iterdir()] == ["gradkit_logs"] and [p.name for p in tmp_path.iterdir()] == [
+        "run"
+    ]
 
 
 def test_guard_events_go_to_fabrics_logger_directory(tmp_path: Path) -> None:
@@ -257,7 +259,7 @@ def test_guard_events_go_to_fabrics_logger_directory(tmp_path: Path) -> None:
     fabric = Fabric(accelerator="cpu", devices=1, loggers=CSVLogger(tmp_path / "csv"))
     (message,) = _nan_loop(None, fabric)
     assert _event_of(message, Path(fabric.logger.log_dir) / "gradkit_events.jsonl")["step"] == 2
-    assert not (tmp_path / "gradkit_logs").exists()
+    assert not (Path.cwd() / "gradkit_logs").exists()
 
 
 # -- a loop that bypasses the door: told, once, with what to do -------------------------------------------------------

@@ -131,6 +131,11 @@ class Reporter:
         )
         self.fused = any(handles_found_inf(unwrapped(opt)) for opt in ctx.optimizers)
         self._pipeline = ctx.pipeline
+        self.restore_skips(ctx)
+
+    def restore_skips(self, ctx: StepContext) -> None:
+        """Put back the count of skipped steps a checkpoint held: at ``attach``, and again before the first forward
+        (a Trainer whose strategy restores checkpoints after setup, FSDP or DeepSpeed, loads the state later)."""
         if self.restored_skips is not None:
             ctx.pipeline.skipped_steps = torch.tensor(self.restored_skips, device=ctx.device)
             self.restored_skips = None

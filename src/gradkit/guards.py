@@ -231,6 +231,9 @@ class NonFiniteGuard:
                 "in a collective of the backward). The replay still names the culprit module."
             )
 
+    def before_first_forward(self, ctx: StepContext) -> None:
+        self._reporter.restore_skips(ctx)
+
     def finish(self, ctx: StepContext) -> None:
         if not self._reporter.reads_on_host():
             self._report_ledger(ctx)

@@ -128,6 +128,9 @@ class SpikeGuard:
     def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
         self._reporter.attach(ctx)
 
+    def before_first_forward(self, ctx: StepContext) -> None:
+        self._reporter.restore_skips(ctx)
+
     def finish(self, ctx: StepContext) -> None:
         if not self._reporter.reads_on_host():
             self._report_ledger(ctx)
