@@ -38,6 +38,11 @@ SAMPLE_ID_KEYS = ("id", "ids", "index", "indices", "sample_id", "sample_ids")
 
 # Finding phases of a replay that did not see the non-finite value, or did not run to the end.
 _NOT_SEEN = ("not_reproduced", "failed", "unavailable")
+# Why no replay ran where the door kept no micro-batch (a loop that gave `note_loss` no `replay`).
+_NO_MICRO_BATCH = (
+    "no micro-batch to replay was handed over: in a loop of your own, pass "
+    "`kit.note_loss(loss, replay=lambda: loss_fn(model(batch)))` each micro-batch"
+)
 
 
 @dataclass
@@ -101,12 +106,6 @@ def replay_micro_batches(
             finding.detail["batch_idx"] = batch.batch_idx
             failed = finding
     return first or failed or Finding(None, "not_reproduced")
-
-
-_NO_MICRO_BATCH = (
-    "no micro-batch to replay was handed over: in a loop of your own, pass "
-    "`kit.note_loss(loss, replay=lambda: loss_fn(model(batch)))` each micro-batch"
-)
 
 
 def nonfinite_kind(loss: bool, grads: bool) -> str:

@@ -118,17 +118,12 @@ class Reporter:
         self.fused = False
         self.restored_skips: float | None = None
         self._pipeline: Pipeline | None = None
-        # Where the loop door writes no event file: a message says that its event was not saved, and how to save it.
-        self._no_events_note = ""
 
     def attach(self, ctx: StepContext) -> None:
         """The door is set up: open the event file, learn whether an optimizer skips on device, put back the saved
         count of skipped steps."""
         directory = ctx.log_dir
         self.events = EventLog(directory, rank=ctx.global_rank) if directory is not None else None
-        self._no_events_note = (
-            "" if directory is not None else " (No events file: pass GradKit(log_dir=...) to save the events.)"
-        )
         self.fused = any(handles_found_inf(unwrapped(opt)) for opt in ctx.optimizers)
         self._pipeline = ctx.pipeline
         self.restore_skips(ctx)
@@ -147,8 +142,11 @@ class Reporter:
 
     @property
     def note(self) -> str:
-        """`` Events: <file>.`` for messages; where no event file is written, how to get one."""
-        return f" Events: {self.events.path}." if self.events is not None else self._no_events_note
+        """`` Events: <file>.`` for messages; where no event file is written (``GradKit(log_dir=False)``), how to get
+        one."""
+        if self.events is None:
+            return " (No events file: pass GradKit(log_dir=...) to save the events.)"
+        return f" Events: {self.events.path}."
 
     def write(self, ctx: StepContext, **fields: Any) -> None:
         """Append one event (``step`` and ``batch_idx`` default to the context's)."""

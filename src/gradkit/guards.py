@@ -11,6 +11,7 @@ callback (:class:`lightning_gradkit.NonFiniteGuard`) adds what only a Trainer ha
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -214,7 +215,7 @@ class NonFiniteGuard:
         return state_key(self, action=self.action)
 
     @property
-    def events_path(self) -> Any:
+    def events_path(self) -> Path | None:
         """The ``gradkit_events.jsonl`` file this guard writes to (known once the door is set up)."""
         return self._reporter.path
 

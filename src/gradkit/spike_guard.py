@@ -102,7 +102,7 @@ class SpikeGuard:
                     f"warmup_steps={self.warmup_steps!r}. Enlarge the window or lower `warmup_steps`."
                 )
         self.window = window
-        # Host statistics, fed each step's value one step late (see `core.host_lag`): a step's decision is one
+        # Host statistics, fed each step's value one step late (see `gradkit.host_lag`): a step's decision is one
         # comparison on device with the threshold of the steps before it.
         self._stats = HostMoments(self.alpha, window)
         self._lag = HostLag()
