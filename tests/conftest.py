@@ -22,6 +22,14 @@ def _seed() -> None:
 
 
 @pytest.fixture(autouse=True)
+def _in_own_working_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test runs in a fresh temporary working directory (not its ``tmp_path``, whose contents tests check): what
+    a door writes there by default (`GradKit`'s `./gradkit_logs`, Lightning's `./lightning_logs`) never lands in the
+    source tree."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+@pytest.fixture(autouse=True)
 def _close_figures() -> Iterator[None]:
     """Close the matplotlib figures a test drew (pyplot keeps every figure it made until closed)."""
     yield

@@ -15,11 +15,15 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from architectures import ArchModule, ResNet18Like, TiedTransformerLM, TinyViT, data_loader, image_data, token_data
+from gradkit.culprit import replay_micro_batches
+from gradkit.forensics import find_nonfinite_origin
+from gradkit.loop import GradKit
 from gradkit.params import clean_name
 from gradkit.replay import capture_rng, replay
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import NonFiniteGuard
-from lightning_gradkit.forensics import find_nonfinite_origin, replay_training_step
+from lightning_gradkit.callbacks.guard_callbacks import training_step_batch
+from lightning_gradkit.engine import Engine
 from test_guards import events
 
 
@@ -247,7 +251,9 @@ def test_replay_changes_nothing_and_repeats_the_dropout_mask(tmp_path: Path) -> 
     buffers_again = {n: b.clone() for n, b in model.named_buffers()}
     for n in buffers:
         model.get_buffer(n).copy_(buffers[n])
-    finding = replay_training_step(trainer, model, batch, 0, rng=rng)
+    micro_batch = training_step_batch(trainer, model, batch, 0)
+    micro_batch.rng = rng  # the state before the original step above
+    finding = replay_micro_batches(model, [micro_batch])
     assert finding.phase == "not_reproduced"
     assert torch.equal(model.outputs, original_outputs)  # the replay saw the same dropout mask
     assert (torch.rand(3).tolist(), random.random(), np.random.rand()) == expected_next
@@ -417,6 +423,94 @@ def test_guard_names_the_module_and_operator_that_made_nan_in_a_real_architectur
     assert finding["source"].endswith(f"in make_nan: {MAKE_NAN_CODE}") and "replay_error" not in finding
     (line,) = [str(w.message) for w in caught if "NonFiniteGuard" in str(w.message)]
     assert f"culprit `{target}`: first non-finite value made by `aten.log.default` in the forward of `{target}`" in line
+
+
+class NormalizesRows(nn.Module):
+    """Divides each row by its largest magnitude: 0 / 0 = NaN for a row of zeros (a fault the data decides)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x / x.abs().amax(dim=1, keepdim=True)  # the culprit line
+
+
+class NormalizedMLP(MLPModule):
+    """The MLP behind row normalization, with dropout: the replay must repeat the masks and restore the RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.normalize = NormalizesRows()
+        self.dropout = nn.Dropout(0.2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(self.dropout(self.normalize(x)))
+
+
+def _zero_row_loader() -> DataLoader:
+    """``loader()``'s batches of 8, with the first row of batch 3 zeroed."""
+    x, y = loader().dataset.tensors
+    x = x.clone()
+    x[3 * 8] = 0.0
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def test_loop_door_replay_names_the_same_module_operator_and_line_as_the_trainer(tmp_path: Path) -> None:
+    """``kit.note_loss(loss, replay=...)`` gives the loop door the Trainer's culprit replay: windows of 2 micro-batches,
+    the second of step 1 makes NaN in ``normalize`` (0 / 0). Reference: the Trainer door's event for the same model
+    and data. The replays leave no trace: both doors end with bitwise equal parameters (dropout masks included)."""
+    torch.manual_seed(0)
+    module = NormalizedMLP()
+    initial = {k: v.clone() for k, v in module.state_dict().items()}
+    guard = NonFiniteGuard(action="skip")
+    trainer = make_trainer(tmp_path / "trainer", strategy="gradkit", callbacks=[guard], accumulate_grad_batches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, _zero_row_loader())
+    (trainer_event,) = events(trainer)
+
+    torch.manual_seed(0)
+    model = NormalizedMLP()
+    model.load_state_dict(initial)
+    opt = torch.optim.SGD(model.parameters(), lr=model.lr)
+    kit = GradKit(model, opt, NonFiniteGuard(action="skip"), log_dir=tmp_path / "loop")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, (x, y) in enumerate(_zero_row_loader()):
+            loss = nn.functional.mse_loss(model(x), y)
+            (loss / 2).backward()
+            kit.note_loss(loss, replay=lambda x=x, y=y: nn.functional.mse_loss(model(x), y))
+            if i % 2 == 1:
+                kit.step(opt)
+                opt.zero_grad(set_to_none=True)
+    (loop_event,) = events(tmp_path / "loop")
+
+    for event in (trainer_event, loop_event):
+        assert (event["step"], event["batch_idx"], event["batches"]) == (1, 3, [2, 3])
+        assert (event["culprit"], event["culprit_source"], event["reproducible"]) == ("normalize", "replay", True)
+    (trainer_finding,) = trainer_event["values"]["forensics"]
+    (loop_finding,) = loop_event["values"]["forensics"]
+    assert (loop_finding["phase"], loop_finding["op"]) == ("forward", "aten.div.Tensor")
+    assert loop_finding["source"].endswith("return x / x.abs().amax(dim=1, keepdim=True)  # the culprit line")
+    assert loop_finding == trainer_finding
+    assert kit.skipped_steps == int(Engine.of(trainer).skipped_steps) == 1
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name]), name
+
+
+def test_loop_door_without_a_replay_says_how_to_give_one(tmp_path: Path) -> None:
+    model = NormalizedMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kit = GradKit(model, opt, NonFiniteGuard(action="skip"), log_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x, y in _zero_row_loader():
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            kit.note_loss(loss)
+            kit.step(opt)
+            opt.zero_grad(set_to_none=True)
+    (event,) = events(tmp_path)
+    assert (event["culprit"], event["culprit_source"]) == ("<loss>", "loss")
+    (finding,) = event["values"]["forensics"]
+    assert finding["phase"] == "unavailable" and "kit.note_loss(loss, replay=lambda:" in finding["reason"]
 
 
 class RaisesWhenReplayed(MLPModule):

@@ -9,6 +9,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import subprocess
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -432,3 +435,70 @@ def test_state_dict_round_trips(tmp_path: Path) -> None:
     fresh = NonFiniteGuard()
     fresh.load_state_dict(copy.deepcopy(state))
     assert fresh._forensics_done and fresh._first_finding == guard._first_finding
+
+
+LIGHTNING_FREE_LOOP = """
+import json, math, sys, warnings
+import torch
+from torch import nn
+from gradkit.guards import NonFiniteGuard
+from gradkit.loop import GradKit
+from gradkit.spike_guard import SpikeGuard
+
+def batches():
+    g = torch.Generator().manual_seed(0)
+    out = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(12)]
+    out[3][0][0, 0] = math.nan  # a NaN input: NonFiniteGuard skips step 3
+    out[9] = (out[9][0], out[9][1] * 1000.0)  # a loss spike: SpikeGuard skips step 9
+    return out
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+net = model()
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+guards = [NonFiniteGuard(action="skip"), SpikeGuard("loss", z_threshold=4.0, warmup_steps=5, action="skip")]
+kit = GradKit(net, opt, guards, log_dir=sys.argv[1])
+applied = []
+with warnings.catch_warnings(record=True):
+    warnings.simplefilter("always")
+    for x, y in batches():
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        kit.note_loss(loss, replay=lambda x=x, y=y: nn.functional.mse_loss(net(x), y))
+        applied.append(kit.step(opt))
+        opt.zero_grad(set_to_none=True)
+    kit.finish()
+
+# The reference: plain PyTorch, skipping the steps the guards should skip.
+ref = model()
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+for i, (x, y) in enumerate(batches()):
+    if i in (3, 9):
+        continue
+    nn.functional.mse_loss(ref(x), y).backward()
+    ref_opt.step()
+    ref_opt.zero_grad(set_to_none=True)
+same = all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), ref.state_dict().values()))
+lightning = sorted({"lightning", "lightning_fabric", "pytorch_lightning", "lightning_gradkit"} & set(sys.modules))
+print(json.dumps({"applied": applied, "same": same, "lightning": lightning, "skipped": kit.skipped_steps}))
+"""
+
+
+def test_torch_guards_run_behind_the_loop_door_without_lightning(tmp_path: Path) -> None:
+    """``gradkit.guards.NonFiniteGuard`` and ``gradkit.spike_guard.SpikeGuard`` in a plain loop, in a fresh
+    interpreter that never loads Lightning. Reference: the same loop in plain PyTorch without the two bad steps."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run(
+        [sys.executable, "-c", LIGHTNING_FREE_LOOP, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["lightning"] == []
+    assert result["applied"] == [i not in (3, 9) for i in range(12)] and result["skipped"] == 2
+    assert result["same"]  # bitwise equal to the reference
+    nonfinite, spike = events(tmp_path)
+    assert (nonfinite["step"], nonfinite["what"], nonfinite["culprit"]) == (3, "nonfinite_loss_and_grads", "<batch>")
+    assert nonfinite["culprit_source"] == "replay" and nonfinite["values"]["forensics"][0]["phase"] == "batch"
+    assert (spike["step"], spike["what"], spike["source"]) == (9, "loss_spike", "SpikeGuard")

@@ -11,6 +11,7 @@ import json
 import math
 import warnings
 from pathlib import Path
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -212,12 +213,12 @@ def test_log_is_called_once_per_step_with_every_policys_values() -> None:
     assert all(metrics["gradkit/skipped_steps"] == 0.0 for _, metrics in calls[1:])
 
 
-# -- the guards' events: the warning says where they went, or that they were not saved -------------------------------
-def _nan_loop(log_dir: Path | None) -> list[str]:
+# -- the guards' events: by default in Fabric's logger directory or ./gradkit_logs, or where asked, or not saved -------
+def _nan_loop(log_dir: Path | Literal[False] | None, fabric: Any = None) -> list[str]:
     """A plain loop with a NaN batch under `NonFiniteGuard(action="skip")`: the guard's warnings."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    kit = GradKit(model, opt, [NonFiniteGuard(action="skip")], log_dir=log_dir)
+    kit = GradKit(model, opt, [NonFiniteGuard(action="skip")], log_dir=log_dir, fabric=fabric)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for x, y in _batches(nan_at=2):
@@ -229,16 +230,36 @@ def _nan_loop(log_dir: Path | None) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith("NonFiniteGuard")]
 
 
-def test_guard_warning_says_the_event_was_not_saved_without_a_log_dir(tmp_path: Path) -> None:
-    (message,) = _nan_loop(None)
-    assert message.endswith(" (No events file: pass GradKit(log_dir=...) to save the events.)"), message
-    assert not list(tmp_path.iterdir())
-
-    (message,) = _nan_loop(tmp_path)
-    events = tmp_path / "gradkit_events.jsonl"
+def _event_of(message: str, events: Path) -> dict[str, Any]:
+    """The one event in ``events``, after checking that the warning names that file."""
     assert message.endswith(f" Events: {events}."), message
     (event,) = [json.loads(line) for line in events.read_text().splitlines()]
-    assert event["step"] == 2
+    return event
+
+
+def test_guard_events_are_written_by_default_where_asked_or_not_at_all(tmp_path: Path) -> None:
+    # conftest runs each test in a fresh working directory: the default folder is ./gradkit_logs there.
+    (message,) = _nan_loop(None)
+    assert _event_of(message, Path.cwd() / "gradkit_logs" / "gradkit_events.jsonl")["step"] == 2
+
+    (message,) = _nan_loop(tmp_path / "run")
+    assert _event_of(message, tmp_path / "run" / "gradkit_events.jsonl")["step"] == 2
+
+    (message,) = _nan_loop(False)
+    assert message.endswith(" (No events file: pass GradKit(log_dir=...) to save the events.)"), message
+    assert [p.name for p in Path.cwd().iterdir()] == ["gradkit_logs"] and [p.name for p in tmp_path.iterdir()] == [
+        "run"
+    ]
+
+
+def test_guard_events_go_to_fabrics_logger_directory(tmp_path: Path) -> None:
+    from lightning.fabric import Fabric
+    from lightning.fabric.loggers import CSVLogger
+
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=CSVLogger(tmp_path / "csv"))
+    (message,) = _nan_loop(None, fabric)
+    assert _event_of(message, Path(fabric.logger.log_dir) / "gradkit_events.jsonl")["step"] == 2
+    assert not (Path.cwd() / "gradkit_logs").exists()
 
 
 # -- a loop that bypasses the door: told, once, with what to do -------------------------------------------------------

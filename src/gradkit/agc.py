@@ -29,7 +29,7 @@ from gradkit.norms import (
 )
 from gradkit.params import clean_name, replication
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import Stage, StatsRequest, StepContext, state_key
+from gradkit.protocol import Stage, StatsRequest, StepContext
 from gradkit.selection import NamePattern, no_match_hint, parameters_selected, parse_patterns
 
 __all__ = ["AdaptiveGradClip", "agc_coefficients", "select_parameters"]
@@ -136,10 +136,6 @@ class AdaptiveGradClip:
 
     def __repr__(self) -> str:
         return describe(self, clip_factor=self.clip_factor, eps=self.eps, exclude=self.exclude)
-
-    @property
-    def state_key(self) -> str:
-        return state_key(self)
 
     def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
         """Select the clipped parameters of ``model`` (configured: sharded, wrapped) and check their sharding."""

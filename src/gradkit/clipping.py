@@ -29,7 +29,7 @@ from torch import Tensor
 
 from gradkit._arguments import check_float, validate_norm_type
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import Stage, StatsRequest, StepContext, state_key
+from gradkit.protocol import Stage, StatsRequest, StepContext
 
 __all__ = [
     "NORM_EPS",
@@ -251,10 +251,6 @@ class ClipGradNorm:
     def __repr__(self) -> str:
         return describe(self, max_norm=self.max_norm, norm_type=self.norm_type)
 
-    @property
-    def state_key(self) -> str:
-        return state_key(self)
-
     def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(self.norm_type)
 
@@ -326,10 +322,6 @@ class ClipGradValue:
 
     def __repr__(self) -> str:
         return describe(self, clip_value=self.clip_value)
-
-    @property
-    def state_key(self) -> str:
-        return state_key(self)
 
     def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(math.inf)

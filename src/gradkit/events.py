@@ -28,7 +28,6 @@ __all__ = [
     "EVENTS_FILENAME",
     "METADATA_FILENAME",
     "EventLog",
-    "EventWriter",
     "read_metadata",
     "write_metadata",
 ]
@@ -186,29 +185,3 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
-
-
-class EventWriter:
-    """The event file of a callback that reports incidents (the guards, ``SpikeRollback``): where it is, and the
-    note its messages end with."""
-
-    _events: EventLog | None = None
-    # Set where the loop door has no `log_dir`: a message then says that its event was not saved, and how to save it.
-    _no_events_note = ""
-
-    def _open_events(self, directory: Path | None, rank: int) -> None:
-        """Write to ``directory``'s event file from now on; ``None``: no event file (a loop without a log_dir)."""
-        self._events = EventLog(directory, rank=rank) if directory is not None else None
-        self._no_events_note = (
-            "" if directory is not None else " (No events file: pass GradKit(log_dir=...) to save the events.)"
-        )
-
-    @property
-    def events_path(self) -> Path | None:
-        """The ``gradkit_events.jsonl`` file this callback writes to (known after ``setup``)."""
-        return self._events.path if self._events is not None else None
-
-    @property
-    def _events_note(self) -> str:
-        """`` Events: <file>.`` for messages; where no event file is written, how to get one."""
-        return f" Events: {self._events.path}." if self._events is not None else self._no_events_note

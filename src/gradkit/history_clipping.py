@@ -22,7 +22,7 @@ from gradkit.clipping import NORM_EPS, ClipDecision, ClipLedger, clip_coefficien
 from gradkit.host_lag import HostLag, as_float32
 from gradkit.norms import finite_mask
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import Stage, StatsRequest, StepContext, state_key
+from gradkit.protocol import Stage, StatsRequest, StepContext
 
 __all__ = ["MAX_HISTORY", "AutoClip", "ZClip", "nan_percentile"]
 
@@ -106,10 +106,6 @@ class AutoClip:
 
     def __repr__(self) -> str:
         return describe(self, percentile=self.percentile, history_size=self.history_size)
-
-    @property
-    def state_key(self) -> str:
-        return state_key(self)
 
     def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(2.0)
@@ -251,10 +247,6 @@ class ZClip:
     def __repr__(self) -> str:
         config = {"alpha": self.alpha, "z_threshold": self.z_threshold, "warmup_steps": self.warmup_steps}
         return describe(self, **config, max_norm=self.max_norm)
-
-    @property
-    def state_key(self) -> str:
-        return state_key(self)
 
     def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(2.0)

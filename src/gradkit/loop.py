@@ -11,7 +11,7 @@ Where a step stands in your loop::
 
     loss = model(batch)                 # (AMP autocast, as you like)
     fabric.backward(loss)               # or loss.backward(), or scaler.scale(loss).backward()
-    kit.note_loss(loss)                 # optional: loss checks and loss spikes need it
+    kit.note_loss(loss, replay=lambda: loss_fn(model(batch)))  # optional: loss checks, spikes, the culprit replay
     kit.step(optimizer)                 # measure, decide, write the gradients once, step unless skipped
     optimizer.zero_grad(set_to_none=True)
 
@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -39,15 +39,32 @@ from torch.optim import Optimizer
 
 from gradkit._layout import verify_same_layout
 from gradkit._torch_compat import gradients_still_scaled, loss_scale
+from gradkit.culprit import MicroBatch
 from gradkit.gate import shadowed, step_as_decided
 from gradkit.pipeline import Pipeline, StepPlan
 from gradkit.protocol import Policy, Stage, StepContext, hook, is_policy, policy_key, unwrapped, values_to_host
+from gradkit.replay import RNGState, capture_rng
 from gradkit.snapshot import Snapshot
 
 __all__ = ["GradKit", "LoopContext"]
 
 #: ``log(metrics, step)``: where logged values go (``fabric.log_dict`` has this signature).
 _LogFn = Callable[[dict[str, float], int], Any]
+
+#: The events' folder when neither ``log_dir`` nor Fabric's logger names one (as the Trainer's ``lightning_logs``).
+_DEFAULT_LOG_DIR = "gradkit_logs"
+
+
+def _events_dir(log_dir: str | Path | Literal[False] | None, fabric: Any) -> Path | None:
+    """Where the event file goes: ``log_dir``; else the directory of Fabric's first logger; else
+    ``./gradkit_logs``. ``False``: no event file."""
+    if log_dir is False:
+        return None
+    if log_dir:
+        return Path(log_dir)
+    loggers = getattr(fabric, "loggers", None) or []
+    directory = getattr(loggers[0], "log_dir", None) if loggers else None
+    return Path(directory) if directory else Path.cwd() / _DEFAULT_LOG_DIR
 
 
 def _root_module(model: nn.Module) -> nn.Module:
@@ -220,8 +237,8 @@ class GradKit:
 
     Policies that work here: ``GradNormMonitor`` (``prog_bar`` needs a Trainer, ``report`` a ``log_dir``),
     ``ClipGradNorm``, ``ClipGradValue``, ``AutoClip``, ``ZClip``, ``AdaptiveGradClip``,
-    ``NonFiniteGuard`` (``skip``/``warn``/``raise``; the culprit replay of ``training_step`` needs a Trainer, the
-    first non-finite parameter is still named), ``SpikeGuard`` and ``SpikeRollback`` (its snapshots hold the model's
+    ``NonFiniteGuard`` (``skip``/``warn``/``raise``; its culprit replay runs the closures given to
+    :meth:`note_loss`), ``SpikeGuard`` and ``SpikeRollback`` (its snapshots hold the model's
     parameters and buffers, the optimizer state, the ``schedulers`` given here, RNG and the other policies' state).
     Callbacks that drive the Trainer's loop (``AccumulationGuard``, ``ActivationCheckpointing``, ...) are refused
     with the reason.
@@ -249,7 +266,9 @@ class GradKit:
             optimizer's applied steps.
         fabric: the ``Fabric`` object of a Fabric loop: its logger, precision plugin and strategy are used.
         max_steps: the loop's number of optimizer steps, if known (the monitor then also logs the last step).
-        log_dir: directory of the guards' ``gradkit_events.jsonl`` and the monitor's report; ``None``: no event file.
+        log_dir: directory of the guards' ``gradkit_events.jsonl`` and the monitor's report. ``None`` (the
+            default): the directory of Fabric's first logger (its ``log_dir``), else ``./gradkit_logs`` (the working
+            directory's, as the Trainer falls back to ``./lightning_logs``). ``False``: no event file.
 
     Raises:
         TypeError: if ``policies`` is neither a policy nor a list, or a policy is a class instead of an instance, or
@@ -286,7 +305,7 @@ class GradKit:
         schedulers: Any = (),
         fabric: Any = None,
         max_steps: int | None = None,
-        log_dir: str | Path | None = None,
+        log_dir: str | Path | Literal[False] | None = None,
     ) -> None:
         optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
@@ -310,7 +329,7 @@ class GradKit:
             log_every_n_steps,
             scaler,
             max_steps,
-            Path(log_dir) if log_dir else None,
+            _events_dir(log_dir, fabric),
             flat,
             [scheduler for scheduler, _ in owned],
             self.policies,
@@ -330,6 +349,8 @@ class GradKit:
         self._loss_watchers = [f"{type(p).__name__}(monitor='loss')" for p in self.policies if _watches_loss(p)]
         self._buffers: Snapshot | None = None
         self._first_forward: list[Any] = []
+        # The torch RNG state where the next micro-batch's forward starts, kept while the loop hands over replays.
+        self._rng: RNGState | None = None
         if any((may_skip := hook(p, "may_skip")) is not None and may_skip() for p in self.policies):
             # What a skipped step's forwards wrote into the buffers (BatchNorm statistics) is put back: a window
             # opens when the previous step ends (`step`), the first one (and the first after `load_state_dict`) at
@@ -353,11 +374,29 @@ class GradKit:
         if self._buffers is not None and not self._buffers.captured:
             self._buffers.capture()
 
-    def note_loss(self, loss: Tensor) -> None:
+    def note_loss(self, loss: Tensor, replay: Callable[[], Tensor | None] | None = None) -> None:
         """Hand a micro-batch loss (as the loss function returned it, without an AMP scale) to the policies that
-        watch it: ``NonFiniteGuard``'s loss check and ``SpikeGuard(monitor="loss")``. No host sync."""
-        self.ctx.micro_batches += 1  # the policies that keep the loss detach it (none may keep it)
-        self._call("note_loss", loss, self.ctx)
+        watch it: ``NonFiniteGuard``'s loss check and ``SpikeGuard(monitor="loss")``. No host sync.
+
+        Args:
+            loss: the micro-batch's loss, before any division for accumulation.
+            replay: a closure that runs the micro-batch's forward again and returns its loss, e.g.
+                ``lambda: loss_fn(model(batch))`` (under the same autocast as the training forward). On a
+                non-finite step ``NonFiniteGuard`` replays the step's micro-batches once through it, as the Trainer
+                replays ``training_step``, and names the module, the operator and the source line where the
+                non-finite value began; the model's RNG states, buffers and ``.grad`` are restored afterwards.
+                The torch RNG state is saved when the previous micro-batch was handed over (or the previous
+                step ended), so dropout masks repeat unless the loop draws random numbers in between (a shuffling
+                ``DataLoader`` starting an epoch). Call the unwrapped model (``model.module`` under DDP): the
+                replay differentiates with ``torch.autograd.grad``, which DDP's wrapper does not expect. Kept
+                (with what it references) until the step ends, only while a replay may still run.
+        """
+        ctx = self.ctx
+        ctx.micro_batches += 1  # the policies that keep the loss detach it (none may keep it)
+        ctx.micro_batch = None if replay is None else MicroBatch(ctx.batch_idx, replay, self._rng)
+        self._call("note_loss", loss, ctx)
+        ctx.micro_batch = None
+        self._rng = capture_rng(full=False) if replay is not None else None
 
     def step(self, optimizer: Optimizer | None = None, **kwargs: Any) -> bool | None:
         """Run the pipeline for ``optimizer``'s gradients and step it, unless a policy decided to skip the step.
@@ -408,6 +447,8 @@ class GradKit:
             # The next window opens now, after everything this step changed (a rollback's restore included): a
             # skipped next step puts the buffers back to this.
             self._buffers.capture()
+        if self._rng is not None:
+            self._rng = capture_rng(full=False)  # where the next micro-batch's forward starts
         return None if skipped is None else not skipped
 
     def _step_schedulers(self, optimizer: Optimizer, plan: StepPlan | None) -> None:

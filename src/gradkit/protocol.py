@@ -28,6 +28,7 @@ from gradkit._torch_compat import handles_found_inf
 from gradkit.norms import world_size
 
 if TYPE_CHECKING:
+    from gradkit.culprit import MicroBatch
     from gradkit.pipeline import Pipeline, StepPlan
 
 __all__ = [
@@ -96,12 +97,16 @@ class StepContext:
         log_dir: the directory of the guards' event file and the monitor's report (the Trainer's log directory;
             ``None``: the loop has none).
         progress_bar: shows step values (host floats) in the loop's progress bar; ``None`` where it has none.
+        micro_batch: the micro-batch whose loss the door hands to ``note_loss``, kept for the culprit replay
+            (``None`` where the door keeps none): the loop door's ``note_loss(loss, replay=...)``, the Trainer's
+            batch of ``training_step``.
     """
 
     trainer = None
     pl_module = None
     log_dir: Path | None = None
     progress_bar: Callable[[dict[str, float]], None] | None = None
+    micro_batch: MicroBatch | None = None
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:
@@ -179,6 +184,10 @@ class StepContext:
     def is_last_step(self) -> bool:
         """Whether the current step is known to be the loop's last one."""
         return False
+
+    def checkpoint_note(self) -> str:
+        """Where to resume from, for an error that stops training (the Trainer names its last checkpoints)."""
+        return "keep checkpoints of the loop to resume from"
 
     def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
         """Send step values (device tensors) to the loop's loggers; called on logging steps only."""

@@ -2,7 +2,7 @@
 
 Three features of the package run a batch's ``training_step`` a second time:
 
-- the culprit replay of :class:`~lightning_gradkit.NonFiniteGuard` (:mod:`lightning_gradkit.forensics`);
+- the culprit replay of :class:`~gradkit.guards.NonFiniteGuard` (:mod:`gradkit.forensics`);
 - the measuring forwards of :class:`~lightning_gradkit.ActivationCheckpointing` (``measure=True``);
 - the later closure evaluations of an optimizer that evaluates its closure several times per step (``LBFGS``,
   SAM).

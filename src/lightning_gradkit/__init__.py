@@ -30,7 +30,7 @@ from lightning_gradkit.callbacks.clip_callbacks import (
     ZClip,
     clip_gradients,
 )
-from lightning_gradkit.callbacks.guards import NonFiniteGuard, SpikeGuard
+from lightning_gradkit.callbacks.guard_callbacks import NonFiniteGuard, SpikeGuard
 from lightning_gradkit.callbacks.manual_accumulation import ManualAccumulator
 from lightning_gradkit.callbacks.monitor_callback import GradNormMonitor
 from lightning_gradkit.callbacks.rollback_callback import SpikeRollback

@@ -217,6 +217,13 @@ class TrainerContext(StepContext):
     def is_last_step(self) -> bool:
         return _is_last_step(self.trainer)
 
+    def checkpoint_note(self) -> str:
+        paths = [cb.last_model_path or cb.best_model_path for cb in self.trainer.checkpoint_callbacks]
+        paths = [p for p in paths if p]
+        if not paths:
+            return "no checkpoint was saved (add a `ModelCheckpoint` callback to keep one)"
+        return "last checkpoint saved: " + ", ".join(paths)
+
     def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
         log_metrics(self.trainer, self.pl_module, metrics, every_n_steps)
 

@@ -19,7 +19,7 @@ backward (the autograd engine runs the backward under the modes of the code that
   forward operator of the running autograd node ran (``torch._C._current_autograd_node()``, matched by the node's
   sequence number); a hook on a parameter's gradient names that parameter. No module backward hook is installed,
   so in-place operators (``ReLU(inplace=True)``, ``out += identity``) replay exactly as they trained.
-- The source line is the innermost frame of the Python stack outside torch, Lightning and lightning_gradkit, read
+- The source line is the innermost frame of the Python stack outside torch, Lightning and gradkit, read
   when the operator runs; for an operator of the backward, the line of the forward call it differentiates, unless
   user code (a custom ``autograd.Function``'s backward, a gradient hook) made it.
 - The parameters' gradients of the replay come from ``torch.autograd.grad``, so ``.grad`` is not touched;
@@ -29,15 +29,10 @@ A replay that raises or cannot hook the model says so (``"failed"`` with the err
 reason): it never reports a finite replay it did not see. Values that no operator of the replay made (a non-finite
 batch, or a parameter that was already non-finite) are named as such.
 
-The replay runs inside the package's one replay context (:func:`gradkit.replay.replay`): the RNG
-states, module buffers (e.g. BatchNorm running stats), ``.grad``, train/eval modes and ``torchmetrics`` states are
-restored afterwards, ``self.log`` does nothing, and gradkit's own per-micro-batch statistics (token counts, window
-losses) ignore it. The RNG state saved at the start of the bad batch is set for the replay, so dropout masks
-repeat. Other Python side effects of the replayed code (a counter, a print, an append to a list) happen once more.
-The replay costs about two forward-and-backward passes (a host read per operator), once, at the first detection;
-the training steps themselves run without any of it.
-
-:func:`find_nonfinite_origin` is plain PyTorch; :func:`replay_training_step` wires it to a LightningModule.
+:func:`find_nonfinite_origin` replays one loss function; :func:`gradkit.culprit.replay_micro_batches` replays a
+step's micro-batches in the one replay context (:func:`gradkit.replay.replay`: RNG set to the batch's, then RNG,
+buffers, ``.grad``, modes and metrics restored). The replay costs about two forward-and-backward passes (a host read
+per operator), once, at the first detection; the training steps themselves run without any of it.
 """
 
 from __future__ import annotations
@@ -48,24 +43,21 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
-from gradkit.norms import loss_scale
 from gradkit.params import clean_name, is_ddp_wrapped
-from gradkit.replay import RNGState, replay
 
-__all__ = ["Finding", "all_finite", "describe_error", "find_nonfinite_origin", "replay_training_step"]
+__all__ = ["Finding", "describe_error", "find_nonfinite_origin"]
 
 
 @dataclass
@@ -130,17 +122,6 @@ class Finding:
         return f"no replay: {d.get('reason', 'not available')}"
 
 
-def _tensors(obj: Any) -> Iterator[Tensor]:
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
 def _stored_values(t: Tensor) -> Tensor:
     """The values a tensor stores: those of a sparse one (an ``Embedding(sparse=True)`` gradient), else itself."""
     if t.layout == torch.sparse_coo:
@@ -150,11 +131,9 @@ def _stored_values(t: Tensor) -> Tensor:
     return t
 
 
-def all_finite(obj: Any) -> bool:
-    """Whether every floating-point tensor in a (nested) structure is finite. Reads to the host."""
-    return all(
-        bool(torch.isfinite(_stored_values(t)).all()) for t in _tensors(obj) if t.is_floating_point() or t.is_complex()
-    )
+def _all_finite(t: Tensor) -> bool:
+    """Whether every value a tensor stores is finite (a sparse one's stored values). Reads to the host."""
+    return bool(torch.isfinite(_stored_values(t)).all())
 
 
 # -- the replay ---------------------------------------------------------------------------------------------------
@@ -241,9 +220,9 @@ def _unique(tensors: list[Tensor]) -> list[Tensor]:
 
 
 def _internal_roots() -> tuple[str, ...]:
-    """The directories whose frames are not the user's code: torch, Lightning and this package."""
+    """The directories whose frames are not the user's code: torch, Lightning and gradkit's two roots."""
     roots = []
-    for name in ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_gradkit"):
+    for name in ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_gradkit", "gradkit"):
         file = getattr(sys.modules.get(name), "__file__", None)
         if file:
             roots.append(os.path.dirname(file) + os.sep)
@@ -524,10 +503,10 @@ def find_nonfinite_origin(
     finally:
         for h in handles:
             h.remove()
-    loss_bad = loss is not None and not all_finite(loss.detach())
+    loss_bad = loss is not None and not _all_finite(loss.detach())
     if loss is not None:
         detail["loss_finite"] = not loss_bad
-    bad = [(n, g) for (n, _), g in zip(param_names, grads, strict=False) if g is not None and not all_finite(g)]
+    bad = [(n, g) for (n, _), g in zip(param_names, grads, strict=False) if g is not None and not _all_finite(g)]
     if bad:
         detail["nonfinite_param_grads"] = [n for n, _ in bad[:20]]
     finding = _conclude(recorder, loss if loss_bad else None, bad, error, anomaly)
@@ -556,42 +535,3 @@ def _conclude(
             return Finding(found.culprit, found.phase, dict(found.detail))
         return Finding(None, "failed", {"error": describe_error(error)})
     return Finding(None, "not_reproduced")
-
-
-def replay_training_step(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    batch: Any,
-    batch_idx: int,
-    rng: RNGState | None = None,
-    anomaly: bool = False,
-) -> Finding:
-    """Replay ``pl_module.training_step(batch, batch_idx)`` once and locate the first non-finite value.
-
-    Runs under the precision plugin's autocast, with ``self.log`` silenced, and with the ``GradScaler``'s scale on
-    the loss. The LightningModule is called directly (not through the DDP wrapper): no collective is issued by
-    the replay itself, but ``training_step`` may issue its own (``self.all_gather``): then every rank must replay
-    the same micro-batches in the same order. Parameters, buffers, gradients, RNG states and ``torchmetrics``
-    states are the same afterwards; other side effects of ``training_step`` happen a second time.
-
-    Args:
-        trainer: the running Trainer.
-        pl_module: the LightningModule.
-        batch: the batch as ``training_step`` received it.
-        batch_idx: its index.
-        rng: torch RNG state captured before the original ``training_step`` (repeats dropout masks).
-        anomaly: also run the replay under ``torch.autograd.detect_anomaly``.
-    """
-    if not pl_module.automatic_optimization:
-        return Finding(None, "unavailable", {"reason": "manual optimization: the training step steps optimizers"})
-    scale = loss_scale(getattr(trainer.precision_plugin, "scaler", None))
-
-    def compute_loss() -> Tensor | None:
-        with trainer.precision_plugin.train_step_context():
-            out = pl_module.training_step(batch, batch_idx)
-        if isinstance(out, dict):
-            out = out.get("loss")
-        return out if isinstance(out, Tensor) else None
-
-    with replay(pl_module, rng):
-        return find_nonfinite_origin(pl_module, compute_loss, scale, anomaly)

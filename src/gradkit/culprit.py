@@ -1,35 +1,33 @@
-"""Where a flagged non-finite step began, and the one sentence that says so.
-
-Pure functions over what :class:`~lightning_gradkit.NonFiniteGuard` gathered from every rank at a flagged step
-(the losses, the parameters with a non-finite gradient, the forensic replay's finding): no Trainer, no tensors.
-
-- :func:`nonfinite_kind`: the event's ``what`` (loss, gradients or both).
-- :class:`Culprit` and :func:`locate_culprit`: the one meaning of ``culprit`` in every mode.
-- :func:`first_bad_batch`: the micro-batch where the non-finite value was first seen.
-- :func:`reproducibility`: whether the forensic replay reproduced the value, on which ranks, and why not.
-- :func:`sample_ids` and :func:`id_list`: the sample ids a batch carries, for the event and the console line.
-- :func:`step_summary`: the console line; the error and the event say the same.
+"""Where a flagged non-finite step began, and the one sentence that says so: the replay of the step's micro-batches
+(:func:`replay_micro_batches`), then pure functions over what :class:`~gradkit.guards.NonFiniteGuard` gathered from
+every rank (the losses, the parameters with a non-finite gradient, the replay's finding), ending in
+:func:`step_summary`, the console line that the error and the event repeat.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from gradkit._arguments import name_list
+from gradkit.forensics import Finding, describe_error, find_nonfinite_origin
+from gradkit.replay import RNGState, replay
 
 __all__ = [
     "REPLAY_STAYED_FINITE",
     "SAMPLE_ID_KEYS",
     "Culprit",
+    "MicroBatch",
     "Reproducibility",
     "first_bad_batch",
     "id_list",
     "locate_culprit",
     "nonfinite_kind",
+    "replay_micro_batches",
     "reproducibility",
     "sample_ids",
     "step_summary",
@@ -40,6 +38,74 @@ SAMPLE_ID_KEYS = ("id", "ids", "index", "indices", "sample_id", "sample_ids")
 
 # Finding phases of a replay that did not see the non-finite value, or did not run to the end.
 _NOT_SEEN = ("not_reproduced", "failed", "unavailable")
+# Why no replay ran where the door kept no micro-batch (a loop that gave `note_loss` no `replay`).
+_NO_MICRO_BATCH = (
+    "no micro-batch to replay was handed over: in a loop of your own, pass "
+    "`kit.note_loss(loss, replay=lambda: loss_fn(model(batch)))` each micro-batch"
+)
+
+
+@dataclass
+class MicroBatch:
+    """A micro-batch of the step as a door keeps it for the culprit replay.
+
+    Attributes:
+        batch_idx: its index, as the door counts it.
+        compute_loss: runs its forward again and returns its loss (``None``: it cannot be replayed, ``unavailable``
+            says why). Called inside :func:`~gradkit.replay.replay`, under ``torch.enable_grad()``.
+        rng: the torch RNG states before its forward (the replay repeats its dropout masks), or ``None``.
+        ids: the sample ids its batch carries (:func:`~gradkit.culprit.sample_ids`), or ``None``.
+        unavailable: why there is no ``compute_loss``.
+    """
+
+    batch_idx: int
+    compute_loss: Callable[[], Tensor | None] | None = None
+    rng: RNGState | None = None
+    ids: Any = None
+    unavailable: str | None = None
+
+
+def replay_micro_batches(
+    module: nn.Module, batches: list[MicroBatch], backward_scale: Tensor | None = None, anomaly: bool = False
+) -> Finding:
+    """Replay a step's micro-batches in order; the first that makes a non-finite value again names the culprit.
+
+    Every micro-batch is replayed, also after one found the culprit, so that the collectives a replayed forward
+    issues (``self.all_gather`` in ``training_step``) pair up across ranks as they did in training. Each runs in
+    :func:`~gradkit.replay.replay` with its RNG state set: ``module``'s state comes out unchanged.
+
+    Args:
+        module: the model (its submodules get the forward hooks, its state is restored).
+        batches: the step's micro-batches.
+        backward_scale: the ``GradScaler``'s scale, put on each loss before its backward.
+        anomaly: also run under ``torch.autograd.detect_anomaly(check_nan=True)``.
+
+    Returns:
+        The first finding with a culprit (its ``detail["batch_idx"]`` set), else the first micro-batch whose replay
+        failed or could not run, else ``"not_reproduced"``; ``"unavailable"`` when no micro-batch can be replayed.
+    """
+    if not any(b.compute_loss is not None for b in batches):
+        reason = next((b.unavailable for b in batches if b.unavailable), _NO_MICRO_BATCH)
+        return Finding(None, "unavailable", {"reason": reason})
+    first: Finding | None = None
+    failed: Finding | None = None
+    for batch in batches:
+        if batch.compute_loss is None:
+            finding = Finding(None, "unavailable", {"reason": batch.unavailable or _NO_MICRO_BATCH})
+        else:
+            try:
+                with replay(module, batch.rng):
+                    finding = find_nonfinite_origin(module, batch.compute_loss, backward_scale, anomaly)
+            except Exception as err:  # forensics must never be what stops a run
+                finding = Finding(None, "failed", {"error": describe_error(err)})
+        if first is None and finding.culprit is not None:
+            finding.detail["batch_idx"] = batch.batch_idx
+            first = finding
+        elif failed is None and finding.phase in ("failed", "unavailable"):
+            # A micro-batch whose replay did not run to the end: it may be the one that made the value.
+            finding.detail["batch_idx"] = batch.batch_idx
+            failed = finding
+    return first or failed or Finding(None, "not_reproduced")
 
 
 def nonfinite_kind(loss: bool, grads: bool) -> str:

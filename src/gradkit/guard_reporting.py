@@ -1,0 +1,178 @@
+"""How a guard learns of a flagged step and reports it: at the step (a host read), or one step later, sync-free.
+
+Both guards (:class:`~gradkit.guards.NonFiniteGuard`, :class:`~gradkit.spike_guard.SpikeGuard`) decide on device,
+in the pipeline's ``GUARD`` stage. What differs is when the host learns the decision:
+
+- ``action="skip"`` with an ordinary optimizer: the door reads the step's skip flag once anyway; the guard shares
+  that read and reads more only on a skipped step (to report it).
+- ``action="raise"``: one host read per step, before the optimizer steps (the bad update is never applied).
+- ``action="warn"``, and ``action="skip"`` with a fused optimizer (which skips on device through ``found_inf``):
+  each step's flags reach the host one step later through a non-blocking copy
+  (:class:`~gradkit.host_lag.HostLag`); the flagged steps are kept on the host (``NonFiniteGuard``'s
+  :class:`Ledger`, ``SpikeGuard``'s list) and reported on logging steps (and at the end of training); the report
+  covers every step flagged since the previous one.
+
+In this file: :class:`Ledger` (the host record between two reports) and :class:`Reporter` (what both guards compose:
+the event file, which of the two ways applies, the saved count of skipped steps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from gradkit._torch_compat import handles_found_inf
+from gradkit.events import EventLog
+from gradkit.host_lag import HostLag
+from gradkit.pipeline import Pipeline, StepPlan
+from gradkit.protocol import StepContext, unwrapped
+
+__all__ = ["Ledger", "Period", "Reporter"]
+
+
+class Ledger:
+    """The steps a guard flagged between two reports, learnt on the host one step late: recording never
+    synchronizes.
+
+    Each step pushes its flags (a 1-D device tensor, the step's flag first) through a
+    :class:`~gradkit.host_lag.HostLag` together with what to read if it turns out flagged (device
+    tensors, kept by reference: nothing is copied); the next step folds them in on the host. :meth:`read` (on logging
+    steps and at the end of training, where waiting for the last step's copy is allowed) summarizes the period: the
+    number of flagged steps, the first and last, the longest run of consecutive flagged steps with its first and last
+    step (a run that goes on across reads keeps its start), and the flags and kept values of the first flagged step.
+    """
+
+    def __init__(self) -> None:
+        self._lag = HostLag()
+        self._pending: tuple[int, Any] | None = None
+        self._flagged: list[tuple[int, list[float], Any]] = []
+        self._run = 0  # the run of flagged steps going on, its first and last step, and the period's longest run
+        self._run_first = -1
+        self._run_last = -1
+        self._longest = (0, -1, -1)
+
+    def record(self, step: int, flags: Tensor, keep: Any = None) -> None:
+        """Note step ``step``'s ``flags`` (``flags[0] > 0``: flagged) and what to read on a flagged step."""
+        self.fold()
+        self._lag.push(flags)
+        self._pending = (step, keep)
+
+    def fold(self) -> None:
+        """Take in the step whose flags are on their way to the host."""
+        values = self._lag.pop()
+        if values is None or self._pending is None:
+            return
+        (step, keep), self._pending = self._pending, None
+        if not values[0] > 0:
+            self._run = 0
+            return
+        self._flagged.append((step, values, keep))
+        if self._run == 0:
+            self._run_first = step
+        self._run += 1
+        self._run_last = step
+        if self._run >= self._longest[0]:
+            self._longest = (self._run, self._run_first, step)
+
+    def read(self) -> Period | None:
+        """The period's summary, then start a new period; ``None`` if nothing was flagged."""
+        self.fold()
+        flagged, self._flagged = self._flagged, []
+        longest = self._longest
+        # The next period's longest run starts as the run still going on (with its start, possibly before).
+        self._longest = (self._run, self._run_first, self._run_last) if self._run else (0, -1, -1)
+        if not flagged:
+            return None
+        step, flags, keep = flagged[0]
+        return Period(len(flagged), step, flagged[-1][0], *longest, flags, keep)
+
+
+class Period(NamedTuple):
+    """What :meth:`Ledger.read` found: the number of flagged steps, the first and last, the longest run of consecutive
+    flagged steps with its first and last step, and the flags and kept values of the first flagged step."""
+
+    count: int
+    first: int
+    last: int
+    longest_run: int
+    run_first: int
+    run_last: int
+    flags: list[float]
+    keep: Any
+
+
+class Reporter:
+    """What a guard reports through: its event file, when it learns of a flagged step, the count of skipped steps.
+
+    Args:
+        source: the guard's class name (the events' ``source``).
+        action: the guard's ``action``.
+    """
+
+    def __init__(self, source: str, action: str) -> None:
+        self.source = source
+        self.action = action
+        self.events: EventLog | None = None
+        self.fused = False
+        self.restored_skips: float | None = None
+        self._pipeline: Pipeline | None = None
+
+    def attach(self, ctx: StepContext) -> None:
+        """The door is set up: open the event file, learn whether an optimizer skips on device, put back the saved
+        count of skipped steps."""
+        directory = ctx.log_dir
+        self.events = EventLog(directory, rank=ctx.global_rank) if directory is not None else None
+        self.fused = any(handles_found_inf(unwrapped(opt)) for opt in ctx.optimizers)
+        self._pipeline = ctx.pipeline
+        self.restore_skips(ctx)
+
+    def restore_skips(self, ctx: StepContext) -> None:
+        """Put back the count of skipped steps a checkpoint held: at ``attach``, and again before the first forward
+        (a Trainer whose strategy restores checkpoints after setup, FSDP or DeepSpeed, loads the state later)."""
+        if self.restored_skips is not None:
+            ctx.pipeline.skipped_steps = torch.tensor(self.restored_skips, device=ctx.device)
+            self.restored_skips = None
+
+    @property
+    def path(self) -> Path | None:
+        """The ``gradkit_events.jsonl`` file the guard writes to (known once the door is set up)."""
+        return self.events.path if self.events is not None else None
+
+    @property
+    def note(self) -> str:
+        """`` Events: <file>.`` for messages; where no event file is written (``GradKit(log_dir=False)``), how to get
+        one."""
+        if self.events is None:
+            return " (No events file: pass GradKit(log_dir=...) to save the events.)"
+        return f" Events: {self.events.path}."
+
+    def write(self, ctx: StepContext, **fields: Any) -> None:
+        """Append one event (``step`` and ``batch_idx`` default to the context's)."""
+        if self.events is not None:
+            fields.setdefault("step", ctx.global_step)
+            fields.setdefault("batch_idx", ctx.batch_idx)
+            self.events.write(source=self.source, action=self.action, **fields)
+
+    def reads_on_host(self) -> bool:
+        """Whether the guard learns of a flagged step at that step (else: one step later, on logging steps)."""
+        return self.action == "raise" or (self.action == "skip" and not self.fused)
+
+    def flagged_on_host(self, plan: StepPlan, flag: Tensor, within_skip: bool = True) -> bool:
+        """Read the guard's flag when it acts at the step; shares the door's read of the skip decision.
+
+        ``within_skip``: the flag raised means the step is skipped, so a step the plan applies needs no read of the
+        flag. Otherwise (a flag whose steps the GradScaler skips, not the plan) both are read in one transfer.
+        """
+        if self.action != "skip":
+            return bool(flag)
+        if within_skip:
+            return plan.skip_on_host() and bool(flag)
+        return plan.flag_on_host_with_skip(flag)
+
+    def skipped_state(self) -> dict[str, float]:
+        """The door's count of skipped steps, saved by every guard (all hold the same value)."""
+        count = self._pipeline.skipped_steps if self._pipeline is not None else None
+        return {"skipped_steps": float(count) if count is not None else 0.0}
