@@ -26,9 +26,8 @@ buffers a skipped step put back, state for checkpoints).
 from __future__ import annotations
 
 import functools
-import sys
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
@@ -41,8 +40,17 @@ from gradkit._layout import verify_same_layout
 from gradkit._torch_compat import gradients_still_scaled, loss_scale
 from gradkit.culprit import MicroBatch
 from gradkit.gate import shadowed, step_as_decided
+from gradkit.loop_setup import (
+    checked_policies,
+    checked_schedulers,
+    events_dir,
+    fabric_flat_sharded,
+    fabric_scaler,
+    root_module,
+    watches_loss,
+)
 from gradkit.pipeline import Pipeline, StepPlan
-from gradkit.protocol import Policy, Stage, StepContext, hook, is_policy, policy_key, unwrapped, values_to_host
+from gradkit.protocol import Policy, StepContext, hook, policy_key, unwrapped, values_to_host
 from gradkit.replay import RNGState, capture_rng
 from gradkit.snapshot import Snapshot
 
@@ -51,44 +59,8 @@ __all__ = ["GradKit", "LoopContext"]
 #: ``log(metrics, step)``: where logged values go (``fabric.log_dict`` has this signature).
 _LogFn = Callable[[dict[str, float], int], Any]
 
+
 #: The events' folder when neither ``log_dir`` nor Fabric's logger names one (as the Trainer's ``lightning_logs``).
-_DEFAULT_LOG_DIR = "gradkit_logs"
-
-
-def _events_dir(log_dir: str | Path | Literal[False] | None, fabric: Any) -> Path | None:
-    """Where the event file goes: ``log_dir``; else the directory of Fabric's first logger; else
-    ``./gradkit_logs``. ``False``: no event file."""
-    if log_dir is False:
-        return None
-    if log_dir:
-        return Path(log_dir)
-    loggers = getattr(fabric, "loggers", None) or []
-    directory = getattr(loggers[0], "log_dir", None) if loggers else None
-    return Path(directory) if directory else Path.cwd() / _DEFAULT_LOG_DIR
-
-
-def _root_module(model: nn.Module) -> nn.Module:
-    """The user's module inside Fabric's ``_FabricModule`` or a ``DistributedDataParallel`` wrapper (the names
-    the Trainer door reports are the LightningModule's own, unwrapped ones)."""
-    wrappers = sys.modules.get("lightning.fabric.wrappers") or sys.modules.get("lightning_fabric.wrappers")
-    if wrappers is not None and wrappers.is_wrapped(model):
-        model = model.module
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        model = model.module
-    return model
-
-
-def _fabric_scaler(fabric: Any) -> torch.amp.GradScaler | None:
-    """The ``GradScaler`` of Fabric's 16-mixed precision plugin, else ``None``."""
-    return getattr(fabric.strategy.precision, "scaler", None)
-
-
-def _fabric_flat_sharded(fabric: Any) -> bool:
-    """Whether Fabric runs FSDP1 over several ranks (every gradient a flat local shard)."""
-    strategies = sys.modules.get("lightning.fabric.strategies") or sys.modules.get("lightning_fabric.strategies")
-    return strategies is not None and isinstance(fabric.strategy, strategies.FSDPStrategy) and fabric.world_size > 1
-
-
 class LoopContext(StepContext):
     """The loop as :class:`GradKit` sees it: its own step counter, the optimizers, the scaler and a log function.
 
@@ -313,15 +285,15 @@ class GradKit:
                 f"`log_every_n_steps` must be an int >= 0, got {log_every_n_steps!r}. Use e.g. 50 (Lightning's "
                 "default), or 0 to log nothing."
             )
-        self.policies = _checked_policies(policies)
+        self.policies = checked_policies(policies)
         inner = [unwrapped(opt) for opt in optimizers]
-        owned = _checked_schedulers(schedulers, inner)
+        owned = checked_schedulers(schedulers, inner)
         if fabric is not None:
             log = fabric.log_dict if log is None else log
-            scaler = _fabric_scaler(fabric) if scaler is None else scaler
+            scaler = fabric_scaler(fabric) if scaler is None else scaler
         self._own_scaler = fabric is None and scaler is not None
-        root = _root_module(model)
-        flat = _fabric_flat_sharded(fabric) if fabric is not None else False
+        root = root_module(model)
+        flat = fabric_flat_sharded(fabric) if fabric is not None else False
         self.ctx = LoopContext(
             root,
             optimizers,
@@ -329,7 +301,7 @@ class GradKit:
             log_every_n_steps,
             scaler,
             max_steps,
-            _events_dir(log_dir, fabric),
+            events_dir(log_dir, fabric),
             flat,
             [scheduler for scheduler, _ in owned],
             self.policies,
@@ -346,7 +318,7 @@ class GradKit:
         # What a loop that bypasses the door would not notice: no `kit.step` at all, no `note_loss` for a loss watcher.
         self._steps_through_kit = 0
         self._finished = False
-        self._loss_watchers = [f"{type(p).__name__}(monitor='loss')" for p in self.policies if _watches_loss(p)]
+        self._loss_watchers = [f"{type(p).__name__}(monitor='loss')" for p in self.policies if watches_loss(p)]
         self._buffers: Snapshot | None = None
         self._first_forward: list[Any] = []
         # The torch RNG state where the next micro-batch's forward starts, kept while the loop hands over replays.
@@ -610,93 +582,3 @@ def _gated_step(optimizer: Optimizer, inner: Callable[..., Any], plan: StepPlan 
     """``optimizer.step`` while :meth:`GradKit.step` runs: whatever calls it (Fabric's strategy, a ``GradScaler``)
     meets the plan's decision."""
     return step_as_decided(optimizer, inner, plan, kwargs)
-
-
-def _watches_loss(policy: Policy) -> bool:
-    """Whether ``policy`` watches the loss (``monitor="loss"``), which only :meth:`GradKit.note_loss` hands it behind
-    this door."""
-    return getattr(policy, "monitor", None) == "loss"
-
-
-def _checked_schedulers(schedulers: Any, optimizers: list[Optimizer]) -> list[tuple[Any, Optimizer]]:
-    """Each scheduler (one, or a list of them) with the optimizer it was built on (``scheduler.optimizer``; without
-    that attribute, the loop's only optimizer).
-
-    Raises:
-        ValueError: a ``ReduceLROnPlateau`` (it steps on a metric), a scheduler of an optimizer the loop does not
-            step, or one that does not say its optimizer in a loop of several.
-    """
-    single = hasattr(schedulers, "state_dict") and hasattr(schedulers, "step")
-    out = []
-    for scheduler in [schedulers] if single else list(schedulers):
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            # As Lightning's `reduce_on_plateau` needs a `monitor`: `kit.step` has no metric to give it.
-            raise ValueError(
-                "`schedulers` holds a ReduceLROnPlateau, which steps on a metric (`scheduler.step(metrics)`) that "
-                "`kit.step` does not have. Leave it out of `schedulers` and step it yourself with the metric, e.g. "
-                "after validation, `scheduler.step(val_loss)` once per epoch (per optimizer step: only when "
-                "`kit.step(...)` returned True, so that a skipped step holds it)."
-            )
-        built_on = getattr(scheduler, "optimizer", None)
-        if built_on is None and len(optimizers) == 1:
-            built_on = optimizers[0]
-        owner = unwrapped(built_on) if isinstance(built_on, Optimizer) else None
-        if owner is None or not any(owner is opt for opt in optimizers):
-            where = "no optimizer (no `optimizer` attribute)" if built_on is None else "an optimizer"
-            raise ValueError(
-                f"`schedulers` holds a {type(scheduler).__name__} built on {where} that is not one of the "
-                f"{len(optimizers)} optimizer(s) given to GradKit: `kit.step(opt)` steps only the schedulers of `opt`. "
-                "Build each scheduler on one of the loop's optimizers, or step it yourself."
-            )
-        out.append((scheduler, owner))
-    return out
-
-
-def _checked_policies(policies: Policy | Sequence[Policy]) -> list[Policy]:
-    """The policies as given (one, or a list of them, as ``optimizers``), after the checks a Trainer makes at setup.
-
-    Raises:
-        TypeError: a class instead of an instance, or an object that is not a gradkit policy.
-        ValueError: more than one clipper.
-    """
-    if is_policy(policies) or isinstance(policies, type):
-        out: list[Policy] = [policies]  # type: ignore[list-item]  # a class is refused below, with the fix
-    elif isinstance(policies, Iterable) and not isinstance(policies, (str, Mapping)):
-        out = list(policies)
-    else:
-        raise TypeError(
-            f"`policies` must be a gradkit policy or a list of them, got {_a(policies)}. Pass e.g. "
-            "`[GradNormMonitor(), ClipGradNorm(1.0)]`."
-        )
-    for policy in out:
-        if isinstance(policy, type):
-            raise TypeError(
-                f"`policies` holds the class `{policy.__name__}`, not an instance of it: use `{policy.__name__}()`, "
-                "with its arguments in the parentheses."
-            )
-        if not is_policy(policy):
-            raise TypeError(
-                f"`policies` holds a {type(policy).__name__}, which takes no part in the optimizer step's pipeline "
-                "(a Trainer callback such as `ActivationCheckpointing` or `InferenceModeValidation` works only as "
-                "one). Give gradkit policies such as `GradNormMonitor()`, `ClipGradNorm(1.0)` or `NonFiniteGuard()`."
-            )
-    keys = [policy_key(p) for p in out if hook(p, "state_dict") is not None]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
-        raise ValueError(
-            f"`policies` holds more than one policy with the state key {', '.join(twice)}: their states would "
-            "overwrite each other in a checkpoint (a Trainer refuses such callbacks too). Keep one of each."
-        )
-    clippers = [type(p).__name__ for p in out if p.stage is Stage.CLIP]
-    if len(clippers) > 1:
-        raise ValueError(
-            f"`policies` holds {len(clippers)} gradient clippers ({', '.join(clippers)}); each would rescale the "
-            "gradients the other already clipped. Keep exactly one of them."
-        )
-    return out
-
-
-def _a(value: object) -> str:
-    """``value``'s type for a message: "an int", "a dict"."""
-    name = type(value).__name__
-    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"

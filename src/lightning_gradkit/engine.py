@@ -56,7 +56,6 @@ from lightning_gradkit._window import note_window_on_load, note_window_on_save
 __all__ = [
     "Engine",
     "GradKitCallback",
-    "PolicyCallback",
     "Stage",
     "StatsRequest",
     "StepPlan",
@@ -413,56 +412,6 @@ def check_callback_instances(trainer: pl.Trainer) -> None:
     )
 
 
-class GradKitCallback(Callback):
-    """Base of every gradkit callback: a :class:`~gradkit.pipeline.Policy` that joins the Trainer's
-    engine.
-
-    Subclasses set ``stage`` and define the protocol hooks (:class:`~gradkit.pipeline.Policy`) they need. Lightning
-    hooks stay thin.
-    """
-
-    stage: Stage = Stage.OBSERVE
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        check_callback_instances(trainer)
-        self._engine = Engine.of(trainer)
-        self._engine.reset()
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        Engine.of(trainer).verify_layout(trainer, pl_module)
-
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning calls it after every backward (`manual_backward` and closure re-evaluations included).
-        Engine.of(trainer).generation += 1
-
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
-    ) -> None:
-        Engine.of(trainer).run(trainer, pl_module, optimizer)
-
-    #: Why the callback needs a Trainer, for the error of the Fabric / plain-PyTorch door.
-    _needs_trainer_because = "it drives the Trainer's own loop (its batches, checkpoints and schedulers)"
-
-    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
-        raise ValueError(
-            f"{type(self).__name__} works only as a Lightning Trainer callback: {self._needs_trainer_because}. "
-            "In a Fabric or plain-PyTorch loop, remove it from `GradKit(policies=[...])`."
-        )
-
-    # -- checkpoints inside an accumulation window -----------------------------------------------------------------
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        if _first_gradkit_callback(trainer) is self:
-            note_window_on_save(trainer, checkpoint)
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        if _first_gradkit_callback(trainer) is self:
-            note_window_on_load(trainer, checkpoint)
-
-
 def unscaled_loss(trainer: pl.Trainer, loss: Tensor) -> Tensor:
     """The loss as ``training_step`` returned it, divided as Lightning divides it under accumulation
     (``on_before_backward`` sees it multiplied by the fp16 scale too; the scale is removed, no host sync)."""
@@ -471,16 +420,17 @@ def unscaled_loss(trainer: pl.Trainer, loss: Tensor) -> Tensor:
     return loss if scale is None else loss / scale.to(loss.device)
 
 
-class PolicyCallback(GradKitCallback):
+class GradKitCallback(Callback):
     """The Lightning adapter of a torch policy: every Trainer hook forwarded to the policy's protocol hook.
 
-    A gradkit callback is ``class ClipGradNorm(gradkit.clipping.ClipGradNorm, PolicyCallback)``: the policy class (a
-    plain torch object, :class:`~gradkit.pipeline.Policy`) holds the algorithm and its state; this class turns the
+    A gradkit callback is ``class ClipGradNorm(gradkit.clipping.ClipGradNorm, GradKitCallback)``: the policy class (a
+    plain torch object, :class:`~gradkit.protocol.Policy`) holds the algorithm and its state; this class turns the
     Trainer's hooks into the protocol's calls, the same calls the loop door makes:
 
     ====================================  ==========================================================
     Trainer hook                          protocol hook
     ====================================  ==========================================================
+    ``setup``                             (the pipeline of the Trainer is reset)
     ``on_fit_start``                      ``attach(ctx, pl_module)``
     ``on_train_batch_start`` (first)      ``before_first_forward(ctx)``
     ``on_before_backward``                ``note_loss(loss, ctx)`` (the loss without the fp16 scale)
@@ -489,26 +439,27 @@ class PolicyCallback(GradKitCallback):
     ``on_train_end``                      ``finish(ctx)``
     ====================================  ==========================================================
 
-    ``state_dict`` / ``load_state_dict`` are the policy's own: a checkpoint keeps them under the callback's
-    ``state_key``, the key :class:`~gradkit.loop.GradKit` uses too.
+    The first of a Trainer's gradkit callbacks that Lightning calls in ``on_before_optimizer_step`` runs the pipeline
+    for all of them. ``state_dict`` / ``load_state_dict`` are the policy's own: a checkpoint keeps them under the
+    callback's ``state_key``, the key :class:`~gradkit.loop.GradKit` uses too. A callback that only works under a
+    Trainer (``AccumulationGuard``) sets :attr:`trainer_only` to the reason, which the loop door's refusal names.
     """
 
+    stage: Stage = Stage.OBSERVE
+    #: Why the callback works only under a Trainer (the loop door refuses it, naming this), ``None`` if it does not.
+    trainer_only: str | None = None
     _first_forward_done = False
 
-    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
-        """A policy without an ``attach`` of its own works behind every door (``GradKitCallback.attach`` refuses the
-        loop door for the Trainer-only callbacks)."""
-
-    def _forward(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        method = hook(self, name)
-        if method is not None:
-            method(*args, Engine.of(trainer).context(trainer, pl_module))
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_callback_instances(trainer)
+        Engine.of(trainer).reset()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_fit_start(trainer, pl_module)
+        engine = Engine.of(trainer)
+        engine.verify_layout(trainer, pl_module)
         attach = hook(self, "attach")
         if attach is not None:
-            attach(Engine.of(trainer).context(trainer, pl_module), pl_module)
+            attach(engine.context(trainer, pl_module), pl_module)
         self._first_forward_done = False
 
     def on_train_batch_start(
@@ -523,6 +474,15 @@ class PolicyCallback(GradKitCallback):
         if note_loss is not None:  # the unscaled loss costs a `detach` per micro-batch: only for a policy that reads it
             note_loss(unscaled_loss(trainer, loss), Engine.of(trainer).context(trainer, pl_module))
 
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning calls it after every backward (`manual_backward` and closure re-evaluations included).
+        Engine.of(trainer).generation += 1
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        Engine.of(trainer).run(trainer, pl_module, optimizer)
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -530,6 +490,24 @@ class PolicyCallback(GradKitCallback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._forward("finish", trainer, pl_module)
+
+    def _forward(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        method = hook(self, name)
+        if method is not None:
+            method(*args, Engine.of(trainer).context(trainer, pl_module))
+
+    # -- checkpoints inside an accumulation window -----------------------------------------------------------------
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if _first_gradkit_callback(trainer) is self:
+            note_window_on_save(trainer, checkpoint)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if _first_gradkit_callback(trainer) is self:
+            note_window_on_load(trainer, checkpoint)
 
 
 def _first_gradkit_callback(trainer: pl.Trainer) -> GradKitCallback | None:

@@ -136,7 +136,7 @@ class AccumulationGuard(GradKitCallback):
     stage = Stage.SCALE
     _restores_open_window = True
 
-    _needs_trainer_because = (
+    trainer_only = (
         "it reads the Trainer's accumulation window and `training_step` batches; in your own loop divide the summed "
         "loss by the window's token count (`gradkit.accumulate`) before `backward`"
     )

@@ -1,8 +1,8 @@
 """The clipping callbacks of the Lightning ``Trainer``, and :func:`clip_gradients` for manual optimization.
 
-Each callback is a thin subclass ``class ClipGradNorm(gradkit.clipping.ClipGradNorm, PolicyCallback)``: the torch
+Each callback is a thin subclass ``class ClipGradNorm(gradkit.clipping.ClipGradNorm, GradKitCallback)``: the torch
 class (:mod:`gradkit.clipping`, :mod:`gradkit.history_clipping`, :mod:`gradkit.agc`) holds the algorithm, its
-arguments and its state; :class:`~lightning_gradkit.engine.PolicyCallback` forwards the Trainer's hooks to it. What
+arguments and its state; :class:`~lightning_gradkit.engine.GradKitCallback` forwards the Trainer's hooks to it. What
 is left here is what only a Trainer has: the checks at ``setup`` (one clipper per Trainer, not beside
 ``gradient_clip_val``, not under DeepSpeed), the state key Lightning needs before ``setup``, and the
 manual-optimization entry point.
@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from gradkit import agc, clipping, history_clipping
 from gradkit.protocol import Policy, Stage, is_policy, unwrapped
 from lightning_gradkit._deepspeed import clipping_instead, refuse_under_deepspeed
-from lightning_gradkit.engine import Engine, PolicyCallback
+from lightning_gradkit.engine import Engine, GradKitCallback
 
 __all__ = ["AdaptiveGradClip", "AutoClip", "ClipGradNorm", "ClipGradValue", "ZClip", "clip_gradients"]
 
@@ -28,7 +28,7 @@ def _is_clipper(obj: object) -> bool:
     return is_policy(obj) and obj.stage is Stage.CLIP  # type: ignore[attr-defined]
 
 
-def _set_up(callback: PolicyCallback, trainer: pl.Trainer, stage: str, setting: str, max_norm: float | None) -> None:
+def _set_up(callback: GradKitCallback, trainer: pl.Trainer, stage: str, setting: str, max_norm: float | None) -> None:
     """The clipper's checks at ``setup``: DeepSpeed clips by itself, and a Trainer has one clipper.
 
     Args:
@@ -65,7 +65,7 @@ def _set_up(callback: PolicyCallback, trainer: pl.Trainer, stage: str, setting: 
         )
 
 
-class ClipGradNorm(clipping.ClipGradNorm, PolicyCallback):
+class ClipGradNorm(clipping.ClipGradNorm, GradKitCallback):
     r"""Clip gradients by their total p-norm: the same result as ``torch.nn.utils.clip_grad_norm_``.
 
     The Trainer callback of :class:`gradkit.clipping.ClipGradNorm`, which documents the algorithm, its arguments and
@@ -88,7 +88,7 @@ class ClipGradNorm(clipping.ClipGradNorm, PolicyCallback):
         _set_up(self, trainer, stage, repr(self), self.max_norm if self.norm_type == 2.0 else None)
 
 
-class ClipGradValue(clipping.ClipGradValue, PolicyCallback):
+class ClipGradValue(clipping.ClipGradValue, GradKitCallback):
     r"""Clip every gradient element to ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``.
 
     The Trainer callback of :class:`gradkit.clipping.ClipGradValue`, which documents the algorithm, its argument and
@@ -110,7 +110,7 @@ class ClipGradValue(clipping.ClipGradValue, PolicyCallback):
         _set_up(self, trainer, stage, repr(self), None)
 
 
-class AutoClip(history_clipping.AutoClip, PolicyCallback):
+class AutoClip(history_clipping.AutoClip, GradKitCallback):
     r"""Clip to a percentile of the history of total gradient norms (AutoClip).
 
     The Trainer callback of :class:`gradkit.history_clipping.AutoClip`, which documents the algorithm, its arguments
@@ -133,7 +133,7 @@ class AutoClip(history_clipping.AutoClip, PolicyCallback):
         _set_up(self, trainer, stage, "AutoClip(...)", None)
 
 
-class ZClip(history_clipping.ZClip, PolicyCallback):
+class ZClip(history_clipping.ZClip, GradKitCallback):
     r"""Clip gradient-norm spikes detected by a z-score against an EMA of the total norm (ZClip).
 
     The Trainer callback of :class:`gradkit.history_clipping.ZClip`, which documents the algorithm, its arguments
@@ -156,7 +156,7 @@ class ZClip(history_clipping.ZClip, PolicyCallback):
         _set_up(self, trainer, stage, "ZClip(...)", None)
 
 
-class AdaptiveGradClip(agc.AdaptiveGradClip, PolicyCallback):
+class AdaptiveGradClip(agc.AdaptiveGradClip, GradKitCallback):
     r"""Unit-wise adaptive gradient clipping (AGC).
 
     The Trainer callback of :class:`gradkit.agc.AdaptiveGradClip`, which documents the algorithm, its arguments and

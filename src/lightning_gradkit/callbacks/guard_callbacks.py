@@ -1,5 +1,5 @@
 """The two guards as Lightning Trainer callbacks: the torch policies (:class:`gradkit.guards.NonFiniteGuard`,
-:class:`gradkit.spike_guard.SpikeGuard`) behind :class:`~lightning_gradkit.engine.PolicyCallback`.
+:class:`gradkit.spike_guard.SpikeGuard`) behind :class:`~lightning_gradkit.engine.GradKitCallback`.
 
 What is here is what only a Trainer has: the strategy checks at ``setup``, the batch that ``training_step`` replays
 (kept at ``on_train_batch_start`` as the door's :class:`~gradkit.culprit.MicroBatch`), ``NonFiniteGuard``'s
@@ -23,7 +23,7 @@ import gradkit.spike_guard
 from gradkit.culprit import MicroBatch, sample_ids
 from gradkit.replay import capture_rng
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, deepspeed_step, refuse_under_deepspeed, uses_deepspeed
-from lightning_gradkit.engine import Engine, PolicyCallback, is_logging_step
+from lightning_gradkit.engine import Engine, GradKitCallback, is_logging_step
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
 
 __all__ = ["NonFiniteGuard", "SpikeGuard", "training_step_batch"]
@@ -86,7 +86,7 @@ def training_step_batch(
     return MicroBatch(batch_idx, compute_loss, capture_rng(full=False), ids)
 
 
-class NonFiniteGuard(gradkit.guards.NonFiniteGuard, PolicyCallback):
+class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
     r"""Catch NaN/Inf in the loss or the gradients: skip the step, raise, or warn; and name where it began.
 
     The Trainer callback of :class:`gradkit.guards.NonFiniteGuard` (its docstring describes the algorithm, the
@@ -287,7 +287,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, PolicyCallback):
         rank_zero_warn(f"{message}{self._reporter.note}")
 
 
-class SpikeGuard(gradkit.spike_guard.SpikeGuard, PolicyCallback):
+class SpikeGuard(gradkit.spike_guard.SpikeGuard, GradKitCallback):
     r"""Detect loss or gradient-norm spikes with a running z-score: warn, skip the step, or raise.
 
     The Trainer callback of :class:`gradkit.spike_guard.SpikeGuard` (its docstring describes the algorithm and the

@@ -13,12 +13,12 @@ from torch.optim import Optimizer
 
 import gradkit.monitor
 from lightning_gradkit._deepspeed import deepspeed_step, refuse_under_deepspeed, uses_deepspeed
-from lightning_gradkit.engine import Engine, PolicyCallback
+from lightning_gradkit.engine import Engine, GradKitCallback
 
 __all__ = ["GradNormMonitor"]
 
 
-class GradNormMonitor(gradkit.monitor.GradNormMonitor, PolicyCallback):
+class GradNormMonitor(gradkit.monitor.GradNormMonitor, GradKitCallback):
     r"""Log gradient norms (total, per module, per param group) and optionally weight norms.
 
     :class:`gradkit.monitor.GradNormMonitor` (the keys, the costs and the arguments) as a ``Trainer`` callback: the

@@ -8,13 +8,13 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from gradkit import rollback
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
-from lightning_gradkit.engine import Engine, PolicyCallback
+from lightning_gradkit.engine import Engine, GradKitCallback
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
 
 __all__ = ["SpikeRollback"]
 
 
-class SpikeRollback(rollback.SpikeRollback, PolicyCallback):
+class SpikeRollback(rollback.SpikeRollback, GradKitCallback):
     """When a loss or gradient-norm spike persists, restore the newest good snapshot and step over the bad data: the
     Trainer callback of :class:`gradkit.rollback.SpikeRollback` (its arguments, its algorithm, its state).
 
