@@ -250,9 +250,12 @@ def _globals_holding_inference_tensors() -> list[str]:
         if module is None or module_name.partition(".")[0] in _FRAMEWORK_PACKAGES:
             continue
         search = _InferenceTensorSearch(clone=False)
-        for name, value in list(vars(module).items()):
-            if not name.startswith("__") and type(value) is not functools._lru_cache_wrapper:
-                search.visit(value, f"{module_name}.{name}", 1)
+        try:
+            for name, value in list(vars(module).items()):
+                if not name.startswith("__") and type(value) is not functools._lru_cache_wrapper:
+                    search.visit(value, f"{module_name}.{name}", 1)
+        except Exception:
+            continue
         found += search.found
     return found
 
