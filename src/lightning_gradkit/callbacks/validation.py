@@ -255,7 +255,7 @@ def _globals_holding_inference_tensors() -> list[str]:
                 if not name.startswith("__") and type(value) is not functools._lru_cache_wrapper:
                     search.visit(value, f"{module_name}.{name}", 1)
         except Exception:
-            continue
+            continue  # a lazy module (transformers') may raise on a read; it holds no tensor of the run
         found += search.found
     return found
 
