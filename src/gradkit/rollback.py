@@ -336,6 +336,8 @@ class SpikeRollback:
     def finish(self, ctx: StepContext) -> None:
         self._escalation.remove_hooks()
 
+    detach = finish  # `GradKit.close()`, also after an error: the learning-rate hooks leave the optimizers
+
     # -- the step's pipeline -----------------------------------------------------------------------------------
     def may_skip(self) -> bool:
         return True

@@ -9,41 +9,54 @@ by ``make test-compat`` on 2.5.6 and 2.6.6. The package supports ``lightning>=2.
 resumes from a checkpoint saved in ``on_train_batch_end``, so no exact mid-epoch resume can be built on it. A note
 says where releases differ.
 
-**Private reads** (one function each, below; a comment says why no public API does):
+**Private reads** (one function each where more than one place needs it; a comment says why no public API does):
 
 - :func:`~lightning_gradkit.engine.batches_that_stepped` (in ``engine.py``, the Trainer door, whose every step reads
   it): ``fit_loop.epoch_loop._batches_that_stepped``, the step Lightning logs under.
 - :func:`epoch_ends_with_this_batch`: ``fit_loop.epoch_loop._num_ready_batches_reached()``.
-- :func:`publish_callback_metrics`: writes into the dict ``trainer.callback_metrics`` returns.
+- :func:`publish_callback_metrics`: writes into the dict ``trainer.callback_metrics`` returns
+  (``_LoggerConnector._callback_metrics``).
 - :func:`ddp_start_method`: ``DDPStrategy._start_method``.
 - :func:`set_root_device`: writes ``SingleDeviceStrategy._root_device``.
+- ``LightningModule._trainer`` in ``GradKitStrategyMixin.connect`` (``strategy.py``): the public ``trainer`` property
+  raises for a module not attached to a Trainer, and ``connect`` also runs outside ``fit``.
+- ``LightningOptimizer._optimizer`` in :func:`gradkit.protocol.unwrapped`, the one place that unwraps an optimizer
+  (Fabric's ``_FabricOptimizer`` has the public ``optimizer``; Lightning's wrapper has no public attribute).
+- ``Callback._generate_state_key`` (``ActivationCheckpointing``, ``SyncAudit``, ``GraphLeakGuard``): the way
+  Lightning's documentation tells a callback to build its ``state_key``; the torch policies rebuild its format with
+  :func:`gradkit.protocol.state_key`, so a key is the same behind every door.
 - torch and torchmetrics, in :mod:`gradkit._torch_compat` (the Lightning-free pipeline needs them too):
-  torchmetrics' ``Metric._defaults`` (``metric_state_names``),
-  ``GradScaler._scale`` (:func:`~gradkit._torch_compat.loss_scale`),
-  ``GradScaler._per_optimizer_states`` (``gradients_still_scaled``), ``Optimizer._step_supports_amp_scaling``
-  (``handles_found_inf``).
+  torchmetrics' ``Metric._defaults`` (``metric_state_names``), ``GradScaler._scale``
+  (:func:`~gradkit._torch_compat.loss_scale`), ``GradScaler._per_optimizer_states`` (``gradients_still_scaled``),
+  ``Optimizer._step_supports_amp_scaling`` (``handles_found_inf``).
 
 Public-named loop properties are read directly where needed (``fit_loop.total_batch_idx``,
 ``fit_loop.epoch_loop.batch_idx``, ``fit_loop.epoch_loop.batch_progress``): public by name, and the same in every
-release above. So are torch's underscore APIs that torch's own public code builds on and that the package
-uses in the same way: ``torch._foreach_*`` (``torch.nn.utils.clip_grad``), sparse ``_values()``/``_indices()``
-(``torch.sparse``), ``Tensor._version`` and ``Module._buffers``/``_parameters``/``_modules`` (``nn.Module`` state),
-``torch.utils._python_dispatch``/``_pytree`` and the autograd node's ``_sequence_nr()`` (forensics, the planner),
-and the FSDP2/composable-checkpoint lookups that fall back to private paths on torch < 2.6
-(``callbacks/validation.py``, ``activation_checkpointing/injection.py``).
+release above. So are torch's underscore APIs that torch's own public code builds on and that the package uses in
+the same way: ``torch._foreach_*`` (``torch.nn.utils.clip_grad``), sparse ``_values()``/``_indices()``
+(``torch.sparse``), ``Tensor._version`` and ``Tensor._base`` (views), ``Module._buffers``/``_parameters``/``_modules``
+(``nn.Module`` state), a DTensor's ``_local_tensor`` (``to_local()`` without its autograd node), a compiled module's
+``_orig_mod`` (``torch.compile``'s wrapper), ``torch.utils._python_dispatch``/``_pytree``, an ``OpOverload``'s
+``_schema``, ``torch._C._current_autograd_node`` and the autograd node's ``_sequence_nr()`` /
+``torch.autograd.graph``'s ``_get_sequence_nr`` (forensics, the planner, the graph audit), ``torch._C`` for the CUDA
+event and pinned-memory calls of :mod:`gradkit.host_lag`, and the FSDP2/composable-checkpoint lookups that fall back
+to private paths on torch < 2.6 (``callbacks/validation.py``, ``activation_checkpointing/injection.py``). From the
+standard library: ``sys._getframe`` (the source line of a sync or a culprit), ``functools._lru_cache_wrapper`` (the
+type of an ``lru_cache``, whose cache the inference-tensor search reads) and a namedtuple's ``_fields`` (public API).
 
 **Runtime patches**. Each shadows an INSTANCE attribute (never a class attribute) and puts back what was there;
 the short-lived ones go through :func:`~gradkit.gate.shadowed` (Lightning-free, so the Fabric and
 plain-PyTorch door use it too).
 
 1. ``optimizer.step`` is the strategy's gate while ``Strategy.optimizer_step`` runs (``strategy.py``,
-   ``shadowed``); :class:`~gradkit.loop.GradKit` shadows it the same way while its ``step`` runs. Why: a
-   callback cannot cancel a step, and every precision plugin ends in ``optimizer.step``
-   (``Precision.optimizer_step`` calls ``optimizer.step(closure=...)``; ``MixedPrecision`` calls
-   ``scaler.step(optimizer)``, which calls ``optimizer.step()``), so the gate is the one place that sees them all.
-2. ``optimizer.found_inf`` while a fused optimizer steps (``core/gate.py``, ``shadowed``): the attribute
-   ``GradScaler.step`` itself sets for fused optimizers; the gate raises it on a skip (combined with the scaler's),
-   so the fused kernel skips on device without a host sync.
+   ``shadowed``); :class:`~gradkit.loop.GradKit` shadows it the same way while its ``step`` runs, when the plan may
+   skip or leaves a factor to the fused kernel. Why: a callback cannot cancel a step, and every precision plugin ends
+   in ``optimizer.step`` (``Precision.optimizer_step`` calls ``optimizer.step(closure=...)``; ``MixedPrecision``
+   calls ``scaler.step(optimizer)``, which calls ``optimizer.step()``), so the gate is the one place that sees them.
+2. ``optimizer.found_inf`` and ``optimizer.grad_scale`` while a fused optimizer steps (``gradkit/gate.py``,
+   ``shadowed``): the attributes ``GradScaler.step`` itself sets for fused optimizers; the gate raises ``found_inf``
+   on a skip and divides the plan's common factor into ``grad_scale`` (combined with the scaler's), so the fused
+   kernel skips, or scales, on device without a host sync.
 3. ``LightningModule.lr_scheduler_step`` from ``setup`` to ``teardown`` (``strategy.py``): Lightning calls this
    hook for every due scheduler, looked up with ``getattr`` (``call._call_lightning_module_hook``), so an instance
    attribute takes effect; the gate holds step-interval schedulers after skipped steps. Not installed when the
@@ -60,10 +73,26 @@ plain-PyTorch door use it too).
 6. ``module.forward`` of each checkpointed module (``activation_checkpointing/injection.py``): keeps every module
    and parameter name (``checkpoint_wrapper`` adds ``_checkpoint_wrapped_module.``) and leaves forward hooks (FSDP2,
    DDP) outside the checkpointed region. Plain PyTorch; removed by ``remove``.
-7. ``LightningModule.log``/``log_dict`` do nothing during a replay (``replay.py``, ``shadowed``): a replayed
-   ``training_step`` must not log twice, and Lightning has no switch for it.
+7. ``LightningModule.log``/``log_dict`` do nothing during a replay (``gradkit/replay.py``, ``shadowed``): a
+   replayed ``training_step`` must not log twice, and Lightning has no switch for it.
 8. ``LightningModule.on_train_batch_end`` for one audited step (``diagnostics/sync_audit.py``): Lightning calls
    the module's hook after every callback's, so the audit keeps recording until it returns.
+9. ``trainer.callbacks`` loses the callback CLASSES given instead of instances (``engine.check_callback_instances``,
+   from ``GradKitStrategyMixin.connect`` or a callback's ``setup``) before gradkit raises its error: Lightning's
+   ``on_exception`` hooks, called while the error propagates, would call them unbound and replace the message.
+10. A module's buffers and tensor attributes replaced by clones, once, when
+    ``InferenceModeValidation(on_inference_tensors="clone")`` finds inference tensors left by validation
+    (``callbacks/validation.py``: ``module._buffers[name]`` and ``module.__dict__[name]``, the way ``nn.Module``
+    itself stores them): the clones are ordinary tensors, so training can save them for backward.
+11. A torchmetrics ``Metric``'s state attributes put back after a replay (``gradkit/replay.py``, ``setattr`` of the
+    names ``metric_state_names`` lists): a replayed ``training_step`` must not count its batch twice.
+
+**Hooks** gradkit registers on the user's objects, with torch's public ``register_*`` APIs, each removed by its owner:
+the loop door's first-window forward pre-hooks (removed at the first forward, or by ``GradKit.close``); the culprit
+replay's and the planner's forward hooks (removed when the replay or the measurement ends); ``GradNormMonitor``'s
+optimizer step post-hook on logging steps with ``update_ratio=True`` (removed when the step returns); the
+escalation's optimizer step pre/post hooks while an LR cut ramps back (removed when it ends, at ``teardown`` or by
+``GradKit.close``).
 
 Subclassing is not patching: the GradKit strategies override public ``Strategy`` methods (``setup``,
 ``teardown``, ``optimizer_step``, ``training_step``, ``save_checkpoint``, ``load_checkpoint``) and call ``super()``.

@@ -49,7 +49,7 @@ from gradkit._torch_compat import gradients_still_scaled
 from gradkit.events import EventLog
 from gradkit.norms import loss_scale, world_size
 from gradkit.pipeline import Pipeline, StepPlan, UnitNorms
-from gradkit.protocol import Policy, Stage, StatsRequest, StepContext, hook, values_to_host
+from gradkit.protocol import Policy, Stage, StatsRequest, StepContext, hook, unwrapped, values_to_host
 from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
 
@@ -265,7 +265,7 @@ class TrainerContext(StepContext):
 
     def optimizer_index(self, optimizer: Optimizer) -> int:
         for i, opt in enumerate(self.trainer.optimizers):
-            if opt is optimizer or getattr(opt, "_optimizer", None) is optimizer:
+            if opt is optimizer or unwrapped(opt) is optimizer:
                 return i
         return 0
 
