@@ -31,6 +31,11 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
+def _own(value: ast.expr) -> bool:
+    """``self._x`` / ``cls._x``: a class's own private attribute."""
+    return isinstance(value, ast.Name) and value.id in ("self", "cls")
+
+
 def _foreign_private_reads() -> dict[str, set[str]]:
     defined: set[str] = set()
     read: dict[str, set[str]] = {}
