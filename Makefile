@@ -31,7 +31,7 @@ test: $(STAMP)
 COMPAT_LIGHTNING ?= 2.5.6 2.6.6
 COMPAT_DIR := .venv-compat
 # The compat subset: every Lightning integration point, the private reads of src/lightning_gradkit/_compat.py in [ ].
-#   strategy, package_layout   registry names and the import hook, device resolution [_root_device, _start_method]
+#   strategy, package_layout   registry names at import, device resolution [_root_device, _start_method]
 #   strategy_gate              the optimizer.step gate, lr_scheduler_step and scheduler frequency, mid-epoch resume
 #   setup_errors               callback classes refused (Lightning's callback validation)
 #   clipping, monitor(_amp)    the step boundary, 16-mixed [GradScaler._scale], fused found_inf, logging step and
@@ -41,6 +41,7 @@ COMPAT_DIR := .venv-compat
 #   guards, guards_faults      skips, fused found_inf, forensics replay [torchmetrics Metric._defaults]
 #   step_state                 buffers on a skip, replays, DDP buffers (2 processes)
 #   rollback, legacy_checkpoint   state_dict save/load, resume, the checkpoint fixtures of the previous layout
+#   door_state                 a Trainer checkpoint resumes the loop door and the reverse (one state format)
 #   sync_audit, validation     on_train_batch_end patch; validation loop under inference mode
 #   cli                        LightningCLI (class_path, strategy names)
 #   *_distributed              DDP and FSDP2 (ModelParallelStrategy) on 2 processes, TP x FSDP2 on 4
@@ -51,6 +52,7 @@ COMPAT_TESTS := \
 	tests/test_strategy_gate.py \
 	tests/test_package_layout.py \
 	tests/test_setup_errors.py \
+	tests/test_door_state.py \
 	tests/test_clipping.py \
 	tests/test_clipping_manual_amp.py \
 	tests/test_monitor.py \

@@ -23,7 +23,7 @@ from gradkit.replay import capture_rng, replay
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import NonFiniteGuard
 from lightning_gradkit.callbacks.guard_callbacks import training_step_batch
-from lightning_gradkit.engine import Engine
+from lightning_gradkit.trainer_door import TrainerPipeline
 from test_guards import events
 
 
@@ -490,7 +490,7 @@ def test_loop_door_replay_names_the_same_module_operator_and_line_as_the_trainer
     assert (loop_finding["phase"], loop_finding["op"]) == ("forward", "aten.div.Tensor")
     assert loop_finding["source"].endswith("return x / x.abs().amax(dim=1, keepdim=True)  # the culprit line")
     assert loop_finding == trainer_finding
-    assert kit.skipped_steps == int(Engine.of(trainer).skipped_steps) == 1
+    assert kit.skipped_steps == int(TrainerPipeline.of(trainer).skipped_steps) == 1
     for name, value in module.state_dict().items():
         assert torch.equal(value, model.state_dict()[name]), name
 

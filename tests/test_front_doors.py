@@ -37,7 +37,7 @@ from lightning_gradkit import (
     SpikeRollback,
     ZClip,
 )
-from lightning_gradkit.engine import Engine
+from lightning_gradkit.trainer_door import TrainerPipeline
 
 pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning", "ignore:SpikeGuard:UserWarning")
 
@@ -537,7 +537,7 @@ def test_fp16_skipped_steps_count_the_guards_skips_not_the_gradscalers_overflows
     overflows = round(math.log2(init_scale / scaler.get_scale())) - 1  # one halving is the NaN step's
     assert trainer_scaler.get_scale() == scaler.get_scale()
     for events, skipped, state in [
-        (trainer_events, Engine.of(trainer).skipped_steps, module.state_dict()),
+        (trainer_events, TrainerPipeline.of(trainer).skipped_steps, module.state_dict()),
         (plain_events, kit.skipped_steps, model.state_dict()),
     ]:
         if optimizer == "sgd":  # a fused optimizer's guard reports from its device ledger, not step by step

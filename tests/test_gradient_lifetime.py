@@ -30,7 +30,7 @@ from lightning_gradkit import (
     ZClip,
     clip_gradients,
 )
-from lightning_gradkit.engine import Engine
+from lightning_gradkit.trainer_door import TrainerPipeline
 
 
 class _Tracker(MLPModule):
@@ -140,7 +140,7 @@ def test_released_plan_measures_the_gradients_as_they_are_now(tmp_path: Path) ->
     class _Probe(MLPModule):
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             opt = self.trainer.optimizers[0]
-            plan = Engine.of(self.trainer).last_plans[id(opt)]
+            plan = TrainerPipeline.of(self.trainer).last_plans[id(opt)]
             assert plan.grads == []
             expected = torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])
             seen["measured"] = plan.measure_grads(2.0).norm()

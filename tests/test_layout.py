@@ -10,7 +10,7 @@ import torch
 from gradkit import _layout
 from gradkit._layout import first_mismatch, parameter_layout, verify_same_layout
 from helpers import MLPModule, loader, make_trainer, run_distributed
-from lightning_gradkit import GradNormMonitor, engine
+from lightning_gradkit import GradNormMonitor, trainer_door
 
 
 def test_layout_lists_trainable_parameters_in_optimizer_order() -> None:
@@ -42,7 +42,7 @@ def test_single_process_fit_skips_the_check_and_trains_as_plain_lightning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checks, described = [], []
-    monkeypatch.setattr(engine, "verify_same_layout", lambda *a: checks.append(a) or verify_same_layout(*a))
+    monkeypatch.setattr(trainer_door, "verify_same_layout", lambda *a: checks.append(a) or verify_same_layout(*a))
     monkeypatch.setattr(_layout, "parameter_layout", lambda *a: described.append(a) or parameter_layout(*a))
     torch.manual_seed(0)
     model = MLPModule()

@@ -26,7 +26,7 @@ from lightning_gradkit import (
     NonFiniteGuard,
     ZClip,
 )
-from lightning_gradkit.engine import GradKitCallback
+from lightning_gradkit.trainer_door import GradKitCallback
 
 VOCAB, DIM, TOKENS = 12, 6, 5
 STEPS = 12

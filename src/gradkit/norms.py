@@ -10,7 +10,7 @@ Gradients (and losses) that still carry the AMP loss scale are expressed without
 one reader of a ``GradScaler``'s scale tensor (defined with the other torch private reads in
 :mod:`gradkit._torch_compat`, importable from here).
 
-The functions here are pure tensor math with no Lightning in them; the engine (:mod:`lightning_gradkit.engine`)
+The functions here are pure tensor math with no Lightning in them; the engine (:mod:`lightning_gradkit.trainer_door`)
 wires them to the Trainer.
 """
 

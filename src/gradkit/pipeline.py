@@ -1,7 +1,7 @@
 """The step pipeline: measure once, decide once, touch the gradients once. Torch only.
 
-Every front door drives it: the Lightning ``Trainer`` callbacks (:mod:`lightning_gradkit.engine`), Lightning Fabric
-and a plain PyTorch loop (:class:`~gradkit.loop.GradKit`); what it reads of the loop and of the policies is the
+Every front door drives it: the Lightning ``Trainer`` callbacks (:mod:`lightning_gradkit.trainer_door`), Lightning
+Fabric and a plain PyTorch loop (:class:`~gradkit.loop.GradKit`); what it reads of the loop and of the policies is the
 protocol of :mod:`gradkit.protocol`. :meth:`Pipeline.run` is the list of the phases:
 
 1. **measure** (:meth:`Pipeline._measure`): every gradient is read once, into this rank's per-parameter norms (and

@@ -3,7 +3,7 @@
 - :class:`Policy`: what a policy is to the pipeline (a plain object with a ``stage`` and any of the hooks); gradkit's
   policies are plain torch classes that do not derive from it.
 - :class:`StepContext`: what the pipeline and the policies read of the loop (one subclass per front door: the
-  Trainer's in :mod:`lightning_gradkit.engine`, the loop door's in :mod:`gradkit.loop`).
+  Trainer's in :mod:`lightning_gradkit.trainer_door`, the loop door's in :mod:`gradkit.loop`).
 - :class:`Stage` (the order of decisions within a step), :class:`StatsRequest` (what the measure phase reads for the
   policies), :class:`Roster` (a step's policies and each phase's hooks).
 
@@ -86,10 +86,10 @@ def values_to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
 class StepContext:
     """The loop a step runs in, as the pipeline and the policies read it: one subclass per front door.
 
-    The Lightning ``Trainer`` door answers from the Trainer (:class:`~lightning_gradkit.engine.TrainerContext`), the
-    Fabric and plain-PyTorch door from its own step counter (:class:`~gradkit.loop.LoopContext`). A
-    feature that only exists under a Trainer (the culprit replay of ``training_step``, the LR gate) reads
-    ``trainer``, which is ``None`` behind the other doors.
+    The Lightning ``Trainer`` door answers from the Trainer
+    (:class:`~lightning_gradkit.trainer_door.TrainerContext`), the Fabric and plain-PyTorch door from its own step
+    counter (:class:`~gradkit.loop.LoopContext`). A feature that only exists under a Trainer (the culprit replay of
+    ``training_step``, the LR gate) reads ``trainer``, which is ``None`` behind the other doors.
 
     Attributes:
         trainer: the Lightning ``Trainer`` when the loop is one, else ``None``.

@@ -37,7 +37,6 @@ from lightning_gradkit.callbacks.rollback_callback import SpikeRollback
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
 from lightning_gradkit.diagnostics.graph_leak import GraphLeakGuard
 from lightning_gradkit.diagnostics.sync_audit import SyncAudit
-from lightning_gradkit.engine import GradKitCallback
 from lightning_gradkit.strategy import (
     GradKitDDPStrategy,
     GradKitFSDPStrategy,
@@ -48,6 +47,7 @@ from lightning_gradkit.strategy import (
 from lightning_gradkit.strategy import (
     register_strategies as register_strategies,
 )
+from lightning_gradkit.trainer_door import GradKitCallback
 
 __version__ = "0.1.0.dev0"
 

@@ -11,8 +11,8 @@ says where releases differ.
 
 **Private reads** (one function each where more than one place needs it; a comment says why no public API does):
 
-- :func:`~lightning_gradkit.engine.batches_that_stepped` (in ``engine.py``, the Trainer door, whose every step reads
-  it): ``fit_loop.epoch_loop._batches_that_stepped``, the step Lightning logs under.
+- :func:`~lightning_gradkit.trainer_door.batches_that_stepped` (in ``trainer_door.py``, the Trainer door, whose every
+  step reads it): ``fit_loop.epoch_loop._batches_that_stepped``, the step Lightning logs under.
 - :func:`epoch_ends_with_this_batch`: ``fit_loop.epoch_loop._num_ready_batches_reached()``.
 - :func:`publish_callback_metrics`: writes into the dict ``trainer.callback_metrics`` returns
   (``_LoggerConnector._callback_metrics``).
@@ -77,9 +77,10 @@ plain-PyTorch door use it too).
    replayed ``training_step`` must not log twice, and Lightning has no switch for it.
 8. ``LightningModule.on_train_batch_end`` for one audited step (``diagnostics/sync_audit.py``): Lightning calls
    the module's hook after every callback's, so the audit keeps recording until it returns.
-9. ``trainer.callbacks`` loses the callback CLASSES given instead of instances (``engine.check_callback_instances``,
-   from ``GradKitStrategyMixin.connect`` or a callback's ``setup``) before gradkit raises its error: Lightning's
-   ``on_exception`` hooks, called while the error propagates, would call them unbound and replace the message.
+9. ``trainer.callbacks`` loses the callback CLASSES given instead of instances
+   (``trainer_door.check_callback_instances``, from ``GradKitStrategyMixin.connect`` or a callback's ``setup``)
+   before gradkit raises its error: Lightning's ``on_exception`` hooks, called while the error propagates, would
+   call them unbound and replace the message.
 10. A module's buffers and tensor attributes replaced by clones, once, when
     ``InferenceModeValidation(on_inference_tensors="clone")`` finds inference tensors left by validation
     (``callbacks/validation.py``: ``module._buffers[name]`` and ``module.__dict__[name]``, the way ``nn.Module``

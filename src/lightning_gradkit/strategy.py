@@ -6,14 +6,14 @@ A Lightning callback cannot cancel an optimizer step: ``on_before_optimizer_step
 ``optimizer_step`` it shadows ``optimizer.step`` with a gate; every precision plugin ends in that gate:
 
 - ``32-true``, ``bf16-mixed`` (``Precision``): ``optimizer.step(closure)``; the gate runs the closure (training
-  step, backward, then the callbacks' ``on_before_optimizer_step``, where the gradkit engine decides), then steps
+  step, backward, then the callbacks' ``on_before_optimizer_step``, where the gradkit pipeline decides), then steps
   the optimizer or not.
 - ``16-mixed`` (``MixedPrecision`` with a ``GradScaler``): closure, ``unscale_``, hooks, ``scaler.step(optimizer)``
   which calls ``optimizer.step()`` (the gate) unless the scaler found an overflow itself, then ``scaler.update()``.
 
-The gate reads the engine's decision ``StepPlan.skip`` (a device flag, identical on every rank because it is
-derived from all-reduced gradients and from per-rank flags summed in the engine's one collective), and only the
-plan of the current step's gradients (``Engine.step_plan``): whoever ran the engine first for them
+The gate reads the pipeline's decision ``StepPlan.skip`` (a device flag, identical on every rank because it is
+derived from all-reduced gradients and from per-rank flags summed in the pipeline's one collective), and only the
+plan of the current step's gradients (``TrainerPipeline.step_plan``): whoever ran the pipeline first for them
 (``on_before_optimizer_step``, or ``clip_gradients`` in manual optimization), never a plan of an earlier step.
 
 - ordinary optimizer: one host read of the flag, the only synchronization the design allows; on a skip the
@@ -80,7 +80,7 @@ from gradkit.snapshot import Snapshot
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, clipping_instead, is_deepspeed_strategy
 from lightning_gradkit._window import open_window
-from lightning_gradkit.engine import Engine, GradKitCallback, StepPlan, check_callback_instances
+from lightning_gradkit.trainer_door import GradKitCallback, StepPlan, TrainerPipeline, check_callback_instances
 
 __all__ = [
     "GradKitDDPStrategy",
@@ -301,7 +301,7 @@ class GradKitStrategyMixin:
     ) -> Any:
         if not self._gradkit_gate_active:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        engine = Engine.of(self._gradkit_trainer)
+        engine = TrainerPipeline.of(self._gradkit_trainer)
         with shadowed(optimizer, step=self._gradkit_gate(optimizer, optimizer.step, engine)):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         plan = engine.step_plan(self._gradkit_trainer, optimizer)
@@ -327,7 +327,9 @@ class GradKitStrategyMixin:
                 buffers.capture()
 
     # -- the gate ------------------------------------------------------------------------------------------------
-    def _gradkit_gate(self, optimizer: Optimizer, inner: Callable[..., Any], engine: Engine) -> Callable[..., Any]:
+    def _gradkit_gate(
+        self, optimizer: Optimizer, inner: Callable[..., Any], engine: TrainerPipeline
+    ) -> Callable[..., Any]:
         trainer = self._gradkit_trainer
 
         def gated_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:

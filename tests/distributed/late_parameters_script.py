@@ -28,7 +28,7 @@ from lightning_gradkit import (
     GradNormMonitor,
     NonFiniteGuard,
 )
-from lightning_gradkit.engine import Engine
+from lightning_gradkit.trainer_door import TrainerPipeline
 
 BATCHES = 4  # per epoch and rank: step BATCHES is the first unfrozen step
 LR = 0.1
@@ -147,7 +147,7 @@ def fit(out: Path, name: str, sharded: bool, poison: bool) -> dict[str, Any]:
         "before": record.before,
         "after": record.after,
         "poisoned": any(isinstance(cb, PoisonGradient) and cb.written for cb in trainer.callbacks),
-        "skipped": float(skipped) if (skipped := Engine.of(trainer).skipped_steps) is not None else 0.0,
+        "skipped": float(skipped) if (skipped := TrainerPipeline.of(trainer).skipped_steps) is not None else 0.0,
         "unchanged": record.unchanged,
         "warnings": [str(w.message) for w in caught if "requires_grad=False" in str(w.message)],
     }

@@ -23,7 +23,7 @@ from lightning_gradkit import (
     GradNormMonitor,
     NonFiniteGuard,
 )
-from lightning_gradkit.engine import Engine
+from lightning_gradkit.trainer_door import TrainerPipeline
 from test_scale_distributed import DEPTH, MAX_NORM, TPBlocks
 
 DATA_PARALLEL, TENSOR_PARALLEL = 2, 2
@@ -46,7 +46,7 @@ class Record(pl.Callback):
         self.steps: list[dict[str, Any]] = []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, opt: Optimizer) -> None:
-        plan = Engine.of(trainer).last_plans[id(opt)]
+        plan = TrainerPipeline.of(trainer).last_plans[id(opt)]
         self.steps.append(
             {
                 "skip": bool(plan.skip) if plan.skip is not None else False,
@@ -91,7 +91,7 @@ def main() -> None:
     out: dict[str, Any] = {}
 
     collectives = CollectiveCounter()
-    collectives.watch(Engine, "run")
+    collectives.watch(TrainerPipeline, "run")
     record = Record()
     trainer, model = fit([GradNormMonitor(depth=DEPTH), ClipGradNorm(MAX_NORM), record], n=24)
     out["clip"] = {"steps": record.steps, "params": full_params(model), "all_reduces": collectives.calls}
@@ -99,7 +99,7 @@ def main() -> None:
     record = Record()
     callbacks = [PoisonOneShard(), NonFiniteGuard(action="skip"), AccumulationGuard(), ClipGradNorm(MAX_NORM), record]
     trainer, model = fit(callbacks, n=40, accumulate=2)
-    skipped = Engine.of(trainer).skipped_steps
+    skipped = TrainerPipeline.of(trainer).skipped_steps
     out["guard"] = {
         "steps": [{k: v for k, v in s.items() if k != "logged"} for s in record.steps],
         "params": full_params(model),

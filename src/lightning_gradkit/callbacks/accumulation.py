@@ -35,7 +35,7 @@ from gradkit.replay import replaying
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
 from lightning_gradkit._window import WindowPosition
 from lightning_gradkit.callbacks.manual_accumulation import ManualAccumulator
-from lightning_gradkit.engine import GradKitCallback, Stage, StepPlan, is_logging_step, world_size
+from lightning_gradkit.trainer_door import GradKitCallback, Stage, StepPlan, is_logging_step, world_size
 
 __all__ = ["AccumulationGuard", "OnDirty"]
 

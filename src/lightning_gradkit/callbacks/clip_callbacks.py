@@ -2,8 +2,8 @@
 
 Each callback is a thin subclass ``class ClipGradNorm(gradkit.clipping.ClipGradNorm, GradKitCallback)``: the torch
 class (:mod:`gradkit.clipping`, :mod:`gradkit.history_clipping`, :mod:`gradkit.agc`) holds the algorithm, its
-arguments and its state; :class:`~lightning_gradkit.engine.GradKitCallback` forwards the Trainer's hooks to it. What
-is left here is what only a Trainer has: the checks at ``setup`` (one clipper per Trainer, not beside
+arguments and its state; :class:`~lightning_gradkit.trainer_door.GradKitCallback` forwards the Trainer's hooks to
+it. What is left here is what only a Trainer has: the checks at ``setup`` (one clipper per Trainer, not beside
 ``gradient_clip_val``, not under DeepSpeed), the state key Lightning needs before ``setup``, and the
 manual-optimization entry point.
 """
@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from gradkit import agc, clipping, history_clipping
 from gradkit.protocol import Policy, Stage, is_policy, unwrapped
 from lightning_gradkit._deepspeed import clipping_instead, refuse_under_deepspeed
-from lightning_gradkit.engine import Engine, GradKitCallback
+from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
 
 __all__ = ["AdaptiveGradClip", "AutoClip", "ClipGradNorm", "ClipGradValue", "ZClip", "clip_gradients"]
 
@@ -247,7 +247,7 @@ def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, clipper: Po
             f"another clipper ({type(clipper).__name__}) would clip twice. Pass that callback as `clipper` instead."
         )
     raw = unwrapped(optimizer)
-    engine = Engine.of(trainer)
+    engine = TrainerPipeline.of(trainer)
     attach = getattr(clipper, "attach", None)
     if not attached and attach is not None:
         attached_for = _ATTACHED_FOR.get(clipper)

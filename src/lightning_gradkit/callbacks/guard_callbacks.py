@@ -1,5 +1,5 @@
 """The two guards as Lightning Trainer callbacks: the torch policies (:class:`gradkit.guards.NonFiniteGuard`,
-:class:`gradkit.spike_guard.SpikeGuard`) behind :class:`~lightning_gradkit.engine.GradKitCallback`.
+:class:`gradkit.spike_guard.SpikeGuard`) behind :class:`~lightning_gradkit.trainer_door.GradKitCallback`.
 
 What is here is what only a Trainer has: the strategy checks at ``setup``, the batch that ``training_step`` replays
 (kept at ``on_train_batch_start`` as the door's :class:`~gradkit.culprit.MicroBatch`), ``NonFiniteGuard``'s
@@ -23,8 +23,8 @@ import gradkit.spike_guard
 from gradkit.culprit import MicroBatch, sample_ids
 from gradkit.replay import capture_rng
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, deepspeed_step, refuse_under_deepspeed, uses_deepspeed
-from lightning_gradkit.engine import Engine, GradKitCallback, is_logging_step
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
+from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline, is_logging_step
 
 __all__ = ["NonFiniteGuard", "SpikeGuard", "training_step_batch"]
 
@@ -124,7 +124,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
             return
         # A reference to the batch (no copy) and the torch RNG state, so a replay repeats its dropout masks.
         replay = self.forensics and not self._forensics_done
-        ctx = Engine.of(trainer).context(trainer, pl_module)
+        ctx = TrainerPipeline.of(trainer).context(trainer, pl_module)
         ctx.micro_batch = training_step_batch(trainer, pl_module, batch, batch_idx, replay)
 
     # -- under DeepSpeed: the loss before its step, its global norm after -----------------------------------------
@@ -132,7 +132,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
         if not self._deepspeed:
             super().on_fit_start(trainer, pl_module)
             return
-        self.attach(Engine.of(trainer).context(trainer, pl_module), pl_module)
+        self.attach(TrainerPipeline.of(trainer).context(trainer, pl_module), pl_module)
         step = deepspeed_step(trainer.strategy)
         self._ds_steps, self._ds_skipped = step.steps, step.skipped
         self._ds_flagged = None
@@ -156,7 +156,9 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
             self._check_deepspeed_step(trainer, pl_module)
         else:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            Engine.of(trainer).context(trainer, pl_module).micro_batch = None  # the batch is not kept past its step
+            TrainerPipeline.of(trainer).context(
+                trainer, pl_module
+            ).micro_batch = None  # the batch is not kept past its step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._deepspeed:
@@ -205,7 +207,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
 
     def _deepspeed_flagged(self, trainer: pl.Trainer, pl_module: pl.LightningModule, what: str, applied: str) -> None:
         """``action="raise"`` under DeepSpeed: record the event and raise."""
-        ctx = Engine.of(trainer).context(trainer, pl_module)
+        ctx = TrainerPipeline.of(trainer).context(trainer, pl_module)
         self._reporter.write(ctx, rank=None, what="nonfinite", culprit=None, values={"deepspeed_step": self._ds_steps})
         raise RuntimeError(
             f"NonFiniteGuard: non-finite {what} at optimizer step {trainer.global_step} under DeepSpeed. {applied} "
@@ -221,7 +223,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
         new, self._ds_reported = count - self._ds_reported, count
         skipped, self._ds_skipped_reported = self._ds_skipped - self._ds_skipped_reported, self._ds_skipped
         if new > 0:
-            ctx = Engine.of(trainer).context(trainer, pl_module)
+            ctx = TrainerPipeline.of(trainer).context(trainer, pl_module)
             self._reporter.write(ctx, rank=None, what="nonfinite", culprit=None, values={"flagged_steps": new})
             rank_zero_warn(
                 f"NonFiniteGuard: {new} DeepSpeed optimizer step(s) up to step {trainer.global_step} had a non-finite "
@@ -275,7 +277,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
             return
         stop = self.stop_on_nonfinite_validation and not trainer.sanity_checking
         values = {"first_nonfinite_loss": {str(r): gathered[r][1] for r in bad_ranks}, "logged": bad_metrics}
-        ctx = Engine.of(trainer).context(trainer, pl_module)
+        ctx = TrainerPipeline.of(trainer).context(trainer, pl_module)
         self._reporter.write(ctx, rank=bad_ranks, what="nonfinite_val_loss", culprit=None, values=values, stopped=stop)
         message = (
             f"NonFiniteGuard: non-finite validation loss at step {trainer.global_step} on rank(s) {bad_ranks}"

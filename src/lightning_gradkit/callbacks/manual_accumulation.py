@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from gradkit._arguments import check_int, validate_normalize
 from gradkit.accumulate import Normalize, TokenCount, WindowScale, is_window_boundary
-from lightning_gradkit.engine import Engine, GradKitCallback
+from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
 
 __all__ = ["ManualAccumulator"]
 
@@ -132,7 +132,7 @@ class ManualAccumulator:
         # The optimizer this accumulator stepped, if it is one of this fit's (a new fit builds new optimizers).
         known = next((o for o in optimizers if o is self._optimizer), None)
         target = known if known is not None else optimizers[0] if len(optimizers) == 1 else None
-        engine = Engine.of(module.trainer)
+        engine = TrainerPipeline.of(module.trainer)
         if self._pending is not None:
             engine.discard_pending_scale(self._pending)
         engine.add_pending_scale(pending, target)
@@ -152,7 +152,7 @@ class ManualAccumulator:
             return
         trainer = module.trainer
         inner = getattr(optimizer, "optimizer", optimizer)
-        Engine.of(trainer).run(trainer, module, inner)
+        TrainerPipeline.of(trainer).run(trainer, module, inner)
         if not pending.applied:
             raise RuntimeError(
                 "ManualAccumulator: the gradkit engine already processed this step's gradients without the window "
@@ -179,5 +179,5 @@ class ManualAccumulator:
         optimizer.zero_grad(set_to_none=True)
         if pending is not None and module is not None:
             # Not used by a run (e.g. the engine ran for another optimizer): it must not leak into the next window.
-            Engine.of(module.trainer).discard_pending_scale(pending)
+            TrainerPipeline.of(module.trainer).discard_pending_scale(pending)
         self._pending = None

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 import gradkit.monitor
 from lightning_gradkit._deepspeed import deepspeed_step, refuse_under_deepspeed, uses_deepspeed
-from lightning_gradkit.engine import Engine, GradKitCallback
+from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
 
 __all__ = ["GradNormMonitor"]
 
@@ -101,7 +101,7 @@ class GradNormMonitor(gradkit.monitor.GradNormMonitor, GradKitCallback):
         """Nothing here: the report waits for ``on_fit_end``, when every callback's ``on_train_end`` has run."""
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        path = self.finish(Engine.of(trainer).context(trainer, pl_module))
+        path = self.finish(TrainerPipeline.of(trainer).context(trainer, pl_module))
         if path is not None:
             rank_zero_info(f"GradNormMonitor: gradient report written to {path}")
 
@@ -154,4 +154,4 @@ class GradNormMonitor(gradkit.monitor.GradNormMonitor, GradKitCallback):
                 "optimizer directly and measures nothing."
             )
         metrics["deepspeed/skipped_steps"] = float(step.skipped)
-        Engine.of(trainer).context(trainer, pl_module).log_values(metrics)
+        TrainerPipeline.of(trainer).context(trainer, pl_module).log_values(metrics)

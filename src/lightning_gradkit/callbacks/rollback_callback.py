@@ -8,8 +8,8 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from gradkit import rollback
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
-from lightning_gradkit.engine import Engine, GradKitCallback
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
+from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
 
 __all__ = ["SpikeRollback"]
 
@@ -82,7 +82,7 @@ class SpikeRollback(rollback.SpikeRollback, GradKitCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the checkpoint's states were loaded, before the first epoch's data loader draws from the RNGs (its
         # sampler's seed): the first snapshot holds the RNG states the run starts with.
-        self._start(Engine.of(trainer).context(trainer, pl_module))
+        self._start(TrainerPipeline.of(trainer).context(trainer, pl_module))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Also when training ended with an error (no `on_train_end`): the learning-rate hooks leave the optimizers.

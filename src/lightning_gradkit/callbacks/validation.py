@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from gradkit._arguments import check_bool, check_choice, name_list
 from gradkit.events import EventLog
-from lightning_gradkit.engine import events_dir
+from lightning_gradkit.trainer_door import events_dir
 
 __all__ = [
     "Fallback",

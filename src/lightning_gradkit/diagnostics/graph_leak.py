@@ -26,7 +26,7 @@ from lightning_gradkit.diagnostics.autograd_graph import (
     steady_growth,
     storage_keys,
 )
-from lightning_gradkit.engine import events_dir, write_rank_event
+from lightning_gradkit.trainer_door import events_dir, write_rank_event
 
 __all__ = ["GraphLeakGuard", "LeakReport"]
 

@@ -18,7 +18,7 @@ from lightning_gradkit.diagnostics.host_sync import (
     site_row,
 )
 from lightning_gradkit.diagnostics.sources import SourceClassifier, package_dirs
-from lightning_gradkit.engine import events_dir, write_rank_event
+from lightning_gradkit.trainer_door import events_dir, write_rank_event
 
 __all__ = ["SyncAudit"]
 

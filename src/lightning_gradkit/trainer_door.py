@@ -1,4 +1,4 @@
-"""The Lightning ``Trainer`` front door of the step pipeline: the engine every gradkit callback joins.
+"""The Lightning ``Trainer`` front door of the step pipeline: the pipeline every gradkit callback joins.
 
 The pipeline itself (measure -> reduce -> decide -> apply -> observe) is Lightning-free and lives in
 :mod:`gradkit.pipeline`; this module connects it to a Trainer:
@@ -6,7 +6,7 @@ The pipeline itself (measure -> reduce -> decide -> apply -> observe) is Lightni
 - :class:`TrainerContext`: what the pipeline and the policies read of the loop (the step's identity, optimizers,
   parameter names, the AMP scale the gradients still carry, Lightning's logging rule and loggers), answered by the
   Trainer.
-- :class:`Engine`: one :class:`~gradkit.pipeline.Pipeline` per Trainer, shared by all gradkit
+- :class:`TrainerPipeline`: one :class:`~gradkit.pipeline.Pipeline` per Trainer, shared by all gradkit
   callbacks of that Trainer. Whichever of them Lightning calls first in ``on_before_optimizer_step`` (after AMP
   unscale and after the DDP all-reduce) runs the whole pipeline for all of them; the others find the step already
   done. So results never depend on the order of the ``callbacks`` list.
@@ -15,17 +15,17 @@ The pipeline itself (measure -> reduce -> decide -> apply -> observe) is Lightni
 
 The strategy mixin (:mod:`lightning_gradkit.strategy`) reads ``StepPlan.skip`` to step the optimizer or not.
 
-One entry point: :meth:`Engine.run`. Every caller goes through it: each :class:`GradKitCallback`'s
+One entry point: :meth:`TrainerPipeline.run`. Every caller goes through it: each :class:`GradKitCallback`'s
 ``on_before_optimizer_step``, :func:`~lightning_gradkit.clip_gradients` (manual optimization, with the clipper as an
 ``extra`` policy) and :class:`~lightning_gradkit.ManualAccumulator` (its window scale is a pending ``SCALE`` policy
 that the next run folds in, or a run of its own at ``step``). Nothing else writes the gradients.
 
 Under 16-mixed AMP with an optimizer that unscales inside its own ``step`` (``fused=True``), Lightning does not
-call ``GradScaler.unscale_`` before ``on_before_optimizer_step``: the gradients the engine sees are still multiplied
+call ``GradScaler.unscale_`` before ``on_before_optimizer_step``: the gradients the pipeline sees are still multiplied
 by the loss scale (:func:`_pending_loss_scale` says so, and the pipeline works in unscaled units).
 
-Map of this file, in order: what the engine reads of the Trainer (:func:`_pending_loss_scale`,
-:func:`is_logging_step`, :func:`flat_sharded`, :class:`TrainerContext`); :class:`Engine`;
+Map of this file, in order: what the pipeline reads of the Trainer (:func:`_pending_loss_scale`,
+:func:`is_logging_step`, :func:`flat_sharded`, :class:`TrainerContext`); :class:`TrainerPipeline`;
 :class:`GradKitCallback` and :func:`log_metrics`.
 """
 
@@ -54,12 +54,12 @@ from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callba
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
 
 __all__ = [
-    "Engine",
     "GradKitCallback",
     "Stage",
     "StatsRequest",
     "StepPlan",
     "TrainerContext",
+    "TrainerPipeline",
     "UnitNorms",
     "batches_that_stepped",
     "check_callback_instances",
@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 
-# -- what the engine reads of the Trainer --------------------------------------------------------------------------
+# -- what the pipeline reads of the Trainer --------------------------------------------------------------------------
 def _pending_loss_scale(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor | None:
     """The AMP loss scale the optimizer's gradients are still multiplied by, or ``None`` when they are unscaled.
 
@@ -245,8 +245,8 @@ class TrainerContext(StepContext):
         return self.pl_module
 
     @property
-    def pipeline(self) -> Engine:
-        return Engine.of(self.trainer)
+    def pipeline(self) -> TrainerPipeline:
+        return TrainerPipeline.of(self.trainer)
 
     def policies(self) -> list[Policy]:
         return [cb for cb in self.trainer.callbacks if isinstance(cb, GradKitCallback)]
@@ -307,11 +307,11 @@ def write_rank_event(directory: str | Path, trainer: pl.Trainer, what: str, batc
     )
 
 
-# -- the engine ----------------------------------------------------------------------------------------------------
-class Engine(Pipeline):
+# -- the Trainer's pipeline --------------------------------------------------------------------------------------
+class TrainerPipeline(Pipeline):
     """The pipeline of one Trainer; shared by all gradkit callbacks of that Trainer."""
 
-    _by_trainer: weakref.WeakKeyDictionary[pl.Trainer, Engine] = weakref.WeakKeyDictionary()
+    _by_trainer: weakref.WeakKeyDictionary[pl.Trainer, TrainerPipeline] = weakref.WeakKeyDictionary()
 
     def __init__(self) -> None:
         super().__init__()
@@ -320,7 +320,7 @@ class Engine(Pipeline):
         self._policies: list[Policy] | None = None  # the Trainer's gradkit callbacks, taken once per fit
 
     @classmethod
-    def of(cls, trainer: pl.Trainer) -> Engine:
+    def of(cls, trainer: pl.Trainer) -> TrainerPipeline:
         engine = cls._by_trainer.get(trainer)
         if engine is None:
             engine = cls._by_trainer[trainer] = cls()
@@ -452,10 +452,10 @@ class GradKitCallback(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_callback_instances(trainer)
-        Engine.of(trainer).reset()
+        TrainerPipeline.of(trainer).reset()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = Engine.of(trainer)
+        engine = TrainerPipeline.of(trainer)
         engine.verify_layout(trainer, pl_module)
         attach = hook(self, "attach")
         if attach is not None:
@@ -472,16 +472,16 @@ class GradKitCallback(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         note_loss = getattr(self, "note_loss", None)  # `hook`, inline: this runs every micro-batch
         if note_loss is not None:  # the unscaled loss costs a `detach` per micro-batch: only for a policy that reads it
-            note_loss(unscaled_loss(trainer, loss), Engine.of(trainer).context(trainer, pl_module))
+            note_loss(unscaled_loss(trainer, loss), TrainerPipeline.of(trainer).context(trainer, pl_module))
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning calls it after every backward (`manual_backward` and closure re-evaluations included).
-        Engine.of(trainer).generation += 1
+        TrainerPipeline.of(trainer).generation += 1
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        Engine.of(trainer).run(trainer, pl_module, optimizer)
+        TrainerPipeline.of(trainer).run(trainer, pl_module, optimizer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -494,7 +494,7 @@ class GradKitCallback(Callback):
     def _forward(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         method = hook(self, name)
         if method is not None:
-            method(*args, Engine.of(trainer).context(trainer, pl_module))
+            method(*args, TrainerPipeline.of(trainer).context(trainer, pl_module))
 
     # -- checkpoints inside an accumulation window -----------------------------------------------------------------
     def on_save_checkpoint(

@@ -16,7 +16,7 @@ from helpers import make_trainer, read_metrics
 from lightning_gradkit import ActivationCheckpointing, inject_activation_checkpointing
 from lightning_gradkit.activation_checkpointing.injection import injected_mode
 from lightning_gradkit.demos import ByteDataset, GPTConfig, TinyGPT, TinyGPTModule, stdlib_text
-from test_checkpointing import live_activation_bytes
+from test_activation_checkpointing import live_activation_bytes
 
 MODEL = dict(n_layer=3, n_head=2, n_embd=32, block_size=32, dropout=0.1, lr=1e-2)
 STEPS = 3
