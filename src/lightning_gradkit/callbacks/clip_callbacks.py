@@ -80,6 +80,7 @@ class ClipGradNorm(clipping.ClipGradNorm, GradKitCallback):
     Example::
 
         >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import ClipGradNorm
         >>> trainer = Trainer(callbacks=[ClipGradNorm(max_norm=1.0)])
     """
 
@@ -102,6 +103,7 @@ class ClipGradValue(clipping.ClipGradValue, GradKitCallback):
     Example::
 
         >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import ClipGradValue
         >>> trainer = Trainer(callbacks=[ClipGradValue(clip_value=0.5)])
     """
 
@@ -125,6 +127,7 @@ class AutoClip(history_clipping.AutoClip, GradKitCallback):
     Example::
 
         >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import AutoClip
         >>> trainer = Trainer(callbacks=[AutoClip(percentile=10.0)])
     """
 
@@ -148,6 +151,7 @@ class ZClip(history_clipping.ZClip, GradKitCallback):
     Example::
 
         >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import ZClip
         >>> trainer = Trainer(callbacks=[ZClip(alpha=0.97, z_threshold=2.5)])
     """
 
@@ -171,6 +175,7 @@ class AdaptiveGradClip(agc.AdaptiveGradClip, GradKitCallback):
     Example::
 
         >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import AdaptiveGradClip
         >>> trainer = Trainer(callbacks=[AdaptiveGradClip(clip_factor=0.01, exclude=["re:head"])])
     """
 
