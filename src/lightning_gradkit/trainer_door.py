@@ -105,8 +105,8 @@ def is_logging_step(trainer: pl.Trainer, every_n_steps: int | None) -> bool:
     n = trainer.log_every_n_steps if every_n_steps is None else every_n_steps
     if n == 0:
         return False
-    step = batches_that_stepped(trainer) + 1
-    return step % n == 0 or trainer.should_stop
+    # `batches_that_stepped`, read inline: every step of the Trainer door asks.
+    return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % n == 0 or trainer.should_stop
 
 
 def flat_sharded(trainer: pl.Trainer) -> bool:
@@ -208,10 +208,7 @@ class TrainerContext(StepContext):
         return getattr(self.trainer.precision_plugin, "scaler", None)
 
     def is_logging_step(self, every_n_steps: int | None = None) -> bool:
-        # `is_logging_step`, inline: this runs every step.
-        trainer = self.trainer
-        n = trainer.log_every_n_steps if every_n_steps is None else every_n_steps
-        return n != 0 and ((trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % n == 0 or trainer.should_stop)
+        return is_logging_step(self.trainer, every_n_steps)
 
     def is_last_step(self) -> bool:
         return _is_last_step(self.trainer)
