@@ -26,8 +26,9 @@ from torch.optim import Optimizer
 
 from gradkit._torch_compat import handles_found_inf
 from gradkit.pipeline import StepPlan
+from gradkit.snapshot import Snapshot
 
-__all__ = ["fused_step", "shadowed", "step_as_decided"]
+__all__ = ["close_step", "fused_step", "shadowed", "step_as_decided"]
 
 _MISSING = object()
 
@@ -59,6 +60,18 @@ def step_as_decided(
     if plan.skip_on_host():  # the one host read the design allows, shared with whoever asks next
         return skipped_result
     return inner(**kwargs)
+
+
+def close_step(optimizer: Optimizer, plan: StepPlan | None, window: Snapshot | None) -> bool | None:
+    """The tail of a gated optimizer step, the same behind every door: whether it was skipped (``None`` when only
+    the device knows, a fused optimizer's skip), the skipped step's gradients freed, and the buffers the step's
+    forwards wrote put back on a skip (on device from the flag when only the device knows)."""
+    skipped = plan.skip_known_on_host() if plan is not None else False
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    if window is not None:
+        window.close(skipped, plan.skip if plan is not None else None)
+    return skipped
 
 
 def fused_step(

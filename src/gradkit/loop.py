@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from gradkit._layout import verify_same_layout
 from gradkit._torch_compat import gradients_still_scaled, loss_scale
 from gradkit.culprit import MicroBatch
-from gradkit.gate import shadowed, step_as_decided
+from gradkit.gate import close_step, shadowed, step_as_decided
 from gradkit.loop_setup import (
     checked_policies,
     checked_schedulers,
@@ -402,11 +402,7 @@ class GradKit:
                 ctx.scaler.update()  # type: ignore[union-attr]
             else:
                 optimizer.step(**kwargs)
-        skipped = plan.skip_known_on_host() if gated else False
-        if skipped:
-            inner.zero_grad(set_to_none=True)
-        if self._buffers is not None:
-            self._buffers.close(skipped, plan.skip if plan is not None else None)
+        skipped = close_step(inner, plan, self._buffers) if gated or self._buffers is not None else False
         if self._schedulers_of:
             self._step_schedulers(inner, plan)
         step = ctx.step

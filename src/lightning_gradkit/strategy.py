@@ -73,7 +73,7 @@ from torch.optim import Optimizer
 
 from gradkit._closure import first_evaluation
 from gradkit._torch_compat import handles_found_inf
-from gradkit.gate import shadowed, step_as_decided
+from gradkit.gate import close_step, shadowed, step_as_decided
 from gradkit.protocol import hook
 from gradkit.replay import replaying
 from gradkit.snapshot import Snapshot
@@ -306,25 +306,14 @@ class GradKitStrategyMixin:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         plan = engine.step_plan(self._gradkit_trainer, optimizer)
         self._gradkit_record(optimizer, plan)
-        skipped = plan.skip_known_on_host() if plan is not None else False
-        if skipped:
-            # Also when the GradScaler skipped on its own and never called the gate.
-            optimizer.zero_grad(set_to_none=True)
-        self._gradkit_close_window(plan, skipped)
-        return output
-
-    def _gradkit_close_window(self, plan: StepPlan | None, skipped: bool | None) -> None:
-        """Put back the buffers the window's forwards wrote if its step was skipped (``skipped`` is ``None`` when
-        the skip is only known on device: a fused optimizer's), else keep them."""
+        close_step(optimizer, plan, self._gradkit_buffers)
         buffers = self._gradkit_buffers
-        if buffers is not None:
-            buffers.close(skipped, plan.skip if plan is not None else None)
-            if not self._gradkit_trainer.lightning_module.automatic_optimization:
-                # In manual optimization the next window opens now: a second optimizer step in the same
-                # `training_step` (a GAN's generator after its discriminator) has a window of its own to put back.
-                # In automatic optimization it opens at the next `training_step`, after what the batch end changes
-                # (a rollback's restore).
-                buffers.capture()
+        if buffers is not None and not self._gradkit_trainer.lightning_module.automatic_optimization:
+            # In manual optimization the next window opens now: a second optimizer step in the same `training_step`
+            # (a GAN's generator after its discriminator) has a window of its own to put back. In automatic
+            # optimization it opens at the next `training_step`, after what the batch end changes (a rollback's).
+            buffers.capture()
+        return output
 
     # -- the gate ------------------------------------------------------------------------------------------------
     def _gradkit_gate(
