@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from gradkit.write import measure_grads
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import (
     AdaptiveGradClip,
@@ -134,7 +135,8 @@ def test_previous_window_gradients_are_freed_with_manual_accumulator(tmp_path: P
 
 
 def test_released_plan_measures_the_gradients_as_they_are_now(tmp_path: Path) -> None:
-    """After its step a plan no longer holds gradients; ``measure_grads`` reads ``p.grad`` until ``zero_grad``."""
+    """After its step a plan no longer holds gradients; ``gradkit.write.measure_grads`` reads ``p.grad`` until
+    ``zero_grad``."""
     seen: dict[str, Any] = {}
 
     class _Probe(MLPModule):
@@ -143,12 +145,12 @@ def test_released_plan_measures_the_gradients_as_they_are_now(tmp_path: Path) ->
             plan = TrainerPipeline.of(self.trainer).last_plans[id(opt)]
             assert plan.grads == []
             expected = torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])
-            seen["measured"] = plan.measure_grads(2.0).norm()
+            seen["measured"] = measure_grads(plan, 2.0).norm()
             seen["expected"] = expected
             grads = [p.grad for p in self.parameters()]
             opt.zero_grad(set_to_none=True)
             with pytest.raises(RuntimeError, match="zero_grad"):
-                plan.measure_grads(2.0)
+                measure_grads(plan, 2.0)
             for p, g in zip(self.parameters(), grads, strict=True):
                 p.grad = g
 
