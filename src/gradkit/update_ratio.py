@@ -39,7 +39,7 @@ def update_ratios(
 
     Example::
 
-        >>> from gradkit.norms import build_param_index
+        >>> from gradkit.params import build_param_index
         >>> w = torch.nn.Parameter(torch.full((4,), 2.0))
         >>> index = build_param_index([{"params": [w]}], {id(w): "w"}, 0, torch.device("cpu"))
         >>> before = [w.detach().clone()]
