@@ -94,28 +94,18 @@ class GraphLeakGuard(Callback):
     - anywhere in the process with ``gc_scan=True`` (slower: it visits every Python object), named by the
       container or frame holding them where it can tell.
 
-    "Earlier" uses autograd's creation order of graph nodes (see
-    :class:`~lightning_gradkit.diagnostics.autograd_graph.OlderGraph`, dated by an
-    :func:`~lightning_gradkit.diagnostics.autograd_graph.autograd_sequence_marker` taken when the checked step starts).
-    So ``history.append(loss)`` (old graphs kept) and ``total = total + loss`` (a new node each step, linked to all
-    the old ones) are leaks, while a graph made in the current step and replaced in the next
-    (``self.last_logits = logits``, weights recomputed in every forward) is not. Parameters and buffers are never
-    reported. The report gives the number of distinct graphs held, their nodes and the memory they pin: the
-    tensors' own storage plus the saved tensors their graphs still hold (see
-    :class:`~lightning_gradkit.diagnostics.autograd_graph.GraphFootprint`; parameters and buffers excluded).
-
-    On the same checks it also reports:
-
-    - what ``training_step`` returned besides the loss, when it carries a graph that still holds saved tensors
-      beyond the returned tensors themselves (a branch ``backward()`` never ran, kept alive through the optimizer
-      step and the batch-end hooks; return it ``.detach()``-ed). Reported once per key, never raised;
-    - on CUDA, a steady upward trend of ``torch.cuda.memory_allocated()`` over the last ``trend_window`` checks
-      (a leak outside Python's reach, or one this walk cannot see). Reported once, never raised.
+    "Earlier" is autograd's creation order of graph nodes (:mod:`lightning_gradkit.diagnostics.autograd_graph`): so
+    ``history.append(loss)`` and ``total = total + loss`` (a new node each step, linked to all the old ones) are
+    leaks, while a graph made in the current step and replaced in the next (``self.last_logits = logits``) is not.
+    Parameters and buffers are never reported. The report gives the distinct graphs held, their nodes and the memory
+    they pin (the tensors' storage and the saved tensors their graphs hold). The same checks also report, once and
+    never raised, what ``training_step`` returned besides the loss when its graph still holds saved tensors (a branch
+    ``backward()`` never ran: return it ``.detach()``-ed), and on CUDA a steady upward trend of
+    ``torch.cuda.memory_allocated()`` over the last ``trend_window`` checks (a leak this walk cannot see).
 
     Findings go to :attr:`reports`, to a warning (once per holding attribute) or an exception, and to
-    ``gradkit_events.jsonl`` in the Trainer's log directory (``what="graph_leak"``, ``"output_graph"``,
-    ``"memory_trend"``). Steps that are not checked cost one integer check per hook. The callback keeps no state
-    to resume: module attributes are not checkpointed, and memory readings of another process do not compare.
+    ``gradkit_events.jsonl`` (``what="graph_leak"``, ``"output_graph"``, ``"memory_trend"``). Steps that are not
+    checked cost one integer check per hook. No state to resume: module attributes are not checkpointed.
 
     Args:
         check_every_n_steps: check one training step (batch) in every ``check_every_n_steps``: the ``n``-th,
