@@ -38,20 +38,15 @@ _NO_EVENTS = " (No events file: pass GradKit(log_dir=...) to save the events.)"
 class SpikeRollback:
     r"""When a loss or gradient-norm spike persists, restore the newest good snapshot and step over the bad data.
 
-    **Snapshots.** After every ``snapshot_every_n_steps`` optimizer steps (the loop's step count, under a Trainer
-    ``trainer.global_step``, a multiple of it, and at the start of training), the state is copied into a ring of
-    ``keep`` snapshots in host memory. It is everything a training step may change: the parameters the optimizer
-    trains, the module buffers (BatchNorm running statistics), the optimizer state (moments, step counts,
-    hyperparameters), the LR schedulers' ``state_dict`` (the Trainer's, or those given to
-    :class:`~gradkit.loop.GradKit`) and the GradKit strategy's counts for their ``frequency``, the
-    torch/CUDA/Python/NumPy RNG states, the ``state_dict`` of the other stateful gradkit callbacks (e.g. the
-    statistics of ``ZClip``, ``AutoClip``, ``SpikeGuard``; restored whole, so their counters rewind too, while the
-    events they wrote stay), the count of skipped steps and this callback's own statistics. Other callbacks'
-    states are not part of it. A snapshot is only taken after a step that applied its update and was not flagged
-    (else at the next such step). On a GPU the host buffers are pinned, allocated once, and filled with
-    ``non_blocking`` copies: the step does not wait for them. Under FSDP2 every rank copies its own shards. Host
-    memory: ``keep`` x (trained parameters + optimizer state + buffers) per rank, e.g. about 6x the fp32 parameter
-    bytes with Adam and ``keep=2``.
+    **Snapshots.** At the start of training and after every ``snapshot_every_n_steps`` optimizer steps (a step that
+    applied its update and was not flagged, else the next such step), everything a training step may change is
+    copied into a ring of ``keep`` snapshots in host memory (:class:`~gradkit.snapshot.StepSnapshot`): the trained
+    parameters, the module buffers, the optimizer state, the LR schedulers and the GradKit strategy's counts for
+    their ``frequency``, the RNG states, the ``state_dict`` of the other stateful gradkit policies (``ZClip``,
+    ``SpikeGuard``: their counters rewind too, the events they wrote stay), the count of skipped steps and this
+    policy's statistics. On a GPU the host buffers are pinned, allocated once and filled with ``non_blocking``
+    copies; under FSDP2 every rank copies its own shards. Host memory: ``keep`` x (trained parameters + optimizer
+    state + buffers) per rank, about 6x the fp32 parameter bytes with Adam and ``keep=2``.
 
     **Trigger.** Each optimizer step the monitored value (the loss averaged over the accumulation window and the
     ranks, or the total gradient 2-norm) gets a z-score against NaN-masked running statistics on device, exactly
@@ -63,15 +58,12 @@ class SpikeRollback:
     not cure it (the next step is non-finite too). The values travel in the engine's single collective, so every
     rank takes the same decision.
 
-    **Rollback.** The step that fires is not applied (the door skips it), then the newest snapshot
-    taken before the spike began is restored bitwise, in place, and snapshots newer than it are dropped. The data
-    stream is not rewound: the batches consumed since the snapshot are not replayed, and ``skip_batches`` more
-    optimizer steps' batches are stepped over: they run forward and backward, their optimizer steps are skipped,
-    the buffers they wrote (BatchNorm running statistics included) are put back as for any skipped step (by the
-    door), and the RNG states and gradkit callback states are restored from the snapshot after each, so the run
-    continues as one that never saw them (their compute is spent, as with any skipped step); an LR scheduler with a
-    ``frequency`` steps as in that run too. After
-    ``max_rollbacks`` rollbacks the next trigger stops training with a ``RuntimeError``.
+    **Rollback.** The step that fires is not applied (the door skips it), then the newest snapshot taken before the
+    spike began is restored bitwise, in place, and snapshots newer than it are dropped. The data stream is not
+    rewound, and ``skip_batches`` more optimizer steps' batches are stepped over: their steps are skipped (buffers
+    put back by the door) and the RNG and policy states restored after each, so the run continues as one that never
+    saw them (an LR scheduler with a ``frequency`` too). After ``max_rollbacks`` rollbacks the next trigger stops
+    training with a ``RuntimeError``.
 
     **The same snapshot twice.** A rollback restores the snapshot the previous rollback restored only when the run
     from it got further than the time before (its spike began later after the resume than the previous spike began
@@ -82,20 +74,17 @@ class SpikeRollback:
     The trade-off: a state whose damage shows later after each restore is restored until ``max_rollbacks`` stops the
     run; ``escalate_lr_factor`` damps a recurring fault.
 
-    ``skip_batches`` counts optimizer steps, each of ``accumulate_grad_batches`` batches per rank, *beyond* the
-    rewound ones: a rollback leaves out ``rewound_steps + skip_batches`` optimizer steps' batches in all (the
-    event's ``batches_skipped``). PaLM's "skipped roughly 200-500 data batches" counts both: its 200-500 include
-    the ~100 batches between its restart checkpoint and the spike, and those of the spike itself, which here are
-    the rewound steps. For the same total, set ``skip_batches`` to it less the steps a rollback rewinds (from
-    ``patience`` to about ``snapshot_every_n_steps + patience``).
+    ``skip_batches`` counts optimizer steps *beyond* the rewound ones: a rollback leaves out ``rewound_steps +
+    skip_batches`` steps' batches in all (the event's ``batches_skipped``). PaLM's "skipped roughly 200-500 data
+    batches" counts both (the ~100 batches between its restart checkpoint and the spike included): for the same
+    total, set ``skip_batches`` to it less the steps a rollback rewinds (``patience`` to about
+    ``snapshot_every_n_steps + patience``).
 
-    ``trainer.global_step`` keeps counting attempted optimizer steps, as for any skipped step: the rewound and the
-    stepped-over steps count, so ``max_steps`` and logging/checkpoint periods follow batches. The model, the
-    optimizer's step counts and the LR schedule return to the snapshot's. ``gradkit/skipped_steps`` counts the
-    attempted steps whose update the model does not hold: the skipped ones (the stepped-over ones included) and,
-    at each rollback, its ``rewound_steps`` (the steps since the snapshot, the one that fired included), counted
-    once even where a guard had skipped one of them. So ``global_step - skipped_steps`` stays the number of
-    optimizer steps in the model, e.g. Adam's ``state[p]["step"]``, after any rollback.
+    ``trainer.global_step`` keeps counting attempted optimizer steps (``max_steps`` and logging periods follow
+    batches), while the model, the optimizer's step counts and the LR schedule return to the snapshot's.
+    ``gradkit/skipped_steps`` counts the attempted steps whose update the model does not hold (skipped, stepped over,
+    and each rollback's ``rewound_steps``, counted once), so ``global_step - skipped_steps`` stays the number of
+    optimizer steps in the model, e.g. Adam's ``state[p]["step"]``.
 
     Every rollback is one event in ``gradkit_events.jsonl`` (``what="rollback"``, with ``from_step``, ``to_step``,
     ``rewound_steps``, ``skip_batches``, ``batches_skipped``, ``snapshot_origin`` and the trigger values), shown
