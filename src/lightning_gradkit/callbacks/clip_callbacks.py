@@ -26,7 +26,7 @@ def _is_clipper(obj: object) -> bool:
     return is_policy(obj) and obj.stage is Stage.CLIP  # type: ignore[attr-defined]
 
 
-def _set_up(callback: GradKitCallback, trainer: pl.Trainer, stage: str, setting: str, max_norm: float | None) -> None:
+def _set_up(trainer: pl.Trainer, stage: str, setting: str, max_norm: float | None) -> None:
     """The clipper's checks at ``setup``: DeepSpeed clips by itself (``RuntimeError`` naming ``setting`` and the
     ``gradient_clipping`` value ``max_norm`` that does the same there, if one does), and a Trainer has one clipper
     (``ValueError`` for another clipping callback or ``gradient_clip_val``)."""
@@ -74,7 +74,7 @@ class ClipGradNorm(clipping.ClipGradNorm, GradKitCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        _set_up(self, trainer, stage, repr(self), self.max_norm if self.norm_type == 2.0 else None)
+        _set_up(trainer, stage, repr(self), self.max_norm if self.norm_type == 2.0 else None)
 
 
 class ClipGradValue(clipping.ClipGradValue, GradKitCallback):
@@ -97,7 +97,7 @@ class ClipGradValue(clipping.ClipGradValue, GradKitCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        _set_up(self, trainer, stage, repr(self), None)
+        _set_up(trainer, stage, repr(self), None)
 
 
 class AutoClip(history_clipping.AutoClip, GradKitCallback):
@@ -121,7 +121,7 @@ class AutoClip(history_clipping.AutoClip, GradKitCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        _set_up(self, trainer, stage, "AutoClip(...)", None)
+        _set_up(trainer, stage, "AutoClip(...)", None)
 
 
 class ZClip(history_clipping.ZClip, GradKitCallback):
@@ -145,7 +145,7 @@ class ZClip(history_clipping.ZClip, GradKitCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        _set_up(self, trainer, stage, "ZClip(...)", None)
+        _set_up(trainer, stage, "ZClip(...)", None)
 
 
 class AdaptiveGradClip(agc.AdaptiveGradClip, GradKitCallback):
@@ -169,7 +169,7 @@ class AdaptiveGradClip(agc.AdaptiveGradClip, GradKitCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        _set_up(self, trainer, stage, "AdaptiveGradClip(...)", None)
+        _set_up(trainer, stage, "AdaptiveGradClip(...)", None)
 
 
 #: The Trainer each clipper given to `clip_gradients` outside `trainer.callbacks` was attached for (weakly held: the
