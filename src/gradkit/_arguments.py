@@ -7,8 +7,8 @@ message instead of the bare ``int()``/``float()`` error, and NaN never passes a 
 NaN is false, so ``value <= 0`` alone lets it through).
 
 The checks of one argument of one job (``norm_type``, ``normalize``, ``every_n``, ``memory_budget``) live here too,
-so a callback and the functions it drives refuse a value with the same message; and :func:`name_list`, the one way
-an error or a warning shows a list of names (parameters, modules, attributes).
+so a callback and the functions it drives refuse a value with the same message; and :func:`name_list` and
+:func:`format_bytes`, the one way a message shows a list of names and a size.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ __all__ = [
     "check_float",
     "check_int",
     "check_strings",
+    "format_bytes",
     "name_list",
     "validate_every_n",
     "validate_memory_budget",
@@ -49,6 +50,15 @@ def name_list(names: Sequence[str], quote: bool = False) -> str:
     shown = ", ".join(f"`{n}`" if quote else n for n in names[:_MAX_NAMES_SHOWN])
     more = len(names) - _MAX_NAMES_SHOWN
     return shown + (f" and {more} more" if more > 0 else "")
+
+
+def format_bytes(n: float) -> str:
+    """A size for a message: ``"512 B"``, ``"1.5 KiB"``, ... ``"2.0 GiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def _fail(name: str, expected: str, value: object, hint: str = "") -> ValueError:

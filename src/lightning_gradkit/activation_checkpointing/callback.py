@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
-from gradkit._arguments import check_bool, check_choice, validate_every_n, validate_memory_budget
+from gradkit._arguments import check_bool, check_choice, format_bytes, validate_every_n, validate_memory_budget
 from gradkit.replay import replay
 from gradkit.selection import parse_patterns
 from lightning_gradkit.activation_checkpointing.injection import (
@@ -31,7 +31,6 @@ from lightning_gradkit.activation_checkpointing.injection import (
 from lightning_gradkit.activation_checkpointing.planner import (
     ActivationProfile,
     budget_bytes,
-    format_bytes,
     format_summary,
     measure_saved_activations,
     plan_checkpointing,

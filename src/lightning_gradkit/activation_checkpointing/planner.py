@@ -21,12 +21,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from gradkit._arguments import format_bytes
 from lightning_gradkit.activation_checkpointing.injection import SAVE_POLICIES, selective_policy
 
 __all__ = [
     "ActivationProfile",
     "budget_bytes",
-    "format_bytes",
     "format_summary",
     "measure_saved_activations",
     "plan_checkpointing",
@@ -238,14 +238,6 @@ def plan_checkpointing(profile: ActivationProfile, budget: int) -> tuple[list[in
 
 # -- summary -------------------------------------------------------------------------------------------------------
 _MAX_ROWS = 16
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_summary(

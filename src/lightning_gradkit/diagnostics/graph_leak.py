@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from gradkit._arguments import check_bool, check_choice, check_int
+from gradkit._arguments import check_bool, check_choice, check_int, format_bytes
 from lightning_gradkit.diagnostics.autograd_graph import (
     GraphFootprint,
     GraphTensor,
@@ -66,14 +66,6 @@ class LeakReport:
 def _container(path: str) -> str:
     cut = min((i for i in (path.find("["), path.find("{")) if i > 0), default=len(path))
     return path[:cut]
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
 
 
 def _module_storages(module: nn.Module) -> set[Any]:
@@ -237,7 +229,7 @@ class GraphLeakGuard(Callback):
         lines = [
             f"GraphLeakGuard: at training step {report.batch_idx}, {len(report.tensors)} tensor(s) still hold "
             f"autograd graphs from earlier steps ({fp.graphs} graph(s), {fp.nodes} node(s), "
-            f"{'at least ' if fp.truncated or report.truncated else ''}{_bytes(fp.pinned_bytes)} pinned):"
+            f"{'at least ' if fp.truncated or report.truncated else ''}{format_bytes(fp.pinned_bytes)} pinned):"
         ]
         for container, count in report.containers.items():
             paths = [t.path for t in report.tensors if _container(t.path) == container]
@@ -275,7 +267,7 @@ class GraphLeakGuard(Callback):
                 )
             rank_zero_warn(
                 f"GraphLeakGuard: `training_step` returned {path} with an autograd graph that still holds "
-                f"{_bytes(footprint.saved_bytes)} of saved tensors (a branch `backward()` did not run through). "
+                f"{format_bytes(footprint.saved_bytes)} of saved tensors (a branch `backward()` did not run through). "
                 "Lightning passes it to the `on_train_batch_end` hooks after the optimizer step, so that memory "
                 "stays allocated through the step. Return it `.detach()`-ed."
             )
@@ -303,7 +295,7 @@ class GraphLeakGuard(Callback):
             )
         rank_zero_warn(
             f"GraphLeakGuard: allocated CUDA memory on {device} rose steadily over the last {self.trend_window} checks "
-            f"({_bytes(self._memory[0])} -> {_bytes(self._memory[-1])}, about {_bytes(per_step)} per step). Something "
-            "keeps tensors from every step; if no graph leak is reported, look for tensors stored without "
-            "`.detach()`/`.cpu()` outside the LightningModule."
+            f"({format_bytes(self._memory[0])} -> {format_bytes(self._memory[-1])}, about {format_bytes(per_step)} "
+            "per step). Something keeps tensors from every step; if no graph leak is reported, look for tensors stored "
+            "without `.detach()`/`.cpu()` outside the LightningModule."
         )
