@@ -33,8 +33,8 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import common_args, compare, machine, report
 
+from gradkit._arguments import format_bytes
 from lightning_gradkit import ActivationCheckpointing
-from lightning_gradkit.activation_checkpointing.planner import format_bytes
 from lightning_gradkit.demos import ByteDataset, TinyGPTModule, stdlib_text
 
 MODEL: dict[str, Any] = dict(n_layer=8, n_head=4, n_embd=256, block_size=128, dropout=0.0)

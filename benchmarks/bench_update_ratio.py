@@ -54,7 +54,8 @@ def hook_times(update_ratio: bool, steps: int, log_every: int, accelerator: str)
     """Per step, the monitor's two hooks together (seconds): ``(logging steps, non-logging steps)``.
 
     The step post-hook that computes the ratio runs inside ``optimizer.step()``; it is timed by wrapping
-    ``update_ratios`` and added to the logging steps' times.
+    ``gradkit.update_ratio.update_ratios`` where the monitor looks it up (``gradkit.monitor``'s namespace) and added
+    to the logging steps' times.
     """
     import gradkit.monitor as monitor_module
 

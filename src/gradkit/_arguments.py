@@ -7,8 +7,8 @@ message instead of the bare ``int()``/``float()`` error, and NaN never passes a 
 NaN is false, so ``value <= 0`` alone lets it through).
 
 The checks of one argument of one job (``norm_type``, ``normalize``, ``every_n``, ``memory_budget``) live here too,
-so a callback and the functions it drives refuse a value with the same message; and :func:`name_list`, the one way
-an error or a warning shows a list of names (parameters, modules, attributes).
+so a callback and the functions it drives refuse a value with the same message; and :func:`name_list` and
+:func:`format_bytes`, the one way a message shows a list of names and a size.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ __all__ = [
     "check_float",
     "check_int",
     "check_strings",
+    "format_bytes",
     "name_list",
     "validate_every_n",
     "validate_memory_budget",
@@ -36,11 +37,8 @@ _MAX_NAMES_SHOWN = 10
 
 
 def name_list(names: Sequence[str], quote: bool = False) -> str:
-    """The first :data:`_MAX_NAMES_SHOWN` of ``names``, comma-separated, then how many more there are.
-
-    Args:
-        names: the names, in the order to show them.
-        quote: put each name in backticks.
+    """The first :data:`_MAX_NAMES_SHOWN` of ``names``, comma-separated (in backticks with ``quote``), then how many
+    more there are.
 
     Example::
 
@@ -54,19 +52,22 @@ def name_list(names: Sequence[str], quote: bool = False) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
+def format_bytes(n: float) -> str:
+    """A size for a message: ``"512 B"``, ``"1.5 KiB"``, ... ``"2.0 GiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def _fail(name: str, expected: str, value: object, hint: str = "") -> ValueError:
     return ValueError(f"`{name}` must be {expected}, got {value!r}.{' ' + hint if hint else ''}")
 
 
 def check_int(name: str, value: object, minimum: int = 1, maximum: int | None = None, hint: str = "") -> int:
-    """Return ``value`` as an ``int`` if it is an integer (not a bool) in ``[minimum, maximum]``.
-
-    Args:
-        name: the argument's name, as the user wrote it.
-        value: what the user passed.
-        minimum: the smallest accepted value.
-        maximum: the largest accepted value, or ``None`` for no bound.
-        hint: a sentence appended to the error (what the argument means, a typical value).
+    """Return ``value`` as an ``int`` if it is an integer (not a bool) in ``[minimum, maximum]`` (``maximum=None``:
+    no bound); ``hint``, a sentence appended to the error (what the argument means, a typical value).
 
     Raises:
         ValueError: if ``value`` is not an integer (a bool, a float such as ``2.5``, ``nan`` or ``inf``, ``None``,
@@ -100,17 +101,9 @@ def check_float(
     allow_inf: bool = False,
     hint: str = "",
 ) -> float:
-    """Return ``value`` as a ``float`` if it is a real number (not a bool, not NaN) in the given range.
-
-    Args:
-        name: the argument's name.
-        value: what the user passed.
-        minimum: inclusive lower bound.
-        maximum: inclusive upper bound.
-        above: exclusive lower bound.
-        below: exclusive upper bound.
-        allow_inf: accept ``float("inf")`` (still subject to the bounds).
-        hint: a sentence appended to the error.
+    """Return ``value`` as a ``float`` if it is a real number (not a bool, not NaN) in the given range: ``minimum``
+    and ``maximum`` inclusive, ``above`` and ``below`` exclusive; ``allow_inf`` accepts ``float("inf")`` (still
+    subject to the bounds).
 
     Raises:
         ValueError: if ``value`` is not a number, is NaN, is infinite without ``allow_inf``, or is out of range.
@@ -193,20 +186,12 @@ def check_strings(name: str, value: object, allow_empty: bool = True, hint: str 
 
 # -- checks of one argument of one job, shared by its callback and its functions ------------------------------
 def validate_norm_type(norm_type: float, argument: str = "norm_type") -> float:
-    """Return ``norm_type`` as a float, or raise if it is not a p-norm order (``p >= 1`` or ``inf``).
-
-    Raises:
-        ValueError: if ``norm_type`` is not a number, or is below 1, NaN or ``-inf``.
-    """
+    """Return ``norm_type`` as a float if it is a p-norm order (``p >= 1`` or ``inf``), else raise ``ValueError``."""
     return check_float(argument, norm_type, minimum=1.0, allow_inf=True, hint="Use 2.0 for the Euclidean norm.")
 
 
 def validate_normalize(normalize: str) -> str:
-    """Return ``normalize`` if it is a known normalization mode.
-
-    Raises:
-        ValueError: if ``normalize`` is not ``"mean"`` or ``"tokens"``.
-    """
+    """Return ``normalize`` if it is ``"mean"`` or ``"tokens"``, else raise ``ValueError``."""
     return check_choice(
         "normalize",
         normalize,

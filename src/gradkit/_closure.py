@@ -15,17 +15,13 @@ engine meets new gradients for a step it has already run. The rule, stated here 
   counts, window losses), which belongs to no decision. Nothing is guarded, counted or logged again: once the
   optimizer runs, the step is applied.
 - **How the pipeline tells them apart** (:meth:`gradkit.pipeline.Pipeline.run`): every ``backward`` advances
-  ``Pipeline.generation``
-  (``on_after_backward``, which Lightning calls for closure re-evaluations too). A run for an optimizer step that
-  was run already is a later evaluation, unless no backward happened since (same generation) or, with several
-  optimizers, the backward since did not touch this optimizer's gradients (same gradient versions): then it is the
-  same set of gradients again and the engine does nothing.
+  ``Pipeline.generation`` (``on_after_backward``, which Lightning calls for closure re-evaluations too). A run for
+  an optimizer step that was run already is a later evaluation, unless no backward happened since (same generation)
+  or, with several optimizers, the backward since did not touch this optimizer's gradients (same gradient
+  versions): then it is the same set of gradients again and the engine does nothing.
 
 The model's own state follows plain Lightning in a later evaluation (its buffers, RNG draws and ``self.log`` calls
 count): it is not a replay (:mod:`gradkit.replay`), the optimizer consumes it.
-
-Used by :mod:`lightning_gradkit.strategy` (the gate's half: :func:`first_evaluation`) and
-:mod:`gradkit.pipeline` (the pipeline's half: telling the evaluations apart, :func:`decide_again`).
 """
 
 from __future__ import annotations
@@ -48,14 +44,8 @@ def decide_again(
     hooks: list[Callable[[StepPlan, StepPlan, StepContext], None]],
     ctx: StepContext,
 ) -> None:
-    """The decide phase of a later evaluation: the step's accumulation scale, then each policy's ``decide_again``.
-
-    Args:
-        plan: the later evaluation's plan (its fresh gradients' statistics).
-        first: the step's plan, decided on its first evaluation.
-        hooks: the ``decide_again`` hooks of the step's policies, in stage order.
-        ctx: the loop the step runs in.
-    """
+    """The decide phase of a later evaluation (``plan``): the accumulation scale of the step's first evaluation
+    (``first``), then each policy's ``decide_again`` (``hooks``, in stage order)."""
     plan.scale = first.scale
     for decide_again_ in hooks:
         decide_again_(plan, first, ctx)

@@ -85,7 +85,7 @@ def norm_implementation(
 
 
 def _foreach_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
-    # Today's path, unchanged: norms.per_tensor_norms' results on CPU (and with the kernel off) stay bitwise the same.
+    # `torch._foreach_norm` itself: results on CPU (and with the kernel off) are bitwise torch's.
     low_precision = tensors[0].dtype in (torch.float16, torch.bfloat16)
     return torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float32 if low_precision else None))
 
@@ -201,7 +201,7 @@ def multi_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
     the number of tensors (the multi-tensor pattern of apex's ``multi_tensor_apply`` and ``torch._foreach_*``: one
     grid over (tensor, block) pairs read from small device tables of data pointers, sizes and block offsets, built
     once per layout and cached). Elsewhere, or with ``GRADKIT_NORM_KERNEL=foreach``, or when a tensor is sparse or
-    strided with gaps, ``torch._foreach_norm`` (low precision reduced in fp32), exactly as before the kernel.
+    strided with gaps, ``torch._foreach_norm`` (low precision reduced in fp32).
 
     Reduction order (deterministic; the kernel uses no atomics): every tensor is cut into blocks of ``_BLOCK``
     elements in memory order; a block is read in ``_TILE``-element loads, each lane of a ``_TILE``-wide fp32

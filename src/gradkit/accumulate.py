@@ -15,8 +15,8 @@ boundary, with no look-ahead over batches:
 - mean: ``N / k`` (:func:`mean_window_scale`);
 - tokens: ``W * N / T`` with ``T`` the token count of the window summed over ranks (:func:`token_window_scale`).
 
-The functions are pure tensor math with no Lightning in them; :class:`~lightning_gradkit.AccumulationGuard`
-wires them into the Trainer, :class:`~lightning_gradkit.ManualAccumulator` into manual optimization.
+:class:`~lightning_gradkit.AccumulationGuard` wires them into the Trainer, :class:`~lightning_gradkit.ManualAccumulator`
+into manual optimization.
 """
 
 from __future__ import annotations
@@ -77,11 +77,8 @@ def is_window_boundary(batch_idx: int, window: int, num_batches: float) -> bool:
 
 
 def mean_window_scale(loss_divisor: int, micro_batches: int) -> float:
-    """Factor that turns gradients accumulated from losses divided by ``loss_divisor`` into the window mean.
-
-    Lightning divides each micro-batch loss by ``N = accumulate_grad_batches`` (``loss_divisor = N``); a window of
-    ``k`` micro-batches then holds ``(1/N) sum_i grad(L_i)`` and needs ``N / k``. Undivided losses
-    (``loss_divisor = 1``, manual optimization) need ``1 / k``.
+    """Factor that turns gradients accumulated from losses divided by ``loss_divisor`` into the window mean: ``N / k``
+    for Lightning's ``N = accumulate_grad_batches`` and a window of ``k``, ``1 / k`` for undivided losses.
 
     Example::
 
@@ -94,11 +91,8 @@ def mean_window_scale(loss_divisor: int, micro_batches: int) -> float:
 
 
 def token_window_scale(global_tokens: Tensor, world_size: int, loss_divisor: int) -> Tensor:
-    """Factor that turns accumulated, rank-averaged gradients of summed token losses into the per-token mean.
-
-    The gradient at the boundary is ``(1 / (W * N)) * sum_{r,i} grad(S_ri)`` with ``S_ri`` the summed token loss of
-    micro-batch ``i`` on rank ``r``; the target is ``sum_{r,i} grad(S_ri) / T``, so the factor is ``W * N / T``. A
-    window without tokens has a zero gradient; the count is clamped to 1 so the factor stays finite.
+    """Factor ``W * N / T`` that turns accumulated, rank-averaged gradients of summed token losses into the per-token
+    mean (``T`` clamped to 1: a window without tokens has a zero gradient).
 
     With tensor or context parallelism every rank of a data-parallel group counts the same tokens and the gradient
     is averaged over the data-parallel ranks only; the replication cancels between ``W`` and ``T``, so passing the
@@ -113,11 +107,8 @@ def token_window_scale(global_tokens: Tensor, world_size: int, loss_divisor: int
 
 
 class TokenCount:
-    """Sum of per-micro-batch token counts of one window, kept on the device (no host synchronization).
-
-    Python numbers are summed on the host, tensors on their device; :meth:`total` combines both into one fp32
-    device scalar.
-    """
+    """Sum of per-micro-batch token counts of one window: Python numbers on the host, tensors on their device (no
+    host synchronization); :meth:`total` combines both into one fp32 device scalar."""
 
     def __init__(self) -> None:
         self.host = 0.0
@@ -151,12 +142,9 @@ def nonzero_grad_flags(grads: list[Tensor]) -> Tensor:
 
 
 class WindowScale:
-    """The scale of one ended accumulation window (``ManualAccumulator``'s), as a ``Stage.SCALE`` policy.
-
-    Handed to the pipeline at the window's last backward (``Pipeline.add_pending_scale``) and folded into its next run
-    for the optimizer, so the window scale, any clipping (which then reads the norm of the window mean) and every other
-    policy reach the gradients in the engine's one multiply. The token count rides the engine's one collective.
-    """
+    """The scale of one ended accumulation window (``ManualAccumulator``'s), as a ``Stage.SCALE`` policy handed to the
+    pipeline at the window's last backward (``Pipeline.add_pending_scale``): clipping then reads the norm of the
+    window mean, and the token count rides the engine's one collective."""
 
     stage = Stage.SCALE
 

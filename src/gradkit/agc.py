@@ -17,7 +17,17 @@ import torch
 from torch import Tensor
 
 from gradkit._arguments import check_float
-from gradkit.clipping import NORM_EPS, ClipDecision, ClipLedger, describe, norm_ratio
+from gradkit.clipping import (
+    NORM_EPS,
+    ClipDecision,
+    ClipLedger,
+    describe,
+    ledger_metrics,
+    ledger_state,
+    load_ledger_state,
+    log_if_logging_step,
+    norm_ratio,
+)
 from gradkit.norms import (
     ParamIndex,
     host_to_device,
@@ -190,19 +200,10 @@ class AdaptiveGradClip:
         if plan.grads:
             self._clip(plan)
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.logging_step:
-            self._ledger.log(plan, ctx)
-
-    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
-        """The values logged for the last step of an optimizer (see :meth:`~gradkit.clipping.ClipGradNorm.metrics`)."""
-        return self._ledger.metrics(optimizer_idx)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._ledger.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._ledger.load_state_dict(state_dict)
+    observe = log_if_logging_step
+    metrics = ledger_metrics
+    state_dict = ledger_state
+    load_state_dict = load_ledger_state
 
     # -- one step ------------------------------------------------------------------------------------------------
     def _cached(self, plan: StepPlan, key: tuple[Any, ...]) -> Any:

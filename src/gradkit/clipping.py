@@ -7,12 +7,9 @@ plain loop or Fabric (:class:`~gradkit.loop.GradKit`), and the Lightning ``Train
 names (:mod:`lightning_gradkit.callbacks.clip_callbacks`) subclass these classes. One class per algorithm, no base
 class: what they share is a few functions and a composed :class:`ClipLedger`.
 
-Map of the clippers: :class:`ClipGradNorm` and :class:`ClipGradValue` here; :class:`~gradkit.history_clipping.AutoClip`
-and :class:`~gradkit.history_clipping.ZClip`, whose threshold follows the history of norms, in
-:mod:`gradkit.history_clipping`; the unit-wise :class:`~gradkit.agc.AdaptiveGradClip` in :mod:`gradkit.agc`. Map of
-this file, in order: the math (:func:`clip_coefficient`, :func:`clip_to_threshold`, :func:`norm_ratio`); what a
-clipper keeps of its steps (:class:`ClipDecision`, :class:`ClipLedger`); :class:`ClipGradNorm`,
-:class:`ClipGradValue`.
+:class:`ClipGradNorm` and :class:`ClipGradValue` are here; :class:`~gradkit.history_clipping.AutoClip` and
+:class:`~gradkit.history_clipping.ZClip`, whose threshold follows the history of norms, in
+:mod:`gradkit.history_clipping`; the unit-wise :class:`~gradkit.agc.AdaptiveGradClip` in :mod:`gradkit.agc`.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -37,10 +34,16 @@ __all__ = [
     "ClipGradNorm",
     "ClipGradValue",
     "ClipLedger",
+    "clip_again_to_target",
     "clip_coefficient",
     "clip_to_threshold",
     "describe",
+    "ledger_metrics",
+    "ledger_state",
+    "load_ledger_state",
+    "log_if_logging_step",
     "norm_ratio",
+    "request_norm",
 ]
 
 #: Added to the total norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does.
@@ -208,6 +211,46 @@ def describe(clipper: object, **config: object) -> str:
     return f"{type(clipper).__name__}({', '.join(f'{k}={v!r}' for k, v in config.items())})"
 
 
+# -- the methods every clipper shares, assigned in each class: one class per algorithm and no base class, so that a --
+# -- Trainer callback's MRO stays 4 classes deep ---------------------------------------------------------------------
+class _Clipper(Protocol):
+    norm_type: float
+    _ledger: ClipLedger
+
+
+def request_norm(self: _Clipper, request: StatsRequest) -> None:
+    request.norm_types.add(self.norm_type)
+
+
+def log_if_logging_step(self: _Clipper, plan: StepPlan, ctx: StepContext) -> None:
+    if plan.logging_step:
+        self._ledger.log(plan, ctx)
+
+
+def ledger_metrics(self: _Clipper, optimizer_idx: int = 0) -> dict[str, Tensor]:
+    """The values logged for the last step of an optimizer, as device tensors (no host sync).
+
+    ``grad_clip/pre_clip_norm`` and ``grad_clip/post_clip_norm`` (the total norm before and after clipping, in
+    the clipper's norm), ``grad_clip/coef`` (the clip coefficient; for per-unit or element-wise clipping, the
+    ratio of the two norms), ``grad_clip/clipped_fraction`` (the fraction of optimizer steps clipped since the
+    previous log) and, for the adaptive clippers (``AutoClip``, ``ZClip``), ``grad_clip/threshold``.
+    """
+    return self._ledger.metrics(optimizer_idx)
+
+
+def ledger_state(self: _Clipper) -> dict[str, Any]:
+    return self._ledger.state_dict()
+
+
+def load_ledger_state(self: _Clipper, state_dict: dict[str, Any]) -> None:
+    self._ledger.load_state_dict(state_dict)
+
+
+def clip_again_to_target(self: _Clipper, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+    if plan.grads:
+        self._ledger.clip_again(plan, self.norm_type)
+
+
 # -- the clippers ----------------------------------------------------------------------------------------------------
 class ClipGradNorm:
     r"""Clip gradients by their total p-norm: the same result as ``torch.nn.utils.clip_grad_norm_``.
@@ -251,8 +294,7 @@ class ClipGradNorm:
     def __repr__(self) -> str:
         return describe(self, max_norm=self.max_norm, norm_type=self.norm_type)
 
-    def request_stats(self, request: StatsRequest) -> None:
-        request.norm_types.add(self.norm_type)
+    request_stats = request_norm
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         if not plan.grads:
@@ -268,25 +310,10 @@ class ClipGradNorm:
         if plan.grads:
             plan.clip_coef = clip_coefficient(plan.pre_clip_total(self.norm_type), self.max_norm)
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.logging_step:
-            self._ledger.log(plan, ctx)
-
-    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
-        """The values logged for the last step of an optimizer, as device tensors (no host sync).
-
-        ``grad_clip/pre_clip_norm`` and ``grad_clip/post_clip_norm`` (the total norm before and after clipping, in
-        the clipper's norm), ``grad_clip/coef`` (the clip coefficient; for per-unit or element-wise clipping, the
-        ratio of the two norms), ``grad_clip/clipped_fraction`` (the fraction of optimizer steps clipped since the
-        previous log) and, for the adaptive clippers (``AutoClip``, ``ZClip``), ``grad_clip/threshold``.
-        """
-        return self._ledger.metrics(optimizer_idx)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._ledger.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._ledger.load_state_dict(state_dict)
+    observe = log_if_logging_step
+    metrics = ledger_metrics
+    state_dict = ledger_state
+    load_state_dict = load_ledger_state
 
 
 class ClipGradValue:
@@ -323,8 +350,7 @@ class ClipGradValue:
     def __repr__(self) -> str:
         return describe(self, clip_value=self.clip_value)
 
-    def request_stats(self, request: StatsRequest) -> None:
-        request.norm_types.add(math.inf)
+    request_stats = request_norm
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         if not plan.grads:
@@ -339,16 +365,7 @@ class ClipGradValue:
         if plan.grads:
             plan.clamp_value = self.clip_value
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.logging_step:
-            self._ledger.log(plan, ctx)
-
-    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
-        """The values logged for the last step of an optimizer (see :meth:`ClipGradNorm.metrics`)."""
-        return self._ledger.metrics(optimizer_idx)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._ledger.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._ledger.load_state_dict(state_dict)
+    observe = log_if_logging_step
+    metrics = ledger_metrics
+    state_dict = ledger_state
+    load_state_dict = load_ledger_state

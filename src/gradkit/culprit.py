@@ -73,12 +73,7 @@ def replay_micro_batches(
     Every micro-batch is replayed, also after one found the culprit, so that the collectives a replayed forward
     issues (``self.all_gather`` in ``training_step``) pair up across ranks as they did in training. Each runs in
     :func:`~gradkit.replay.replay` with its RNG state set: ``module``'s state comes out unchanged.
-
-    Args:
-        module: the model (its submodules get the forward hooks, its state is restored).
-        batches: the step's micro-batches.
-        backward_scale: the ``GradScaler``'s scale, put on each loss before its backward.
-        anomaly: also run under ``torch.autograd.detect_anomaly(check_nan=True)``.
+    ``backward_scale`` and ``anomaly`` are :func:`~gradkit.forensics.find_nonfinite_origin`'s.
 
     Returns:
         The first finding with a culprit (its ``detail["batch_idx"]`` set), else the first micro-batch whose replay
@@ -181,11 +176,8 @@ def reproducibility(per_rank: list[dict[str, Any]]) -> Reproducibility:
     """Whether the forensic replay reproduced the non-finite value, the ranks whose replay did, and the reason.
 
     ``True`` when a rank's replay made it again (a data or model fault: it comes back with the same batch and
-    weights). Otherwise ``None``: nothing is proved. When every rank replayed the step to the end and none made it
-    again, the reason is :data:`REPLAY_STAYED_FINITE`: the replay runs ``training_step`` and its backward only, so a
-    value made deterministically after them (``on_after_backward``, a callback's hook, the optimizer) is not made
-    again either, as a transient hardware fault is not. The other reasons: no replay ran, or one failed or could
-    not run.
+    weights). Otherwise ``None``: nothing is proved (:data:`REPLAY_STAYED_FINITE` when every replay ran to the end,
+    else no replay ran, or one failed or could not run).
 
     Example::
 

@@ -3,33 +3,27 @@ r"""What a rollback does when the spike comes back: ``SpikeRollback(escalate_...
 When a spike comes back after a rollback, rolling back again the same way meets it again: PaLM, OPT and BLOOM
 restarted with a lower learning rate after persistent spikes, and SPAM (Huang et al., 2025, "SPAM: Spike-Aware Adam
 with Momentum Reset") resets the Adam moments. A spike *comes back* when a rollback fires within
-``escalate_within_steps`` optimizer steps (the loop's step count, ``trainer.global_step``) after the end of the
-previous rollback, i.e. after its last stepped-over batch (``from_step + skip_batches`` of its event). That rollback
-*escalates* (:class:`Escalation`): after restoring the snapshot (it may restore the same one as the previous
-rollback: the run from it now differs), it
+``escalate_within_steps`` optimizer steps after the end of the previous rollback (its last stepped-over batch). That
+rollback *escalates* (:class:`Escalation`): after restoring the snapshot (maybe the same one: the run from it now
+differs), it
 
-- cuts the learning rate (``escalate_lr_factor``): the optimizer steps with ``lr * f`` in every param group, where
-  ``lr`` is what the LR scheduler set and ``f`` ramps linearly from the factor back to 1 over
-  ``escalate_rewarmup_steps`` applied optimizer steps (skipped steps do not count): :func:`rewarmup_factor`. The
-  factor is applied inside ``optimizer.step`` (a step pre-hook) and the scheduler's value put back after it (a
-  post-hook), so any scheduler composes with it, chainable ones included, and the param groups (a checkpoint,
-  ``LearningRateMonitor``) hold the schedule's value. An escalation during a ramp compounds: it
-  starts from the factor times the ramp's current multiplier;
+- cuts the learning rate (``escalate_lr_factor``): the optimizer steps with ``lr * f``, ``lr`` what the scheduler set
+  and ``f`` ramping linearly from the factor back to 1 over ``escalate_rewarmup_steps`` applied steps
+  (:func:`rewarmup_factor`). The factor is applied inside ``optimizer.step`` (a step pre-hook) and the scheduler's
+  value put back after it (a post-hook), so any scheduler composes with it and the param groups (a checkpoint,
+  ``LearningRateMonitor``) hold the schedule's value. An escalation during a ramp compounds;
 - resets the optimizer moments (``escalate_reset_moments``) of the restored state: ``"all"`` parameters, or the
-  ``"spiking"`` modules: every optimizer step, the gradient 2-norm of each module (the rows of
-  ``GradNormMonitor(depth="auto")``: one per repeated block, plus the other top-level modules) gets a z-score against
-  its own running statistics (the EMA, ``alpha`` and ``warmup_steps`` of the trigger); a module spikes when its
-  largest z-score over the run of flagged steps that fired exceeds ``z_threshold`` or its norm is non-finite; when
-  none does, the module with the largest z-score. Those parameters' optimizer state
-  becomes what a fresh optimizer of the same class and param-group settings holds (:func:`reset_optimizer_state_`):
-  for Adam, no state, so the next step builds zero moments and a step count of 0; NAdam, Rprop, ASGD, SGD with
-  momentum and Adagrad likewise restart exactly as fresh (for those parameters ``global_step - skipped_steps`` is
-  then no longer the step count).
+  ``"spiking"`` modules: each module's gradient 2-norm (the rows of ``GradNormMonitor(depth="auto")``) gets a z-score
+  every step against its own running statistics (the trigger's ``alpha`` and ``warmup_steps``); a module spikes when
+  its largest z-score over the flagged run exceeds ``z_threshold`` or its norm is non-finite (none: the module with
+  the largest). Those parameters' optimizer state becomes what a fresh optimizer of the same class and settings
+  holds (:func:`reset_optimizer_state_`: Adam, NAdam, Rprop, ASGD, SGD with momentum and Adagrad restart exactly as
+  fresh; ``global_step - skipped_steps`` is then no longer their step count).
 
-Each escalation is an event (``what="escalation"``, with ``lr_factor``, the multiplier of the next optimizer step,
-``rewarmup_steps``, ``reset_moments``, ``reset_modules`` and their ``module_z``, ``reset_params``, the ``rollback``
-it belongs to and ``steps_since_previous``), a marker in the gradient report and a warning. Its state (the ramp, the
-module statistics) is saved in checkpoints and is the same on every rank. Pure PyTorch: no Lightning here.
+Each escalation is an event (``what="escalation"``, with ``lr_factor``, ``rewarmup_steps``, ``reset_moments``,
+``reset_modules`` and their ``module_z``, ``reset_params``, ``rollback`` and ``steps_since_previous``), a marker in
+the gradient report and a warning. Its state (the ramp, the module statistics) is saved in checkpoints and is the
+same on every rank.
 """
 
 from __future__ import annotations
@@ -78,15 +72,12 @@ def reset_optimizer_state_(optimizer: Optimizer, params: Sequence[Tensor]) -> in
     """Reset the optimizer state of ``params`` to what a fresh optimizer of the same class and param-group settings
     holds: the next step is then that optimizer's first step for these parameters.
 
-    For torch's optimizers that initialize their state lazily at the first step (Adam, AdamW, NAdam, RAdam, Rprop,
-    ASGD, SGD, ...), the parameter's state is removed and the optimizer builds it again at its next step, exactly as
-    a fresh one does: NAdam's ``mu_product`` of 1, Rprop's ``step_size`` of ``lr``, ASGD's ``eta`` and ``mu``, no SGD
-    momentum buffer (its first step takes the gradient whole, without ``dampening``), step counts of 0. Zeroing
-    every tensor would not be a fresh state for these. An optimizer that builds its state in its constructor
-    (Adagrad's ``sum`` of ``initial_accumulator_value``) gets the state a fresh instance builds, copied into the
-    existing tensors in place. The fresh instance is constructed on a detached alias of the parameter (no copy of
-    its values) with the param group's settings that its constructor accepts; an optimizer class that cannot be
-    constructed so is reset to no state (the lazy initialization). A parameter without state is left as it is.
+    For torch's optimizers that initialize their state lazily (Adam, AdamW, NAdam, RAdam, Rprop, ASGD, SGD, ...) the
+    parameter's state is removed and rebuilt at the next step exactly as a fresh one does (NAdam's ``mu_product`` of
+    1, Rprop's ``step_size`` of ``lr``, no SGD momentum buffer): zeroing every tensor would not be a fresh state. An
+    optimizer that builds its state in its constructor (Adagrad's ``sum``) gets the state a fresh instance, built on a
+    detached alias of the parameter with the group's settings its constructor accepts, holds, copied in place; one
+    that cannot be constructed so is reset to no state. A parameter without state is left as it is.
 
     Returns:
         The number of parameters whose state was reset.

@@ -58,20 +58,14 @@ def _jsonable(value: Any) -> Any:
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, bool)) or value is None:
-        return value
-    if isinstance(value, float):
+    if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
 
 
 class EventLog:
-    """Appends events as JSON lines to ``<directory>/gradkit_events.jsonl`` (global rank 0 only).
-
-    Args:
-        directory: where the file goes (see :func:`events_dir`).
-        rank: this process's global rank; other ranks than 0 write nothing unless ``every_rank``.
-        every_rank: let every rank write (for findings that are local to a rank, e.g. host syncs).
+    """Appends events as JSON lines to ``<directory>/gradkit_events.jsonl``: from global rank 0 only (``rank``: this
+    process's), or from every rank with ``every_rank`` (findings local to a rank, e.g. host syncs).
 
     Example::
 
@@ -153,10 +147,8 @@ class EventLog:
 
 
 def write_metadata(directory: str | Path, **fields: Any) -> None:
-    """Merge ``fields`` into ``<directory>/gradkit_run.json`` (call on global rank 0 only).
-
-    The file is replaced in one ``os.replace``, so a reader never sees half of it. Like the event log it never raises
-    into training: a file that cannot be written is skipped with a warning.
+    """Merge ``fields`` into ``<directory>/gradkit_run.json`` (call on global rank 0 only), replaced in one
+    ``os.replace`` (a reader never sees half of it); like the event log it never raises into training.
 
     Example::
 

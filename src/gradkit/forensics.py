@@ -25,14 +25,11 @@ backward (the autograd engine runs the backward under the modes of the code that
 - The parameters' gradients of the replay come from ``torch.autograd.grad``, so ``.grad`` is not touched;
   optionally the replay also runs under ``torch.autograd.detect_anomaly(check_nan=True)``.
 
-A replay that raises or cannot hook the model says so (``"failed"`` with the error, ``"unavailable"`` with the
-reason): it never reports a finite replay it did not see. Values that no operator of the replay made (a non-finite
-batch, or a parameter that was already non-finite) are named as such.
-
-:func:`find_nonfinite_origin` replays one loss function; :func:`gradkit.culprit.replay_micro_batches` replays a
-step's micro-batches in the one replay context (:func:`gradkit.replay.replay`: RNG set to the batch's, then RNG,
-buffers, ``.grad``, modes and metrics restored). The replay costs about two forward-and-backward passes (a host read
-per operator), once, at the first detection; the training steps themselves run without any of it.
+A replay that raises or cannot hook the model says so (``"failed"``, ``"unavailable"``): it never reports a finite
+replay it did not see. Values that no operator of the replay made (a non-finite batch, or a parameter that was
+already non-finite) are named as such. The replay (:func:`gradkit.culprit.replay_micro_batches` runs it in
+:func:`gradkit.replay.replay`) costs about two forward-and-backward passes (a host read per operator), once, at the
+first detection; the training steps themselves run without any of it.
 """
 
 from __future__ import annotations
@@ -442,12 +439,9 @@ def find_nonfinite_origin(
     backward_scale: Tensor | float | None = None,
     anomaly: bool = False,
 ) -> Finding:
-    """Replay ``compute_loss`` and its backward under a dispatch mode and say where non-finite values began.
-
-    The culprit is the origin of the non-finite loss, else of the non-finite parameter gradients: the aten operator
-    that made the value from finite inputs, the module it ran in and the user's source line (see the module
-    docstring). The caller restores state (see :func:`gradkit.replay.replay`); this function only adds and
-    removes forward hooks and the mode.
+    """Replay ``compute_loss`` and its backward under a dispatch mode and say where non-finite values began (see the
+    module docstring). The caller restores state (:func:`gradkit.replay.replay`); this function only adds and removes
+    forward hooks and the mode.
 
     Args:
         module: the model whose submodules get forward hooks. Culprits are named by

@@ -40,18 +40,9 @@ def step_as_decided(
     kwargs: dict[str, Any],
     skipped_result: Any = None,
 ) -> Any:
-    """Call ``inner`` (the optimizer's own ``step``) with ``kwargs`` unless ``plan`` skips the step.
-
-    Args:
-        optimizer: the optimizer (not a wrapper): its ``found_inf`` attribute carries a fused optimizer's skip.
-        inner: its original ``step``.
-        plan: the step's plan, ``None`` when the pipeline did not run for it.
-        kwargs: the arguments of the call (``closure``, ...).
-        skipped_result: what a skipped step returns (PyTorch's optimizers return the closure's result).
-
-    Returns:
-        What ``inner`` returned, or ``skipped_result`` on a skipped step.
-    """
+    """Call ``inner`` (``optimizer``'s own ``step``; the optimizer itself, not a wrapper) with ``kwargs`` unless
+    ``plan`` (``None``: the pipeline did not run for the step) skips the step; a skipped step returns
+    ``skipped_result`` (PyTorch's optimizers return the closure's result)."""
     if plan is None or (plan.skip is None and plan.folded is None):  # no skip asked, gradients written: step
         return inner(**kwargs)
     if handles_found_inf(optimizer):
@@ -101,10 +92,8 @@ def fused_step(
 
 @contextmanager
 def shadowed(obj: object, **attributes: Any) -> Iterator[None]:
-    """Set instance attributes of ``obj`` for the body, then put back what the instance had (or remove them).
-
-    Only the instance is touched: an attribute that was not in ``obj.__dict__`` is deleted afterwards, so the class
-    attribute shows through again.
+    """Set instance attributes of ``obj`` for the body, then put back what the instance had: one that was not in
+    ``obj.__dict__`` is deleted afterwards, so the class attribute shows through again.
 
     Example::
 

@@ -18,11 +18,22 @@ import torch
 from torch import Tensor
 
 from gradkit._arguments import check_float, check_int
-from gradkit.clipping import NORM_EPS, ClipDecision, ClipLedger, clip_coefficient, clip_to_threshold, describe
+from gradkit.clipping import (
+    NORM_EPS,
+    ClipDecision,
+    ClipLedger,
+    clip_again_to_target,
+    clip_coefficient,
+    clip_to_threshold,
+    describe,
+    ledger_metrics,
+    log_if_logging_step,
+    request_norm,
+)
 from gradkit.host_lag import HostLag, as_float32
 from gradkit.norms import finite_mask
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import Stage, StatsRequest, StepContext
+from gradkit.protocol import Stage, StepContext
 
 __all__ = ["MAX_HISTORY", "AutoClip", "ZClip", "nan_percentile"]
 
@@ -107,8 +118,7 @@ class AutoClip:
     def __repr__(self) -> str:
         return describe(self, percentile=self.percentile, history_size=self.history_size)
 
-    def request_stats(self, request: StatsRequest) -> None:
-        request.norm_types.add(2.0)
+    request_stats = request_norm
 
     def _history(self, idx: int, device: torch.device) -> _NormHistory:
         history = self._histories.get(idx)
@@ -137,17 +147,9 @@ class AutoClip:
         post = functools.partial(operator.mul, pre, coef)
         self._ledger.record(plan, ClipDecision(pre, post, coef, norm > threshold, threshold, target=threshold))
 
-    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
-        if plan.grads:
-            self._ledger.clip_again(plan, 2.0)
-
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.logging_step:
-            self._ledger.log(plan, ctx)
-
-    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
-        """The values logged for the last step of an optimizer (see :meth:`~gradkit.clipping.ClipGradNorm.metrics`)."""
-        return self._ledger.metrics(optimizer_idx)
+    decide_again = clip_again_to_target
+    observe = log_if_logging_step
+    metrics = ledger_metrics
 
     def state_dict(self) -> dict[str, Any]:
         """Per optimizer, the ``history`` (NaN: an empty slot) and the ``count`` of norms it took, on the CPU."""
@@ -248,8 +250,7 @@ class ZClip:
         config = {"alpha": self.alpha, "z_threshold": self.z_threshold, "warmup_steps": self.warmup_steps}
         return describe(self, **config, max_norm=self.max_norm)
 
-    def request_stats(self, request: StatsRequest) -> None:
-        request.norm_types.add(2.0)
+    request_stats = request_norm
 
     def _fold(self, stats: _ZStatistics) -> None:
         """Update the statistics with the norm still on its way to the host (the previous step's)."""
@@ -318,17 +319,9 @@ class ZClip:
         )
         self._ledger.record(plan, decision)
 
-    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
-        if plan.grads:
-            self._ledger.clip_again(plan, 2.0)
-
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.logging_step:
-            self._ledger.log(plan, ctx)
-
-    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
-        """The values logged for the last step of an optimizer (see :meth:`~gradkit.clipping.ClipGradNorm.metrics`)."""
-        return self._ledger.metrics(optimizer_idx)
+    decide_again = clip_again_to_target
+    observe = log_if_logging_step
+    metrics = ledger_metrics
 
     def state_dict(self) -> dict[str, Any]:
         """Per optimizer, the ``mean`` and ``var`` (float64) and ``count`` of the statistics, every norm passed so far

@@ -12,8 +12,6 @@ behind the host), the host waits for that copy only (``cudaEventSynchronize``), 
 
 On the CPU the values are already on the host: nothing is copied. Outside CUDA and the CPU (MPS, XLA) the values
 are copied with ``.to("cpu")``, which synchronizes there.
-
-Pure PyTorch; no Lightning here.
 """
 
 from __future__ import annotations

@@ -21,12 +21,10 @@ from gradkit._arguments import check_bool, check_int, name_list, validate_norm_t
 from gradkit.events import EVENTS_FILENAME, write_metadata
 from gradkit.norms import (
     ParamIndex,
-    combine_sharded,
     grouped_norms,
     host_to_device,
     local_tensor,
     per_tensor_norms,
-    powered,
     reduce_sharded,
     total_norm,
 )
@@ -35,6 +33,7 @@ from gradkit.pipeline import StepPlan
 from gradkit.protocol import Stage, StatsRequest, StepContext, state_key, values_to_host
 from gradkit.report_data import INSTALL_HINT, REPORT_FILE, RunData
 from gradkit.selection import auto_module_keys, module_rows, repeated_blocks
+from gradkit.update_ratio import _Before, update_ratios
 
 __all__ = [
     "PROG_BAR_KEYS",
@@ -465,67 +464,6 @@ class GradNormMonitor:
             module_norms = grouped_norms(norms, row_index, len(names), p)
             out.update({f"weight_norm/module/{name}": module_norms[i] for i, name in enumerate(names)})
         return out
-
-
-def update_ratios(
-    index: ParamIndex, before: list[Tensor], weight_norms: Tensor, rows: tuple[list[str], Tensor] | None
-) -> dict[str, Tensor]:
-    """The update-to-weight ratios ``||w - w_before|| / ||w_before||`` (2-norms), total and per row.
-
-    Overwrites ``before`` with the update (one ``_foreach_sub_``), takes its per-parameter norms (one
-    ``_foreach_norm`` per device/dtype group) and, when some parameter is sharded, sums the shards' squares in one
-    all-reduce (:func:`~gradkit.norms.reduce_sharded`, the weights' squares riding along as an extra).
-
-    Args:
-        index: the parameters of one optimizer.
-        before: copies of this rank's (local) parameters, taken before the step, in ``index`` order.
-        weight_norms: this rank's per-parameter 2-norms of ``before``.
-        rows: the per-module rows and the row of every parameter, or None for the total only.
-
-    Example::
-
-        >>> from gradkit.norms import build_param_index
-        >>> w = torch.nn.Parameter(torch.full((4,), 2.0))
-        >>> index = build_param_index([{"params": [w]}], {id(w): "w"}, 0, torch.device("cpu"))
-        >>> before = [w.detach().clone()]
-        >>> with torch.no_grad():
-        ...     _ = w.sub_(0.004)
-        >>> update_ratios(index, before, per_tensor_norms(before, 2.0), None)["update_ratio/total"]
-        tensor(0.0020)
-    """
-    device = index.shard_weight.device
-    torch._foreach_sub_(before, [local_tensor(p.detach()) for p in index.params])
-    update_local = per_tensor_norms(before, 2.0, index.run_bounds).to(device)
-    extras = {_WEIGHT_SQUARES: powered(weight_norms, 2.0) * index.shard_weight} if index.any_sharded else {}
-    norms, reduced = reduce_sharded(index, {2.0: update_local}, extras)
-    update = norms[2.0]
-    weights = (
-        combine_sharded(weight_norms, index.shard_weight, reduced[_WEIGHT_SQUARES], 2.0) if extras else weight_norms
-    )
-    out = {"update_ratio/total": total_norm(update, 2.0) / total_norm(weights, 2.0)}
-    if rows is not None:
-        names, row_index = rows
-        ratio = grouped_norms(update, row_index, len(names), 2.0) / grouped_norms(weights, row_index, len(names), 2.0)
-        out.update({f"update_ratio/module/{name}": ratio[i] for i, name in enumerate(names)})
-    return out
-
-
-_WEIGHT_SQUARES = "update_ratio.weight_squares"
-
-
-@dataclass
-class _Before:
-    """What a logging step keeps of one optimizer's parameters for the update ratio: the copies until the step
-    returns, then the ratios until they are logged (``step``: the step they are logged under)."""
-
-    index: ParamIndex
-    params: list[Tensor]
-    weight_norms: Tensor
-    rows: tuple[list[str], Tensor] | None
-    suffix: str
-    on_period: bool
-    step: int
-    ratios: dict[str, Tensor] | None = None
 
 
 @dataclass

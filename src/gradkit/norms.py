@@ -9,9 +9,6 @@ of all parameters travel in a single all-reduce (:func:`reduce_sharded`; the inf
 Gradients (and losses) that still carry the AMP loss scale are expressed without it through :func:`loss_scale`, the
 one reader of a ``GradScaler``'s scale tensor (defined with the other torch private reads in
 :mod:`gradkit._torch_compat`, importable from here).
-
-The functions here are pure tensor math with no Lightning in them; the engine (:mod:`lightning_gradkit.trainer_door`)
-wires them to the Trainer.
 """
 
 from __future__ import annotations
@@ -126,10 +123,6 @@ def fill_present(values: Tensor, present: Sequence[int], size: int) -> Tensor:
     return full
 
 
-def _same_group(a: Tensor, b: Tensor) -> bool:
-    return a.device == b.device and a.dtype == b.dtype and a.layout == b.layout
-
-
 def sparse_values(t: Tensor) -> Tensor:
     """The values of a sparse COO tensor after summing duplicate indices (``coalesce``), as a dense tensor.
 
@@ -141,12 +134,10 @@ def sparse_values(t: Tensor) -> Tensor:
 
 
 def _run_norms(run: list[Tensor], norm_type: float) -> Tensor:
-    """Norms of tensors that share device and dtype, stacked; low-precision tensors are reduced in fp32.
+    """Norms of tensors that share device and dtype, stacked (:func:`~gradkit._multi_norm.multi_tensor_norms`).
 
     On CPU the inf-norm comes from one ``aminmax`` per tensor (``max(max, -min)``): ``_foreach_norm`` has no fused
-    CPU kernel and its inf-norm there costs about 7x as much. NaN propagates either way. Elsewhere
-    :func:`~gradkit._multi_norm.multi_tensor_norms`: on CUDA a Triton multi-tensor kernel (within fp32
-    rounding of ``_foreach_norm``), otherwise ``_foreach_norm`` itself, so CPU results are those of before.
+    CPU kernel and its inf-norm there costs about 7x as much. NaN propagates either way.
     """
     if math.isinf(norm_type) and run[0].device.type == "cpu":
         pairs = [torch.aminmax(t) for t in run]
@@ -154,24 +145,7 @@ def _run_norms(run: list[Tensor], norm_type: float) -> Tensor:
     return multi_tensor_norms(run, norm_type)
 
 
-def _device_dtype_runs(tensors: Sequence[Tensor], norm_type: float) -> list[list[Tensor]]:
-    """Split into runs of consecutive tensors sharing device and dtype (one ``_foreach_norm`` call each)."""
-    runs: list[list[Tensor]] = []
-    start = 0
-    for i in range(1, len(tensors) + 1):
-        if i == len(tensors) or not _same_group(tensors[i], tensors[start]):
-            run = list(tensors[start:i])
-            if run[0].is_sparse:
-                run = [sparse_values(t) for t in run]
-            if math.isinf(norm_type):
-                # A rank's shard of a small parameter can be empty (FSDP); its inf-norm is 0, not an error.
-                run = [t if t.numel() else t.new_zeros(1) for t in run]
-            runs.append(run)
-            start = i
-    return runs
-
-
-def run_bounds(run_ids: Sequence[int]) -> list[tuple[int, int]]:
+def run_bounds(run_ids: Sequence[object]) -> list[tuple[int, int]]:
     """``(start, stop)`` of each stretch of equal consecutive ids.
 
     Example::
@@ -194,29 +168,26 @@ def per_tensor_norms(
     """The p-norm of each tensor, as one fp32 vector on the first tensor's device.
 
     One multi-tensor call per run of consecutive tensors that share device and dtype (callers keep parameters
-    ordered by group, so this is one call per (device, dtype) group): two Triton launches on CUDA, one
-    ``torch._foreach_norm`` elsewhere (:func:`~gradkit._multi_norm.multi_tensor_norms`).
-    Low-precision tensors are reduced in fp32. The norm of a sparse COO tensor is the norm of its coalesced values (see
-    :func:`sparse_values`).
+    ordered by group): two Triton launches on CUDA, one ``torch._foreach_norm`` elsewhere. Low-precision tensors are
+    reduced in fp32; a sparse COO tensor's norm is that of its coalesced values (:func:`sparse_values`). ``bounds``
+    (:attr:`ParamIndex.run_bounds`), when the caller knows them, spare inspecting the tensors one by one.
 
     Example::
 
         >>> per_tensor_norms([torch.ones(4), torch.full((3,), 2.0)], 2.0)
         tensor([2.0000, 3.4641])
-
-    ``bounds``, when the caller knows them, are the ``(start, stop)`` of the runs of dense tensors sharing device
-    and dtype (:attr:`ParamIndex.run_bounds`): the tensors are then not inspected one by one.
     """
     if len(tensors) == 0:
         return torch.zeros(0)
     out_device = tensors[0].device
     pieces: list[Tensor] = []
     if bounds is None:
-        runs = _device_dtype_runs(tensors, norm_type)
-    else:
-        runs = [list(tensors[start:stop]) for start, stop in bounds]
-        if math.isinf(norm_type):
-            runs = [[t if t.numel() else t.new_zeros(1) for t in run] for run in runs]
+        bounds = run_bounds([(t.device, t.dtype, t.layout) for t in tensors])
+    runs = [list(tensors[start:stop]) for start, stop in bounds]
+    runs = [[sparse_values(t) for t in run] if run[0].is_sparse else run for run in runs]
+    if math.isinf(norm_type):
+        # A rank's shard of a small parameter can be empty (FSDP); its inf-norm is 0, not an error.
+        runs = [[t if t.numel() else t.new_zeros(1) for t in run] for run in runs]
     for run in runs:
         if run[0].device.type == "cpu" and not math.isinf(norm_type):
             # `multi_tensor_norms`' own path off CUDA, without its dispatch: one `_foreach_norm`.
@@ -229,14 +200,11 @@ def per_tensor_norms(
 
 
 def row_norms(t: Tensor) -> Tensor:
-    """The 2-norm of every slice of ``t`` along dim 0 (an output unit, for AGC), as an fp32 vector of ``t.shape[0]``.
+    """The 2-norm of every slice of ``t`` along dim 0 (an output unit, for AGC), as an fp32 vector of ``t.shape[0]``:
+    ``timm.utils.agc.unitwise_norm`` for a weight of several dimensions (a bias, gain or scalar is one unit).
 
-    The one unit-wise norm of the package: ``timm.utils.agc.unitwise_norm`` for a weight with more than one dimension
-    (flattened; a bias, gain or scalar is one unit, whose norm is its norm).
-
-    Low-precision tensors are reduced in fp32, float64 ones in float64 (then rounded to fp32), so every dtype works.
-    For a sparse COO tensor these are the norms of its coalesced rows (0 for a row it does not hold): the squares of
-    its values are summed per row index.
+    Low-precision tensors are reduced in fp32, float64 ones in float64. For a sparse COO tensor, the norms of its
+    coalesced rows (0 for a row it does not hold).
 
     Example::
 
@@ -265,14 +233,11 @@ def unpowered(powers: Tensor, norm_type: float) -> Tensor:
 
 
 def total_norm(norms: Tensor, norm_type: float) -> Tensor:
-    """The p-norm of the concatenation of tensors, from their individual p-norms.
-
-    Matches ``torch.nn.utils.get_total_norm``. NaN in any element propagates (also for ``p = inf``).
-    """
+    """The p-norm of the concatenation of tensors, from their individual p-norms, as
+    ``torch.nn.utils.get_total_norm``: NaN propagates (also for ``p = inf``: ``amax`` ignores nothing)."""
     if norms.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=norms.device)
     if math.isinf(norm_type):
-        # amax ignores nothing: NaN propagates, like torch.nn.utils.get_total_norm.
         return norms.amax()
     return torch.linalg.vector_norm(norms, norm_type)
 
@@ -352,17 +317,11 @@ def reduce_sharded(
 ) -> tuple[dict[float, Tensor], dict[str, Tensor]]:
     """Global per-parameter norms from this rank's local ones, and per-rank ``extras`` summed over all ranks.
 
-    The one place where sharded norms are reduced. For every finite p in ``local`` each rank contributes
-    ``powered(local[p], p) * index.shard_weight`` (0 for a replicated gradient, which every rank holds whole; a
-    shard held by several ranks is counted once); their sums give the norms of the sharded gradients
-    (:func:`combine_sharded`). The contributions of all finite norm types and the extras (flattened, in fp32) travel
-    in ONE all-reduce (SUM). The inf-norm is a maximum, not a sum: when ``local`` holds ``inf`` and some gradient is
-    sharded, ``local[inf]`` of the sharded parameters goes in a second all-reduce (MAX), so a call makes one
-    collective, or two when an inf-norm is asked of sharded gradients.
-
-    Nothing is reduced in a single process, nor without sharded gradients and extras: ``local`` and ``extras`` are
-    returned as they are. Under sharding every rank must call it, with the same norm types and extras of the same
-    shapes.
+    The one place where sharded norms are reduced. For every finite p each rank contributes
+    ``powered(local[p], p) * index.shard_weight`` (:func:`combine_sharded`); all finite norm types and the extras
+    (flattened, in fp32) travel in ONE all-reduce (SUM). The inf-norm is a maximum: with sharded gradients it takes a
+    second all-reduce (MAX). Nothing is reduced in a single process, nor without sharded gradients and extras. Under
+    sharding every rank must call it, with the same norm types and extras of the same shapes.
 
     Args:
         index: the parameters the norms belong to (``shard_weight``, ``any_sharded``).

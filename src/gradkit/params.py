@@ -3,7 +3,7 @@
 :func:`build_param_index` builds the :class:`~gradkit.norms.ParamIndex` a step's norms are laid out by (rebuilt
 only when the optimizer's set of parameters changes); :func:`clean_name` is the one name cleaner of every name
 gradkit reports; :func:`replication` and :func:`resolve_partial_grads` answer for sharded (DTensor, FSDP1)
-parameters. Torch only.
+parameters.
 """
 
 from __future__ import annotations
@@ -50,26 +50,16 @@ _WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoi
 
 
 def clean_name(name: str, *, ddp_root: bool = False) -> str:
-    """A module or parameter name as the unwrapped model spells it: the one name cleaner of the package.
+    """A module or parameter name as the unwrapped model spells it: the one name cleaner of the package (monitor
+    keys, selections, the layout check, culprits), so one module has one name.
 
-    Every whole component that ``torch.compile`` (``_orig_mod``), FSDP1 (``_fsdp_wrapped_module``) or
-    ``checkpoint_wrapper`` (``_checkpoint_wrapped_module``) inserts is dropped, wherever it appears; other components
-    are kept as they are (``submodule.weight`` stays). The monitor's keys, the clipping selection, the layout check,
-    the forensic culprit and the activation-checkpointing selection all use this function, so one module has one name.
-
-    DDP's ``module`` is treated differently, on purpose. ``DistributedDataParallel`` adds it only as the *first*
-    component of the names of a DDP-wrapped root, but ``module`` is also an ordinary attribute name (a
-    LightningModule holding ``self.module = model``, a block with a ``.module`` child). From the name alone
-    ``module.weight`` cannot be told apart: it is DDP's prefix for ``DDP(nn.Linear(...))`` and the user's submodule
-    for a model with ``self.module = nn.Linear(...)``. Dropping ``module`` anywhere, or as the leading component,
-    would rename (and may merge) the user's modules. So ``module`` is dropped only when the caller knows the names
-    come from a DDP-wrapped root (``ddp_root=True``; :func:`is_ddp_wrapped` tells), and then only the leading one,
-    after the other wrapper components are gone (``DDP(torch.compile(m))`` gives ``module._orig_mod.x`` and
-    ``torch.compile(DDP(m))`` gives ``_orig_mod.module.x``: both clean to ``x``). The Lightning callbacks name the
-    parameters of the LightningModule itself, which Lightning never wraps (the strategy's DDP wrapper is
-    ``trainer.strategy.model``), so they leave ``ddp_root`` off and a user's ``module`` is always kept.
-
-    The root's name (``""``) and a name made of wrapper components only clean to ``""``.
+    Every component that ``torch.compile`` (``_orig_mod``), FSDP1 (``_fsdp_wrapped_module``) or
+    ``checkpoint_wrapper`` (``_checkpoint_wrapped_module``) inserts is dropped, wherever it appears. DDP's ``module``
+    is also an ordinary attribute name (``self.module = model``), which the name alone cannot tell from DDP's prefix:
+    it is dropped only with ``ddp_root=True`` (the names come from a DDP-wrapped root, :func:`is_ddp_wrapped`), and
+    only the leading one once the other components are gone (``module._orig_mod.x`` and ``_orig_mod.module.x`` both
+    clean to ``x``). The Lightning callbacks name the LightningModule's parameters, which Lightning never wraps, so a
+    user's ``module`` is always kept there. The root's name, and one of wrapper components only, clean to ``""``.
 
     Example::
 
@@ -100,14 +90,11 @@ def is_ddp_wrapped(root: torch.nn.Module) -> bool:
 def replication(param: Tensor, world: int | None = None) -> int:
     """How many ranks of the whole world hold the same piece of a DTensor parameter (1 for a fully sharded one).
 
-    The engine sums every rank's contribution over the WORLD group, so each distinct piece must be counted once
-    over the world, not once over the parameter's own mesh. Under a 2-D (data x tensor parallel) mesh a parameter
-    that is only ``fully_shard``-ed lives on the 1-D data-parallel sub-mesh: the tensor-parallel ranks that hold the
-    same shard belong to other sub-meshes of the same size. The number of distinct pieces is the product of the
-    mesh sizes along which the placement does not replicate; every rank holds one of them, so each is held by
-    ``world / pieces`` ranks. Under HSDP (``fully_shard`` on a (replicate, shard) mesh) the placements are
-    ``(Replicate(), Shard(0))``: a shard held by every rank of a replicate group counts once, not once per replica
-    (the over-count of VeOmni #184 / #862).
+    The engine sums every rank's contribution over the WORLD group, so each distinct piece must be counted once over
+    the world, not over the parameter's own mesh (a ``fully_shard``-ed parameter of a 2-D data x tensor mesh lives on
+    a data-parallel sub-mesh; its tensor-parallel copies are on the others). The distinct pieces are the product of
+    the mesh sizes along which the placement does not replicate, each held by ``world / pieces`` ranks; under HSDP
+    a shard held by every rank of a replicate group counts once (the over-count of VeOmni #184 / #862).
 
     Args:
         param: a parameter; plain tensors count as held once per rank (1).
@@ -142,12 +129,9 @@ def replication(param: Tensor, world: int | None = None) -> int:
 def steps_in_optimizer(param: Tensor) -> bool:
     """Whether a parameter of an optimizer's param groups belongs in the engine's index at this step.
 
-    The optimizer steps every parameter whose ``.grad`` is not None, whatever its ``requires_grad`` (torch's
-    optimizers skip only the ones without a gradient), so every such gradient must be measured, clipped and guarded.
-    The flag and the gradient can disagree: under FSDP2, ``requires_grad_(True)`` on a module whose parameters are
-    unsharded at that moment sets the flag on the unsharded parameters, while the optimizer's sharded ones keep
-    ``requires_grad=False`` and receive the reduce-scattered gradient. A parameter with ``requires_grad=True`` and no
-    gradient belongs too: it is a trainable parameter that the loss did not reach, which the monitor reports.
+    The optimizer steps every parameter whose ``.grad`` is not None, whatever its ``requires_grad`` (under FSDP2,
+    ``requires_grad_(True)`` on an unsharded module leaves the optimizer's sharded parameters at ``False`` while
+    they receive gradients). A trainable parameter without a gradient belongs too: the monitor reports it.
 
     Example::
 
@@ -231,11 +215,9 @@ def resolve_partial_grads(params: Sequence[Tensor]) -> None:
     """Sum the gradients that autograd left ``Partial`` over some mesh dimension, with DTensor's own ``redistribute``.
 
     A parameter replicated over a tensor-parallel dimension whose inputs are sharded there (``SequenceParallel``
-    LayerNorms) gets a ``Partial`` gradient: each rank holds a summand, and a norm of summands is not the norm of
-    their sum. FSDP2 resolves non-data-parallel ``Partial`` placements itself before its reduce-scatter, so this
-    only acts under tensor parallelism without ``fully_shard`` on those parameters. Cost: one all-reduce of each such
-    gradient's size; the optimizer would otherwise perform the same reduction in its first op on that gradient
-    (a ``Replicate`` parameter cannot be updated with a ``Partial`` gradient), so it moves rather than adds.
+    LayerNorms) gets a ``Partial`` gradient, each rank a summand: a norm of summands is not the norm of their sum.
+    FSDP2 resolves these itself, so this acts under tensor parallelism without ``fully_shard`` only. The all-reduce
+    moves rather than adds: the optimizer's first op on that gradient would do the same reduction.
 
     Args:
         params: parameters that may have such gradients (``ParamIndex.replicated_dtensors``); each gradient that has

@@ -21,11 +21,7 @@ The first two are *replays*: the training never sees them. :func:`replay` runs t
   runs no Lightning hook (the culprit replay differentiates with ``torch.autograd.grad``, the measuring forwards
   have no backward).
 
-A later closure evaluation is not a replay: the optimizer consumes it. The model's own state follows plain
-Lightning there (its buffers, RNG draws and ``self.log`` calls count, as they do without gradkit), and every
-gradkit callback forgets what its micro-batch hooks collected for it in ``GradKitCallback.decide_again`` (the
-engine calls it for every later evaluation, with or without a GradKit strategy): the step was decided and
-normalized on the first evaluation, so counting the later ones would skew the next window's token count and loss.
+A later closure evaluation is not a replay: the optimizer consumes it (:mod:`gradkit._closure`).
 
 What no context can undo: other Python side effects of ``training_step`` (a counter on ``self``, a print, a list
 it appends to) happen once more per replay.
@@ -91,11 +87,8 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 
 @contextmanager
 def replay(module: nn.Module, rng: RNGState | None = None) -> Iterator[None]:
-    """The replay context: run ``training_step`` again and leave no trace (see the module docstring).
-
-    Args:
-        module: the LightningModule (or any ``nn.Module``) whose state the replay must not change.
-        rng: RNG states to set for the replay (e.g. captured before the original ``training_step``).
+    """The replay context: run ``training_step`` again and leave no trace on ``module`` (see the module docstring),
+    with the RNG states ``rng`` set for the replay when given (e.g. captured before the original ``training_step``).
 
     Example::
 

@@ -38,20 +38,15 @@ _NO_EVENTS = " (No events file: pass GradKit(log_dir=...) to save the events.)"
 class SpikeRollback:
     r"""When a loss or gradient-norm spike persists, restore the newest good snapshot and step over the bad data.
 
-    **Snapshots.** After every ``snapshot_every_n_steps`` optimizer steps (the loop's step count, under a Trainer
-    ``trainer.global_step``, a multiple of it, and at the start of training), the state is copied into a ring of
-    ``keep`` snapshots in host memory. It is everything a training step may change: the parameters the optimizer
-    trains, the module buffers (BatchNorm running statistics), the optimizer state (moments, step counts,
-    hyperparameters), the LR schedulers' ``state_dict`` (the Trainer's, or those given to
-    :class:`~gradkit.loop.GradKit`) and the GradKit strategy's counts for their ``frequency``, the
-    torch/CUDA/Python/NumPy RNG states, the ``state_dict`` of the other stateful gradkit callbacks (e.g. the
-    statistics of ``ZClip``, ``AutoClip``, ``SpikeGuard``; restored whole, so their counters rewind too, while the
-    events they wrote stay), the count of skipped steps and this callback's own statistics. Other callbacks'
-    states are not part of it. A snapshot is only taken after a step that applied its update and was not flagged
-    (else at the next such step). On a GPU the host buffers are pinned, allocated once, and filled with
-    ``non_blocking`` copies: the step does not wait for them. Under FSDP2 every rank copies its own shards. Host
-    memory: ``keep`` x (trained parameters + optimizer state + buffers) per rank, e.g. about 6x the fp32 parameter
-    bytes with Adam and ``keep=2``.
+    **Snapshots.** At the start of training and after every ``snapshot_every_n_steps`` optimizer steps (a step that
+    applied its update and was not flagged, else the next such step), everything a training step may change is
+    copied into a ring of ``keep`` snapshots in host memory (:class:`~gradkit.snapshot.StepSnapshot`): the trained
+    parameters, the module buffers, the optimizer state, the LR schedulers and the GradKit strategy's counts for
+    their ``frequency``, the RNG states, the ``state_dict`` of the other stateful gradkit policies (``ZClip``,
+    ``SpikeGuard``: their counters rewind too, the events they wrote stay), the count of skipped steps and this
+    policy's statistics. On a GPU the host buffers are pinned, allocated once and filled with ``non_blocking``
+    copies; under FSDP2 every rank copies its own shards. Host memory: ``keep`` x (trained parameters + optimizer
+    state + buffers) per rank, about 6x the fp32 parameter bytes with Adam and ``keep=2``.
 
     **Trigger.** Each optimizer step the monitored value (the loss averaged over the accumulation window and the
     ranks, or the total gradient 2-norm) gets a z-score against NaN-masked running statistics on device, exactly
@@ -63,43 +58,33 @@ class SpikeRollback:
     not cure it (the next step is non-finite too). The values travel in the engine's single collective, so every
     rank takes the same decision.
 
-    **Rollback.** The step that fires is not applied (the door skips it), then the newest snapshot
-    taken before the spike began is restored bitwise, in place, and snapshots newer than it are dropped. The data
-    stream is not rewound: the batches consumed since the snapshot are not replayed, and ``skip_batches`` more
-    optimizer steps' batches are stepped over: they run forward and backward, their optimizer steps are skipped,
-    the buffers they wrote (BatchNorm running statistics included) are put back as for any skipped step (by the
-    door), and the RNG states and gradkit callback states are restored from the snapshot after each, so the run
-    continues as one that never saw them (their compute is spent, as with any skipped step); an LR scheduler with a
-    ``frequency`` steps as in that run too. After
-    ``max_rollbacks`` rollbacks the next trigger stops training with a ``RuntimeError``.
+    **Rollback.** The step that fires is not applied (the door skips it), then the newest snapshot taken before the
+    spike began is restored bitwise, in place, and snapshots newer than it are dropped. The data stream is not
+    rewound, and ``skip_batches`` more optimizer steps' batches are stepped over: their steps are skipped (buffers
+    put back by the door) and the RNG and policy states restored after each, so the run continues as one that never
+    saw them (an LR scheduler with a ``frequency`` too). After ``max_rollbacks`` rollbacks the next trigger stops
+    training with a ``RuntimeError``.
 
-    **The same snapshot twice.** A rollback restores the snapshot the previous rollback restored again only when the
-    run from it got further than the time before: its flagged steps began more steps after the previous rollback's
-    resume point (after its stepped-over batches) than the previous spike began after that snapshot (or after the
-    resume that restored it). A spike that comes back as soon or sooner suggests that the state itself carries the
-    fault (a snapshot taken after the damage was done, before it showed): the rollback takes the older snapshot
-    instead, or stops when none is left (an escalating rollback, below, may restore the same one: its run from it
-    differs). A spike that comes back later is a new occurrence: a fault that recurs (a bad stretch of data, a
-    periodic learning-rate burst) is met from the newest snapshot taken before it, instead of throwing the run back
-    one snapshot further per occurrence (to the start of training with ``keep=2``). The trade-off: a fault that
-    recurs sooner after each restore than the first time is treated as carried by the state, and a state whose
-    damage shows later after each restore is restored again until ``max_rollbacks`` stops the run;
-    ``escalate_lr_factor`` damps a recurring fault.
+    **The same snapshot twice.** A rollback restores the snapshot the previous rollback restored only when the run
+    from it got further than the time before (its spike began later after the resume than the previous spike began
+    after that snapshot): a spike that comes back as soon or sooner suggests that the state itself carries the fault,
+    so the older snapshot is taken instead, or the run stops when none is left (an escalating rollback may restore
+    the same one: its run from it differs). A fault that recurs later (a bad stretch of data, a periodic learning-rate
+    burst) is met from the newest snapshot before it instead of throwing the run back one snapshot per occurrence.
+    The trade-off: a state whose damage shows later after each restore is restored until ``max_rollbacks`` stops the
+    run; ``escalate_lr_factor`` damps a recurring fault.
 
-    ``skip_batches`` counts optimizer steps, each of ``accumulate_grad_batches`` batches per rank, *beyond* the
-    rewound ones: a rollback leaves out ``rewound_steps + skip_batches`` optimizer steps' batches in all (the
-    event's ``batches_skipped``). PaLM's "skipped roughly 200-500 data batches" counts both: its 200-500 include
-    the ~100 batches between its restart checkpoint and the spike, and those of the spike itself, which here are
-    the rewound steps. For the same total, set ``skip_batches`` to it less the steps a rollback rewinds (from
-    ``patience`` to about ``snapshot_every_n_steps + patience``).
+    ``skip_batches`` counts optimizer steps *beyond* the rewound ones: a rollback leaves out ``rewound_steps +
+    skip_batches`` steps' batches in all (the event's ``batches_skipped``). PaLM's "skipped roughly 200-500 data
+    batches" counts both (the ~100 batches between its restart checkpoint and the spike included): for the same
+    total, set ``skip_batches`` to it less the steps a rollback rewinds (``patience`` to about
+    ``snapshot_every_n_steps + patience``).
 
-    ``trainer.global_step`` keeps counting attempted optimizer steps, as for any skipped step: the rewound and the
-    stepped-over steps count, so ``max_steps`` and logging/checkpoint periods follow batches. The model, the
-    optimizer's step counts and the LR schedule return to the snapshot's. ``gradkit/skipped_steps`` counts the
-    attempted steps whose update the model does not hold: the skipped ones (the stepped-over ones included) and,
-    at each rollback, its ``rewound_steps`` (the steps since the snapshot, the one that fired included), counted
-    once even where a guard had skipped one of them. So ``global_step - skipped_steps`` stays the number of
-    optimizer steps in the model, e.g. Adam's ``state[p]["step"]``, after any rollback.
+    ``trainer.global_step`` keeps counting attempted optimizer steps (``max_steps`` and logging periods follow
+    batches), while the model, the optimizer's step counts and the LR schedule return to the snapshot's.
+    ``gradkit/skipped_steps`` counts the attempted steps whose update the model does not hold (skipped, stepped over,
+    and each rollback's ``rewound_steps``, counted once), so ``global_step - skipped_steps`` stays the number of
+    optimizer steps in the model, e.g. Adam's ``state[p]["step"]``.
 
     Every rollback is one event in ``gradkit_events.jsonl`` (``what="rollback"``, with ``from_step``, ``to_step``,
     ``rewound_steps``, ``skip_batches``, ``batches_skipped``, ``snapshot_origin`` and the trigger values), shown
@@ -108,20 +93,14 @@ class SpikeRollback:
     **Escalation** (off by default): a rollback that fires soon after the previous one also cuts the learning rate
     and/or resets optimizer moments, as PaLM, OPT, BLOOM and SPAM did; :mod:`gradkit.escalation` says how.
 
-    **Resume.** The callback's ``state_dict`` holds its statistics, counters, the count of skipped steps and the
-    remaining batches to step over, so a run checkpointed after a rollback resumes exactly. With
-    ``save_snapshots=True`` it holds the snapshot ring too, and a resumed run rolls back exactly as the
-    uninterrupted one: to the same snapshot, also from a checkpoint saved inside a run of flagged steps. The cost is
-    the checkpoint's size: it grows by :attr:`snapshot_bytes` (``keep`` snapshots of parameters, buffers and
-    optimizer state), e.g. from 3x to 9x the fp32 parameter bytes with Adam and ``keep=2``. Not under a Trainer with
-    FSDP/FSDP2 over several ranks, where each rank's snapshots hold its own shards and Lightning saves callback states
-    from rank 0 only. With ``save_snapshots=False`` (the default) a resumed run takes its first snapshot of the state it
-    resumed from (``snapshot_origin="resume"``), and differs from the uninterrupted run exactly there: a rollback
-    that the uninterrupted run would take to an older snapshot restores the resumed state instead when that is the
-    newest one taken before the spike began, and a run resumed inside a run of flagged steps (no snapshot of it is
-    from before the spike) restores the resumed state rather than stopping. The event's ``snapshot_origin`` is then
-    ``"resume"`` and the warning says so. Snapshots are otherwise ``"start"`` (the start of training) or
-    ``"schedule"``.
+    **Resume.** The ``state_dict`` holds the statistics, counters, the count of skipped steps and the batches left to
+    step over, so a run checkpointed after a rollback resumes exactly. With ``save_snapshots=True`` it holds the
+    snapshot ring too (the checkpoint grows by :attr:`snapshot_bytes`, e.g. from 3x to 9x the fp32 parameter bytes
+    with Adam and ``keep=2``), and a resumed run rolls back as the uninterrupted one, also from a checkpoint saved
+    inside a run of flagged steps. With ``save_snapshots=False`` (the default) a resumed run takes its first snapshot
+    of the state it resumed from (``snapshot_origin="resume"``, else ``"start"`` or ``"schedule"``) and differs from
+    the uninterrupted run there only: a rollback restores that state where the uninterrupted run would take an older
+    snapshot or stop, and the warning says so.
 
     Cost: one host read of the step's skip flag (shared with the strategy's read, which an ordinary optimizer does
     anyway; with a fused optimizer, this read is the one host synchronization per step), a second read on skipped
@@ -432,10 +411,8 @@ class SpikeRollback:
     def _choose(
         self, ctx: StepContext, step: int, start: int, values: dict[str, Any], allow_last: bool = False
     ) -> StepSnapshot:
-        """The newest snapshot taken before the spike began; failing that, the state of a resume inside the run of
-        flagged steps (from a checkpoint without snapshots). Not the one the previous rollback restored unless the run
-        from it got further than the time before (or the rollback escalates, ``allow_last``): a spike that comes back
-        as soon suggests that the state itself carries the fault."""
+        """The newest snapshot taken before the spike began, else a resume's inside the run of flagged steps; the one
+        the previous rollback restored only as the class docstring's **The same snapshot twice** says."""
         if self._rollbacks >= self.max_rollbacks:
             self._stop(
                 ctx,
@@ -444,8 +421,6 @@ class SpikeRollback:
                 f"the budget of `max_rollbacks={self.max_rollbacks}` is spent. Look for the cause in the events "
                 "(a learning rate too high, bad data), or raise `max_rollbacks`.",
             )
-        # A spike that begins later after the resume than the previous one began after that snapshot is a new
-        # occurrence: a fault that recurs every few hundred steps must not throw the run back one snapshot per spike.
         further = self._reach is not None and self._resumed_at is not None and start - self._resumed_at > self._reach
         again = allow_last or further
         usable = [s for s in self._ring if s.valid and (again or s.id != self._last_restored_id)]

@@ -2,17 +2,10 @@
 
 Both track the mean and the (population) variance. Non-finite values are *masked*: they change nothing (OLMo-core's
 loss-spike window, by contrast, keeps a NaN for the whole window, so one bad step disables the detector for that
-long). Two forms of the same rules:
-
-- on device (:func:`ema_update`, :func:`spike_decision`, :func:`spike_step`, :class:`RunningMoments`): small device
-  ops only, no value read to the host, for statistics that must be decided on device every step (``SpikeRollback``'s
-  per-module statistics);
-- on the host (:class:`HostMoments`): Python floats fed with each value one step late
-  (:mod:`gradkit.host_lag`), so that a detector's decision on device is one comparison
-  (``SpikeGuard``).
-
-No Lightning here; both stateful forms round-trip through ``state_dict``/``load_state_dict`` exactly, so a resumed
-run continues identically.
+long). The same rules on device (:func:`ema_update`, :func:`spike_decision`, :func:`spike_step`,
+:class:`RunningMoments`: no value read to the host, for ``SpikeRollback``) and on the host (:class:`HostMoments`:
+Python floats fed each value one step late, :mod:`gradkit.host_lag`, for ``SpikeGuard``). Both stateful forms
+round-trip through ``state_dict`` exactly, so a resumed run continues identically.
 """
 
 from __future__ import annotations
@@ -42,7 +35,7 @@ _ABSOLUTE_STD_FLOOR = 1e-12
 
 
 def ema_update(mean: Tensor, var: Tensor, count: Tensor, x: Tensor, alpha: float) -> tuple[Tensor, Tensor, Tensor]:
-    r"""One NaN-masked step of the exponentially weighted mean and variance.
+    r"""One NaN-masked step of the exponentially weighted mean and variance: the new ``(mean, var, count)``.
 
     The weight of the new value is :math:`w = \max(1/n, 1 - \alpha)` where :math:`n` counts the finite values
     seen so far: the first values are averaged with equal weights (Welford's algorithm: exact mean and population
@@ -53,16 +46,6 @@ def ema_update(mean: Tensor, var: Tensor, count: Tensor, x: Tensor, alpha: float
         \delta = x - \mu,\quad \mu' = \mu + w\delta,\quad \sigma'^2 = (1 - w)(\sigma^2 + w\delta^2)
 
     A non-finite ``x`` leaves all three unchanged.
-
-    Args:
-        mean: scalar running mean.
-        var: scalar running variance.
-        count: scalar number of finite values seen (float).
-        x: the new scalar value.
-        alpha: decay of the history, in ``(0, 1)``.
-
-    Returns:
-        The new ``(mean, var, count)``.
 
     Example::
 
@@ -119,13 +102,9 @@ def spike_decision(
 def spike_step(
     x: Tensor, mean: Tensor, var: Tensor, count: Tensor, z_threshold: float, warmup: int, alpha: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`spike_decision` then :func:`ema_update` with the value it records, sharing their terms: the step a
-    detector over an EMA takes each optimizer step, in about half the device operations of the two calls (each is a
-    kernel launch on a GPU).
-
-    The recorded deviation from the mean is ``z_threshold * std`` on a spike (the clamp of :func:`spike_decision`),
-    ``x - mean`` otherwise, 0 for a non-finite ``x``; the update is then :func:`ema_update`'s. Equal to the two calls
-    up to rounding (the clamp is applied to the deviation instead of the value).
+    """:func:`spike_decision` then :func:`ema_update` with the value it records, sharing their terms: about half the
+    device operations (kernel launches) of the two calls, equal up to rounding (the clamp is applied to the deviation
+    ``x - mean`` instead of the value).
 
     Returns:
         ``(spike, z, std, mean, var, count)``: the decision as :func:`spike_decision` returns it (``std`` of the

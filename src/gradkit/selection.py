@@ -18,17 +18,14 @@ A pattern selects modules. A parameter is selected when a pattern selects a modu
 (``"Linear"``, ``"re:head"`` for every parameter of the module ``head``), or when a ``re:`` pattern matches the
 parameter's own qualified name (``"re:.*\.bias"`` for every bias).
 
-In this file: :class:`NamePattern` (one parsed entry), :func:`parse_patterns` (the argument check),
-:func:`parameters_selected` (the parameter rule) and :func:`no_match_hint` (what an error says when a pattern
-selects nothing: the names nearest to it, and a pattern that would match). Then the rows of
-``GradNormMonitor(depth="auto")`` (which ``SpikeRollback``'s spiking-module reset reads too): :func:`repeated_blocks`,
-:func:`auto_module_keys` and :func:`module_rows`.
+Below them, the rows of ``GradNormMonitor(depth="auto")``, which ``SpikeRollback``'s spiking-module reset reads too.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import itertools
 import pydoc
 import re
 from collections.abc import Iterable, Sequence
@@ -254,12 +251,8 @@ def auto_module_keys(param_names: Sequence[str], blocks: Sequence[str]) -> list[
     owners = [name.split(".")[:-1] for name in param_names]
     ancestors = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
     # Look through the components every parameter shares (a LightningModule that wraps its model in `self.model`).
-    common = owners[0] if owners else []
-    for owner in owners[1:]:
-        shared = 0
-        while shared < min(len(common), len(owner)) and common[shared] == owner[shared]:
-            shared += 1
-        common = common[:shared]
+    shared = itertools.takewhile(lambda parts: len(set(parts)) == 1, zip(*owners, strict=False))
+    common = [parts[0] for parts in shared]
     ancestors.update(".".join(common[:i]) for i in range(1, len(common) + 1))
     block_set = set(blocks)
     keys = []

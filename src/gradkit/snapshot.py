@@ -10,18 +10,15 @@ rollback share.
 - A rollback (``SpikeRollback``) puts back everything a step changes (:class:`StepSnapshot`).
 
 :class:`Snapshot` copies the tensors. **Buffers by slot**: every buffer *slot* (the owning module and the name) with
-the tensor object it held and a copy of its values. Putting it back puts the object back in its slot (a buffer the
-code *replaced*, ``self.ema = 0.9 * self.ema + x``, gets its old object again) and its values back into that object
-(a buffer written in place, through ``.data`` or by a kernel that does not count the write). Nothing is inferred
-from write counters (``Tensor._version``): a ``.data`` write does not bump them and a restore does. **Parameters
-and optimizer state** (the optimizers passed to :meth:`~Snapshot.capture`): the parameters they train and their
-states, tensors and hyperparameters. Only *local* tensors are copied (a DTensor's shard under FSDP2): no collective.
+the tensor object it held and a copy of its values; putting it back puts the object back in its slot (a buffer the
+code *replaced*, ``self.ema = 0.9 * self.ema + x``) and its values into that object (a buffer written in place).
+Nothing is inferred from write counters (``Tensor._version``): a ``.data`` write does not bump them and a restore
+does. **Parameters and optimizer state** of the optimizers passed to :meth:`~Snapshot.capture`, tensors and
+hyperparameters. Only *local* tensors are copied (a DTensor's shard under FSDP2): no collective.
 
-**Where the copies live.** By default beside the tensors, on their devices: one ``torch._foreach_copy_`` per capture
-(the buffers' bytes: kilobytes to a few megabytes, the price of knowing the state for sure). With ``host=True`` in
-host memory (a rollback's snapshots of the whole model): on a GPU pinned and filled by ``non_blocking`` copies (the
-step does not wait for them), with a CUDA event the host waits on only before it reads the copies or overwrites
-them. Copies are allocated once and reused by every capture.
+**Where the copies live.** By default beside the tensors (one ``torch._foreach_copy_`` per capture); with
+``host=True`` in host memory, on a GPU pinned and filled by ``non_blocking`` copies, with a CUDA event the host waits
+on only before it reads or overwrites the copies. Copies are allocated once and reused by every capture.
 
 **Two ways to put it back**, as a skip is known: on the host (a copy back; ``copy_`` within a dtype is exact), or on
 the device when only the device knows the skip (a fused optimizer's ``found_inf``): every tensor becomes ``skip ?
@@ -29,8 +26,6 @@ saved : current`` bit for bit, computed on integer views of the bytes (``current
 wrapping, exact for any dtype, NaN and Inf included): three multi-tensor operations per element size, no host
 synchronization. A replaced buffer's slot cannot be chosen on device: its old object returns with the new values
 chosen into it.
-
-Pure PyTorch: no Lightning here.
 """
 
 from __future__ import annotations
@@ -87,19 +82,8 @@ class _OptimizerState:
 
 
 def trained_parameters(optimizers: Sequence[Optimizer]) -> list[Tensor]:
-    """The parameters the optimizers update, each once, in param-group order.
-
-    Parameters outside every optimizer do not train: a snapshot leaves them out and saves their memory.
-    """
-    seen: set[int] = set()
-    out: list[Tensor] = []
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-    return out
+    """The parameters the optimizers update, each once, in param-group order (a snapshot leaves the others out)."""
+    return list({id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"]}.values())
 
 
 class Snapshot:

@@ -21,11 +21,8 @@ __all__ = ["WatchedValue", "WindowLoss"]
 
 
 class WindowLoss:
-    """The mean loss of an accumulation window, summed on device from each micro-batch (no host sync).
-
-    The loss as the loop computed it (without the fp16 scale), averaged over the micro-batches actually in the window,
-    the short last window of an epoch included.
-    """
+    """The mean loss of an accumulation window (without the fp16 scale) over the micro-batches actually in it, the
+    short last window of an epoch included, summed on device from each micro-batch (no host sync)."""
 
     def __init__(self) -> None:
         self.sum: Tensor | None = None
@@ -56,12 +53,8 @@ class WindowLoss:
 
 
 class WatchedValue:
-    """What a spike policy watches: its ``note_loss``, ``request_stats`` and ``reduce_request`` hooks delegate here.
-
-    Args:
-        monitor: ``"loss"`` or ``"grad_norm"``.
-        key: the key of the window loss in the step's collective (unique per policy).
-    """
+    """What a spike policy watches (``monitor``: ``"loss"`` or ``"grad_norm"``): its ``note_loss``, ``request_stats``
+    and ``reduce_request`` hooks delegate here; ``key`` is the window loss's key in the step's collective."""
 
     def __init__(self, monitor: str, key: str) -> None:
         self.monitor = monitor

@@ -1,13 +1,10 @@
 """gradkit under Lightning's ``DeepSpeedStrategy``: what works, what is refused, and DeepSpeed's own values.
 
-Lightning's ``DeepSpeedStrategy`` hands the optimizer step to the DeepSpeed engine:
-``DeepSpeedPrecision.optimizer_step`` runs the closure (forward, ``engine.backward``), calls
-``on_before_optimizer_step`` and then ``engine.step()``, which
-reduces (ZeRO: partitions) the gradients, measures their global norm, clips (``gradient_clipping``), skips the step
-on an fp16 overflow (dynamic loss scaling) and steps the optimizer, all inside one call that no callback can enter.
-Under ZeRO stage 2 and 3 the parameters' ``.grad`` are empty at ``on_before_optimizer_step``: the gradients live in
-DeepSpeed's own buffers. So gradkit's per-step engine (which reads ``.grad`` and writes the decision back before the
-step) cannot run, and under ``DeepSpeedStrategy`` no gradkit callback runs it.
+Lightning's ``DeepSpeedStrategy`` hands the optimizer step to the DeepSpeed engine: after
+``on_before_optimizer_step``, ``engine.step()`` reduces (ZeRO: partitions) the gradients, measures their global norm,
+clips (``gradient_clipping``), skips the step on an fp16 overflow and steps the optimizer, all inside one call that no
+callback can enter; under ZeRO stage 2 and 3 the parameters' ``.grad`` are empty before it. So gradkit's per-step
+engine (which reads ``.grad`` and writes the decision back before the step) cannot run there.
 
 What works (after ``engine.step()``, in ``on_train_batch_end``):
 
@@ -50,8 +47,8 @@ def clipping_instead(max_norm: float | None = None) -> str:
 
     Example::
 
-        >>> clipping_instead(1.0)[:45]
-        'Set `"gradient_clipping": 1.0` in the DeepSp'
+        >>> clipping_instead(1.0)[:35]
+        'Set `"gradient_clipping": 1.0` in t'
     """
     value = "<max 2-norm>" if max_norm is None else repr(max_norm)
     return (
@@ -80,17 +77,9 @@ def is_deepspeed_strategy(strategy: Strategy | object) -> bool:
 
 
 def refuse_under_deepspeed(trainer: pl.Trainer, setting: str, why: str, instead: str) -> None:
-    """Raise when ``trainer`` uses DeepSpeed: ``setting`` cannot work there.
-
-    Args:
-        trainer: the Trainer being set up.
-        setting: the callback or argument with its value, as the user wrote it (``"ZClip()"``,
-            ``"NonFiniteGuard(action='skip')"``).
-        why: what of the step the setting needs and DeepSpeed keeps to itself.
-        instead: the DeepSpeed config key (or the other setting) to use instead.
-
-    Raises:
-        RuntimeError: under ``DeepSpeedStrategy``, with the three parts above.
+    """Raise ``RuntimeError`` when ``trainer`` uses DeepSpeed: ``setting`` (the callback or argument as the user
+    wrote it, ``"NonFiniteGuard(action='skip')"``) cannot work there, ``why`` (what of the step it needs and DeepSpeed
+    keeps to itself), and ``instead`` (the DeepSpeed config key, or the other setting, to use instead).
 
     Example::
 

@@ -28,13 +28,8 @@ _CHECKPOINT_KEY = "gradkit_accumulation_window"
 
 @dataclass(frozen=True)
 class WindowPosition:
-    """Where training stands inside an accumulation window.
-
-    Attributes:
-        micro_batch: micro-batches whose backward has run in the open window (``1 <= micro_batch < window``).
-        window: ``accumulate_grad_batches``.
-        step: ``trainer.global_step``: the optimizer step the window ends in (0-based).
-    """
+    """Where training stands inside an accumulation window: ``micro_batch`` backwards have run in it (``1 <=
+    micro_batch < window``, ``accumulate_grad_batches``), before optimizer step ``step`` (``trainer.global_step``)."""
 
     micro_batch: int
     window: int

@@ -1,8 +1,5 @@
-"""A tiny GPT and a byte-level text dataset built from the Python standard library's source.
-
-Used by the examples, the benchmarks and the tests; like ``lightning.pytorch.demos``, it needs no download: the
-text is present on every machine that has Python.
-"""
+"""A tiny GPT and a byte-level text dataset built from the Python standard library's source, for the examples, the
+benchmarks and the tests; like ``lightning.pytorch.demos``, it needs no download."""
 
 from __future__ import annotations
 
@@ -264,16 +261,14 @@ class SpikeInjector(pl.Callback):
     """Multiply the learning rate by ``factor`` for ``steps`` optimizer steps from ``step``: a spike that persists.
 
     The updates of those steps are taken while the loss still looks normal; the loss spikes only afterwards, once
-    the model is damaged, and stays high. Skipping the spiking steps cannot undo updates that were already applied;
-    rolling back to a snapshot from before ``step`` can (see :class:`~lightning_gradkit.SpikeRollback`). A stand-in,
-    for demos and tests, for the instabilities that make large runs diverge.
+    the model is damaged: skipping the spiking steps cannot undo them, rolling back to a snapshot from before
+    ``step`` can (:class:`~lightning_gradkit.SpikeRollback`). A stand-in, for demos and tests, for the instabilities
+    that make large runs diverge.
 
-    With ``clock="global_step"`` the fault happens once: a rollback does not rewind ``trainer.global_step``. With
-    ``clock="optimizer"`` the steps are counted by the optimizer itself (the largest ``step`` in its state, e.g.
-    Adam's), which a rollback restores with the snapshot: the fault comes back after every rollback to a snapshot
-    from before it, as a fault of the configuration (a learning-rate schedule too steep at that point) does in a
-    real run, and only an escalation (a cut learning rate) goes through it. A reset of all the optimizer moments
-    restarts that count. The clock reads the optimizer's step count to the host at every batch: for demos only.
+    With ``clock="global_step"`` the fault happens once (a rollback does not rewind ``trainer.global_step``). With
+    ``clock="optimizer"`` the steps are the optimizer's own count (the largest ``step`` in its state, read to the host
+    every batch), which a rollback restores: the fault comes back after every rollback, as a fault of the
+    configuration does, and only an escalation (a cut learning rate) goes through it.
 
     Put it first in the ``callbacks`` list: its ``on_train_batch_end`` puts the learning rate back before another
     callback (a snapshot) reads the optimizer's hyperparameters.
@@ -337,13 +332,10 @@ class SpikeInjector(pl.Callback):
 class ProgressPrinter(pl.Callback):
     """Print one line every ``every_n_steps`` optimizer steps, for runs without a progress bar (``make demo``).
 
-    Each line has the step, the training loss of the step's last batch, the latest logged ``grad_norm/total`` and
-    ``gradkit/skipped_steps`` (when a :class:`~lightning_gradkit.GradNormMonitor` logs them), the latest
-    ``val_loss`` and the time since training started::
+    Each line has the step, the training loss of the step's last batch, the latest logged ``grad_norm/total``,
+    ``gradkit/skipped_steps`` and ``val_loss`` (read on the printed steps only), and the time since training started::
 
         step  100/300  loss 2.3016  grad_norm/total 0.4312  skipped 1  val_loss 2.4170  12 s
-
-    Reads the loss and the metrics to the host on the printed steps only (a synchronization there on a GPU).
 
     Args:
         every_n_steps: print after every ``every_n_steps``-th optimizer step (``trainer.global_step``), and after
@@ -374,10 +366,8 @@ class ProgressPrinter(pl.Callback):
             return
         self._printed_step = step
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        rank_zero_info(progress_line(step, trainer.max_steps, loss, trainer.callback_metrics, self._elapsed()))
-
-    def _elapsed(self) -> float:
-        return time.perf_counter() - self._start
+        elapsed = time.perf_counter() - self._start
+        rank_zero_info(progress_line(step, trainer.max_steps, loss, trainer.callback_metrics, elapsed))
 
 
 def progress_line(step: int, max_steps: int, loss: Tensor | None, metrics: dict[str, Tensor], elapsed: float) -> str:

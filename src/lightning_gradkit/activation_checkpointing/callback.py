@@ -14,14 +14,14 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
-from gradkit._arguments import check_bool, check_choice, validate_every_n, validate_memory_budget
+from gradkit._arguments import check_bool, check_choice, format_bytes, validate_every_n, validate_memory_budget
 from gradkit.replay import replay
 from gradkit.selection import parse_patterns
 from lightning_gradkit.activation_checkpointing.injection import (
     MODES,
     bypass_checkpointing,
     checkpointed_elsewhere,
-    inject,
+    inject_selected,
     module_ancestry,
     no_match_message,
     remove,
@@ -31,7 +31,6 @@ from lightning_gradkit.activation_checkpointing.injection import (
 from lightning_gradkit.activation_checkpointing.planner import (
     ActivationProfile,
     budget_bytes,
-    format_bytes,
     format_summary,
     measure_saved_activations,
     plan_checkpointing,
@@ -60,14 +59,11 @@ class ActivationCheckpointing(Callback):
       ``forward`` changes), and targets that still match nothing raise. An injection of ours that Lightning's
       ``FSDPStrategy(activation_checkpointing_policy=...)`` wrapped again is undone (no double checkpointing).
     - First training batch (``measure=True``): two extra forwards of ``training_step`` on that batch, without
-      backward and in eager mode, under the step's precision: one with checkpointing bypassed, one with it. They
-      measure the saved-activation bytes with ``torch.autograd.graph.saved_tensors_hooks`` (saved tensors are
-      counted and dropped, so the un-checkpointed measurement needs no extra memory). They run in the package's
-      replay context (:func:`gradkit.replay.replay`): RNG states, buffers, ``self.log`` and the other
-      gradkit callbacks' statistics (e.g. ``AccumulationGuard``'s token count) are left untouched, and DDP gradient
-      sync is off; other side effects of ``training_step`` (a counter it increments) happen twice more. Rank 0
-      logs a one-screen summary. With ``memory_budget``, the plan is made here, on rank 0's batch, and broadcast.
-      The summary cannot come at ``setup``: the model is not on its device yet and there is no batch.
+      backward and in eager mode, one with checkpointing bypassed and one with it, measure the saved-activation bytes
+      (:mod:`~lightning_gradkit.activation_checkpointing.planner`: no extra memory). They run in the replay context
+      (:func:`gradkit.replay.replay`: RNG states, buffers, ``self.log`` and the gradkit callbacks' statistics are left
+      untouched, DDP gradient sync is off); other side effects of ``training_step`` (a counter it increments) happen
+      twice more. Rank 0 logs a one-screen summary. With ``memory_budget``, rank 0 plans here, on its batch.
     - ``teardown``, or ``on_exception`` when ``fit`` fails: the injections are removed; the model is returned as it
       was given.
     - Buffers: the recompute during the backward does not update buffers a second time (BatchNorm's running
@@ -152,9 +148,7 @@ class ActivationCheckpointing(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(targets=self.targets, every_n=self.every_n, mode=self.mode)
 
-    # --------------------------------------------------------------------------------------------------------------
-    # Injection
-
+    # -- injection ----------------------------------------------------------------------------------------------------
     def apply(self, module: nn.Module) -> list[str]:
         """Checkpoint the modules of ``module`` selected by ``targets``/``every_n``; returns their names.
 
@@ -166,25 +160,9 @@ class ActivationCheckpointing(Callback):
         return self._inject(module, select_modules(module, self._targets, self.every_n))
 
     def _inject(self, root: nn.Module, selected: list[tuple[str, nn.Module]]) -> list[str]:
-        ancestry = module_ancestry(root)
-        names, skipped = [], []
-        for name, module in selected:
-            if any(module is m for m in self._injected):
-                names.append(name)
-                continue
-            who = checkpointed_elsewhere(root, module, ancestry=ancestry)
-            if who is not None:
-                skipped.append(f"{name} ({who})")
-                continue
-            inject(module, self.mode)
-            self._injected.append(module)
-            names.append(name)
-        if skipped:
-            rank_zero_warn(
-                "ActivationCheckpointing: these modules are already checkpointed and are left as they are (no double "
-                f"checkpointing): {', '.join(skipped)}."
-            )
-        return names
+        kept = inject_selected(root, selected, self.mode, self._injected)
+        self._injected += [m for _, m in kept if not any(m is i for i in self._injected)]
+        return [name for name, _ in kept]
 
     def _reconcile(self, root: nn.Module) -> None:
         """Make the injections match the selection on the final model (after ``configure_model`` and wrapping)."""
@@ -212,9 +190,7 @@ class ActivationCheckpointing(Callback):
             self._injected = [m for m in self._injected if id(m) in chosen]
             self._inject(root, selected)
 
-    # --------------------------------------------------------------------------------------------------------------
-    # Lightning hooks
-
+    # -- Lightning hooks ----------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -287,9 +263,7 @@ class ActivationCheckpointing(Callback):
             ctx, self._offload_ctx = self._offload_ctx, None
             ctx.__exit__(None, None, None)
 
-    # --------------------------------------------------------------------------------------------------------------
-    # Measuring step, plan and summary
-
+    # -- measuring step, plan and summary ------------------------------------------------------------------------------
     def _measure_and_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not pl_module.automatic_optimization:
             self._log_summary(None, None, ["not measured: the measuring forward needs automatic optimization"])

@@ -1,9 +1,7 @@
-"""Activation checkpointing injected into any model: which modules, and how their forward is checkpointed.
+"""Activation checkpointing injected into any model (plain PyTorch): which modules, and how their forward is
+checkpointed. :class:`~lightning_gradkit.ActivationCheckpointing` wires it into the Trainer.
 
-Nothing in this module depends on Lightning; :class:`~lightning_gradkit.ActivationCheckpointing` wires it into the
-Trainer, and :mod:`~lightning_gradkit.activation_checkpointing.planner` chooses modules for a memory budget.
-
-How a module is checkpointed. The selected module keeps its class, its place in the module tree and its parameter
+The selected module keeps its class, its place in the module tree and its parameter
 names: only its instance-level ``forward`` is replaced by a small callable that runs the class ``forward`` under
 non-reentrant :func:`torch.utils.checkpoint.checkpoint` (``use_reentrant=False, preserve_rng_state=True``). Compared
 with the alternatives:
@@ -48,6 +46,7 @@ __all__ = [
     "checkpointed_elsewhere",
     "inject",
     "inject_activation_checkpointing",
+    "inject_selected",
     "injected_mode",
     "module_ancestry",
     "no_match_message",
@@ -68,11 +67,7 @@ _WRAPPER_CLASSES = frozenset(
 )
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Selection
-# ----------------------------------------------------------------------------------------------------------------
-
-
+# -- selection -----------------------------------------------------------------------------------------------------
 def _is_wrapper(module: nn.Module) -> bool:
     """Wrapper modules (compile, FSDP1, checkpoint_wrapper) are never selected: the module they wrap is."""
     return any(
@@ -103,18 +98,13 @@ def _candidates(root: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
 def select_modules(
     root: nn.Module, targets: Sequence[str] | Sequence[NamePattern], every_n: int = 1
 ) -> list[tuple[str, nn.Module]]:
-    """The submodules of ``root`` that ``targets`` select, in module order.
+    """``(qualified name, module)`` of the submodules of ``root`` that ``targets`` select, in module order.
 
-    ``targets`` follow gradkit's selection grammar (:mod:`gradkit.selection`): class names, dotted
-    class paths, and ``re:`` regexes that must match the whole qualified name relative to ``root``, as
-    :func:`~gradkit.norms.clean_name` writes it (DDP's leading ``module`` too is dropped when ``root``
-    is DDP-wrapped), so the same targets select the same modules before and after wrapping. ``root`` itself and
-    wrapper modules are never selected. A match nested in another match is dropped (the outer recompute covers it).
-    Of the remaining matches, every ``every_n``-th is kept: the ``every_n``-th, the ``2 * every_n``-th, and so on
-    (torchtitan's ``ac_freq``).
-
-    Returns:
-        ``(qualified name, module)`` pairs, the names cleaned (:func:`~gradkit.norms.clean_name`).
+    ``targets`` follow gradkit's selection grammar (:mod:`gradkit.selection`), over the names
+    :func:`~gradkit.params.clean_name` writes relative to ``root`` (DDP's leading ``module`` too), so the same targets
+    select the same modules before and after wrapping. ``root`` itself and wrapper modules are never selected, nor a
+    match nested in another (the outer recompute covers it). Of the others every ``every_n``-th is kept (torchtitan's
+    ``ac_freq``).
     """
     parsed = [t if isinstance(t, NamePattern) else NamePattern.parse(t, "targets") for t in targets]
     kept: list[tuple[str, str, nn.Module]] = []
@@ -126,11 +116,7 @@ def select_modules(
     return [(name, module) for _, name, module in kept[every_n - 1 :: every_n]]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Selective checkpointing policy
-# ----------------------------------------------------------------------------------------------------------------
-
-
+# -- the selective checkpointing policy ----------------------------------------------------------------------------
 def _ops(*names: str) -> frozenset[torch._ops.OpOverload]:
     found = []
     for name in names:
@@ -193,10 +179,7 @@ SAVE_POLICIES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 _selective_context_fn = functools.partial(create_selective_checkpoint_contexts, selective_policy)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Injection
-# ----------------------------------------------------------------------------------------------------------------
-
+# -- injection -----------------------------------------------------------------------------------------------------
 _bypass_depth = 0
 
 
@@ -343,6 +326,31 @@ def checkpointed_elsewhere(
     return None
 
 
+def inject_selected(
+    root: nn.Module, selected: Sequence[tuple[str, nn.Module]], mode: CheckpointMode, done: Sequence[nn.Module] = ()
+) -> list[tuple[str, nn.Module]]:
+    """Checkpoint the ``selected`` modules of ``root`` (those in ``done`` are already), but not one that is already
+    checkpointed otherwise (a warning names them); returns the ``(name, module)`` pairs checkpointed."""
+    ancestry = module_ancestry(root)
+    kept, skipped = [], []
+    for name, module in selected:
+        if not any(module is m for m in done):
+            who = checkpointed_elsewhere(root, module, ancestry=ancestry)
+            if who is not None:
+                skipped.append(f"{name} ({who})")
+                continue
+            inject(module, mode)
+        kept.append((name, module))
+    if skipped:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(
+            "ActivationCheckpointing: these modules are already checkpointed and are left as they are (no double "
+            f"checkpointing): {', '.join(skipped)}."
+        )
+    return kept
+
+
 def inject(module: nn.Module, mode: CheckpointMode = "full") -> None:
     """Checkpoint ``module``'s forward in place (no check for existing checkpointing; see
     :func:`inject_activation_checkpointing`)."""
@@ -406,18 +414,7 @@ def inject_activation_checkpointing(
     selected = select_modules(module, parsed, every_n)
     if not selected:
         raise ValueError(no_match_message(module, parsed))
-    injected, skipped = [], []
-    ancestry = module_ancestry(module)
-    for name, sub in selected:
-        who = checkpointed_elsewhere(module, sub, ancestry=ancestry)
-        if who is not None:
-            skipped.append(f"{name} ({who})")
-            continue
-        inject(sub, mode)
-        injected.append(name)
-    if skipped:
-        _warn_already_checkpointed(skipped)
-    return injected
+    return [name for name, _ in inject_selected(module, selected, mode)]
 
 
 def no_match_message(root: nn.Module, targets: Sequence[NamePattern]) -> str:
@@ -431,15 +428,3 @@ def no_match_message(root: nn.Module, targets: Sequence[NamePattern]) -> str:
         f"ActivationCheckpointing: `targets=[{shown}]` match no submodule of "
         f"`{type(root).__name__}`. {hints} The grammar of `targets`: `gradkit.selection`."
     )
-
-
-def _warn_already_checkpointed(skipped: list[str]) -> None:
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    rank_zero_warn(
-        "ActivationCheckpointing: these modules are already checkpointed and are left as they are (no double "
-        f"checkpointing): {', '.join(skipped)}."
-    )
-
-
-# ----------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,5 @@
-"""How many bytes of activations each module saves, and which modules to checkpoint to fit a memory budget.
-
-Plain PyTorch, no Lightning.
-
-Measurement. :func:`measure_saved_activations` runs a forward (no backward) with
+"""How many bytes of activations each module saves, and which modules to checkpoint to fit a memory budget (plain
+PyTorch). :func:`measure_saved_activations` runs a forward (no backward) with
 :func:`torch.autograd.graph.saved_tensors_hooks` that count each saved tensor's storage once (unique storages, views
 deduplicated, parameters and pre-existing tensors excluded) and then drop it, so measuring the un-checkpointed model
 needs no more memory than one checkpointed step. What a checkpointed region keeps is not visible to saved-tensor
@@ -22,25 +19,21 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import (
-    SAC_IGNORED_OPS,
-)
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from gradkit._arguments import format_bytes
 from lightning_gradkit.activation_checkpointing.injection import SAVE_POLICIES, selective_policy
 
 __all__ = [
     "ActivationProfile",
     "budget_bytes",
-    "format_bytes",
     "format_summary",
     "measure_saved_activations",
     "plan_checkpointing",
 ]
 
 
-# Measurement
-# ----------------------------------------------------------------------------------------------------------------
-
+# -- measurement ---------------------------------------------------------------------------------------------------
 _OUTSIDE = -1
 
 
@@ -212,11 +205,7 @@ def measure_saved_activations(
     return profile
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Memory-budget planner
-# ----------------------------------------------------------------------------------------------------------------
-
-
+# -- the memory-budget planner -------------------------------------------------------------------------------------
 def budget_bytes(memory_budget: float, baseline: int) -> int:
     """The budget in bytes: a fraction of ``baseline`` when ``memory_budget`` <= 1, else bytes."""
     return int(memory_budget * baseline) if memory_budget <= 1 else int(memory_budget)
@@ -247,19 +236,8 @@ def plan_checkpointing(profile: ActivationProfile, budget: int) -> tuple[list[in
     return sorted(chosen), False
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Summary
-# ----------------------------------------------------------------------------------------------------------------
-
+# -- summary -------------------------------------------------------------------------------------------------------
 _MAX_ROWS = 16
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_summary(

@@ -58,12 +58,11 @@ def _describe(output: object) -> str:
 class AccumulationGuard(GradKitCallback):
     r"""Make gradient accumulation exact, free gradients early and check that every window starts clean.
 
-    Lightning divides each micro-batch loss by ``accumulate_grad_batches`` (N) and steps on the last batch of an
-    epoch even when the window is short, so the short last window of an epoch gets a gradient that is too small
-    (Lightning #19987); it cannot normalize by tokens (Lightning #20350); it ignores the setting silently when an
-    epoch has fewer batches than N (#21808); and it zeroes the gradients only after the next forward pass. This
-    callback fixes the scale with ONE multiply at the optimizer step, folded into the gradkit engine's single
-    gradient write (so clipping and norm logging see the normalized gradients), with no host synchronization.
+    Lightning divides each micro-batch loss by ``accumulate_grad_batches`` (N), so the short last window of an epoch
+    gets a gradient that is too small (Lightning #19987); it cannot normalize by tokens (#20350); it ignores the
+    setting silently when an epoch has fewer batches than N (#21808); and it zeroes the gradients only after the next
+    forward pass. This callback fixes the scale in the gradkit engine's single gradient write (so clipping and norm
+    logging see the normalized gradients), with no host synchronization.
 
     - ``normalize="mean"``: every window's gradient is the mean over the micro-batches actually in it, the short
       last window included (factor ``N / k`` for a window of ``k < N``; full windows are not touched).
@@ -72,31 +71,22 @@ class AccumulationGuard(GradKitCallback):
       total loss of the window across all ranks divided by the total number of tokens across all ranks (factor
       ``W * N / T``). The count of the window travels in the engine's one all-reduce; there is no look-ahead over
       batches. The same normalization as Hugging Face ``transformers`` >= 4.46 uses for causal LMs.
-    - ``zero_early``: after the optimizer step (at the end of the boundary batch, before the next forward) the
-      gradients are freed with ``zero_grad(set_to_none=True)``; Lightning would free them only after the next
-      window's first forward, so they would occupy memory through that whole forward pass. Done in
-      ``on_train_batch_end`` rather than in an optimizer step post-hook so that it also happens when the step is
-      skipped (AMP overflow, a gradkit guard). Read gradients in ``on_before_optimizer_step``, not in
-      ``on_train_batch_end``. Turn it off if gradient buffers must keep their addresses (CUDA graphs). If the
-      LightningModule overrides ``optimizer_zero_grad``, the override stays in charge: ``zero_early`` frees nothing
-      (early freeing would run before the override and decide in its place) and says so with a warning at setup;
-      pass ``zero_early=False`` to silence it.
-    - ``check_clean``: at the first backward of every window (``on_before_backward``, which runs after
-      Lightning's ``zero_grad`` and also inside ``manual_backward``) the gradients must be ``None`` or zero.
-      The classic failure is manual optimization that forgets ``optimizer.zero_grad()``, or an
-      ``optimizer_zero_grad`` override that skips parameters. With ``None`` gradients (PyTorch's default
-      ``set_to_none=True``) the check is host-only. Otherwise a per-parameter device flag is computed (one
-      ``torch._foreach_norm`` pass) and read on the Trainer's next logging step or at the epoch end, so no other
-      step synchronizes. In manual optimization the window is the span between two optimizer steps; with several
-      optimizers the check is skipped (a backward for one optimizer legitimately leaves gradients on the others).
+    - ``zero_early``: the gradients are freed (``zero_grad(set_to_none=True)``) at the end of the boundary batch,
+      also when the step was skipped, instead of after the next window's first forward (through which Lightning
+      keeps them in memory). Read gradients in ``on_before_optimizer_step``, not in ``on_train_batch_end``; turn it
+      off if gradient buffers must keep their addresses (CUDA graphs). A LightningModule that overrides
+      ``optimizer_zero_grad`` stays in charge: ``zero_early`` then frees nothing and warns at setup.
+    - ``check_clean``: at the first backward of every window the gradients must be ``None`` or zero (the classic
+      failure: manual optimization that forgets ``optimizer.zero_grad()``, or an ``optimizer_zero_grad`` override
+      that skips parameters). ``None`` gradients are checked on the host; otherwise a per-parameter device flag (one
+      ``torch._foreach_norm`` pass) is read on the next logging step or at the epoch end. In manual optimization the
+      window is the span between two optimizer steps; with several optimizers the check is skipped.
     - A warning when an epoch has fewer batches than ``accumulate_grad_batches``.
-    - Checkpoints saved inside a window (``val_check_interval`` not a multiple of N with ``ModelCheckpoint``, or
-      ``trainer.save_checkpoint`` from a hook): Lightning saves neither the gradients accumulated so far nor the
-      token count, and resumes with the next micro-batch, so the resumed window would step with its remaining
-      micro-batches only. The callback saves them in the checkpoint (a CPU copy of the gradients, at mid-window
-      saves only) and puts them back before the next backward, so the resumed run equals an uninterrupted one.
-      Single process only: under DDP each rank holds its own partial sum, and a mid-window save warns instead (as
-      it does without this callback when another gradkit callback is attached).
+    - Checkpoints saved inside a window (``val_check_interval`` not a multiple of N, ``trainer.save_checkpoint`` from
+      a hook): Lightning saves neither the gradients accumulated so far nor the token count, so the resumed window
+      would step with its remaining micro-batches only. The callback saves them (a CPU copy of the gradients, at
+      mid-window saves only) and puts them back before the next backward. Single process only: under DDP each rank
+      holds its own partial sum, and a mid-window save warns instead.
 
     Manual optimization: Lightning does not accumulate there (``accumulate_grad_batches`` must be 1); use
     :class:`~lightning_gradkit.ManualAccumulator` for exact accumulation and early freeing. Only ``check_clean``
@@ -254,12 +244,9 @@ class AccumulationGuard(GradKitCallback):
         self._unwrap_training_step()
 
     def _wrap_training_step(self, pl_module: pl.LightningModule) -> None:
-        """Capture each micro-batch's token count from ``training_step``'s output before its backward.
-
-        Callbacks see ``training_step``'s output only in ``on_train_batch_end``, after the optimizer step; the
-        boundary micro-batch's count is needed before it. An instance attribute shadows the method; Lightning looks
-        it up on the module at call time, also through the DDP/FSDP wrappers' forward redirection.
-        """
+        """Capture each micro-batch's token count from ``training_step``'s output before its backward (callbacks see
+        the output only after the optimizer step). An instance attribute shadows the method; Lightning looks it up on
+        the module at call time, also through the DDP/FSDP wrappers' forward redirection."""
         if self._wrapped is not None:
             return
         original = pl_module.training_step
@@ -402,11 +389,8 @@ class AccumulationGuard(GradKitCallback):
 
     # -- checkpoints inside a window -----------------------------------------------------------------------------
     def _open_window_state(self, position: WindowPosition) -> dict[str, Any]:
-        """What a checkpoint saved inside the window needs for an exact resume (read on a save, never per step).
-
-        Lightning saves neither the gradients accumulated so far nor the token count: one CPU copy of the gradients
-        (the checkpoint grows by their size, at mid-window saves only) and the count are saved here.
-        """
+        """What a checkpoint saved inside the window needs for an exact resume (read on a save, never per step): a
+        CPU copy of the gradients accumulated so far and the token count, which Lightning does not save."""
         grads = [None if p.grad is None else local_tensor(p.grad).detach().to("cpu", copy=True) for p in self._params]
         tokens = None if self._tokens.device is None else self._tokens.device.detach().to("cpu", copy=True)
         return {

@@ -1,10 +1,8 @@
 """The clipping callbacks of the Lightning ``Trainer``, and :func:`clip_gradients` for manual optimization.
 
 Each callback is a thin subclass ``class ClipGradNorm(gradkit.clipping.ClipGradNorm, GradKitCallback)``: the torch
-class (:mod:`gradkit.clipping`, :mod:`gradkit.history_clipping`, :mod:`gradkit.agc`) holds the algorithm, its
-arguments and its state; :class:`~lightning_gradkit.trainer_door.GradKitCallback` forwards the Trainer's hooks to
-it. What is left here is what only a Trainer has: the checks at ``setup`` (one clipper per Trainer, not beside
-``gradient_clip_val``, not under DeepSpeed), the state key Lightning needs before ``setup``, and the
+class holds the algorithm, its arguments and its state; what is left here is what only a Trainer has: the checks at
+``setup`` (one clipper per Trainer, not beside ``gradient_clip_val``, not under DeepSpeed) and the
 manual-optimization entry point.
 """
 
@@ -28,20 +26,10 @@ def _is_clipper(obj: object) -> bool:
     return is_policy(obj) and obj.stage is Stage.CLIP  # type: ignore[attr-defined]
 
 
-def _set_up(callback: GradKitCallback, trainer: pl.Trainer, stage: str, setting: str, max_norm: float | None) -> None:
-    """The clipper's checks at ``setup``: DeepSpeed clips by itself, and a Trainer has one clipper.
-
-    Args:
-        callback: the clipping callback.
-        trainer: the Trainer being set up.
-        stage: Lightning's stage (``"fit"``, ...).
-        setting: the callback as the DeepSpeed error names it.
-        max_norm: the ``gradient_clipping`` value that does what the callback does under DeepSpeed, if one does.
-
-    Raises:
-        RuntimeError: under ``DeepSpeedStrategy``.
-        ValueError: if the Trainer has another clipping callback, or ``gradient_clip_val``.
-    """
+def _set_up(trainer: pl.Trainer, stage: str, setting: str, max_norm: float | None) -> None:
+    """The clipper's checks at ``setup``: DeepSpeed clips by itself (``RuntimeError`` naming ``setting`` and the
+    ``gradient_clipping`` value ``max_norm`` that does the same there, if one does), and a Trainer has one clipper
+    (``ValueError`` for another clipping callback or ``gradient_clip_val``)."""
     if stage == "fit":
         refuse_under_deepspeed(
             trainer,
@@ -86,7 +74,7 @@ class ClipGradNorm(clipping.ClipGradNorm, GradKitCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        _set_up(self, trainer, stage, repr(self), self.max_norm if self.norm_type == 2.0 else None)
+        _set_up(trainer, stage, repr(self), self.max_norm if self.norm_type == 2.0 else None)
 
 
 class ClipGradValue(clipping.ClipGradValue, GradKitCallback):
@@ -109,7 +97,7 @@ class ClipGradValue(clipping.ClipGradValue, GradKitCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        _set_up(self, trainer, stage, repr(self), None)
+        _set_up(trainer, stage, repr(self), None)
 
 
 class AutoClip(history_clipping.AutoClip, GradKitCallback):
@@ -133,7 +121,7 @@ class AutoClip(history_clipping.AutoClip, GradKitCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        _set_up(self, trainer, stage, "AutoClip(...)", None)
+        _set_up(trainer, stage, "AutoClip(...)", None)
 
 
 class ZClip(history_clipping.ZClip, GradKitCallback):
@@ -157,7 +145,7 @@ class ZClip(history_clipping.ZClip, GradKitCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        _set_up(self, trainer, stage, "ZClip(...)", None)
+        _set_up(trainer, stage, "ZClip(...)", None)
 
 
 class AdaptiveGradClip(agc.AdaptiveGradClip, GradKitCallback):
@@ -181,7 +169,7 @@ class AdaptiveGradClip(agc.AdaptiveGradClip, GradKitCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        _set_up(self, trainer, stage, "AdaptiveGradClip(...)", None)
+        _set_up(trainer, stage, "AdaptiveGradClip(...)", None)
 
 
 #: The Trainer each clipper given to `clip_gradients` outside `trainer.callbacks` was attached for (weakly held: the

@@ -1,9 +1,4 @@
-"""Exact gradient accumulation for manual optimization: :class:`ManualAccumulator`.
-
-Each ended window's scale is a :class:`~gradkit.accumulate.WindowScale` policy, which the accumulator hands the
-Trainer's pipeline as a pending scale (``Pipeline.add_pending_scale``): whoever runs the pipeline for the step folds
-it into the one gradient write.
-"""
+"""Exact gradient accumulation for manual optimization: :class:`ManualAccumulator`."""
 
 from __future__ import annotations
 
@@ -33,16 +28,14 @@ class ManualAccumulator:
     precision plugins and gradkit callbacks run) and the gradients are freed (``zero_grad(set_to_none=True)``), so
     a window never starts dirty.
 
-    The window scale is a factor of the gradkit engine's plan, not a write of its own: whoever runs the engine for
-    the step (:func:`~lightning_gradkit.clip_gradients` called between the last backward and :meth:`step`, a
-    gradkit callback's ``on_before_optimizer_step``, or :meth:`step` itself when neither does) folds it into the
-    engine's single multiply of the gradients. Clipping therefore reads the norm of the window mean, as a plain
-    loop that averages and then calls ``clip_grad_norm_`` does, and the gradients are written once.
+    The window scale is a factor of the gradkit engine's plan (:class:`~gradkit.accumulate.WindowScale`), not a write
+    of its own: whoever runs the engine for the step (:func:`~lightning_gradkit.clip_gradients` between the last
+    backward and :meth:`step`, a gradkit callback's ``on_before_optimizer_step``, or :meth:`step` itself) folds it
+    into the single multiply of the gradients, so clipping reads the norm of the window mean.
 
     Losses are passed undivided: the mean of each micro-batch (``"mean"``) or the SUM of its per-token losses
-    (``"tokens"``). Under DDP, backward synchronization is skipped inside a window (``no_sync``) and happens on the
-    boundary micro-batch; in token mode the window's token count is summed over ranks in the engine's one
-    collective. Nothing reads a device value on the host.
+    (``"tokens"``). Under DDP, backward synchronization happens on the boundary micro-batch only (``no_sync``); the
+    window's token count is summed over ranks in the engine's one collective. Nothing reads a device value on the host.
 
     With several optimizers, each accumulator serves the optimizer it first steps (the only one, if the module has
     a single optimizer); until then, the window's scale goes to the first optimizer the engine processes.
@@ -142,11 +135,8 @@ class ManualAccumulator:
         self._tokens.reset()
 
     def scale(self, optimizer: Optimizer) -> None:
-        """Apply the ended window's scale to ``optimizer``'s gradients now, unless the engine already did.
-
-        Runs the gradkit engine for ``optimizer`` (with the Trainer's gradkit callbacks, in one multiply);
-        :meth:`step` calls it when nothing else would run the engine before the optimizer steps.
-        """
+        """Apply the ended window's scale to ``optimizer``'s gradients now (the engine, with the Trainer's gradkit
+        callbacks, in one multiply), unless the engine already did."""
         pending, module = self._pending, self._module() if self._module is not None else None
         if pending is None or pending.applied or module is None:
             return

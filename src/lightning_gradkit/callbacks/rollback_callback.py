@@ -21,11 +21,9 @@ class SpikeRollback(rollback.SpikeRollback, GradKitCallback):
     Under a Trainer it needs a GradKit strategy (which skips the step that fires and puts back the buffers of every
     skipped step) and automatic optimization. The first snapshot is taken at ``on_train_start``.
 
-    **Why a callback of its own** rather than ``SpikeGuard(action="rollback")``: a rollback costs host memory
-    (the snapshots) and periodic copies, which a guard that warns or skips does not, so it should be a separate,
-    visible choice. It composes with the guards instead of replacing them: ``SpikeGuard(action="skip")`` skips a
-    single bad batch at once, ``NonFiniteGuard(action="skip")`` skips a non-finite one, and ``SpikeRollback``
-    acts only when skipping did not cure the run, with its own ``patience``, thresholds and budget.
+    A callback of its own rather than ``SpikeGuard(action="rollback")``: its snapshots cost host memory and copies,
+    a visible choice. It composes with the guards: they skip a single bad batch at once, ``SpikeRollback`` acts only
+    when skipping did not cure the run, with its own ``patience``, thresholds and budget.
 
     Raises:
         ValueError: as :class:`gradkit.rollback.SpikeRollback`; at setup, for ``save_snapshots=True`` under

@@ -100,12 +100,8 @@ def _slot_names(obj: object) -> list[str]:
 
 
 class _InferenceTensorSearch:
-    """Finds inference tensors in a value and, with ``clone``, replaces them where they are kept.
-
-    Looked into, up to ``_MAX_DEPTH`` levels: lists, tuples (rebuilt), dicts, and the attributes (``__dict__`` and
-    ``__slots__``) of plain objects, i.e. instances of classes outside torch and Lightning that are not modules,
-    classes or functions. A tensor reachable under several names is cloned once, so aliases stay aliases.
-    """
+    """Finds inference tensors in a value and, with ``clone``, replaces them where they are kept (see
+    :func:`find_inference_tensors`); tuples are rebuilt, ``__dict__`` and ``__slots__`` of plain objects visited."""
 
     def __init__(self, clone: bool) -> None:
         self.clone = clone
@@ -298,25 +294,15 @@ class InferenceModeValidation(pl.Callback):
 
     The hazard of inference mode is a tensor created during validation and kept: a cache on a module (rotary
     tables, a running statistic, a torchmetrics state reset in validation) is an inference tensor, and training
-    fails with "Inference tensors cannot be saved for backward" (Lightning #20181). So at the end of every
-    validation (also ``trainer.validate``), again before the next training batch (hooks that run after this
-    callback's may still cache tensors) and at train start (an earlier validation without the callback), every
-    module's buffers and tensor attributes are searched, also inside lists, tuples, dicts and plain Python objects
-    (``self.cache = Cache()`` with ``self.cache.table`` set in validation), three levels deep; inference tensors are
-    replaced by normal clones (``on_inference_tensors="clone"``) or named in an error (``"raise"``). A parameter
-    that became an inference tensor always raises: the optimizer holds the old one. This search runs once per
-    validation, never per training step.
+    fails with "Inference tensors cannot be saved for backward" (Lightning #20181). So after every validation (also
+    ``trainer.validate``), again before the next training batch and at train start, the model's tensors are searched
+    (:func:`find_inference_tensors`, once per validation, never per step): inference tensors are replaced by normal
+    clones (``on_inference_tensors="clone"``) or named in an error (``"raise"``). A parameter that became an
+    inference tensor always raises: the optimizer holds the old one.
 
-    A cache the model does not hold cannot be repaired: a ``functools.lru_cache`` (or ``functools.cache``) function
-    called during validation, a module global, a closure. Training then fails at the first op that meets the tensor,
-    and this callback does not try to predict where: its ``on_exception`` recognises torch's inference-tensor error
-    and completes its message (the exception stays the one torch raised, with its traceback) with the owners it can
-    find (the model's tensors, every ``lru_cache``'s cache, the globals of modules outside torch and Lightning:
-    ``"the lru_cache of my_pkg.rope.tables"``), the cause and the fixes: create the value outside inference mode
-    (``with torch.inference_mode(False): value = value.clone()``), clear the cache after validation
-    (``tables.cache_clear()`` in ``on_validation_end``), or drop this callback, so that in-fit validation runs under
-    ``torch.no_grad`` as in plain Lightning. The search costs nothing until that error happens (it walks every
-    object the garbage collector tracks then, once).
+    A cache the model does not hold (an ``lru_cache``, a module global, a closure) cannot be repaired: when training
+    meets such a tensor, ``on_exception`` completes torch's error message with the owners it can find (``"the
+    lru_cache of my_pkg.rope.tables"``), the cause and the fixes. That search costs nothing until the error happens.
 
     With ``check_finite``, the validation metrics (``trainer.callback_metrics`` logged by that validation) are
     read once at validation end; non-finite ones are named in a warning and appended as an event to

@@ -6,8 +6,7 @@ whose graph reaches a node created before an :func:`autograd_sequence_marker` (a
 creation order); :func:`graph_footprint` counts the distinct graphs such tensors keep alive, their nodes and the
 memory they pin.
 
-:class:`~lightning_gradkit.GraphLeakGuard` (:mod:`lightning_gradkit.diagnostics.graph_leak`) wires it into the
-Trainer.
+:class:`~lightning_gradkit.GraphLeakGuard` wires it into the Trainer.
 """
 
 from __future__ import annotations
@@ -44,9 +43,6 @@ __all__ = [
 
 
 _THIS_FILE = os.path.realpath(__file__)
-
-# -- graph leaks -------------------------------------------------------------------------------------------------
-
 _PROBE: Tensor | None = None
 
 
@@ -66,19 +62,12 @@ def autograd_sequence_marker() -> int:
 
 
 class OlderGraph:
-    """Tells whether a tensor's autograd graph reaches a node created before ``marker``.
+    """Tells whether a tensor's autograd graph reaches a node created before ``marker`` (an
+    :func:`autograd_sequence_marker` taken when the step started): the graph outlived the step it was made in.
 
-    Such a graph outlived the step in which it was made: ``losses.append(loss)`` holds old output nodes, and
-    ``total = total + loss`` makes a new node each step that links to all the old ones. A graph made entirely in
-    the current step (``self.last_logits = logits``) does not qualify. ``AccumulateGrad`` nodes (numbered last by
-    autograd) never count. Nodes found not to reach an old one are remembered across calls, so checking many tensors
-    of one graph costs one walk.
-
-    Autograd numbers nodes per thread; a graph built in another thread (e.g. a double-backward graph built by
+    Nodes found not to reach an old one are remembered across calls, so checking many tensors of one graph costs one
+    walk. Autograd numbers nodes per thread: a graph built in another thread (a double-backward graph built by
     autograd's device threads) cannot be dated this way and may be reported.
-
-    Args:
-        marker: an :func:`autograd_sequence_marker` taken when the step started.
     """
 
     def __init__(self, marker: int) -> None:
@@ -107,15 +96,8 @@ class OlderGraph:
 
 @dataclass(frozen=True)
 class GraphTensor:
-    """A tensor found holding an autograd graph (a description: the tensor itself is not kept).
-
-    Attributes:
-        path: where it was found, e.g. ``pl_module.history[120]``.
-        grad_fn: the name of its ``grad_fn`` node.
-        shape: its shape.
-        dtype: its dtype, as a string.
-        device: its device, as a string.
-    """
+    """A tensor found holding an autograd graph, where (``path``: ``pl_module.history[120]``) and what it is (the name
+    of its ``grad_fn``, shape, dtype, device): a description, the tensor itself is not kept."""
 
     path: str
     grad_fn: str
@@ -207,17 +189,10 @@ def module_graph_tensors(
     Parameters, buffers and the attributes named in ``skip`` (module internals, see :func:`standard_attributes`)
     are not walked; everything else is, recursively: lists, tuples, named tuples, dicts, sets, deques,
     dataclasses, ``SimpleNamespace`` and instances of classes outside PyTorch, Lightning and the standard library.
-
-    Args:
-        module: the root module.
-        root: the name the paths start with.
-        skip: attribute names not to walk.
-        select: keeps only the tensors it accepts (e.g. an :class:`OlderGraph`); ``None`` keeps every tensor with a
-            ``grad_fn``.
-        budget: the most objects to visit; the walk stops there and reports itself truncated.
+    ``select`` (e.g. an :class:`OlderGraph`) keeps the tensors it accepts; the walk stops after ``budget`` objects.
 
     Returns:
-        ``([(path, tensor), ...], truncated)``, e.g. ``("module.history[3]", tensor)``.
+        ``([(path, tensor), ...], truncated)``, e.g. ``("module.history[3]", tensor)``; the paths start with ``root``.
     """
     walker = _Walker(select, skip, budget)
     named = list(module.named_modules())

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from gradkit._arguments import check_bool, check_choice, check_int
+from gradkit._arguments import check_bool, check_choice, check_int, format_bytes
 from lightning_gradkit.diagnostics.autograd_graph import (
     GraphFootprint,
     GraphTensor,
@@ -68,14 +68,6 @@ def _container(path: str) -> str:
     return path[:cut]
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
 def _module_storages(module: nn.Module) -> set[Any]:
     """The parameters' and buffers' storages: alive anyway, never counted as pinned by a graph."""
     return storage_keys([*module.parameters(), *module.buffers()])
@@ -94,28 +86,18 @@ class GraphLeakGuard(Callback):
     - anywhere in the process with ``gc_scan=True`` (slower: it visits every Python object), named by the
       container or frame holding them where it can tell.
 
-    "Earlier" uses autograd's creation order of graph nodes (see
-    :class:`~lightning_gradkit.diagnostics.autograd_graph.OlderGraph`, dated by an
-    :func:`~lightning_gradkit.diagnostics.autograd_graph.autograd_sequence_marker` taken when the checked step starts).
-    So ``history.append(loss)`` (old graphs kept) and ``total = total + loss`` (a new node each step, linked to all
-    the old ones) are leaks, while a graph made in the current step and replaced in the next
-    (``self.last_logits = logits``, weights recomputed in every forward) is not. Parameters and buffers are never
-    reported. The report gives the number of distinct graphs held, their nodes and the memory they pin: the
-    tensors' own storage plus the saved tensors their graphs still hold (see
-    :class:`~lightning_gradkit.diagnostics.autograd_graph.GraphFootprint`; parameters and buffers excluded).
-
-    On the same checks it also reports:
-
-    - what ``training_step`` returned besides the loss, when it carries a graph that still holds saved tensors
-      beyond the returned tensors themselves (a branch ``backward()`` never ran, kept alive through the optimizer
-      step and the batch-end hooks; return it ``.detach()``-ed). Reported once per key, never raised;
-    - on CUDA, a steady upward trend of ``torch.cuda.memory_allocated()`` over the last ``trend_window`` checks
-      (a leak outside Python's reach, or one this walk cannot see). Reported once, never raised.
+    "Earlier" is autograd's creation order of graph nodes (:mod:`lightning_gradkit.diagnostics.autograd_graph`): so
+    ``history.append(loss)`` and ``total = total + loss`` (a new node each step, linked to all the old ones) are
+    leaks, while a graph made in the current step and replaced in the next (``self.last_logits = logits``) is not.
+    Parameters and buffers are never reported. The report gives the distinct graphs held, their nodes and the memory
+    they pin (the tensors' storage and the saved tensors their graphs hold). The same checks also report, once and
+    never raised, what ``training_step`` returned besides the loss when its graph still holds saved tensors (a branch
+    ``backward()`` never ran: return it ``.detach()``-ed), and on CUDA a steady upward trend of
+    ``torch.cuda.memory_allocated()`` over the last ``trend_window`` checks (a leak this walk cannot see).
 
     Findings go to :attr:`reports`, to a warning (once per holding attribute) or an exception, and to
-    ``gradkit_events.jsonl`` in the Trainer's log directory (``what="graph_leak"``, ``"output_graph"``,
-    ``"memory_trend"``). Steps that are not checked cost one integer check per hook. The callback keeps no state
-    to resume: module attributes are not checkpointed, and memory readings of another process do not compare.
+    ``gradkit_events.jsonl`` (``what="graph_leak"``, ``"output_graph"``, ``"memory_trend"``). Steps that are not
+    checked cost one integer check per hook. No state to resume: module attributes are not checkpointed.
 
     Args:
         check_every_n_steps: check one training step (batch) in every ``check_every_n_steps``: the ``n``-th,
@@ -247,7 +229,7 @@ class GraphLeakGuard(Callback):
         lines = [
             f"GraphLeakGuard: at training step {report.batch_idx}, {len(report.tensors)} tensor(s) still hold "
             f"autograd graphs from earlier steps ({fp.graphs} graph(s), {fp.nodes} node(s), "
-            f"{'at least ' if fp.truncated or report.truncated else ''}{_bytes(fp.pinned_bytes)} pinned):"
+            f"{'at least ' if fp.truncated or report.truncated else ''}{format_bytes(fp.pinned_bytes)} pinned):"
         ]
         for container, count in report.containers.items():
             paths = [t.path for t in report.tensors if _container(t.path) == container]
@@ -285,7 +267,7 @@ class GraphLeakGuard(Callback):
                 )
             rank_zero_warn(
                 f"GraphLeakGuard: `training_step` returned {path} with an autograd graph that still holds "
-                f"{_bytes(footprint.saved_bytes)} of saved tensors (a branch `backward()` did not run through). "
+                f"{format_bytes(footprint.saved_bytes)} of saved tensors (a branch `backward()` did not run through). "
                 "Lightning passes it to the `on_train_batch_end` hooks after the optimizer step, so that memory "
                 "stays allocated through the step. Return it `.detach()`-ed."
             )
@@ -313,7 +295,7 @@ class GraphLeakGuard(Callback):
             )
         rank_zero_warn(
             f"GraphLeakGuard: allocated CUDA memory on {device} rose steadily over the last {self.trend_window} checks "
-            f"({_bytes(self._memory[0])} -> {_bytes(self._memory[-1])}, about {_bytes(per_step)} per step). Something "
-            "keeps tensors from every step; if no graph leak is reported, look for tensors stored without "
-            "`.detach()`/`.cpu()` outside the LightningModule."
+            f"({format_bytes(self._memory[0])} -> {format_bytes(self._memory[-1])}, about {format_bytes(per_step)} "
+            "per step). Something keeps tensors from every step; if no graph leak is reported, look for tensors stored "
+            "without `.detach()`/`.cpu()` outside the LightningModule."
         )

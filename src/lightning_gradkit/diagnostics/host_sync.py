@@ -1,21 +1,12 @@
-"""Host-sync interception on plain PyTorch objects: which calls make the host wait for the device, and where.
+"""Host-sync interception on plain PyTorch objects, for :class:`~lightning_gradkit.SyncAudit`: which calls make the
+host wait for the device, and where (a source line, :mod:`lightning_gradkit.diagnostics.sources`).
 
-:class:`~lightning_gradkit.SyncAudit` (:mod:`lightning_gradkit.diagnostics.sync_audit`) wires it into the Trainer.
-
-:class:`HostSyncRecorder` records, while active, every call that makes (on CUDA) or would make (elsewhere) the
-host wait for the device, and attributes it to a source line with :class:`SourceClassifier`:
-
-- Everywhere, a :class:`~torch.overrides.TorchFunctionMode` sees every call into the PyTorch API and recognises
-  the calls whose result the host must read (:data:`SYNC_CALLS`). A mode is thread-local and scoped (nothing
-  in ``torch.Tensor`` is patched, other threads are unaffected) and it also catches functions such as
-  ``torch.nonzero`` or boolean-mask indexing that method patching misses. Only the outermost call counts: a
-  ``print(t)`` is one event, not the dozens of reads ``torch._tensor_str`` makes.
-- On CUDA the counts come from PyTorch's own detector, ``torch.cuda.set_sync_debug_mode("warn")``, switched
-  on only while recording: every real synchronization, including those inside ops the list above does not
-  know. The mode then only times the recognised calls: the wall time spent inside such a call is the time the
-  host was stalled there.
-
-Each recorded call is charged to a source line by :mod:`lightning_gradkit.diagnostics.sources`.
+A :class:`~torch.overrides.TorchFunctionMode` sees every call into the PyTorch API and recognises those whose result
+the host must read (:data:`SYNC_CALLS`): thread-local and scoped (nothing in ``torch.Tensor`` is patched), it also
+catches ``torch.nonzero`` or boolean-mask indexing, which method patching misses. Only the outermost call counts
+(``print(t)`` is one event). On CUDA the counts come from PyTorch's own detector,
+``torch.cuda.set_sync_debug_mode("warn")``, on only while recording, and the mode only times the recognised calls:
+the wall time inside such a call is the time the host was stalled there.
 """
 
 from __future__ import annotations
@@ -50,55 +41,46 @@ __all__ = [
 ]
 
 
-# -- host-sync interception --------------------------------------------------------------------------------------
-
-
-def _always_syncing() -> dict[Callable[..., Any], str]:
-    t = torch.Tensor
-    calls: dict[Callable[..., Any], str] = {
-        # values read by the host (`aten::_local_scalar_dense` or a device-to-host copy)
-        t.item: "item",
-        t.__bool__: "bool",
-        t.__int__: "int",
-        t.__float__: "float",
-        t.__complex__: "complex",
-        t.__index__: "index",
-        t.tolist: "tolist",
-        t.numpy: "numpy",
-        t.__array__: "numpy",
-        t.cpu: "cpu",
-        t.__repr__: "repr",
-        t.__format__: "format",
-        t.__contains__: "contains",
-        t.is_nonzero: "bool",
-        torch.is_nonzero: "bool",
-        t.equal: "equal",
-        torch.equal: "equal",
-        t.allclose: "allclose",
-        torch.allclose: "allclose",
-        # outputs whose size depends on the data: the host waits for the count
-        t.nonzero: "nonzero",
-        torch.nonzero: "nonzero",
-        t.argwhere: "nonzero",
-        torch.argwhere: "nonzero",
-        t.masked_select: "masked_select",
-        torch.masked_select: "masked_select",
-        t.unique: "unique",
-        torch.unique: "unique",
-        t.unique_consecutive: "unique",
-        torch.unique_consecutive: "unique",
-        t.bincount: "bincount",
-        torch.bincount: "bincount",
-    }
-    return calls
-
-
-#: Calls that make the host wait for the device whenever their tensor lives on an accelerator. Three more are
+#: Calls that make the host wait for the device whenever their tensor lives on an accelerator. Four more are
 #: recognised by their arguments: indexing with a boolean mask (``x[mask]``), ``torch.where(cond)`` with one
 #: argument, ``repeat_interleave`` with tensor repeats and no ``output_size``, and ``.to("cpu")`` spelled with the
 #: string ``"cpu"`` (``.to(device)`` with a ``torch.device`` is not counted: on a CPU run it cannot be told apart
 #: from the harmless ``.to(self.device)``).
-SYNC_CALLS: dict[Callable[..., Any], str] = _always_syncing()
+SYNC_CALLS: dict[Callable[..., Any], str] = {
+    # values read by the host (`aten::_local_scalar_dense` or a device-to-host copy)
+    Tensor.item: "item",
+    Tensor.__bool__: "bool",
+    Tensor.__int__: "int",
+    Tensor.__float__: "float",
+    Tensor.__complex__: "complex",
+    Tensor.__index__: "index",
+    Tensor.tolist: "tolist",
+    Tensor.numpy: "numpy",
+    Tensor.__array__: "numpy",
+    Tensor.cpu: "cpu",
+    Tensor.__repr__: "repr",
+    Tensor.__format__: "format",
+    Tensor.__contains__: "contains",
+    Tensor.is_nonzero: "bool",
+    torch.is_nonzero: "bool",
+    Tensor.equal: "equal",
+    torch.equal: "equal",
+    Tensor.allclose: "allclose",
+    torch.allclose: "allclose",
+    # outputs whose size depends on the data: the host waits for the count
+    Tensor.nonzero: "nonzero",
+    torch.nonzero: "nonzero",
+    Tensor.argwhere: "nonzero",
+    torch.argwhere: "nonzero",
+    Tensor.masked_select: "masked_select",
+    torch.masked_select: "masked_select",
+    Tensor.unique: "unique",
+    torch.unique: "unique",
+    Tensor.unique_consecutive: "unique",
+    torch.unique_consecutive: "unique",
+    Tensor.bincount: "bincount",
+    torch.bincount: "bincount",
+}
 
 
 def _is_mask(index: object) -> bool:
@@ -306,8 +288,6 @@ class HostSyncRecorder:
 
 
 # -- the aggregated table ----------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class SyncSite:
     """One row of the sync report: a source line and the host syncs it made in the audited steps.

@@ -5,8 +5,6 @@ On a GPU each aten operation that is not a view launches a kernel, a few microse
 host-bound loop (a small model's step on an H100) they add straight to the step. On the CPU the same operations are
 dispatched, deterministically, so counting them there predicts the GPU's host cost without a GPU: the test suite
 counts gradkit's step this way (``tests/test_hot_path_counts.py``), and ``benchmarks/bench_hot_path.py`` prints it.
-
-Pure PyTorch; no Lightning here.
 """
 
 from __future__ import annotations

@@ -29,8 +29,6 @@ __all__ = [
 ]
 
 
-# -- source attribution ------------------------------------------------------------------------------------------
-
 LIBRARY, FRAMEWORK, USER = 0, 1, 2
 
 #: Packages that only carry out what their caller asked: a sync inside them is charged to the caller.
@@ -73,8 +71,8 @@ class SourceClassifier:
 
     Example::
 
-        >>> classifier = SourceClassifier()
-        >>> classifier.category(torch.__file__) == LIBRARY
+        >>> import torch
+        >>> SourceClassifier().category(torch.__file__) == LIBRARY
         True
     """
 

@@ -36,32 +36,20 @@ class SyncAudit(Callback):
     the line of YOUR code that caused it, and reports a table: file:line, code, syncs per step and, where it can be
     measured, the share of the step's wall time the host spent stalled there.
 
-    How syncs are found (see :mod:`lightning_gradkit.diagnostics`):
-
-    - On CUDA, with PyTorch's detector (``torch.cuda.set_sync_debug_mode("warn")``) switched on for the audited
-      steps only: every real synchronization. The stall share is measured for the recognised calls (below): the
-      wall time inside such a call is the time the host waited there.
-    - Elsewhere (CPU runs, e.g. in CI), by recognising the calls that sync when their tensor lives on a GPU:
-      ``item``, ``bool``/``if tensor``, ``int``, ``float``, ``__index__``, ``tolist``, ``numpy``, ``cpu``,
-      ``.to("cpu")``, ``repr``/``print``/``format``, ``in``, ``nonzero``/``argwhere``/``torch.where(cond)``,
-      ``masked_select``, boolean-mask indexing, ``unique``, ``bincount``, ``repeat_interleave`` with tensor
-      repeats, ``equal``, ``allclose``, ``is_nonzero``. These are the syncs the same code makes on a GPU (it
-      assumes your tensors live there). There is no device to wait for on a CPU, so no stall share is reported.
+    On CUDA the counts come from PyTorch's detector (``torch.cuda.set_sync_debug_mode("warn")``, on for the audited
+    steps only): every real synchronization. Elsewhere (CPU runs, e.g. in CI) the calls that sync when their tensor
+    lives on a GPU are recognised (``item``, ``if tensor``, ``print``, ``.cpu()``, ``nonzero``, boolean-mask
+    indexing, ...: :data:`~lightning_gradkit.diagnostics.host_sync.SYNC_CALLS`), without a stall share.
 
     A sync is yours when the first frame outside PyTorch, NumPy, torchmetrics and the standard library (walking
     out from the call) is in your code; when that frame is in Lightning or lightning_gradkit, the sync is theirs
-    (e.g. Lightning reading logged values) and goes to :attr:`framework_report` instead. A training-step window runs
-    from this callback's ``on_train_batch_start`` to the end of the LightningModule's ``on_train_batch_end``: it
-    covers the LightningModule's ``on_train_batch_start``, ``training_step``, backward, the optimizer step with its
-    hooks, and the callbacks that run after this one in the two batch hooks (to see the end of that hook, an audited
-    step wraps the LightningModule's ``on_train_batch_end`` for that one call). Validation and data loading are
-    outside.
-
-    Steps that are not audited cost one integer check per hook: nothing is installed and nothing is recorded.
+    (e.g. Lightning reading logged values) and goes to :attr:`framework_report` instead. An audited step runs from
+    this callback's ``on_train_batch_start`` to the end of the LightningModule's ``on_train_batch_end``: the
+    ``training_step``, backward, the optimizer step with its hooks, and the batch hooks after this callback's.
+    Validation and data loading are outside. Steps that are not audited cost one integer check per hook.
 
     The table is emitted (rank zero) after the first audited step and, if it changed, at the end of training. Each
-    audited step is also written as an event (``what="host_sync"``) to ``gradkit_events.jsonl`` in the Trainer's
-    log directory, when your code synced in it.
+    audited step in which your code synced is also an event (``what="host_sync"``) in ``gradkit_events.jsonl``.
 
     Args:
         every_n_steps: audit one training step (batch) in every ``every_n_steps``: the ``n``-th, ``2n``-th, ...
