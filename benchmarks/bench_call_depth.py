@@ -45,7 +45,7 @@ def loop_door_step() -> tuple[list[str], list[str]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    kit = GradKit(model, optimizer, [ClipGradNorm(1.0)], log_every_n_steps=0)
+    kit = GradKit(model, optimizer, [ClipGradNorm(1.0)], log_every_n_steps=0, log_dir=False)
 
     def one_step() -> None:
         model(torch.randn(4, 8)).sum().backward()
