@@ -185,10 +185,11 @@ def loop_door_run(
         log_dir=log_dir,
     )
     model.train()
+    device_type = next(model.parameters()).device.type
     for window in windows(micro, accumulate):
         items = num_items(window) if TAKES_ITEMS[kind] else None
         for batch in window:
-            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            with torch.autocast(device_type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 loss = hf_loss(model, batch, items, len(window))
             (loss if scaler is None else scaler.scale(loss)).backward()
             kit.note_loss(step_loss(loss, len(window)))
