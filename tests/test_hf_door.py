@@ -280,3 +280,23 @@ def test_max_grad_norm_is_refused_with_the_fix(tmp_path: Path) -> None:
     trainer = transformers.Trainer(MODELS["gpt2"](), training_args(tmp_path))
     with pytest.raises(TypeError, match=r"holds the class `ClipGradNorm`"):
         install(trainer, [ClipGradNorm])  # type: ignore[list-item]
+
+
+def test_logged_values_reach_hfs_reporters_at_hfs_steps(tmp_path: Path) -> None:
+    # TensorBoard is one of HF's reporters (TensorBoardCallback, prefixing "train/"); W&B and MLflow read the same
+    # `on_log` call. The door's rows and HF's own row of a step carry the same step number.
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer, _ = _hf_run("gpt2", tmp_path, _policies(), steps=4, bad=(), report_to=["tensorboard"])
+    (events,) = tmp_path.glob("runs/*/events.out.tfevents.*")
+    scalars = EventAccumulator(str(events)).Reload()
+    logged = merged_rows(gradkit_rows(trainer.state.log_history))
+    assert sorted(logged) == [1, 2, 4]  # the monitor's first step, then every logging_steps=2
+    for key in ("grad_norm/total", "grad_clip/coef", "gradkit/skipped_steps"):
+        written = {e.step: repr(e.value) for e in scalars.Scalars(f"train/{key}")}
+        # TensorBoard stores float32: the values as HF's log_history holds them, rounded to float32.
+        expected = {step: repr(torch.tensor(float(row[key])).item()) for step, row in logged.items() if key in row}
+        assert written == expected, key
+    hf = {e.step for e in scalars.Scalars("train/loss")}
+    assert hf == {2, 4}
