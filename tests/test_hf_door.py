@@ -271,10 +271,24 @@ def test_spike_rollback_rewinds_hfs_lr_scheduler_with_the_model(tmp_path: Path) 
     assert trainer.lr_scheduler.get_last_lr() == pytest.approx([0.05 * (1 - (steps - 4) / steps)], rel=1e-12)
 
 
-def test_max_grad_norm_is_refused_with_the_fix(tmp_path: Path) -> None:
+def test_the_door_takes_over_hfs_max_grad_norm_and_says_so(tmp_path: Path) -> None:
+    # HF's default clipping (max_grad_norm=1.0; 0.5 here) runs as ClipGradNorm in the pipeline: the same training as
+    # max_grad_norm=0 with ClipGradNorm(0.5) given to the door, and HF's grad_norm stays the pre-clip norm.
+    with pytest.warns(UserWarning, match=r"max_grad_norm=0.5\) runs as ClipGradNorm\(max_norm=0.5\)"):
+        trainer, door = _hf_run("gpt2", tmp_path / "hf", [GradNormMonitor(), NonFiniteGuard()], max_grad_norm=0.5)
+    assert [type(p).__name__ for p in door.policies] == ["GradNormMonitor", "NonFiniteGuard", "ClipGradNorm"]
+    model, _, kit, rows = _loop_run("gpt2", _policies())
+    _assert_same_model(trainer.model, model)
+    assert merged_rows(gradkit_rows(trainer.state.log_history)) == merged_rows(rows)
+    hf_rows = [row for row in trainer.state.log_history if "grad_norm" in row]
+    assert all(repr(row["grad_norm"]) == merged_rows(rows)[row["step"]]["grad_norm/total"] for row in hf_rows)
+    assert door.kit.skipped_steps == kit.skipped_steps == 1
+
+
+def test_two_clippers_and_what_is_not_a_trainer_or_a_policy_are_refused_with_the_fix(tmp_path: Path) -> None:
     trainer = transformers.Trainer(MODELS["gpt2"](), training_args(tmp_path, max_grad_norm=1.0))
-    with pytest.raises(ValueError, match=r"max_grad_norm=1.0\).*Set `max_grad_norm=0`.*ClipGradNorm\(max_norm=1.0\)"):
-        install(trainer, [ClipGradNorm(max_norm=1.0)])
+    with pytest.raises(ValueError, match=r"max_grad_norm=1.0\).*ZClip would both clip.*Set `max_grad_norm=0`"):
+        install(trainer, [ZClip()])
     with pytest.raises(TypeError, match=r"must be a transformers\.Trainer"):
         install(object(), [ClipGradNorm(max_norm=1.0)])  # type: ignore[arg-type]
     trainer = transformers.Trainer(MODELS["gpt2"](), training_args(tmp_path))

@@ -5,30 +5,32 @@ door take::
 
     from gradkit.huggingface import install
 
-    args = TrainingArguments("out", max_grad_norm=0, logging_steps=10, save_steps=500)
+    args = TrainingArguments("out", logging_steps=10, save_steps=500)  # max_grad_norm=1.0, HF's default
     trainer = Trainer(model, args, train_dataset=train)
-    install(trainer, [GradNormMonitor(), ClipGradNorm(max_norm=1.0), NonFiniteGuard(action="skip")])
+    install(trainer, [GradNormMonitor(), NonFiniteGuard(action="skip")])  # the door clips to max_grad_norm
     trainer.train()  # or trainer.train(resume_from_checkpoint=True)
 
 The door is thin: each optimizer step runs :meth:`gradkit.loop.GradKit.step` (measure once, decide once, write the
 gradients once, step or skip), the only pipeline there is. What it adds is where HF's loop meets the loop door:
 
-=====================================  ==============================================================================
-HF's loop                              the door
-=====================================  ==============================================================================
-``training_step`` (each micro-batch)   hands the micro-batch's loss to ``kit.note_loss`` (scaled to the step loss HF
-                                       logs), with a replay of ``compute_loss`` on the same inputs
-``_get_grad_norm`` (each step)         answers with the norm the pipeline measures: no second read and write of the
-                                       gradients, and HF's logged ``grad_norm`` is the pre-clip norm
-``optimizer.step()``                   ``kit.step``: the accumulation boundary is HF's (``sync_gradients``); with fp16
-                                       the kit calls HF's ``GradScaler`` (``step``, ``update``) as accelerate would
-``optimizer_step_was_skipped``         true on a skipped step, so HF holds its LR scheduler as for an fp16 overflow
-``on_step_end``                        the policies' logged values go to ``trainer.log``: HF's ``log_history`` and
-                                       its reporters (TensorBoard, W&B, MLflow, ...), at HF's ``global_step``
-``on_save`` / ``train(resume...)``     ``gradkit_state.pt`` (``kit.state_dict()``) in the checkpoint folder, loaded
-                                       when ``train`` resumes from that folder
-``on_train_end``                       ``kit.finish()``
-=====================================  ==============================================================================
+=======================================  ==============================================================================
+HF's loop                                the door
+=======================================  ==============================================================================
+``training_step`` (each micro-batch)     hands the micro-batch's loss to ``kit.note_loss`` (scaled to the step loss HF
+                                         logs), with a replay of ``compute_loss`` on the same inputs
+``_clip_grad_norm`` (``max_grad_norm``)  taken over: ``ClipGradNorm(max_norm=max_grad_norm)`` runs in the pipeline
+                                         (the same coefficient), after the guards and the monitor read the gradients
+``_get_grad_norm`` (each step)           answers with the norm the pipeline measures: no second read and write of the
+                                         gradients, and HF's logged ``grad_norm`` is the pre-clip norm
+``optimizer.step()``                     ``kit.step``: the accumulation boundary is HF's (``sync_gradients``); with fp16
+                                         the kit calls HF's ``GradScaler`` (``step``, ``update``) as accelerate would
+``optimizer_step_was_skipped``           true on a skipped step, so HF holds its LR scheduler as for an fp16 overflow
+``on_step_end``                          the policies' logged values go to ``trainer.log``: HF's ``log_history`` and
+                                         its reporters (TensorBoard, W&B, MLflow, ...), at HF's ``global_step``
+``on_save`` / ``train(resume...)``       ``gradkit_state.pt`` (``kit.state_dict()``) in the checkpoint folder, loaded
+                                         when ``train`` resumes from that folder
+``on_train_end``                         ``kit.finish()``
+=======================================  ==============================================================================
 
 Why instance wrappers and not a ``Trainer`` subclass: the door then works on any ``Trainer`` subclass (TRL's
 ``SFTTrainer``, a user's ``compute_loss`` override), and a ``TrainerCallback`` alone sees neither the loss nor the
@@ -36,6 +38,8 @@ optimizer step. Each wrapper is set on the instance and calls the method it repl
 
 HF and torch internals the door relies on, read in transformers 5.23.0, accelerate 1.15.0 and torch 2.13:
 
+- ``Trainer._clip_grad_norm(model)`` clips before ``on_pre_optimizer_step``, where no callback can see the gradients
+  unclipped; the door replaces it on the instance when ``max_grad_norm > 0`` (and refuses that setting without it).
 - ``Trainer._get_grad_norm(model, grad_norm=None)`` computes the norm with ``clip_grad_norm_(max_norm=inf)`` at every
   optimizer step, whatever ``max_grad_norm``: a full read and a full write (``grads *= 1``) of the gradients, and with
   one non-finite gradient every gradient becomes NaN (``inf / nan``), so a guard could no longer name the parameter
@@ -61,9 +65,10 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from gradkit.clipping import ClipGradNorm
 from gradkit.gate import shadowed
 from gradkit.loop import GradKit, _checked_policies
-from gradkit.pipeline import Policy
+from gradkit.protocol import Policy, Stage
 
 try:
     import transformers
@@ -104,27 +109,28 @@ def install(trainer: Trainer, policies: Policy | Sequence[Policy], *, events: bo
     callbacks; see :class:`HFGradKit` for what it does at each step.
 
     Args:
-        trainer: the ``transformers.Trainer`` (or a subclass of it), built with ``max_grad_norm=0``.
+        trainer: the ``transformers.Trainer`` (or a subclass of it). Its ``max_grad_norm`` (1.0 by default) becomes
+            the door's ``ClipGradNorm``; with ``max_grad_norm=0``, give the door the clipper you want, or none.
         policies: gradkit policies (instances): one, or a list of them, e.g. ``[GradNormMonitor(),
-            ClipGradNorm(max_norm=1.0), NonFiniteGuard(action="skip")]``.
+            NonFiniteGuard(action="skip")]``.
         events: write the guards' events to ``gradkit_events.jsonl`` in ``TrainingArguments.output_dir``.
 
     Returns:
         The installed door; its :attr:`~HFGradKit.kit` is the loop door of the current ``train()`` call.
 
     Raises:
-        ValueError: if ``TrainingArguments.max_grad_norm`` is not 0 (HF would clip before the policies see the
-            gradients), or the Trainer runs DeepSpeed, FSDP, XLA or Megatron-LM; as ``GradKit`` for ``policies``.
+        ValueError: if ``TrainingArguments.max_grad_norm > 0`` and ``policies`` holds a clipper (two clippers), or the
+            Trainer runs DeepSpeed, FSDP, XLA or Megatron-LM; as ``GradKit`` for ``policies``.
         TypeError: as ``GradKit`` for ``policies``; if ``trainer`` is not a ``transformers.Trainer``.
 
     Example::
 
         >>> from transformers import Trainer, TrainingArguments
-        >>> from lightning_gradkit import ClipGradNorm, NonFiniteGuard
+        >>> from gradkit import ZClip
         >>> from gradkit.huggingface import install
         >>> args = TrainingArguments("out", max_grad_norm=0, use_cpu=True, report_to="none")
         >>> trainer = Trainer(model, args, train_dataset=train)  # doctest: +SKIP
-        >>> door = install(trainer, [ClipGradNorm(max_norm=1.0), NonFiniteGuard(action="skip")])  # doctest: +SKIP
+        >>> door = install(trainer, [ZClip()])  # doctest: +SKIP
     """
     return HFGradKit(trainer, policies, events=events)
 
@@ -137,9 +143,12 @@ class HFGradKit(TrainerCallback):
     scheduler, and runs every optimizer step through it. Everything the loop door does, it does here: the same
     parameters bitwise as the loop door for the same model, data and optimizer (``tests/test_hf_door.py``).
 
-    - **Clipping**: HF's ``max_grad_norm`` must be 0: give ``ClipGradNorm(max_norm=...)`` (HF's default is 1.0) or
-      another clipper to the door. HF's logged ``grad_norm`` is then the pre-clip total 2-norm the pipeline measured
-      (the norm of the monitor's norm type when it measures no 2-norm), read only on HF's logging steps.
+    - **Clipping**: the door takes HF's clipping over: ``max_grad_norm > 0`` (HF's default is 1.0) runs as
+      ``ClipGradNorm(max_norm=max_grad_norm)`` in the pipeline, with the same coefficient as HF's ``clip_grad_norm_``
+      but after the guards and the monitor have read the unclipped gradients (a warning says so). With
+      ``max_grad_norm=0`` the door clips with the clipper given to it (any of gradkit's), or not at all; a clipper
+      beside ``max_grad_norm > 0`` is refused. HF's logged ``grad_norm`` is the pre-clip total 2-norm the pipeline
+      measured (the norm of the monitor's norm type when it measures no 2-norm), read only on HF's logging steps.
     - **Skips** (``NonFiniteGuard``, ``SpikeGuard``, ``SpikeRollback``): parameters, optimizer state and module
       buffers stay as they were, HF's LR scheduler holds (``optimizer_step_was_skipped``), ``global_step`` counts the
       step, as for an fp16 overflow. Under DDP the decision is taken on every rank alike (one collective).
@@ -159,7 +168,8 @@ class HFGradKit(TrainerCallback):
       optimizer state. A scheduler HF steps on a metric (``ReduceLROnPlateau``) is neither held nor rewound.
 
     Not supported: DeepSpeed, FSDP, XLA and Megatron-LM (refused at :func:`install`), hyperparameter search (the
-    state file goes to ``output_dir``'s checkpoint folders only).
+    state file goes to ``output_dir``'s checkpoint folders only). Installed once per ``Trainer``: its wrappers stay
+    on the instance, and each ``train()`` call builds a new loop door.
 
     Args:
         trainer: the ``Trainer`` to install on.
@@ -177,8 +187,8 @@ class HFGradKit(TrainerCallback):
                 f"`trainer` must be a transformers.Trainer, got a {type(trainer).__name__}. For a loop of your own, "
                 "use gradkit.loop.GradKit."
             )
-        _check_arguments(trainer)
-        self.policies = _checked_policies(policies)
+        _check_distributed(trainer)
+        self.policies = _clipping(trainer, _checked_policies(policies))
         self.trainer = trainer
         self.events = events
         #: The loop door of the current (or last) ``train()`` call; ``None`` before the first.
@@ -204,6 +214,8 @@ class HFGradKit(TrainerCallback):
             trainer.compute_loss = self._compute_loss_wrapper  # type: ignore[method-assign]
         if hasattr(trainer, "_get_grad_norm"):
             trainer._get_grad_norm = self._measured_grad_norm  # type: ignore[method-assign]
+        if trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0:
+            trainer._clip_grad_norm = self._measured_grad_norm  # type: ignore[method-assign]  # the door clips
         trainer.add_callback(self)
 
     # -- the Trainer's methods, wrapped ---------------------------------------------------------------------------
@@ -252,7 +264,7 @@ class HFGradKit(TrainerCallback):
     def _measured_grad_norm(self, model: nn.Module, grad_norm: Tensor | float | None = None) -> Tensor | float | None:
         """``trainer._get_grad_norm``: unscale (fp16) as HF does before its norm, and answer with a device scalar that
         the optimizer step fills with the pipeline's pre-clip norm; HF reads it on its logging steps only."""
-        if grad_norm is not None:  # HF clipped (max_grad_norm > 0): refused at install, kept as HF's answer
+        if grad_norm is not None:  # `_clip_grad_norm` (this method too) answered first
             return grad_norm
         self.trainer.accelerator.unscale_gradients()
         return self._grad_norm
@@ -312,7 +324,7 @@ class HFGradKit(TrainerCallback):
             scaler=trainer.accelerator.scaler,
             schedulers=[self._scheduler] if held else (),
             max_steps=state.max_steps,
-            log_dir=args.output_dir if self.events else None,
+            log_dir=args.output_dir if self.events else False,
         )
         self._optimizer, self._inner = accelerated, inner
         self._grad_norm = torch.full((), math.nan, device=self.kit.ctx.device)
@@ -426,15 +438,43 @@ class _HeldScheduler:
             self.scheduler.step()
 
 
-def _check_arguments(trainer: Trainer) -> None:
-    """Refuse what the door cannot do, with the fix."""
-    args = trainer.args
-    if args.max_grad_norm and args.max_grad_norm > 0:
+def _clipping(trainer: Trainer, policies: list[Policy]) -> list[Policy]:
+    """The policies with HF's clipping taken over: ``max_grad_norm > 0`` becomes ``ClipGradNorm(max_grad_norm)`` in
+    the pipeline (the same coefficient as HF's ``clip_grad_norm_``), so that the guards and the monitor see the
+    gradients before clipping, measured once.
+
+    Raises:
+        ValueError: ``max_grad_norm > 0`` beside a clipper of the door's (two clippers), or a Transformers without
+            ``Trainer._clip_grad_norm`` to take over.
+    """
+    max_norm = trainer.args.max_grad_norm
+    if not max_norm or max_norm <= 0:
+        return policies
+    clippers = [type(p).__name__ for p in policies if p.stage is Stage.CLIP]
+    if clippers:
         raise ValueError(
-            f"TrainingArguments(max_grad_norm={args.max_grad_norm}) makes HF clip the gradients before gradkit's "
-            "policies see them (and 1.0 is HF's default). Set `max_grad_norm=0` and give the door "
-            f"`ClipGradNorm(max_norm={args.max_grad_norm})` for the same clipping, measured once with the guards."
+            f"TrainingArguments(max_grad_norm={max_norm}) (1.0 is HF's default) and {clippers[0]} would both clip "
+            f"the gradients. Set `max_grad_norm=0` to clip with {clippers[0]} only, or leave {clippers[0]} out for "
+            f"the door to clip as HF does (ClipGradNorm(max_norm={max_norm}))."
         )
+    if not hasattr(trainer, "_clip_grad_norm"):
+        raise ValueError(
+            f"TrainingArguments(max_grad_norm={max_norm}): this Transformers ({transformers.__version__}) clips "
+            "inside its loop, before gradkit's policies see the gradients, and the door cannot take that over. Set "
+            f"`max_grad_norm=0` and give the door `ClipGradNorm(max_norm={max_norm})` for the same clipping."
+        )
+    warnings.warn(
+        f"HFGradKit clips for HF: TrainingArguments(max_grad_norm={max_norm}) runs as ClipGradNorm(max_norm="
+        f"{max_norm}) in the door's pipeline, after the guards' measurement (the same coefficient as HF's). Set "
+        "`max_grad_norm=0` to train without clipping, or give the door a clipper of your choice.",
+        UserWarning,
+        stacklevel=4,
+    )
+    return [*policies, ClipGradNorm(max_norm=max_norm)]
+
+
+def _check_distributed(trainer: Trainer) -> None:
+    """Refuse the engines that step and clip by themselves, with the fix."""
     why = _UNSUPPORTED.get(trainer.accelerator.distributed_type)
     if why is not None:
         raise ValueError(
