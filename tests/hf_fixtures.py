@@ -13,6 +13,7 @@ step with ``clip_grad_norm_`` (:func:`hand_written_run`).
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -230,7 +231,7 @@ def optimizer_and_scheduler(model: nn.Module, steps: int, name: str = "sgd") -> 
     if name == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
-        builder = transformers.Trainer(model, training_args(Path("unused"), learning_rate=1e-3))
+        builder = transformers.Trainer(model, training_args(Path(tempfile.mkdtemp()), learning_rate=1e-3))
         optimizer = builder.create_optimizer()
     return optimizer, transformers.get_linear_schedule_with_warmup(optimizer, 0, steps)
 
