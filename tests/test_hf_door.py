@@ -10,6 +10,7 @@ without ``transformers``.
 from __future__ import annotations
 
 import copy
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -314,3 +315,21 @@ def test_logged_values_reach_hfs_reporters_at_hfs_steps(tmp_path: Path) -> None:
         assert written == expected, key
     hf = {e.step for e in scalars.Scalars("train/loss")}
     assert hf == {2, 4}
+
+
+def test_the_example_skips_the_injected_nan_and_resumes_with_the_policies_state(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("hf_finetune", Path(__file__).parents[1] / "examples/hf_finetune.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    common = ["--out-dir", str(tmp_path), "--n-layer", "1", "--n-embd", "32", "--max-bytes", "20000", "--cpu"]
+    common += ["--logging-steps", "1", "--save-steps", "2", "--batch-size", "2", "--accumulate", "1"]
+    with pytest.warns(UserWarning, match="HFGradKit clips for HF"):
+        trainer = example.main([*common, "--max-steps", "4", "--inject-nan-at", "1"])
+    assert next(row["step"] for row in trainer.state.log_history if row.get("gradkit/skipped_steps") == 1.0) == 2
+    with pytest.warns(UserWarning, match="HFGradKit clips for HF"):
+        resumed = example.main([*common, "--max-steps", "6", "--resume"])
+    assert resumed.state.global_step == 6
+    assert [
+        r["gradkit/skipped_steps"] for r in resumed.state.log_history if r["step"] == 6 and "gradkit/skipped_steps" in r
+    ] == [1.0]
