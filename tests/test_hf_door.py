@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -333,3 +334,18 @@ def test_the_example_skips_the_injected_nan_and_resumes_with_the_policies_state(
     assert [
         r["gradkit/skipped_steps"] for r in resumed.state.log_history if r["step"] == 6 and "gradkit/skipped_steps" in r
     ] == [1.0]
+
+
+def test_the_monitors_gradient_report_is_drawn_in_the_output_dir(tmp_path: Path) -> None:
+    # GradNormMonitor(report=True): the report of the run's norms, clips and skips, drawn at the end of training into
+    # HF's output_dir (where the events are), from what the monitor logged on HF's logging steps.
+    pytest.importorskip("matplotlib")
+    from gradkit.report import REPORT_FILE
+
+    trainer, door = _hf_run(
+        "gpt2", tmp_path, [GradNormMonitor(report=True), ClipGradNorm(max_norm=0.5), NonFiniteGuard(action="skip")]
+    )
+    assert (tmp_path / REPORT_FILE).stat().st_size > 10_000
+    (event,) = [json.loads(line) for line in (tmp_path / "gradkit_events.jsonl").read_text().splitlines()]
+    assert (event["what"], event["step"], event["action"]) == ("nonfinite_loss_and_grads", 3, "skip")
+    assert door.kit.skipped_steps == 1 and trainer.state.global_step == STEPS
