@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from gradkit.huggingface import install  # noqa: E402
 from hf_fixtures import (  # noqa: E402
+    CULPRITS,
     MODELS,
     TokenData,
     assert_same_state,
@@ -349,3 +350,18 @@ def test_the_monitors_gradient_report_is_drawn_in_the_output_dir(tmp_path: Path)
     (event,) = [json.loads(line) for line in (tmp_path / "gradkit_events.jsonl").read_text().splitlines()]
     assert (event["what"], event["step"], event["action"]) == ("nonfinite_loss_and_grads", 3, "skip")
     assert door.kit.skipped_steps == 1 and trainer.state.global_step == STEPS
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_the_culprit_replay_names_the_module_where_the_nan_began(kind: str, tmp_path: Path) -> None:
+    # The poisoned micro-batch's NaN begins in the output of CULPRITS[kind]; HF's loss and every gradient are NaN by
+    # the time the step ends. The guard replays the step's micro-batches through `compute_loss` on the inputs HF gave
+    # it, once, and finds the module.
+    trainer, door = _hf_run(kind, tmp_path, [NonFiniteGuard(action="skip")])
+    (event,) = [json.loads(line) for line in (tmp_path / "gradkit_events.jsonl").read_text().splitlines()]
+    assert event["step"] == 3 and event["culprit"] == CULPRITS[kind]
+    assert event["reproducible"] is True
+    assert door.kit.skipped_steps == 1
+    # The replay changed nothing: the run equals the loop door's without a replay.
+    model, _, _, _ = _loop_run(kind, [NonFiniteGuard(action="skip")])
+    _assert_same_model(trainer.model, model)

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.distributed
 def test_a_nan_loss_on_one_rank_is_skipped_on_both(tmp_path: Path) -> None:
     ranks = run_processes("hf_door_script.py", tmp_path, timeout=300)
     assert all(r["distributed_type"] == "MULTI_CPU" and r["wrapped"] == "DistributedDataParallel" for r in ranks)
-    # Only rank 1 met the poisoned sample, in its step 1 (micro-batch 2 of 8); its gradients stayed finite.
-    assert ranks[0]["poison_seen_at_micro_batch"] == [] and ranks[1]["poison_seen_at_micro_batch"] == [2]
+    # Only rank 1 met the poisoned sample, in step 1 (0-based, HF's global_step before it); its gradients stayed finite.
+    assert ranks[0]["poison_seen_at_steps"] == [] and ranks[1]["poison_seen_at_steps"] == [1]
     for r in ranks:
         assert r["skipped_steps"] == 1
         assert r["scheduler_steps"] == 3  # HF held the scheduler of each rank on the skipped step

@@ -54,7 +54,6 @@ HF and torch internals the door relies on, read in transformers 5.23.0, accelera
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -154,9 +153,10 @@ class HFGradKit(TrainerCallback):
       step, as for an fp16 overflow. Under DDP the decision is taken on every rank alike (one collective).
     - **Losses**: each micro-batch's loss goes to the policies as HF logs it: ``training_step``'s value times the
       window's number of micro-batches, so their mean over the window is HF's step loss whether the model normalizes
-      by the window's token count (``num_items_in_batch``) or HF divides by ``gradient_accumulation_steps``. With a
-      loop door that accepts a replay, the replay is ``compute_loss`` on the inputs HF gave it, on the unwrapped
-      model, under HF's ``compute_loss_context_manager``.
+      by the window's token count (``num_items_in_batch``) or HF divides by ``gradient_accumulation_steps``. Each
+      comes with its replay for ``NonFiniteGuard``'s culprit search: ``compute_loss`` on the inputs HF gave it, on
+      the unwrapped model, under HF's ``compute_loss_context_manager``; on a non-finite step the guard names the
+      module, the operator and the source line where the first non-finite value appeared.
     - **Logging**: the policies log on HF's logging steps (``logging_steps`` with ``logging_strategy="steps"``; with
       another strategy only their first and last steps); each logging step's values reach ``trainer.log`` once, at
       ``on_step_end``, under HF's ``global_step``.
@@ -200,8 +200,7 @@ class HFGradKit(TrainerCallback):
         self._optimizer: AcceleratedOptimizer | None = None
         self._inner: Optimizer | None = None
         self._replaced_step: Any = None
-        # `compute_loss`'s inputs for the micro-batch in `training_step`, kept only while a replay can use them.
-        self._replays = _takes_replay()
+        # `compute_loss`'s inputs for the micro-batch in `training_step`, for its replay.
         self._capturing = False
         self._batch: tuple[dict[str, Any], tuple[Any, ...], dict[str, Any]] | None = None
         # The Trainer's own methods, called by the wrappers (which stay on the instance for its lifetime).
@@ -210,8 +209,7 @@ class HFGradKit(TrainerCallback):
         self._compute_loss = trainer.compute_loss
         trainer.train = self._train_wrapper  # type: ignore[method-assign]
         trainer.training_step = self._training_step_wrapper  # type: ignore[method-assign]
-        if self._replays:
-            trainer.compute_loss = self._compute_loss_wrapper  # type: ignore[method-assign]
+        trainer.compute_loss = self._compute_loss_wrapper  # type: ignore[method-assign]
         if hasattr(trainer, "_get_grad_norm"):
             trainer._get_grad_norm = self._measured_grad_norm  # type: ignore[method-assign]
         if trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0:
@@ -230,7 +228,7 @@ class HFGradKit(TrainerCallback):
 
     def _training_step_wrapper(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Tensor:
         """``trainer.training_step``: forward and backward as HF does them, then the loss to the policies."""
-        self._capturing, self._batch = self._replays, None
+        self._capturing, self._batch = True, None
         try:
             loss = self._training_step(model, inputs, *args, **kwargs)
         finally:
@@ -241,10 +239,8 @@ class HFGradKit(TrainerCallback):
             # micro-batches, the window's mean of these is the step loss HF logs.
             window = getattr(self.trainer, "current_gradient_accumulation_steps", 1)
             step_loss = loss * window if window != 1 else loss
-            if batch is None:
-                self.kit.note_loss(step_loss)
-            else:
-                self.kit.note_loss(step_loss, replay=functools.partial(self._replay, *batch))  # type: ignore[call-arg]
+            # No replay when a `training_step` override computed its loss without `compute_loss`.
+            self.kit.note_loss(step_loss, replay=functools.partial(self._replay, *batch) if batch else None)
         return loss
 
     def _compute_loss_wrapper(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
@@ -481,8 +477,3 @@ def _check_distributed(trainer: Trainer) -> None:
             f"The Trainer runs {trainer.accelerator.distributed_type.value}: {why}. The door supports one process "
             "and DDP (torchrun / accelerate launch without DeepSpeed or FSDP)."
         )
-
-
-def _takes_replay() -> bool:
-    """Whether the loop door's ``note_loss`` accepts a ``replay`` closure (the culprit replay of a micro-batch)."""
-    return "replay" in inspect.signature(GradKit.note_loss).parameters

@@ -36,10 +36,11 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="NonFiniteGuard")
     model = gpt2()
     poison(model, "gpt2", where="loss")
-    seen: list[bool] = []
+    seen: set[int] = set()  # HF's steps whose forwards (the guard's replay included) met the poisoned sample
 
     def note(module: torch.nn.Module, fargs: Any, kwargs: dict[str, Any]) -> None:
-        seen.append(bool((kwargs["input_ids"][:, 0] == POISON).any()))
+        if bool((kwargs["input_ids"][:, 0] == POISON).any()):
+            seen.add(trainer.state.global_step)
 
     model.register_forward_pre_hook(note, with_kwargs=True)
     training_args = base_arguments(
@@ -60,7 +61,7 @@ def main() -> None:
         {
             "distributed_type": trainer.accelerator.distributed_type.value,
             "wrapped": type(trainer.model_wrapped).__name__,
-            "poison_seen_at_micro_batch": [i for i, bad in enumerate(seen) if bad],
+            "poison_seen_at_steps": sorted(seen),
             "skipped_steps": door.kit.skipped_steps,
             "scheduler_steps": trainer.lr_scheduler.last_epoch,
             "digest": digest.hexdigest(),
