@@ -7,11 +7,13 @@
     python examples/hf_finetune.py --help                                      # every option
 
 The script is an ordinary ``Trainer`` run: ``TrainingArguments``, a dataset of token ids with labels, ``Trainer(...)``,
-``trainer.train()``. One line adds gradkit: ``install(trainer, [...])``. From then on every optimizer step goes
-through gradkit's pipeline: the gradient norms are measured once (per block, in HF's logs and reporters, and as HF's
-own ``grad_norm``), HF's ``max_grad_norm`` clipping runs there after the guards' read, a step with a NaN/Inf loss or
-gradient is skipped (the model, the optimizer state and the LR schedule stay as they were), and each checkpoint folder
-holds the policies' state (``gradkit_state.pt``), so ``--resume`` continues with their statistics.
+``trainer.train()``. One line adds gradkit: ``install(trainer, [...])``, with gradkit's policies as plain torch
+objects (no Lightning is imported; ``lightning_gradkit``'s callbacks of the same names work too). From then on every
+optimizer step goes through gradkit's pipeline: the gradient norms are measured once (per block, in HF's logs and
+reporters, and as HF's own ``grad_norm``), HF's ``max_grad_norm`` clipping runs there after the guards' read, a step
+with a NaN/Inf loss or gradient is skipped (the model, the optimizer state and the LR schedule stay as they were), and
+each checkpoint folder holds the policies' state (``gradkit_state.pt``), so ``--resume`` continues with their
+statistics.
 
 The model is GPT-2's architecture at a small size, built from its config (``GPT2Config``; random initialization, no
 download), and the text is the Python standard library's source, read byte by byte (a vocabulary of 256): nothing is
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sysconfig
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,9 +36,11 @@ import transformers
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from gradkit import ZClip
+from gradkit.guards import NonFiniteGuard
 from gradkit.huggingface import install
-from lightning_gradkit import GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip
-from lightning_gradkit.demos import stdlib_text
+from gradkit.monitor import GradNormMonitor
+from gradkit.spike_guard import SpikeGuard
 
 VOCAB_SIZE = 256  # bytes
 
@@ -64,6 +69,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--inject-nan-at", type=int, default=None, help="optimizer step whose first micro-batch gives NaN logits")
     add("--cpu", action="store_true", help="train on the CPU even where a GPU is present")
     return parser.parse_args(argv)
+
+
+def stdlib_text(max_bytes: int) -> bytes:
+    """The source of the Python standard library's largest modules, concatenated in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = ("typing.py", "inspect.py", "argparse.py", "dataclasses.py", "pathlib.py", "functools.py", "ast.py")
+    return b"\n".join((root / name).read_bytes() for name in names if (root / name).is_file())[:max_bytes]
 
 
 class ByteBlocks(Dataset):
@@ -134,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> transformers.Trainer:
         seed=args.seed,
         disable_tqdm=True,
     )
-    data = ByteBlocks(stdlib_text(max_bytes=args.max_bytes), args.block_size)
+    data = ByteBlocks(stdlib_text(args.max_bytes), args.block_size)
     trainer = transformers.Trainer(model, training_args, train_dataset=data)
     if args.inject_nan_at is not None:
         trainer.add_callback(InjectNaN(model, args.inject_nan_at))

@@ -12,6 +12,9 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -365,3 +368,21 @@ def test_the_culprit_replay_names_the_module_where_the_nan_began(kind: str, tmp_
     # The replay changed nothing: the run equals the loop door's without a replay.
     model, _, _, _ = _loop_run(kind, [NonFiniteGuard(action="skip")])
     _assert_same_model(trainer.model, model)
+
+
+def test_the_door_with_gradkits_torch_policies_loads_no_lightning(tmp_path: Path) -> None:
+    # The example trains with gradkit's plain torch policies: an HF user installs no Lightning.
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['hf_finetune.py', '--out-dir', {str(tmp_path)!r}, '--n-layer', '1', '--n-embd', '32', "
+        "'--max-bytes', '20000', '--cpu', '--max-steps', '3', '--batch-size', '2', '--accumulate', '1', "
+        "'--inject-nan-at', '1', '--clip', 'zclip']\n"
+        f"runpy.run_path({str(Path(__file__).parents[1] / 'examples/hf_finetune.py')!r}, run_name='__main__')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'lightning_gradkit', "
+        "'pytorch_lightning', 'lightning_fabric')))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "3 optimizer steps, 1 skipped" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "[]"
