@@ -36,8 +36,10 @@ from torch.utils.data import Dataset
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import machine, sync_device
 
+from gradkit.guards import NonFiniteGuard
 from gradkit.huggingface import install
-from lightning_gradkit import GradNormMonitor, NonFiniteGuard, SpikeGuard
+from gradkit.monitor import GradNormMonitor
+from gradkit.spike_guard import SpikeGuard
 
 CONFIGS = ["HF max_grad_norm=1.0", "HF max_grad_norm=0", "door: max_grad_norm=1.0", "door: + monitor + guards"]
 VOCAB, SEQ, BATCH = 256, 64, 8

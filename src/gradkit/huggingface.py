@@ -396,16 +396,17 @@ class HFGradKit(TrainerCallback):
             )
 
     def _release(self) -> None:
-        """Undo what the previous ``train()`` call set on its optimizer and let its kit go."""
-        if self._optimizer is not None:
-            if self._replaced_step is None:
-                del self._optimizer.step
-            else:
-                self._optimizer.step = self._replaced_step  # type: ignore[method-assign]
-        close = getattr(self.kit, "close", None)
-        if close is not None:
-            close()
+        """Undo what the current ``train()`` call set on its optimizer and close its kit, once: at the end of training,
+        or at the next ``train()`` after one that raised. The kit stays readable (``skipped_steps``, ``state_dict``)."""
+        if self._optimizer is None:
+            return
+        if self._replaced_step is None:
+            del self._optimizer.step
+        else:
+            self._optimizer.step = self._replaced_step  # type: ignore[method-assign]
         self._optimizer = self._inner = self._replaced_step = None
+        if self.kit is not None:
+            self.kit.close()
 
 
 class _HeldScheduler:
