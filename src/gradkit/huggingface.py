@@ -66,7 +66,8 @@ from torch.optim import Optimizer
 
 from gradkit.clipping import ClipGradNorm
 from gradkit.gate import shadowed
-from gradkit.loop import GradKit, _checked_policies
+from gradkit.loop import GradKit
+from gradkit.loop_setup import checked_policies
 from gradkit.protocol import Policy, Stage
 
 try:
@@ -188,7 +189,7 @@ class HFGradKit(TrainerCallback):
                 "use gradkit.loop.GradKit."
             )
         _check_distributed(trainer)
-        self.policies = _clipping(trainer, _checked_policies(policies))
+        self.policies = _clipping(trainer, checked_policies(policies))
         self.trainer = trainer
         self.events = events
         #: The loop door of the current (or last) ``train()`` call; ``None`` before the first.
