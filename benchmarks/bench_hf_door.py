@@ -10,9 +10,10 @@ with their ratio to HF's own clipping:
 - ``door: + monitor + guards``: also ``GradNormMonitor``, ``NonFiniteGuard(action="skip")`` and
   ``SpikeGuard(monitor="loss")``.
 
-Two times per optimizer step: the whole step (between consecutive ``on_step_begin``), and its boundary, from the end
-of the last ``training_step`` of the window (forward and backward) to ``on_step_end``: HF's norm and clip, the
-optimizer step (the door's ``kit.step``), the LR scheduler, ``zero_grad``.
+Per optimizer step: the whole step's wall time (between consecutive ``on_step_begin``), and its boundary, from the
+end of the last ``training_step`` of the window (forward and backward) to ``on_step_end``: HF's norm and clip, the
+optimizer step (the door's ``kit.step``), the LR scheduler, ``zero_grad``; the boundary both as wall time and as the
+process's CPU time (``time.process_time``, all threads), which other jobs of a shared machine disturb less.
 
     python benchmarks/bench_hf_door.py [--steps 40 --warmup 5 --repeats 3 --optim adamw_torch_fused]
 """
@@ -62,13 +63,14 @@ class Timer(transformers.TrainerCallback):
     def __init__(self, trainer: transformers.Trainer) -> None:
         self.starts: list[float] = []
         self.boundaries: list[float] = []
-        self._backward_done = 0.0
+        self.boundaries_cpu: list[float] = []
+        self._backward_done = self._backward_done_cpu = 0.0
         inner = trainer.training_step
 
         def timed(*args: Any, **kwargs: Any) -> Tensor:
             loss = inner(*args, **kwargs)
             sync_device()
-            self._backward_done = time.perf_counter()
+            self._backward_done, self._backward_done_cpu = time.perf_counter(), time.process_time()
             return loss
 
         trainer.training_step = timed  # type: ignore[method-assign]  # outside the door's wrapper
@@ -80,14 +82,15 @@ class Timer(transformers.TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sync_device()
         self.boundaries.append(time.perf_counter() - self._backward_done)
+        self.boundaries_cpu.append(time.process_time() - self._backward_done_cpu)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sync_device()
         self.starts.append(time.perf_counter())
 
 
-def run(config: str, args: argparse.Namespace) -> tuple[list[float], list[float]]:
-    """(whole-step times, boundary times) of one run, warm-up steps dropped."""
+def run(config: str, args: argparse.Namespace) -> tuple[list[float], list[float], list[float]]:
+    """(whole-step times, boundary times, boundary CPU times) of one run, warm-up steps dropped."""
     transformers.set_seed(0)
     config_ = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=args.n_embd, n_layer=args.n_layer, n_head=4, bos_token_id=0,
@@ -116,7 +119,7 @@ def run(config: str, args: argparse.Namespace) -> tuple[list[float], list[float]
     trainer.add_callback(timer)
     trainer.train()
     whole = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
-    return whole[args.warmup :], timer.boundaries[args.warmup :]
+    return whole[args.warmup :], timer.boundaries[args.warmup :], timer.boundaries_cpu[args.warmup :]
 
 
 def main() -> None:
@@ -133,25 +136,24 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="HFGradKit clips for HF")
     # The process's first run pays its lazy initializations (thread pools, kernels): not one of the measured ones.
     run(CONFIGS[-1], argparse.Namespace(**{**vars(args), "steps": 2, "warmup": 0}))
-    whole: dict[str, list[float]] = {c: [] for c in CONFIGS}
-    boundary: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    samples: dict[str, tuple[list[float], list[float], list[float]]] = {c: ([], [], []) for c in CONFIGS}
     for _ in range(args.repeats):
         for config in CONFIGS:
-            w, b = run(config, args)
-            whole[config] += w
-            boundary[config] += b
+            for kept, new in zip(samples[config], run(config, args), strict=True):
+                kept += new
     print(f"{machine()}, transformers {transformers.__version__}")
     print(
         f"GPT-2 n_layer={args.n_layer} n_embd={args.n_embd}, batch {BATCH} x {SEQ} tokens, optim {args.optim}; "
         f"{args.steps} steps per run ({args.warmup} warm-up dropped), {args.repeats} interleaved runs, medians\n"
     )
-    base = CONFIGS[0]
-    print("| configuration | step | boundary | step / HF clip | boundary / HF clip |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    medians = {c: [statistics.median(values) for values in samples[c]] for c in CONFIGS}
+    base = medians[CONFIGS[0]]
+    print("| configuration | step | boundary | boundary, CPU | step / HF clip | boundary / HF clip | CPU / HF clip |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for config in CONFIGS:
-        w, b = statistics.median(whole[config]), statistics.median(boundary[config])
-        w0, b0 = statistics.median(whole[base]), statistics.median(boundary[base])
-        print(f"| {config} | {w * 1e3:.2f} ms | {b * 1e3:.2f} ms | {w / w0:.3f}x | {b / b0:.2f}x |")
+        times = medians[config]
+        cells = [f"{t * 1e3:.2f} ms" for t in times] + [f"{t / b:.2f}x" for t, b in zip(times, base, strict=True)]
+        print(f"| {config} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
