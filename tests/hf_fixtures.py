@@ -16,7 +16,7 @@ import math
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import transformers
@@ -162,11 +162,13 @@ def loop_door_run(
     scheduler: Any,
     policies: list[Any],
     log_every_n_steps: int,
-    log_dir: Path | None = None,
+    log_dir: Path | Literal[False] = False,
     autocast: torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    epochs: int = 1,
 ) -> tuple[GradKit, list[tuple[int, dict[str, float]]]]:
-    """The same training through the loop door, the loss formed as HF forms it for ``kind``'s model."""
+    """The same training through the loop door, the loss formed as HF forms it for ``kind``'s model: ``epochs``
+    passes over ``micro``, each cut into windows of ``accumulate`` micro-batches (the last one shorter, as HF's)."""
     rows: list[tuple[int, dict[str, float]]] = []
     finishing = [False]
 
@@ -182,12 +184,12 @@ def loop_door_run(
         log_every_n_steps=log_every_n_steps,
         scaler=scaler,
         schedulers=[scheduler],
-        max_steps=len(windows(micro, accumulate)),
+        max_steps=len(windows(micro, accumulate)) * epochs,
         log_dir=log_dir,
     )
     model.train()
     device_type = next(model.parameters()).device.type
-    for window in windows(micro, accumulate):
+    for window in [window for _ in range(epochs) for window in windows(micro, accumulate)]:
         items = num_items(window) if TAKES_ITEMS[kind] else None
         for batch in window:
             with torch.autocast(device_type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):

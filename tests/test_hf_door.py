@@ -386,3 +386,26 @@ def test_the_door_with_gradkits_torch_policies_loads_no_lightning(tmp_path: Path
     assert done.returncode == 0, done.stderr[-3000:]
     assert "3 optimizer steps, 1 skipped" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_short_last_window_is_one_step_with_its_own_loss_scale(tmp_path: Path) -> None:
+    # 3 micro-batches per epoch in windows of 2: each epoch ends with a window of 1 (HF's
+    # `current_gradient_accumulation_steps`), whose loss the door scales by 1, not 2. SpikeGuard's statistics of the
+    # loss, and the model, come out as the loop door's over the same windows.
+    def policies() -> list[Any]:
+        return [GradNormMonitor(), ClipGradNorm(max_norm=0.5), SpikeGuard(monitor="loss", warmup_steps=2)]
+
+    model = MODELS["gpt2"]()
+    args = training_args(tmp_path, max_steps=6, gradient_accumulation_steps=2, logging_steps=2)
+    optimizer, scheduler = optimizer_and_scheduler(model, 6)
+    trainer = transformers.Trainer(model, args, train_dataset=TokenData("gpt2", 12), optimizers=(optimizer, scheduler))
+    door = install(trainer, policies())
+    trainer.train()
+    assert trainer.state.global_step == 6 and trainer.state.epoch == 3.0
+    reference = MODELS["gpt2"]()
+    optimizer, scheduler = optimizer_and_scheduler(reference, 6)
+    micro = batches(TokenData("gpt2", 12))
+    kit, rows = loop_door_run(reference, "gpt2", micro, 2, optimizer, scheduler, policies(), 2, epochs=3)
+    _assert_same_model(trainer.model, reference)
+    assert_same_state(door.policies[2].state_dict(), kit.policies[2].state_dict())
+    assert merged_rows(gradkit_rows(trainer.state.log_history)) == merged_rows(rows)
