@@ -10,7 +10,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# CPU wheel of torch first: any other spec pulls the CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,docs]'
+	# dev: the test tools; docs: `make docs`; huggingface: transformers and accelerate for the Hugging Face door's tests.
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,docs,huggingface]'
 	touch $(STAMP)
 
 demo: $(STAMP)

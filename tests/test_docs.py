@@ -168,6 +168,15 @@ def _scale(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage])
     assert ns["HSDPModule"].configure_model is not LightningModule.configure_model
 
 
+def _hf_door(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    rows = [row for row in ns["trainer"].state.log_history if "grad_norm/total" in row]
+    # Every logging_steps=2, and the first step of each run: 1, then 3 in the run resumed from step 2.
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert (cwd / "hf-run" / "checkpoint-2" / "gradkit_state.pt").is_file()
+    assert ns["trainer"].state.global_step == 4 and ns["door"].kit.state_dict()["step"] == 4  # resumed at 2
+    assert any("HFGradKit clips for HF" in str(w.message) for w in caught)
+
+
 def _playbook(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
     reproducible, transient = ns["reproducible"], ns["transient"]
     assert reproducible["reproducible"] is True and reproducible["culprit"] == "model.blocks.1.mlp"
@@ -185,11 +194,14 @@ OUTCOMES: dict[str, Callable[[dict[str, Any], Path, list[warnings.WarningMessage
     "jobs/accumulation.md": _accumulation,
     "jobs/diagnostics.md": _diagnostics,
     "doors.md": _doors,
+    "hf_door.md": _hf_door,
     "scale.md": _scale,
     "playbook.md": _playbook,
 }
 
 PYTHON_PAGES = [page for page in PAGES if any(b.language == "python" for b in blocks(page))]
+# page -> the optional package its blocks need (an extra of pyproject.toml): without it the page's run is skipped.
+REQUIRES = {"hf_door.md": "transformers"}
 
 
 def test_every_page_with_python_has_an_outcome_check() -> None:
@@ -203,6 +215,8 @@ def test_every_page_with_python_has_an_outcome_check() -> None:
 
 @pytest.mark.parametrize("page", PYTHON_PAGES)
 def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if page in REQUIRES:
+        pytest.importorskip(REQUIRES[page])
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     namespace: dict[str, Any] = {"__name__": "__docs__"}
@@ -280,6 +294,14 @@ def _check_fabric_pretrain(args: list[str]) -> None:
     assert parsed.out_dir is not None
 
 
+def _check_hf_finetune(args: list[str]) -> None:
+    if importlib.util.find_spec("transformers") is None:  # the huggingface extra: the example imports it
+        assert (ROOT / "examples" / "hf_finetune.py").is_file()
+        return
+    parsed = _example("hf_finetune").parse_args(args)
+    assert parsed.out_dir is not None
+
+
 def test_bash_commands_are_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["docs"])
@@ -299,6 +321,8 @@ def test_bash_commands_are_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPa
                         _check_tiny_gpt(rest, tmp_path)
                     case ["python", "examples/fabric_pretrain.py", *rest]:
                         _check_fabric_pretrain(rest)
+                    case ["python", "examples/hf_finetune.py", *rest]:
+                        _check_hf_finetune(rest)
                     case _:
                         pytest.fail(f"{where}: no check for this command in tests/test_docs.py")
                 checked += 1

@@ -1,0 +1,85 @@
+"""The Hugging Face door across HF checkpoints: ``save_steps`` writes the policies' state into each checkpoint folder
+and ``trainer.train(resume_from_checkpoint=...)`` loads it, so a resumed run equals the uninterrupted one bitwise
+(model, policies' statistics, logged values, skipped steps). Skipped without ``transformers``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from gradkit.huggingface import STATE_FILENAME, install  # noqa: E402
+from hf_fixtures import (  # noqa: E402
+    MODELS,
+    TokenData,
+    assert_same_state,
+    gradkit_rows,
+    merged_rows,
+    optimizer_and_scheduler,
+    poison,
+    training_args,
+)
+from lightning_gradkit import GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning", "ignore:SpikeGuard:UserWarning")
+
+STEPS, ACCUMULATE, SAMPLES = 8, 2, 64
+BAD_SAMPLE = 17  # step 2: the skip count and the guards' statistics carry it across the checkpoint of step 4
+
+
+def _policies() -> list[Any]:
+    return [
+        GradNormMonitor(),
+        ZClip(warmup_steps=2, z_threshold=0.5),
+        SpikeGuard(monitor="grad_norm", warmup_steps=2, action="warn"),
+        NonFiniteGuard(action="skip"),
+    ]
+
+
+def _run(out: Path, resume: str | bool | None = None) -> tuple[Any, Any]:
+    model = MODELS["gpt2"]()
+    poison(model, "gpt2")
+    args = training_args(
+        out, max_steps=STEPS, gradient_accumulation_steps=ACCUMULATE, save_strategy="steps", save_steps=4
+    )
+    data = TokenData("gpt2", SAMPLES, poisoned=[BAD_SAMPLE])
+    trainer = transformers.Trainer(model, args, train_dataset=data, optimizers=optimizer_and_scheduler(model, STEPS))
+    door = install(trainer, _policies())
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, door
+
+
+def test_a_run_resumed_from_an_hf_checkpoint_equals_the_uninterrupted_one(tmp_path: Path) -> None:
+    whole, whole_door = _run(tmp_path / "whole")
+    assert (tmp_path / "whole" / "checkpoint-4" / STATE_FILENAME).is_file()
+    # The checkpoint folder alone, moved to a new output_dir: `resume_from_checkpoint=True` finds it there.
+    shutil.copytree(tmp_path / "whole" / "checkpoint-4", tmp_path / "resumed" / "checkpoint-4")
+    resumed, resumed_door = _run(tmp_path / "resumed", resume=True)
+
+    for key, value in whole.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[key], value), key
+    assert_same_state(resumed_door.kit.state_dict(), whole_door.kit.state_dict())
+    assert resumed_door.kit.skipped_steps == whole_door.kit.skipped_steps == 1
+    # HF's log_history resumes from the checkpoint's (steps 1 to 4, the door's rows included): the whole of it is
+    # the uninterrupted run's.
+    assert merged_rows(gradkit_rows(resumed.state.log_history)) == merged_rows(gradkit_rows(whole.state.log_history))
+    assert resumed.lr_scheduler.last_epoch == whole.lr_scheduler.last_epoch == STEPS - 1
+    # The state the checkpoint carried was not a fresh one: ZClip and SpikeGuard had seen 4 steps.
+    saved = torch.load(tmp_path / "whole" / "checkpoint-4" / STATE_FILENAME, weights_only=False)
+    assert saved["step"] == 4 and saved["skipped_steps"] == 1
+
+
+def test_a_checkpoint_without_the_policies_state_resumes_them_fresh_and_says_so(tmp_path: Path) -> None:
+    _run(tmp_path / "whole")
+    folder = tmp_path / "resumed" / "checkpoint-4"
+    shutil.copytree(tmp_path / "whole" / "checkpoint-4", folder)
+    (folder / STATE_FILENAME).unlink()
+    with pytest.warns(UserWarning, match=f"holds no {STATE_FILENAME}.*the policies start fresh"):
+        _, door = _run(tmp_path / "resumed", resume=str(folder))
+    assert door.kit.skipped_steps == 0  # the skip of step 2 is not in the fresh state
