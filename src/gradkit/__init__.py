@@ -21,22 +21,26 @@ from __future__ import annotations
 
 from gradkit.agc import AdaptiveGradClip
 from gradkit.clipping import ClipGradNorm, ClipGradValue
+from gradkit.early_warning import EarlyWarning
 from gradkit.history_clipping import AutoClip, ZClip
 from gradkit.loop import GradKit
 from gradkit.norms import GradStats
 from gradkit.pipeline import StepPlan
 from gradkit.protocol import Policy, Stage, StepContext
+from gradkit.steps_to_skip import StepsToSkip
 
 __all__ = [
     "AdaptiveGradClip",
     "AutoClip",
     "ClipGradNorm",
     "ClipGradValue",
+    "EarlyWarning",
     "GradKit",
     "GradStats",
     "Policy",
     "Stage",
     "StepContext",
     "StepPlan",
+    "StepsToSkip",
     "ZClip",
 ]

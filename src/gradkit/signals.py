@@ -1,0 +1,478 @@
+r"""Early-warning signals of a training instability, measured on logging steps only: what
+:class:`~gradkit.early_warning.EarlyWarning` logs and watches.
+
+Each signal looks where the trouble shows before the loss does (the references are in the docs page
+``docs/jobs/early_warning.md``):
+
+- ``signals/attn_logit_max/<module>``: the largest attention logit ``q.k / sqrt(d)`` of each attention module, over
+  the step's forwards (Wortsman et al. 2023: it grows without bound at high learning rates without qk-layernorm).
+  A module that calls ``torch.softmax`` on its scores is read whole (the softmax input is the logits); one that calls
+  ``F.scaled_dot_product_attention``, whose logits are never materialized, has them computed on a sample
+  (:func:`sdpa_logit_max`): the first batch element, every head, ``sdpa_queries`` query positions evenly spaced
+  (the last one included) against every key, with the call's own mask, causality and scale.
+  :attr:`StabilitySignals.sampled` says what was sampled, per module.
+- ``signals/logz_mean`` and ``signals/logz_max``: the mean and the largest ``log Z = logsumexp(logits)`` over the
+  positions of a named output module (the z-loss quantity; it drifts when the output logits diverge).
+- ``signals/adam_g2_v/<row>`` and ``signals/adam_spike_frac/<row>``: for optimizers that keep Adam's second moment
+  (``exp_avg_sq``), per module row, ``mean(g^2) / mean(v_hat)`` and the fraction of coordinates with
+  ``g^2 > theta * v_hat`` (SPAM, Huang et al. 2025, ``theta = 5000``): ``g`` the gradient the optimizer steps with
+  (after gradkit's scaling and clipping, without the AMP scale) and ``v_hat`` the bias-corrected second moment
+  before this step.
+- ``signals/update_ratio_spread``: the largest per-module update-to-weight ratio over their median (WeSaR, 2024:
+  before spikes some modules' updates grow far beyond the others').
+- ``signals/spike_score`` and ``signals/spike_score_total``: the fraction of optimizer steps whose loss or gradient
+  norm lies above ``mean + 6 sd`` of its previous 128 values (OLMo 2; OLMo-core's ``StabilityMonitorCallback``),
+  over the last ``rolling_window`` steps and over the whole run.
+
+Cost: nothing on a step that does not log. The forward hooks check a Python flag, and the SpikeScore keeps a
+reference to each step's loss and gradient norm (tensors the loop computes anyway) until the next logging step
+reads them all in its one transfer. Behind the loop door, keeping a micro-batch's loss is one ``detach`` (a view: no
+kernel, no allocation); the Trainer hands over its own detached copy. A logging step computes the signals, makes
+one all-reduce of the sums and one of the maxima under ``torch.distributed`` (so every rank reads the same values),
+and reads them to the host once. ``benchmarks/bench_signals.py`` measures it.
+
+Pure PyTorch; no Lightning here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from gradkit.accumulate import mean_window_scale
+from gradkit.monitor import update_ratios
+from gradkit.norms import ParamIndex, host_to_device, local_tensor, per_tensor_norms, world_size
+from gradkit.params import clean_name
+from gradkit.pipeline import StepPlan
+from gradkit.protocol import StepContext
+from gradkit.replay import replaying
+from gradkit.selection import NamePattern, auto_module_keys, module_rows, no_match_hint, repeated_blocks
+from gradkit.signal_math import SpikeScore, adam_ratio_sums, sdpa_logit_max
+
+__all__ = ["PREFIX", "Reading", "StabilitySignals", "signal_key"]
+
+#: The prefix of every logged signal.
+PREFIX = "signals/"
+# The signals logged per module (their key ends in the module); the others are one value per step.
+_PER_MODULE = ("attn_logit_max", "adam_g2_v", "adam_spike_frac")
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SOFTMAX = (torch.softmax, F.softmax, Tensor.softmax)
+
+
+class _AttentionMode(TorchFunctionMode):
+    """Active inside one attention module's forward on a logging step: reads the logits of its attention calls."""
+
+    def __init__(self, owner: StabilitySignals, name: str) -> None:
+        super().__init__()
+        self.owner, self.name = owner, name
+        #: Whether the mode is entered (by the module's forward pre-hook) and not exited yet.
+        self.open = False
+
+    def open_(self) -> None:
+        self.__enter__()
+        self.open = True
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            self.__exit__(None, None, None)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        # Inside this method the mode is off: what it computes here is not seen again.
+        if func is F.scaled_dot_product_attention:
+            call = {**dict(zip(_SDPA_ARGS, args, strict=False)), **kwargs}
+            with torch.no_grad():
+                value, what = sdpa_logit_max(
+                    call["query"],
+                    call["key"],
+                    call.get("attn_mask"),
+                    bool(call.get("is_causal", False)),
+                    call.get("scale"),
+                    bool(call.get("enable_gqa", False)),
+                    self.owner.sdpa_queries,
+                )
+            self.owner.note_attention(self.name, value, "scaled_dot_product_attention: " + what)
+        elif func in _SOFTMAX and isinstance(args[0], Tensor) and args[0].ndim >= 3:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if dim in (-1, args[0].ndim - 1):
+                self.owner.note_attention(self.name, args[0].detach().amax(), "softmax input: every logit")
+        return func(*args, **kwargs)
+
+
+class StabilitySignals:
+    """The measurement of the signals for one loop: hooks on the model, what a step keeps, the logging step's read.
+
+    :class:`~gradkit.early_warning.EarlyWarning` owns one and calls it from its protocol hooks; the arguments are
+    its own (see there).
+    """
+
+    def __init__(
+        self,
+        attention: tuple[NamePattern, ...] | None,
+        output: str | None,
+        adam: bool,
+        update_spread: bool,
+        spike_score: bool,
+        sdpa_queries: int,
+        theta: float,
+        log_every_n_steps: int | None,
+    ) -> None:
+        self.attention, self.output = attention, output
+        self.adam, self.update_spread, self.spike_score_on = adam, update_spread, spike_score
+        self.sdpa_queries, self.theta, self.log_every_n_steps = sdpa_queries, theta, log_every_n_steps
+        self.spike_score = SpikeScore()
+        #: Per attention module: what its logits were read from (the sample of a ``scaled_dot_product_attention``).
+        self.sampled: dict[str, str] = {}
+        self.modules: dict[str, nn.Module] = {}
+        self.attention_names: list[str] = []
+        self._ctx: StepContext | None = None
+        self._hooks: list[RemovableHandle] = []
+        self._modes: dict[str, _AttentionMode] = {}
+        self._active_for: tuple[tuple[int, ...], bool] | None = None
+        self._blocks: list[str] = []
+        self._model_order: list[str] = []
+        self._rows: dict[int, tuple[ParamIndex, list[str], Tensor]] = {}
+        # The current logging step's device values.
+        self._attn: dict[str, Tensor] = {}
+        self._logz: tuple[Tensor, int, Tensor] | None = None
+        self._adam: list[tuple[list[str], Tensor]] = []
+        self._ratios: dict[int, tuple[list[str], Tensor]] = {}
+        self._before: dict[int, tuple[ParamIndex, list[Tensor], Tensor, tuple[list[str], Tensor]]] = {}
+        self._step_hooks: list[RemovableHandle] = []
+        self._observed = False
+        self._logging = False
+        self._step = 0
+        # SpikeScore: the losses of the open window, then each step's (losses, window factor, grad norm, scale)
+        # until a logging step reads them; values read already (a checkpoint taken in between) as host floats.
+        self._window: list[Tensor] = []
+        self._pending: list[_Pending] = []
+        self._pending_host: list[tuple[float | None, float | None]] = []
+
+    # -- the model ----------------------------------------------------------------------------------------------
+    def attach(self, ctx: StepContext, model: nn.Module) -> None:
+        """Find the attention and output modules and hook them.
+
+        Raises:
+            ValueError: an ``attention`` pattern or the ``output`` name that selects no module.
+        """
+        self.detach()
+        self._ctx = ctx
+        named = [(clean_name(n), m) for n, m in model.named_modules()]
+        self.modules = dict(named)
+        self._model_order = [clean_name(n) for n, _ in model.named_parameters()]
+        self._blocks = repeated_blocks(named)
+        self._rows.clear()
+        self.attention_names = self._select_attention(named)
+        for name in self.attention_names:
+            module = self.modules[name]
+            self._modes[name] = _AttentionMode(self, name)
+            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._enter, name)))
+            self._hooks.append(module.register_forward_hook(functools.partial(self._exit, name), always_call=True))
+        if self.output is not None:
+            if self.output not in self.modules:
+                names = [n for n, _ in named if n]
+                hint = no_match_hint(NamePattern.parse("re:" + self.output, "output"), names, [])
+                raise ValueError(
+                    f"`output={self.output!r}` names no module of `{type(model).__name__}`. {hint} Give the qualified "
+                    "name of the module that returns the output logits (e.g. 'lm_head'), or `output=None`."
+                )
+            self._hooks.append(self.modules[self.output].register_forward_hook(self._output_hook))
+
+    def _select_attention(self, named: list[tuple[str, nn.Module]]) -> list[str]:
+        if self.attention is None:
+            return []
+        chosen: list[str] = []
+        for name, module in named:
+            if any(name.startswith(c + ".") for c in chosen if c):
+                continue  # the outermost selected module reads the attention inside it
+            if self.attention:
+                hit = any(p.matches_module(name, module) for p in self.attention)
+            else:  # "auto"
+                hit = type(module).__name__.lower().endswith("attention")
+            if hit:
+                chosen.append(name)
+        for pattern in self.attention:
+            if not any(pattern.matches_module(n, self.modules[n]) for n in chosen):
+                names = [n for n, _ in named if n]
+                classes = sorted({type(m).__name__ for _, m in named})
+                raise ValueError(
+                    f"`attention` entry {pattern.text!r} selects no module. {no_match_hint(pattern, names, classes)}"
+                )
+        return chosen
+
+    def detach(self) -> None:
+        """Remove every hook (and leave an attention mode a failed forward left open)."""
+        for handle in [*self._hooks, *self._step_hooks]:
+            handle.remove()
+        self._hooks, self._step_hooks = [], []
+        for mode in self._modes.values():
+            mode.close()
+        self._modes = {}
+
+    def _active(self) -> bool:
+        """Whether the forward under way belongs to a logging step's training (Python only: no device work)."""
+        ctx = self._ctx
+        if ctx is None:
+            return False
+        key = ctx.step_key()
+        if self._active_for is None or self._active_for[0] != key:
+            self._active_for = (key, ctx.is_logging_step(self.log_every_n_steps))
+        return self._active_for[1] and torch.is_grad_enabled() and not replaying()
+
+    def _enter(self, name: str, module: nn.Module, args: Any) -> None:
+        if module.training and self._active():
+            self._modes[name].open_()
+
+    def _exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        mode = self._modes.get(name)
+        if mode is not None:
+            mode.close()
+
+    def note_attention(self, name: str, value: Tensor, what: str) -> None:
+        previous = self._attn.get(name)
+        self._attn[name] = value.float() if previous is None else torch.maximum(previous, value.float())
+        self.sampled.setdefault(name, what)
+
+    def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not (module.training and self._active() and isinstance(output, Tensor)):
+            return
+        with torch.no_grad():
+            lse = torch.logsumexp(output.detach().float(), dim=-1)
+            total, peak = lse.sum(), lse.amax()
+        if self._logz is not None:
+            total, peak = self._logz[0] + total, torch.maximum(self._logz[2], peak)
+        self._logz = (total, (self._logz[1] if self._logz is not None else 0) + lse.numel(), peak)
+
+    # -- the step -----------------------------------------------------------------------------------------------
+    def note_loss(self, loss: Tensor, detached: bool = False) -> None:
+        """A micro-batch loss, as the loop computed it (the SpikeScore's): kept by reference (``detach`` is a view)."""
+        if self.spike_score_on:
+            self._window.append(loss if detached else loss.detach())
+
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+        """Every step: keep references for the SpikeScore. A logging step: the g^2/v sums, the parameters before
+        the step for the update ratios."""
+        self._observed = True
+        if self.spike_score_on:  # its losses join at the step's end (a Trainer hands the last one over then)
+            self._pending.append(_Pending([], 1.0, plan.primary.total, plan.scale))
+        if not ctx.is_logging_step(self.log_every_n_steps):
+            return
+        self._logging = True
+        self._step = ctx.global_step
+        rows = self._module_rows(plan)
+        if self.adam:
+            grads = [local_tensor(g) for g in plan.grads]
+            params = [plan.index.params[i] for i in plan.present]
+            factor = plan.folded
+            if plan.loss_scale is not None:
+                factor = (1.0 / plan.loss_scale) if factor is None else factor / plan.loss_scale
+            with torch.no_grad():
+                sums = adam_ratio_sums(grads, plan.optimizer, params, factor, self.theta)
+            if sums is not None:
+                per_row = torch.zeros(4, len(rows[0]), dtype=torch.float32, device=sums.device)
+                present_rows = rows[1][host_to_device(plan.present, torch.long, rows[1].device)]
+                per_row.index_add_(1, present_rows.to(sums.device), sums)
+                self._adam.append((rows[0], per_row))
+        if self.update_spread:
+            index = plan.index
+            with torch.no_grad():
+                before = [local_tensor(p.detach()).clone() for p in index.params]
+                weights = per_tensor_norms(before, 2.0, index.run_bounds).to(index.shard_weight.device)
+            self._before[plan.optimizer_idx] = (index, before, weights, rows)
+            post = functools.partial(self._after_optimizer_step, plan.optimizer_idx)
+            self._step_hooks.append(plan.optimizer.register_step_post_hook(post))
+
+    def _after_optimizer_step(self, idx: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        kept = self._before.pop(idx, None)
+        if kept is None:
+            return
+        index, before, weights, rows = kept
+        with torch.no_grad():
+            ratios = update_ratios(index, before, weights, rows)
+        names = rows[0]
+        self._ratios[idx] = (names, torch.stack([ratios[f"update_ratio/module/{n}"] for n in names]))
+
+    def _module_rows(self, plan: StepPlan) -> tuple[list[str], Tensor]:
+        """The rows of ``GradNormMonitor(depth="auto")`` and the row of every parameter, once per parameter index."""
+        cached = self._rows.get(plan.optimizer_idx)
+        if cached is None or cached[0] is not plan.index:
+            names = plan.index.names
+            rows, positions = module_rows(auto_module_keys(names, self._blocks), names, self._model_order)
+            cached = (plan.index, rows, host_to_device(positions, torch.long, plan.index.shard_weight.device))
+            self._rows[plan.optimizer_idx] = cached
+        return cached[1], cached[2]
+
+    def read(self, ctx: StepContext) -> Reading | None:
+        """After the optimizer step: the logging step's signals, reduced over ranks and read to the host once.
+
+        ``None`` off logging steps (nothing computed, nothing read) and after a micro-batch inside an accumulation
+        window (the Trainer calls after every batch).
+        """
+        if not self._observed:
+            return None
+        self._observed = False
+        if self._pending:  # the step's window of micro-batch losses is complete
+            step = self._pending[-1]
+            step.losses, self._window = self._window, []
+            if step.losses:
+                step.factor = mean_window_scale(ctx.accumulate_grad_batches, len(step.losses))
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
+        if not self._logging:
+            return None
+        self._logging = False
+        self._before.clear()
+        device = ctx.device
+        sums, maxima, plain = _Pack(device), _Pack(device), _Pack(device)
+        attention = {name: maxima.add(value) for name, value in sorted(self._attn.items())}
+        logz = None
+        if self._logz is not None:
+            total, count, peak = self._logz
+            logz = (sums.add(total), sums.add(host_to_device([float(count)], torch.float32, device)), maxima.add(peak))
+        adam = [(names, sums.add(t.flatten())) for names, t in self._adam]
+        pending, self._pending = self._pending, []
+        losses = [t.float() for entry in pending for t in entry.losses]
+        loss_part = sums.add(torch.stack(losses)) if losses else None
+        ratios = [(names, plain.add(t)) for names, t in self._ratios.values()]
+        norms = [e.norm if e.scale is None else e.norm * e.scale for e in pending if e.norm is not None]
+        norm_part = plain.add(torch.stack(norms)) if norms else None
+        sum_vec, max_vec = sums.vector(), maxima.vector()
+        if world_size() > 1:
+            dist.all_reduce(sum_vec)
+            dist.all_reduce(max_vec, op=dist.ReduceOp.MAX)
+            if loss_part is not None:  # the loss is a mean over the ranks; the other sums are totals
+                sum_vec[loss_part] /= world_size()
+        host = torch.cat([sum_vec, max_vec, plain.vector()]).tolist()
+        ns, nm = sum_vec.numel(), max_vec.numel()
+        s, m, p = host[:ns], host[ns : ns + nm], host[ns + nm :]
+        reading = Reading(self._step)
+        for name, part in attention.items():
+            reading.add("attn_logit_max", name, m[part][0])
+        if logz is not None:
+            total, count = s[logz[0]][0], s[logz[1]][0]
+            reading.add("logz_mean", "", total / max(count, 1.0), self.output)
+            reading.add("logz_max", "", m[logz[2]][0], self.output)
+        for names, part in adam:
+            g2, v, count, numel = (s[part][k * len(names) : (k + 1) * len(names)] for k in range(4))
+            for i, row in enumerate(names):
+                if numel[i] > 0:
+                    reading.add("adam_g2_v", row, g2[i] / v[i] if v[i] > 0 else math.inf)
+                    reading.add("adam_spike_frac", row, count[i] / numel[i])
+        found = [(r, v) for names, part in ratios for r, v in zip(names, p[part], strict=True) if v > 0]
+        found = [(r, v) for r, v in found if math.isfinite(v)]
+        if len(found) >= 3:
+            top, value = max(found, key=lambda item: item[1])
+            reading.add("update_ratio_spread", "", value / statistics.median(v for _, v in found), top)
+        if self.spike_score_on:
+            self._score(pending, s[loss_part] if loss_part is not None else [], p[norm_part] if norm_part else [])
+            reading.add("spike_score", "", self.spike_score.score)
+            reading.add("spike_score_total", "", self.spike_score.total)
+        self._attn, self._logz, self._adam, self._ratios = {}, None, [], {}
+        return reading
+
+    def _score(self, pending: list[_Pending], losses: list[float], norms: list[float]) -> None:
+        """Feed the SpikeScore every step since the last logging step, in order."""
+        for loss, norm in self._pending_host:
+            self.spike_score.add(loss, norm)
+        self._pending_host = []
+        for entry in pending:
+            loss = sum(losses[: len(entry.losses)]) * entry.factor if entry.losses else None
+            losses = losses[len(entry.losses) :]
+            value = None
+            if entry.norm is not None:
+                value, norms = norms[0], norms[1:]
+            self.spike_score.add(loss, value)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The SpikeScore's state, with the steps since the last logging step read to the host (one read)."""
+        pending = [
+            (
+                float(sum(t.float() for t in e.losses) * e.factor) if e.losses else None,
+                float(e.norm if e.scale is None else e.norm * e.scale) if e.norm is not None else None,
+            )
+            for e in self._pending
+        ]
+        return {"spike_score": self.spike_score.state_dict(), "pending": self._pending_host + pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.spike_score.load_state_dict(state["spike_score"])
+        self._pending_host = [(loss, norm) for loss, norm in state["pending"]]
+        self._pending, self._window = [], []
+
+
+@dataclass
+class _Pending:
+    """What a step keeps for the SpikeScore until a logging step reads it: its micro-batch losses, the factor of
+    their mean, the gradient norm and the accumulation scale the norm is still to be multiplied by."""
+
+    losses: list[Tensor]
+    factor: float
+    norm: Tensor | None
+    scale: Tensor | None
+
+
+@dataclass
+class Reading:
+    """A logging step's signals on the host.
+
+    Attributes:
+        step: the optimizer step they were measured at.
+        values: per ``(signal, module)`` the value (``module`` empty for a signal with one value per step).
+        concerned: for a signal with one value per step, the module it points at (the output module for log Z, the
+            module with the largest update ratio for the spread), where there is one.
+    """
+
+    step: int
+    values: dict[tuple[str, str], float] = field(default_factory=dict)
+    concerned: dict[str, str] = field(default_factory=dict)
+
+    def add(self, signal: str, module: str, value: float, concerned: str | None = None) -> None:
+        self.values[(signal, module)] = value
+        if concerned:
+            self.concerned[signal] = concerned
+
+    def metrics(self) -> dict[str, float]:
+        """The logged keys (:func:`signal_key`) and their values."""
+        return {signal_key(signal, module): value for (signal, module), value in self.values.items()}
+
+
+def signal_key(signal: str, module: str = "") -> str:
+    """The logged key of a signal: ``signals/<signal>``, then ``/<module>`` for a per-module one.
+
+    Example::
+
+        >>> signal_key("attn_logit_max", "blocks.0.attn"), signal_key("spike_score")
+        ('signals/attn_logit_max/blocks.0.attn', 'signals/spike_score')
+    """
+    return PREFIX + signal + (f"/{module}" if module else "")
+
+
+class _Pack:
+    """Device values gathered into one flat fp32 vector; :meth:`add` returns each value's slice of it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.parts: list[Tensor] = []
+        self.size = 0
+
+    def add(self, value: Tensor) -> slice:
+        flat = value.detach().reshape(-1).float().to(self.device)
+        self.parts.append(flat)
+        self.size += flat.numel()
+        return slice(self.size - flat.numel(), self.size)
+
+    def vector(self) -> Tensor:
+        return torch.cat(self.parts) if self.parts else torch.zeros(0, device=self.device)

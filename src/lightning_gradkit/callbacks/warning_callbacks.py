@@ -1,0 +1,106 @@
+"""The Trainer callbacks of :class:`gradkit.early_warning.EarlyWarning` and :class:`gradkit.steps_to_skip.StepsToSkip`:
+their Lightning-only hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+import gradkit.early_warning
+import gradkit.steps_to_skip
+from lightning_gradkit._deepspeed import refuse_under_deepspeed
+from lightning_gradkit.engine import GradKitCallback
+from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
+
+__all__ = ["EarlyWarning", "StepsToSkip"]
+
+
+class EarlyWarning(gradkit.early_warning.EarlyWarning, GradKitCallback):
+    r"""Log early-warning signals of an instability, watch them, and warn (or act) before the loss spikes: the
+    Trainer callback of :class:`gradkit.early_warning.EarlyWarning` (its signals, rules, arguments and state).
+
+    Under a Trainer the SpikeScore takes each batch's loss from Lightning's own detached copy (the ``loss`` of
+    ``training_step``'s output, at the batch end), so a step that does not log costs no device operation at all.
+    ``action="escalate"`` works with any strategy (the learning-rate cut acts inside ``optimizer.step``). Not under
+    DeepSpeed, whose engine owns the optimizer state.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import EarlyWarning, GradNormMonitor
+        >>> trainer = Trainer(callbacks=[GradNormMonitor(report=True), EarlyWarning(output="model.lm_head")])
+    """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            refuse_under_deepspeed(
+                trainer,
+                "`EarlyWarning(...)`",
+                "its Adam signals read the optimizer's state and its escalation resets it, but the DeepSpeed engine "
+                "owns the optimizer state (partitioned under ZeRO)",
+                "Use Lightning's DDP or FSDP strategies for EarlyWarning.",
+            )
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """Nothing: the loss is taken at the batch end, already detached by Lightning."""
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, Tensor):
+            self._signals.note_loss(loss, detached=True)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Also when training ended with an error: the hooks leave the model and the optimizers.
+        self._signals.detach()
+        self._escalation.remove_hooks()
+
+
+class StepsToSkip(gradkit.steps_to_skip.StepsToSkip, GradKitCallback):
+    r"""Drop the batches of declared optimizer-step ranges: the Trainer callback of
+    :class:`gradkit.steps_to_skip.StepsToSkip` (its ranges, events and state).
+
+    Under a Trainer the GradKit strategy drops a declared step: its ``training_step`` returns without a forward, the
+    backward and the optimizer step are left out, the step-interval LR schedulers hold, and ``trainer.global_step``
+    and ``gradkit/skipped_steps`` count the step, as for a step a guard skipped. It needs a GradKit strategy and
+    automatic optimization.
+
+    Raises:
+        ValueError: as :class:`gradkit.steps_to_skip.StepsToSkip`.
+        RuntimeError: at setup, on a strategy that is not a GradKit strategy (the message names the one to use),
+            under manual optimization or DeepSpeed.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import StepsToSkip
+        >>> trainer = Trainer(strategy="gradkit", accelerator="cpu", callbacks=[StepsToSkip(steps=[[1200, 1450]])])
+    """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        refuse_under_deepspeed(
+            trainer,
+            "`StepsToSkip(...)`",
+            "the GradKit strategy drops a declared step's batches, and DeepSpeed's engine owns the step",
+            "DeepSpeed has no declared data skip: leave the batches out of your data loader.",
+        )
+        if not isinstance(trainer.strategy, GradKitStrategyMixin):
+            raise RuntimeError(
+                f"StepsToSkip drops the batches of declared steps through a GradKit strategy, but the Trainer uses "
+                f"{type(trainer.strategy).__name__}. Use {gradkit_strategy_hint(trainer.strategy)}."
+            )
+        if not pl_module.automatic_optimization:
+            raise RuntimeError(
+                "StepsToSkip needs automatic optimization (the GradKit strategy drops the step's training_step and "
+                "optimizer step), but the LightningModule sets `automatic_optimization = False`: return early from "
+                "`training_step` where `StepsToSkip.range_of(self.global_step)` is not None instead."
+            )
