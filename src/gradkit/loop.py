@@ -315,6 +315,7 @@ class GradKit:
         self._inner = {id(opt): unwrapped(opt) for opt in optimizers}
         self._call("attach", self.ctx, root)
         self._after_step = [m for p in self.policies if (m := hook(p, "after_step")) is not None]
+        self._drops = [m for p in self.policies if (m := hook(p, "drops_batch")) is not None]
         # What a loop that bypasses the door would not notice: no `kit.step` at all, no `note_loss` for a loss watcher.
         self._steps_through_kit = 0
         self._finished = False
@@ -390,20 +391,24 @@ class GradKit:
             optimizer = self._optimizer(optimizer)
             inner = self._inner[id(optimizer)]
         self._steps_through_kit += 1
-        if self._loss_watchers and not ctx.micro_batches:
+        dropped = bool(self._drops) and self.drops_batch  # a dropped step: nothing to measure, nothing applied
+        if self._loss_watchers and not ctx.micro_batches and not dropped:
             self._warn_no_loss()
-        plan = self.pipeline.run(ctx, inner, self.policies)
+        plan = None if dropped else self.pipeline.run(ctx, inner, self.policies)
         # The gate stands in for `optimizer.step` (whatever calls it: Fabric's strategy, a `GradScaler`) only when the
         # plan may skip the step or left a factor to the fused kernel; otherwise the optimizer steps as it is.
         gated = plan is not None and (plan.skip is not None or plan.folded is not None)
         with shadowed(inner, step=functools.partial(_gated_step, inner, inner.step, plan)) if gated else nullcontext():
-            if self._own_scaler:
+            if self._own_scaler and not dropped:
                 ctx.scaler.step(optimizer, **kwargs)  # type: ignore[union-attr]
                 ctx.scaler.update()  # type: ignore[union-attr]
-            else:
+            elif not dropped:
                 optimizer.step(**kwargs)
-        skipped = close_step(inner, plan, self._buffers) if gated or self._buffers is not None else False
-        if self._schedulers_of:
+        if dropped:
+            skipped: bool | None = self._drop(inner)
+        else:
+            skipped = close_step(inner, plan, self._buffers) if gated or self._buffers is not None else False
+        if self._schedulers_of and not dropped:
             self._step_schedulers(inner, plan)
         step = ctx.step
         ctx.step += 1  # the step is done: what follows sees it counted, as `on_train_batch_end` does
@@ -418,6 +423,21 @@ class GradKit:
         if self._rng is not None:
             self._rng = capture_rng(full=False)  # where the next micro-batch's forward starts
         return None if skipped is None else not skipped
+
+    @property
+    def drops_batch(self) -> bool:
+        """Whether a policy (``StepsToSkip``) drops the current optimizer step's batches: draw them, skip the forward
+        and the backward, and call :meth:`step` as for any step (it counts the step and applies nothing)."""
+        return any(drops(self.ctx) for drops in self._drops)
+
+    def _drop(self, optimizer: Optimizer) -> bool:
+        """A dropped step counts as skipped; a forward run regardless leaves no gradient nor buffer write behind."""
+        optimizer.zero_grad(set_to_none=True)
+        count, one = self.pipeline.skipped_steps, torch.ones((), device=self.ctx.device)
+        self.pipeline.skipped_steps = one if count is None else count + one
+        if self._buffers is not None:
+            self._buffers.close(True)
+        return True
 
     def _step_schedulers(self, optimizer: Optimizer, plan: StepPlan | None) -> None:
         """Step ``optimizer``'s LR schedulers after its applied step only (a fused optimizer's skip flag is read here,

@@ -478,6 +478,7 @@ class SpikeRollback:
             "rewound_steps": from_step - slot.step,
             "skip_batches": self.skip_batches,
             "batches_skipped": from_step - slot.step + self.skip_batches,
+            "steps_to_skip": [[slot.step, from_step + self.skip_batches]],  # in `StepsToSkip(steps=...)`'s form
             "rollback": self._rollbacks,
             "snapshot_origin": slot.origin,
         }

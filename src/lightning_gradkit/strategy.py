@@ -218,6 +218,7 @@ class GradKitStrategyMixin:
     _gradkit_restored: dict[int, tuple[int, int, int, bool]] | None = None
     _gradkit_buffers: Snapshot | None = None
     _gradkit_window_buffers: dict[str, Any] | None = None
+    _gradkit_drop_hooks: list[Callable[[Any], bool]] = []
 
     # -- Lightning hooks -----------------------------------------------------------------------------------------
     def connect(self, model: pl.LightningModule) -> None:
@@ -237,11 +238,15 @@ class GradKitStrategyMixin:
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # type: ignore[misc]
         self._gradkit_trainer = trainer
-        self._gradkit_pending: dict[int, tuple[int, int, StepPlan | None]] = {}
+        self._gradkit_pending: dict[int, tuple[int, int, StepPlan | None, bool]] = {}
         self._gradkit_counts: dict[int, _ScheduleCount] = {}
         self._gradkit_frequencies: dict[int, int] = {}
         self._gradkit_gate_active = _any_policy_may_skip(trainer) and trainer.state.fn == TrainerFn.FITTING
+        # A callback that drops the batches of declared steps (`StepsToSkip`, which may skip): `_gradkit_drops`.
+        callbacks = [cb for cb in trainer.callbacks if isinstance(cb, GradKitCallback)]
+        self._gradkit_drop_hooks = [d for cb in callbacks if (d := hook(cb, "drops_batch")) is not None]
         if not self._gradkit_gate_active:
+            self._gradkit_drop_hooks = []
             return
         module = trainer.lightning_module
         self._gradkit_buffers = Snapshot(module)
@@ -282,6 +287,10 @@ class GradKitStrategyMixin:
         return checkpoint
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._gradkit_drops():
+            # A dropped step: no forward. A loss Lightning's loop takes (it refuses `None` with several ranks) and
+            # whose backward `backward` skips.
+            return torch.zeros((), device=self.root_device)  # type: ignore[attr-defined]
         buffers = self._gradkit_buffers
         if buffers is not None and not buffers.captured and not replaying():
             # Before the window's first forward: what a skip puts back (the saved one when resuming inside it).
@@ -291,6 +300,11 @@ class GradKitStrategyMixin:
             else:
                 buffers.capture()
         return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
+        if self._gradkit_drops():
+            return closure_loss  # a dropped step's stand-in loss: nothing to differentiate
+        return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
 
     def optimizer_step(
         self,
@@ -302,6 +316,15 @@ class GradKitStrategyMixin:
         if not self._gradkit_gate_active:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         engine = TrainerPipeline.of(self._gradkit_trainer)
+        if self._gradkit_drops():
+            # A dropped step: Lightning's closure runs (for its bookkeeping; `training_step` returns at once), the
+            # precision plugin and the optimizer do not, and the step counts as skipped.
+            output = closure()
+            optimizer.zero_grad(set_to_none=True)
+            one = torch.ones((), device=self.root_device)  # type: ignore[attr-defined]
+            engine.skipped_steps = one if engine.skipped_steps is None else engine.skipped_steps + one
+            self._gradkit_record(optimizer, None, dropped=True)
+            return output
         with shadowed(optimizer, step=self._gradkit_gate(optimizer, optimizer.step, engine)):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         plan = engine.step_plan(self._gradkit_trainer, optimizer)
@@ -314,6 +337,14 @@ class GradKitStrategyMixin:
             # optimization it opens at the next `training_step`, after what the batch end changes (a rollback's).
             buffers.capture()
         return output
+
+    def _gradkit_drops(self) -> bool:
+        """Whether a gradkit callback (``StepsToSkip``) drops the current optimizer step's batches."""
+        if not self._gradkit_drop_hooks:
+            return False
+        trainer = self._gradkit_trainer
+        ctx = TrainerPipeline.of(trainer).context(trainer, trainer.lightning_module)
+        return any(drops(ctx) for drops in self._gradkit_drop_hooks)
 
     # -- the gate ------------------------------------------------------------------------------------------------
     def _gradkit_gate(
@@ -336,14 +367,14 @@ class GradKitStrategyMixin:
         configs = self.lr_scheduler_configs  # type: ignore[attr-defined]
         return [c for c in configs if c.interval == "step" and not c.reduce_on_plateau]
 
-    def _gradkit_record(self, optimizer: Optimizer, plan: StepPlan | None) -> None:
+    def _gradkit_record(self, optimizer: Optimizer, plan: StepPlan | None, dropped: bool = False) -> None:
         """Note an optimizer step for the schedule counts; its skip flag is read only when a scheduler needs it."""
         if not self._gradkit_frequencies:
             return
         self._gradkit_settle()
         trainer = self._gradkit_trainer
         batches = trainer.fit_loop.epoch_loop.batch_idx + 1
-        self._gradkit_pending[id(optimizer)] = (trainer.current_epoch, batches, plan)
+        self._gradkit_pending[id(optimizer)] = (trainer.current_epoch, batches, plan, dropped)
 
     def _gradkit_settle(self) -> None:
         """Fold the pending optimizer steps into the counts (a host read of a fused optimizer's skip flag)."""
@@ -351,9 +382,9 @@ class GradKitStrategyMixin:
             self._gradkit_counts = {i: _ScheduleCount(*values) for i, values in self._gradkit_restored.items()}
             self._gradkit_restored = None
         optimizers = self._gradkit_trainer.optimizers
-        for key, (epoch, batches, plan) in self._gradkit_pending.items():
+        for key, (epoch, batches, plan, dropped) in self._gradkit_pending.items():
             index = next(i for i, opt in enumerate(optimizers) if id(opt) == key)
-            skipped = plan.skip_on_host() if plan is not None else False
+            skipped = dropped or (plan.skip_on_host() if plan is not None else False)
             self._gradkit_counts.setdefault(index, _ScheduleCount()).record(epoch, batches, not skipped)
         self._gradkit_pending.clear()
 
