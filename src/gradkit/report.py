@@ -58,6 +58,7 @@ from gradkit.report_data import (
     load_run,
     logged_steps_text,
 )
+from gradkit.report_signals import add_signal_panels, signal_series
 
 __all__ = ["RATIO_GUIDE", "build_figure", "main", "render", "render_data"]
 
@@ -227,6 +228,7 @@ def build_figure(data: RunData):
     plt = _pyplot()
     from matplotlib import ticker
 
+    data = signal_series(data)  # EarlyWarning's series, kept in the events file; drawn by add_signal_panels
     modules = data.modules
     ratio_rows = data.ratio_rows
     steps = sorted({s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v})
@@ -291,6 +293,7 @@ def build_figure(data: RunData):
         )
     if incidents:
         _draw_incidents(fig, data, incidents, layout)
+    add_signal_panels(fig, data)
     return fig
 
 
