@@ -12,7 +12,7 @@ from torch import Tensor
 import gradkit.early_warning
 import gradkit.steps_to_skip
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
-from lightning_gradkit.engine import GradKitCallback
+from lightning_gradkit.trainer_door import GradKitCallback
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
 
 __all__ = ["EarlyWarning", "StepsToSkip"]
