@@ -103,7 +103,7 @@ class EarlyWarning:
     Raises:
         ValueError: at construction, naming the argument: an invalid pattern, signal or number, an unknown
             ``action``, ``action="escalate"`` with nothing to do; at ``attach``, a pattern or ``output`` that selects
-            no module, a second ``EarlyWarning``, or a loop that never logs.
+            no module, or a loop that never logs.
 
     Example::
 
@@ -213,10 +213,9 @@ class EarlyWarning:
         """Hook the model and open the events file.
 
         Raises:
-            ValueError: a second EarlyWarning, a loop that never logs, or a selection that selects no module.
+            ValueError: a loop that never logs, or a selection that selects no module. (A second EarlyWarning is
+                refused by the door: both would have one state key.)
         """
-        if sum(isinstance(p, EarlyWarning) for p in ctx.policies()) > 1:
-            raise ValueError("The loop has more than one EarlyWarning: each would escalate on its own. Keep one.")
         period = ctx.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
         if period == 0:
             raise ValueError(
@@ -299,7 +298,7 @@ class EarlyWarning:
                 if finding.reference
                 else "growing"
             )
-            where = f" of `{module}`" if module else ""
+            where = f" (module `{module}`)" if module and not finding.module else ""
             ctx.warn(
                 f"EarlyWarning: {signal_key(finding.signal, finding.module)}{where} is {finding.value:.4g} at step "
                 f"{finding.step} ({rule}): {ADVICE[finding.signal]}."

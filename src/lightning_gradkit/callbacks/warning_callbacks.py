@@ -12,8 +12,8 @@ from torch import Tensor
 import gradkit.early_warning
 import gradkit.steps_to_skip
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
-from lightning_gradkit.trainer_door import GradKitCallback
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
+from lightning_gradkit.trainer_door import GradKitCallback
 
 __all__ = ["EarlyWarning", "StepsToSkip"]
 
