@@ -112,9 +112,8 @@ def test_a_resume_inside_a_range_keeps_dropping_until_its_end() -> None:
             nn.functional.mse_loss(model(x), y).backward()
         kit.step(optimizer)
         optimizer.zero_grad()
-    saved = copy.deepcopy(
-        {"kit": kit.state_dict(), "model": model.state_dict(), "opt": optimizer.state_dict(), "lr": schedule.state_dict()}
-    )
+    states = {"kit": kit, "model": model, "opt": optimizer, "lr": schedule}
+    saved = copy.deepcopy({key: value.state_dict() for key, value in states.items()})
     model2 = MLPModule()
     model2.load_state_dict(saved["model"])
     optimizer2 = torch.optim.Adam(model2.parameters(), lr=0.05)
@@ -173,7 +172,8 @@ def test_the_trainer_drops_the_declared_steps_as_a_loop_that_leaves_them_out(tmp
     if accumulate == 1:
         assert all(torch.equal(a, b) for a, b in zip(module.parameters(), reference.parameters(), strict=True))
     else:  # the window's mean gradient: equal up to the rounding of summing two halves
-        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(module.parameters(), reference.parameters()))
+        pairs = zip(module.parameters(), reference.parameters(), strict=True)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in pairs)
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**4)
     assert policy.dropped == 2 and trainer.strategy.gradkit_state_dict()["lr_schedule"][0][2] == 4 * accumulate
     (event,) = [e for e in events(tmp_path) if e["what"] == "steps_skipped"]
