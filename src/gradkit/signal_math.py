@@ -103,23 +103,25 @@ def adam_ratio_sums(
     tensor for a plain Adam; a device one, read once, for a fused or capturable one).
     """
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    rows: list[int] = []
-    gs: list[Tensor] = []
-    vs: list[Tensor] = []
-    corrections: list[float] = []
+    found: list[tuple[int, Tensor, Tensor, float, Any]] = []
     for i, (p, g) in enumerate(zip(params, grads, strict=True)):
         state = optimizer.state.get(p, {})
         v = state.get("exp_avg_sq")
         group = groups.get(id(p), {})
-        if v is None or "betas" not in group or g.is_sparse:
-            continue
-        steps = float(state.get("step", 0.0))
-        if steps < 1:
-            continue
-        rows.append(i)
-        gs.append(g)
-        vs.append(local_tensor(v))
-        corrections.append(1.0 - float(group["betas"][1]) ** steps)
+        if v is not None and "betas" in group and not g.is_sparse:
+            found.append((i, g, local_tensor(v), float(group["betas"][1]), state.get("step", 0.0)))
+    # The step counts in one read (tensors, on the host for a plain Adam, on the device for a fused one).
+    counts = [s for *_, s in found]
+    tensors = [c for c in counts if isinstance(c, Tensor)]
+    if tensors:
+        same = len({t.device for t in tensors}) == 1
+        read = iter(torch.stack([t.reshape(()).float() for t in tensors]).tolist() if same else map(float, tensors))
+        counts = [next(read) if isinstance(c, Tensor) else float(c) for c in counts]
+    kept = [(f, n) for f, n in zip(found, counts, strict=True) if n >= 1]  # a first step has no v yet
+    rows = [i for (i, *_), _ in kept]
+    gs = [g for (_, g, *_), _ in kept]
+    vs = [v for (_, _, v, *_), _ in kept]
+    corrections = [1.0 - beta2**n for (*_, beta2, _), n in kept]
     if not rows:
         return None
     device = gs[0].device
