@@ -124,6 +124,15 @@ def _anomalies(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessa
     ]
 
 
+def _early_warning(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
+    warning, (run,) = ns["warning"], list(cwd.glob("logs/lightning_logs/version_*"))
+    assert warning.attention_modules == ["model.blocks.0.attn", "model.blocks.1.attn"] and warning.warnings == []
+    assert "signals/attn_logit_max/model.blocks.0.attn" in (run / "metrics.csv").read_text().splitlines()[0]
+    assert (run / "gradient_report.png").is_file()
+    assert ns["watch"].thresholds["spike_score"] == 0.01
+    assert (ns["skipping"].global_step, ns["declared"].dropped, ns["kit"].skipped_steps) == (6, 2, 2)
+
+
 def _activation_checkpointing(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
     assert ns["names_before"] == ns["names_after"]  # state_dict keys unchanged by the injection
     assert ns["trainer"].global_step == 3
@@ -189,6 +198,7 @@ OUTCOMES: dict[str, Callable[[dict[str, Any], Path, list[warnings.WarningMessage
     "jobs/norm_logging.md": _norm_logging,
     "jobs/clipping.md": _clipping,
     "jobs/anomalies.md": _anomalies,
+    "jobs/early_warning.md": _early_warning,
     "jobs/activation_checkpointing.md": _activation_checkpointing,
     "jobs/validation.md": _validation,
     "jobs/accumulation.md": _accumulation,
