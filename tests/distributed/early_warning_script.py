@@ -1,0 +1,105 @@
+"""2-process CPU job (gloo), started once per rank as ``torchrun`` starts one (:func:`helpers.run_processes`):
+
+- ``EarlyWarning`` behind the loop door on a ``DistributedDataParallel`` TinyGPT, each rank with its own batches:
+  each rank records what it logged and warned, and the largest attention logit of its own first batch element (the
+  sample a ``scaled_dot_product_attention`` call is read from), computed by hand, per logging step;
+- ``StepsToSkip`` under ``Trainer(strategy="gradkit_ddp")``: each rank records its final parameters, its global
+  step, and the batches its ``training_step`` ran.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradkit.early_warning import EarlyWarning
+from gradkit.loop import GradKit
+from helpers import MLPModule, distributed_trainer, rank_loader, script_parser, write_rank_result
+from lightning_gradkit import StepsToSkip
+from lightning_gradkit.demos import GPTConfig, TinyGPT
+
+CONFIG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=32)
+STEPS = 6
+DROPPED = [[1, 3]]
+
+
+def _local_maxima(model: nn.Module, found: dict[str, list[float]]) -> None:
+    """Forward hooks: the largest logit of each attention module for this rank's first batch element, by hand."""
+    for i, block in enumerate(model.blocks):
+
+        @torch.no_grad()
+        def read(module: nn.Module, args: Any, output: Any, name: str = f"blocks.{i}.attn") -> None:
+            x = args[0][:1]
+            t, c = x.shape[1], x.shape[2]
+            q, k, _ = module.qkv(x).split(c, dim=2)
+            q, k = (z.view(1, t, module.n_head, c // module.n_head).transpose(1, 2) for z in (q, k))
+            logits = (q @ k.transpose(-1, -2) / math.sqrt(c // module.n_head))[0]
+            logits = logits.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+            found.setdefault(name, []).append(float(logits.max()))
+
+        block.attn.register_forward_hook(read)
+
+
+def run_early_warning(rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    local: dict[str, list[float]] = {}
+    _local_maxima(model, local)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    logged: list[dict[str, float]] = []
+    warning = EarlyWarning(output="lm_head", floors={"attn_logit_max": 0.0}, growth=1.01, growth_steps=2)
+    kit = GradKit(ddp, optimizer, warning, log_every_n_steps=2, log_dir=False, log=lambda m, s: logged.append(m))
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+    for _ in range(STEPS):
+        x = torch.randint(256, (4, 16), generator=gen)
+        loss = F.cross_entropy(ddp(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        kit.note_loss(loss)
+        kit.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    return {"logged": logged, "warnings": [list(w) for w in warning.warnings], "local": local}
+
+
+class _Module(MLPModule):
+    def __init__(self) -> None:
+        super().__init__(lr=0.05, optimizer="adam")
+        self.trained: list[int] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.trained.append(batch_idx)
+        return super().training_step(batch, batch_idx)
+
+
+def run_steps_to_skip(rank: int) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    module = _Module()
+    trainer = distributed_trainer(strategy="gradkit_ddp", callbacks=[StepsToSkip(steps=DROPPED)])
+    trainer.fit(module, rank_loader(rank, n=4 * 2 * STEPS, batch_size=4))
+    return {
+        "global_step": trainer.global_step,
+        "trained": module.trained,
+        "params": [p.detach().flatten().tolist() for p in module.parameters()],
+    }
+
+
+def main() -> None:
+    args = script_parser().parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = {"early_warning": run_early_warning(rank), "steps_to_skip": run_steps_to_skip(rank)}
+    write_rank_result(args.out, rank, result)
+
+
+if __name__ == "__main__":
+    main()
