@@ -22,6 +22,7 @@ per seed:
 The targets: (1) and (3) in at least 4 of 5 seeds, (2) in all of them.
 
     python benchmarks/bench_early_warning.py              # 5 seeds: the table of benchmarks/RESULTS.md
+    python benchmarks/bench_early_warning.py --low-lr-twin  # and the 10x-lower-LR twin: does it stay quiet too?
     python benchmarks/bench_early_warning.py --seeds 1 --steps 160    # the short version the test runs
 
 ``tests/test_early_warning_proxy.py`` runs a short version of the same code.
@@ -164,6 +165,7 @@ class SeedResult:
     end_mitigated: float
     escalations: int
     seconds: float
+    low_lr_warnings: int | None = None
 
     @property
     def lead(self) -> int | None:
@@ -180,10 +182,12 @@ class SeedResult:
         return self.end_mitigated <= (1 + MARGIN) * self.end_stable
 
 
-def run_seed(seed: int, steps: int, mitigate: bool = True) -> SeedResult:
+def run_seed(seed: int, steps: int, mitigate: bool = True, low_lr: bool = False) -> SeedResult:
     unstable = train(seed, qk_norm=False, steps=steps)
     stable = train(seed, qk_norm=True, steps=steps)
     mitigated = train(seed, qk_norm=False, steps=steps, action="escalate") if mitigate else None
+    # The other stable twin the issue allows: plain attention at a 10x lower learning rate (a false-alarm check).
+    low = train(seed, qk_norm=False, steps=steps, lr=PEAK_LR / 10) if low_lr else None
     return SeedResult(
         seed=seed,
         first_warning=unstable.warnings[0] if unstable.warnings else None,
@@ -193,15 +197,16 @@ def run_seed(seed: int, steps: int, mitigate: bool = True) -> SeedResult:
         end_stable=end_loss(stable.losses),
         end_mitigated=end_loss(mitigated.losses) if mitigated else math.nan,
         escalations=mitigated.escalations if mitigated else 0,
-        seconds=unstable.seconds + stable.seconds + (mitigated.seconds if mitigated else 0.0),
+        seconds=sum(run.seconds for run in (unstable, stable, mitigated, low) if run is not None),
+        low_lr_warnings=len(low.warnings) if low is not None else None,
     )
 
 
 def table(results: list[SeedResult]) -> str:
     head = (
         "| seed | first warning (step, signal, module, value) | divergence step | lead | stable twin warnings "
-        "| end loss unstable / stable / mitigated | mitigated / stable | escalations |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- |"
+        "| end loss unstable / stable / mitigated | mitigated / stable | escalations | 10x-lower-LR twin warnings |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     rows = []
     for r in results:
@@ -212,7 +217,8 @@ def table(results: list[SeedResult]) -> str:
         rows.append(
             f"| {r.seed} | {warned} | {r.divergence} | {lead} | {r.stable_warnings} "
             f"| {r.end_unstable:.3f} / {r.end_stable:.3f} / {r.end_mitigated:.3f} "
-            f"| {ratio:.3f} {'ok' if r.mitigated_ok else 'MISSED'} | {r.escalations} |"
+            f"| {ratio:.3f} {'ok' if r.mitigated_ok else 'MISSED'} | {r.escalations} "
+            f"| {'not run' if r.low_lr_warnings is None else r.low_lr_warnings} |"
         )
     return "\n".join([head, *rows])
 
@@ -221,12 +227,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--low-lr-twin", action="store_true", help="also run the 10x-lower-LR twin (5 more runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a shared 2-core machine: one core
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread")
     results = []
     for seed in range(args.seeds):
-        results.append(run_seed(seed, args.steps))
+        results.append(run_seed(seed, args.steps, low_lr=args.low_lr_twin))
         print(table(results[-1:]).splitlines()[-1], f"({results[-1].seconds:.0f} s)", flush=True)
     print()
     print(table(results))
