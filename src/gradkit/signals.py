@@ -64,8 +64,6 @@ __all__ = ["PREFIX", "Reading", "StabilitySignals", "signal_key"]
 
 #: The prefix of every logged signal.
 PREFIX = "signals/"
-# The signals logged per module (their key ends in the module); the others are one value per step.
-_PER_MODULE = ("attn_logit_max", "adam_g2_v", "adam_spike_frac")
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SOFTMAX = (torch.softmax, F.softmax, Tensor.softmax)
 
@@ -79,11 +77,11 @@ class _AttentionMode(TorchFunctionMode):
         #: Whether the mode is entered (by the module's forward pre-hook) and not exited yet.
         self.open = False
 
-    def open_(self) -> None:
+    def start(self) -> None:
         self.__enter__()
         self.open = True
 
-    def close(self) -> None:
+    def stop(self) -> None:
         if self.open:
             self.open = False
             self.__exit__(None, None, None)
@@ -104,10 +102,11 @@ class _AttentionMode(TorchFunctionMode):
                     self.owner.sdpa_queries,
                 )
             self.owner.note_attention(self.name, value, "scaled_dot_product_attention: " + what)
-        elif func in _SOFTMAX and isinstance(args[0], Tensor) and args[0].ndim >= 3:
+        elif func in _SOFTMAX:
+            scores = args[0] if args else kwargs.get("input", kwargs.get("self"))
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            if dim in (-1, args[0].ndim - 1):
-                self.owner.note_attention(self.name, args[0].detach().amax(), "softmax input: every logit")
+            if isinstance(scores, Tensor) and scores.ndim >= 3 and dim in (-1, scores.ndim - 1):
+                self.owner.note_attention(self.name, scores.detach().amax(), "softmax input: every logit")
         return func(*args, **kwargs)
 
 
@@ -218,7 +217,7 @@ class StabilitySignals:
             handle.remove()
         self._hooks, self._step_hooks = [], []
         for mode in self._modes.values():
-            mode.close()
+            mode.stop()
         self._modes = {}
 
     def _active(self) -> bool:
@@ -233,12 +232,12 @@ class StabilitySignals:
 
     def _enter(self, name: str, module: nn.Module, args: Any) -> None:
         if module.training and self._active():
-            self._modes[name].open_()
+            self._modes[name].start()
 
     def _exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
         mode = self._modes.get(name)
         if mode is not None:
-            mode.close()
+            mode.stop()
 
     def note_attention(self, name: str, value: Tensor, what: str) -> None:
         previous = self._attn.get(name)
