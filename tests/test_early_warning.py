@@ -259,6 +259,28 @@ def test_the_trainer_logs_the_signals_of_its_logging_steps(tmp_path: Path) -> No
     assert warning._signals.spike_score.steps == 6  # every step's loss, from Lightning's own copy
 
 
+def test_a_dropped_batch_gives_the_spike_score_no_loss(tmp_path: Path) -> None:
+    from lightning_gradkit import StepsToSkip
+
+    warning = EarlyWarningCallback(attention=None, adam=False, update_spread=False)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        strategy="gradkit",
+        max_steps=6,
+        log_every_n_steps=3,
+        logger=False,
+        callbacks=[StepsToSkip(steps=[[1, 3]]), warning],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(_module(), datamodule=_Data())
+    # Steps 0, 3, 4, 5 trained; the logging steps 2 and 5 fed every trained step's loss (about log 256), no 0.0.
+    losses = list(warning._signals.spike_score.histories["loss"])
+    assert len(losses) == 4 and all(4.0 < loss < 7.0 for loss in losses), losses
+
+
 class _Window(pl.Callback):
     """Counts the operations of one batch, from its start to its end (the callbacks listed between)."""
 

@@ -45,15 +45,19 @@ class EarlyWarning(gradkit.early_warning.EarlyWarning, GradKitCallback):
                 "Use Lightning's DDP or FSDP strategies for EarlyWarning.",
             )
 
+    _trained = False  # whether the current batch ran a backward (a batch StepsToSkip dropped runs none)
+
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """Nothing: the loss is taken at the batch end, already detached by Lightning."""
+        """The batch trains; its loss is taken at the batch end, already detached by Lightning (no operation here)."""
+        self._trained = True
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        if isinstance(loss, Tensor):
+        if self._trained and isinstance(loss, Tensor):
             self._signals.note_loss(loss, detached=True)
+        self._trained = False
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
