@@ -51,7 +51,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from gradkit.accumulate import mean_window_scale
-from gradkit.monitor import update_ratios
 from gradkit.norms import ParamIndex, host_to_device, local_tensor, per_tensor_norms, world_size
 from gradkit.params import clean_name
 from gradkit.pipeline import StepPlan
@@ -59,6 +58,7 @@ from gradkit.protocol import StepContext
 from gradkit.replay import replaying
 from gradkit.selection import NamePattern, auto_module_keys, module_rows, no_match_hint, repeated_blocks
 from gradkit.signal_math import SpikeScore, adam_ratio_sums, sdpa_logit_max
+from gradkit.update_ratio import update_ratios
 
 __all__ = ["PREFIX", "Reading", "StabilitySignals", "signal_key"]
 
