@@ -306,6 +306,8 @@ class GradKit:
             [scheduler for scheduler, _ in owned],
             self.policies,
         )
+        if fabric is not None:
+            self.ctx.loggers = list(fabric.loggers)  # Lightning loggers: the monitor's report goes there too
         self.pipeline = self.ctx.pipeline
         # Each optimizer's own schedulers: `step(opt)` steps, or holds on a skip, only these.
         self._schedulers_of: dict[int, list[Any]] = {}

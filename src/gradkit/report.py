@@ -60,7 +60,7 @@ from gradkit.report_data import (
 )
 from gradkit.report_signals import add_signal_panels, signal_series
 
-__all__ = ["RATIO_GUIDE", "build_figure", "main", "render", "render_data"]
+__all__ = ["RATIO_GUIDE", "build_figure", "close", "draw", "main", "render", "render_data", "save"]
 
 
 _TOTAL = "grad_norm/total"
@@ -112,16 +112,37 @@ def render_data(data: RunData, out: str | Path, source: str = "the run") -> Path
     Raises:
         ValueError: if ``data`` holds no gradient norm and no event.
     """
+    fig = draw(data, source)
+    try:
+        return save(fig, out)
+    finally:
+        close(fig)
+
+
+def draw(data: RunData, source: str = "the run"):
+    """The report's figure of ``data`` (:func:`build_figure`), after checking there is something to draw.
+
+    Raises:
+        ValueError: if ``data`` holds no gradient norm and no event.
+    """
     if not data.has_grad_norms and not data.events:
         raise ValueError(
             f"{source} has no `grad_norm/*` metric and no event. Add `GradNormMonitor()` to the Trainer callbacks to "
             "record what the report draws (`GradNormMonitor(report=True)` draws it at the end of fit)."
         )
-    fig = build_figure(data)
+    return build_figure(data)
+
+
+def save(fig, out: str | Path) -> Path:
+    """Write ``fig`` to the PNG ``out`` (110 dpi) and return its path."""
     out = Path(out)
     fig.savefig(out, dpi=110)
-    _pyplot().close(fig)
     return out
+
+
+def close(fig) -> None:
+    """Free ``fig`` (pyplot keeps every figure it made until it is closed)."""
+    _pyplot().close(fig)
 
 
 def _pyplot():
