@@ -146,7 +146,7 @@ def publish(
         except Exception as err:  # a logger's own failure (network, a closed writer): the run goes on
             warn(
                 f"GradNormMonitor: could not log the gradient report to {type(logger).__name__} "
-                f"({type(err).__name__}: {err}); the PNG and gradkit_events.jsonl in the log directory have it."
+                f"({type(err).__name__}: {err}); the log directory keeps gradient_report.png and gradkit_events.jsonl."
             )
             continue
         reached.append(kind)
