@@ -119,3 +119,54 @@ def test_quick_start_runs_without_jsonargparse(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert list(tmp_path.glob("lightning_logs/version_*/gradient_report.png"))
+
+
+def site_packages_without(tmp_path: Path, *prefixes: str) -> Path:
+    """A copy of this interpreter's site-packages made of links, less the entries whose names start with one of
+    ``prefixes`` (the package, its ``.dist-info``): an environment where those packages were never installed, for
+    the import system and for ``importlib.metadata`` alike (torchmetrics and Lightning ask the latter)."""
+    import site
+
+    (source,) = [Path(p) for p in site.getsitepackages() if Path(p).name == "site-packages"]
+    mirror = tmp_path / "site-packages"
+    mirror.mkdir()
+    for entry in source.iterdir():
+        if not entry.name.lower().startswith(prefixes):
+            (mirror / entry.name).symlink_to(entry)
+    return mirror
+
+
+def test_quick_start_runs_after_a_plain_install_without_matplotlib(tmp_path: Path) -> None:
+    """`pip install .` brings no matplotlib (the `report` extra does): the quick start, as written (two optimizer
+    steps instead of 48), runs in an environment without it; `report=True` says in one line, at the user's
+    `trainer.fit(...)` line, that it draws nothing and how to get the figure."""
+    import subprocess
+    import sys
+
+    (snippet,) = re.findall(r"## Quick start\n\n```python\n(.*?)```", README.read_text(), re.S)
+    assert "GradNormMonitor(report=True)" in snippet
+    mirror = site_packages_without(tmp_path, "matplotlib", "mpl_toolkits", "pylab")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    script = (
+        "import site, sys, warnings\n"
+        f"site.addsitedir({str(mirror)!r})\n"
+        f"sys.path.insert(0, {str(ROOT / 'src')!r})\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        + "".join(f"    {line}\n" for line in snippet.replace("max_steps=48", "max_steps=2").splitlines())
+        + "assert 'matplotlib' not in sys.modules\n"
+        "notes = [w for w in caught if 'matplotlib' in str(w.message)]\n"
+        "assert len(notes) == 1, [str(w.message) for w in notes]\n"
+        "print(notes[0].filename, notes[0].lineno, str(notes[0].message), sep='|')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", script], cwd=run_dir, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    filename, line, message = done.stdout.strip().splitlines()[-1].split("|")
+    assert "\n" not in message and "pip install" in message and "matplotlib" in message
+    # The note names the user's line (`trainer.fit(...)`), not a file of gradkit or Lightning.
+    assert (filename, int(line)) == ("<string>", script.count("\n", 0, script.index("trainer.fit(")) + 1)
+    assert not list(run_dir.glob("lightning_logs/version_*/gradient_report.png"))
+    assert list(run_dir.glob("lightning_logs/version_*/gradkit_run.json"))  # the run itself went on and logged

@@ -56,6 +56,14 @@ PROG_BAR_KEYS = ("grad_norm", "clipped", "skipped")
 ZERO_GRADIENT_STEPS = 4
 
 
+def _has_matplotlib() -> bool:
+    """Whether matplotlib can be imported (not installed, or blocked with ``sys.modules["matplotlib"] = None``)."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _clipped_flag(plan: StepPlan) -> Tensor | None:
     """Whether a clipping callback scaled this step's gradients down (a bool device scalar), or None without one."""
     flags = []
@@ -257,7 +265,7 @@ class GradNormMonitor:
         self._first_pending = True
         rank_zero = ctx.global_rank == 0
         self._report_dir = directory if self.report else None
-        self._can_draw = self.report and importlib.util.find_spec("matplotlib") is not None
+        self._can_draw = self.report and _has_matplotlib()
         if self.report and not self._can_draw:
             ctx.warn(
                 "GradNormMonitor(report=True): matplotlib is not installed, so no gradient_report.png is drawn (the "

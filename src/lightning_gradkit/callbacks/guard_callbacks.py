@@ -122,7 +122,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
         if self._deepspeed or not self._reporter.reads_on_host():  # nothing of the batch is needed
             return
         # A reference to the batch (no copy) and the torch RNG state, so a replay repeats its dropout masks.
-        replay = self.forensics and not self._forensics_done
+        replay = self.replay_allowed(trainer.global_step)
         ctx = TrainerPipeline.of(trainer).context(trainer, pl_module)
         ctx.micro_batch = training_step_batch(trainer, pl_module, batch, batch_idx, replay)
 
