@@ -47,6 +47,7 @@ from gradkit.report_data import (
     Incident,
     Rise,
     RunData,
+    choose_incidents,
     event_label,
     first_rise,
     heat_grid,
@@ -55,6 +56,7 @@ from gradkit.report_data import (
     is_sparse,
     is_validation_event,
     isolated_points,
+    left_out_text,
     load_run,
     logged_steps_text,
 )
@@ -87,6 +89,7 @@ _INCIDENT_TITLE = 0.62  # inches above each panel for its title (up to three lin
 _INCIDENT_BELOW = 0.45  # inches below each panel for its step labels
 _INCIDENT_HEADER = 0.6  # inches above the first row for the section title (two lines)
 _INCIDENT_RANGE = 2.0  # the colour scale spans 10**-2 .. 10**2 times a module's median
+_FADED = 0.4  # the alpha of a sparse heatmap's cells between logged steps
 
 
 def render(log_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -260,15 +263,35 @@ def build_figure(data: RunData):
         ratio_rows=len(ratio_rows),
         incidents=min(len(incidents), _MAX_INCIDENTS),
     )
+    shown, left_out = choose_incidents(incidents, _MAX_INCIDENTS)
     fig = plt.figure(figsize=(_WIDTH, layout.height))
     ax_heat = fig.add_axes(layout.rect(layout.top, layout.heat_height), label="gradient norm")
     ax_total = fig.add_axes(layout.rect(layout.total_top, _TOTAL_HEIGHT), sharex=ax_heat, label="totals")
 
     event_steps = [int(e["step"]) for e in data.events if isinstance(e.get("step"), (int, float))]
     span = steps + event_steps
+    sparse = bool(steps) and is_sparse(steps)
     if modules and steps:
-        grid, extent = heat_grid([data.module_series(m) for m in modules], steps)
-        image = ax_heat.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent)
+        series = [data.module_series(m) for m in modules]
+        grid, extent = heat_grid(series, steps)
+        image = ax_heat.imshow(
+            grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent, zorder=2, label="logged"
+        )
+        if sparse:
+            # Beneath the logged columns, faded: each logged value over its logging interval, so a sparse log reads
+            # as a picture of the run rather than a barcode of one-step columns; the title says it is not measured.
+            filled, _ = heat_grid(series, steps, filled=True)
+            ax_heat.imshow(
+                filled,
+                aspect="auto",
+                interpolation="nearest",
+                cmap="viridis",
+                norm=image.norm,
+                extent=extent,
+                alpha=_FADED,
+                zorder=1,
+                label="nearest logged",
+            )
         _row_labels(ax_heat, modules, layout.heat_height)
         fig.colorbar(
             image, cax=fig.add_axes(layout.bar_rect(layout.top, layout.heat_height)), label="log10 gradient norm"
@@ -295,7 +318,7 @@ def build_figure(data: RunData):
         )
         _draw_ratios(fig, ax_ratio, data, ratio_rows, steps, layout)
 
-    _draw_totals(ax_total, data, sparse=bool(steps) and is_sparse(steps))
+    _draw_totals(ax_total, data, sparse=sparse)
     _draw_events(ax_total, data.events)
     if span:
         ax_total.set_xlim(min(span) - 0.5, max(span) + 0.5)
@@ -313,7 +336,7 @@ def build_figure(data: RunData):
             handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=min(len(handles), 4), fontsize=8
         )
     if incidents:
-        _draw_incidents(fig, data, incidents, layout)
+        _draw_incidents(fig, data, shown, left_out, layout)
     add_signal_panels(fig, data)
     return fig
 
@@ -365,7 +388,9 @@ def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layo
     ax.tick_params(labelbottom=False)
 
 
-def _draw_incidents(fig, data: RunData, incidents: list[Incident], layout: _Layout) -> None:
+def _draw_incidents(fig, data: RunData, shown: list[Incident], left_out: list[Incident], layout: _Layout) -> None:
+    """One panel per incident of ``shown`` (:func:`~gradkit.report_data.choose_incidents`); the header says which
+    were left out."""
     plt = _pyplot()
     from matplotlib import ticker
     from matplotlib.patches import Rectangle
@@ -373,16 +398,20 @@ def _draw_incidents(fig, data: RunData, incidents: list[Incident], layout: _Layo
     modules = data.modules
     rows = modules or ["total"]
     series = [data.module_series(m) for m in modules] or [data.series.get(_TOTAL, {})]
-    shown = incidents[:_MAX_INCIDENTS]
-    more = f" (the first {len(shown)} of {len(incidents)})" if len(incidents) > len(shown) else ""
     header_y = 1 - (layout.incident_top + _INCIDENT_HEADER - 0.05) / layout.height
-    fig.text(
-        layout.left / _WIDTH,
-        header_y,
-        f"Incidents{more}: per-module gradient norm / its usual norm (its median before the first event), log10;\n"
-        "event steps framed, red: above usual, blue: below, grey: not logged, x: non-finite",
-        fontsize=10,
-    )
+    if left_out:
+        total = len(shown) + len(left_out)
+        header = (
+            f"Incidents: {len(shown)} of {total} drawn, the rarest kinds and the latest first; not drawn: "
+            f"{left_out_text(left_out)}.\nPer-module gradient norm / its usual norm (its median before the first "
+            "event), log10; event steps framed, red: above usual, blue: below, grey: not logged, x: non-finite"
+        )
+    else:
+        header = (
+            "Incidents: per-module gradient norm / its usual norm (its median before the first event), log10;\n"
+            "event steps framed, red: above usual, blue: below, grey: not logged, x: non-finite"
+        )
+    fig.text(layout.left / _WIDTH, header_y, header, fontsize=10 if not left_out else 8.5, label="incidents header")
     cmap = plt.get_cmap("RdBu_r").with_extremes(bad="0.85")
     image = None
     for k, incident in enumerate(shown):
@@ -412,7 +441,11 @@ def _draw_incidents(fig, data: RunData, incidents: list[Incident], layout: _Layo
         ax.tick_params(labelsize=7)
         ax.set_xlabel("optimizer step", fontsize=7, labelpad=1)
         ax.xaxis.set_major_locator(ticker.MaxNLocator(nbins=5, integer=True))
-        ax.set_title(_incident_title(incident, first_rise(rows, series, grid, steps), len(rows)), fontsize=7.5)
+        logged = [step for step in steps if any(step in values for values in series)]
+        if not logged:
+            ax.text(0.5, 0.5, "nothing logged here", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+        title = _incident_title(incident, first_rise(rows, series, grid, steps), len(rows), logged)
+        ax.set_title(title, fontsize=7.5)
     if image is not None:
         top = layout.incident_top + _INCIDENT_HEADER + _INCIDENT_TITLE
         bar = fig.colorbar(image, cax=fig.add_axes(layout.bar_rect(top, layout.incident_height)), extend="both")
@@ -425,8 +458,9 @@ def _mark_nonfinite_cells(ax, series: list[dict[int, float]], steps: list[int]) 
         ax.scatter([b[0] for b in bad], [b[1] for b in bad], marker="x", color="black", s=12, lw=1, label="non-finite")
 
 
-def _incident_title(incident: Incident, rise: Rise | None, rows: int) -> str:
-    """What happened at which step(s), the culprit a replay named (if any), and where it began."""
+def _incident_title(incident: Incident, rise: Rise | None, rows: int, logged: list[int]) -> str:
+    """What happened at which step(s), the culprit a replay named (if any), and where it began, as far as the
+    ``logged`` steps of the panel tell: a panel whose steps were not logged says so, never that nothing rose."""
     labels = list(dict.fromkeys(event_label(e) for e in incident.events))
     steps = incident.event_steps
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]} ({len(incident.events)} events)"
@@ -437,7 +471,15 @@ def _incident_title(incident: Incident, rise: Rise | None, rows: int) -> str:
         lines.append(
             "culprit: " + ", ".join(culprits[:2]) + (f" (+{len(culprits) - 2} more)" if len(culprits) > 2 else "")
         )
-    if rise is None:
+    shown = incident.steps
+    unlogged_events = not set(steps) & set(logged)
+    if not logged:
+        first = f"not measured: no step of {shown[0]}-{shown[-1]} logged its norms (log every step to see it)"
+    elif rise is None and len(logged) < len(shown):
+        where = ", the event's not" if unlogged_events else ""
+        first = f"no module above {RISE_FACTOR:g}x its usual norm at the {len(logged)} of {len(shown)} steps logged"
+        first += where
+    elif rise is None:
         first = f"no module above {RISE_FACTOR:g}x its usual norm"
     elif math.isinf(rise.factors[0]):
         n = sum(math.isinf(f) for f in rise.factors)
@@ -448,11 +490,39 @@ def _incident_title(incident: Incident, rise: Rise | None, rows: int) -> str:
     return "\n".join([*lines, first])
 
 
+def _fraction_edges(steps: list[int]) -> list[float]:
+    """The edges of the clipped-fraction bars: the one logged at ``s`` covers the steps since the previous log (the
+    first, the steps from 0), each the unit cell around its number.
+
+    Example::
+
+        >>> _fraction_edges([0, 4, 9])
+        [-0.5, 0.5, 4.5, 9.5]
+    """
+    return [-0.5, *(s + 0.5 for s in steps)]
+
+
 def _clipped_count(fraction: dict[int, float]) -> tuple[int, int]:
     """``(clipped, steps)`` from fractions logged per logging interval (each covers the steps since the previous)."""
     steps = sorted(fraction)
     lengths = [steps[0] + 1] + [b - a for a, b in itertools.pairwise(steps)]
     return round(sum(fraction[s] * n for s, n in zip(steps, lengths, strict=True))), sum(lengths)
+
+
+def _clipped_stretches(pre: dict[int, float], post: dict[int, float], clipped: list[int]) -> dict[int, float]:
+    """The post-clip values at the clipped steps and at their logged neighbours, NaN at every other logged step.
+
+    Example::
+
+        >>> _clipped_stretches({0: 1.0, 1: 5.0, 2: 1.0, 3: 1.0}, {0: 1.0, 1: 2.0, 2: 1.0, 3: 1.0}, [1])
+        {0: 1.0, 1: 2.0, 2: 1.0, 3: nan}
+    """
+    steps = sorted(post)
+    keep = set(clipped)
+    for i, step in enumerate(steps):
+        if step in clipped:
+            keep.update(steps[max(i - 1, 0) : i + 2])
+    return {step: post[step] if step in keep else math.nan for step in steps}
 
 
 def _plot_series(ax, series: dict[int, float], sparse: bool, **style: Any) -> None:
@@ -488,8 +558,11 @@ def _draw_totals(ax, data: RunData, sparse: bool = False) -> None:
             label = "total (no step clipped)"
         _plot_series(ax, pre, sparse, label=label, color="tab:blue", lw=1)
         if clipped:
-            # Dashed: where a logged step was not clipped, the pre-clip line shows through.
-            _plot_series(ax, post, sparse, label="total (post-clip)", color="tab:green", lw=1, ls="--")
+            # Only where the clip acted (and to its neighbours, so each clipped point joins the line it left): where
+            # both are equal the pre-clip line is the only one drawn, and no line hides another.
+            _plot_series(
+                ax, _clipped_stretches(pre, post, clipped), sparse, label="total (post-clip)", color="tab:green", lw=1
+            )
             ax.scatter(clipped, [post[s] for s in clipped], s=12, color="tab:green", label="clipped", zorder=3)
         finite = [v for v in pre.values() if v > 0 and math.isfinite(v)]
         if finite and max(finite) > 10 * min(finite):
@@ -505,10 +578,16 @@ def _draw_totals(ax, data: RunData, sparse: bool = False) -> None:
         # The fraction is background: the norms and the event lines are drawn over its edges, not under them.
         ax.set_zorder(twin.get_zorder() + 1)
         ax.patch.set_visible(False)
-        # A fraction logged at step s covers the steps since the previous log: it is drawn over (previous, s].
-        twin.step(list(fraction), list(fraction.values()), where="pre", color="tab:gray", lw=0.8, alpha=0.7)
-        twin.fill_between(list(fraction), list(fraction.values()), step="pre", color="tab:gray", alpha=0.15)
-        twin.plot([], [], color="tab:gray", label="fraction of steps clipped (right axis)")
+        # A fraction logged at step s covers the steps since the previous log, previous+1 .. s: each step is the
+        # unit cell around its number, as in the heatmaps, so the bar spans (previous + 0.5, s + 0.5].
+        twin.stairs(
+            [fraction[step] for step in sorted(fraction)],
+            _fraction_edges(sorted(fraction)),
+            fill=True,
+            color="tab:gray",
+            alpha=0.25,
+            label="fraction of steps clipped (right axis)",
+        )
         twin.set_ylim(0, 1.05)
         twin.set_ylabel("clipped fraction", fontsize=8)
     if data.events:
