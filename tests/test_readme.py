@@ -170,3 +170,42 @@ def test_quick_start_runs_after_a_plain_install_without_matplotlib(tmp_path: Pat
     assert (filename, int(line)) == ("<string>", script.count("\n", 0, script.index("trainer.fit(")) + 1)
     assert not list(run_dir.glob("lightning_logs/version_*/gradient_report.png"))
     assert list(run_dir.glob("lightning_logs/version_*/gradkit_run.json"))  # the run itself went on and logged
+
+
+def test_the_gpt2_use_cache_limitation_holds_as_the_readme_states_it() -> None:
+    """Known limitations: GPT-2 with `use_cache=True` under activation checkpointing. Checked on the installed
+    transformers (the README names the version it states): `mode="full"` gives the gradients of the model without
+    checkpointing while the recompute appends to the returned KV cache a second time; `mode="selective"` fails in the
+    backward; with `use_cache=False` both train."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from lightning_gradkit import inject_activation_checkpointing
+
+    limitation = README.read_text().split("## Known limitations", 1)[1]
+    assert f"transformers {transformers.__version__}" in limitation, "the README names another transformers release"
+
+    def run(mode: str | None, use_cache: bool) -> tuple[dict[str, torch.Tensor], int]:
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            vocab_size=64, n_positions=12, n_embd=16, n_layer=2, n_head=2, use_cache=use_cache,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+        if mode is not None:
+            inject_activation_checkpointing(model, targets=["GPT2Block"], mode=mode)
+        ids = torch.randint(64, (4, 12), generator=torch.Generator().manual_seed(1))
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        cached = out.past_key_values.get_seq_length() if out.past_key_values is not None else 0
+        return {n: p.grad for n, p in model.named_parameters()}, cached
+
+    plain, cached = run(None, use_cache=True)
+    assert cached == 12
+    full, cached = run("full", use_cache=True)
+    assert all(torch.equal(full[n], g) for n, g in plain.items()) and cached == 24  # each token twice
+    with pytest.raises(RuntimeError, match="encountered during backward but not found in storage"):
+        run("selective", use_cache=True)
+    for mode in ("full", "selective"):
+        grads, cached = run(mode, use_cache=False)
+        assert cached == 0 and all(torch.allclose(grads[n], g, atol=1e-6) for n, g in plain.items())
