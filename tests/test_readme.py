@@ -209,3 +209,32 @@ def test_the_gpt2_use_cache_limitation_holds_as_the_readme_states_it() -> None:
     for mode in ("full", "selective"):
         grads, cached = run(mode, use_cache=False)
         assert cached == 0 and all(torch.allclose(grads[n], g, atol=1e-6) for n, g in plain.items())
+
+
+def test_the_plain_loop_sink_makes_one_tensorboard_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's plain-PyTorch block, as written, on a small model: its sink writes every metric into one
+    TensorBoard run (issue 33: `writer.add_scalars("train", ...)` made one run directory per metric)."""
+    pytest.importorskip("tensorboard")
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    section = README.read_text().split("**Plain PyTorch**", 1)[1]
+    (block,) = re.findall(r"```python\n(.*?)```", section.split("**LR schedulers**", 1)[0], re.S)
+    assert "def to_tensorboard" in block and "add_scalars" not in block
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    namespace = {
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "loader": [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)],
+        "loss_fn": torch.nn.functional.mse_loss,
+    }
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), namespace)
+    namespace["writer"].close()
+    runs = {p.parent for p in (tmp_path / "runs").rglob("events.out.tfevents.*")}
+    assert runs == {tmp_path / "runs" / "exp1"}
+    accumulator = EventAccumulator(str(tmp_path / "runs" / "exp1"), size_guidance={SCALARS: 0})
+    accumulator.Reload()
+    tags = accumulator.Tags()[SCALARS]
+    assert {"grad_norm/total", "grad_norm/total_post_clip", "grad_norm/module/0", "grad_norm/module/2"} <= set(tags)
