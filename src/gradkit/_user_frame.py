@@ -9,6 +9,7 @@ counts the frames up to the first one whose file lies outside these packages, so
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import warnings
@@ -37,7 +38,8 @@ def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a ``warnings.warn`` call in the caller of this function name the first frame
     outside gradkit, Lightning and torch; the caller's caller when every frame is inside them."""
     prefixes = _internal_prefixes()
-    frame = sys._getframe(1)  # the caller: stacklevel 1
+    here = inspect.currentframe()
+    frame = here.f_back if here is not None else None  # the caller: stacklevel 1
     level = 1
     while frame is not None:
         filename = frame.f_code.co_filename

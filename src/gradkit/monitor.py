@@ -6,7 +6,6 @@ for Fabric and plain loops); the per-module rows (:func:`repeated_blocks`, :func
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,8 @@ from gradkit.norms import (
 from gradkit.params import clean_name, module_key
 from gradkit.pipeline import StepPlan
 from gradkit.protocol import Stage, StatsRequest, StepContext, state_key, values_to_host
-from gradkit.report_data import INSTALL_HINT, REPORT_FILE, RunData
+from gradkit.report_data import INSTALL_HINT, Record, RunData
+from gradkit.report_loggers import has_matplotlib, publish_report
 from gradkit.selection import auto_module_keys, module_rows, repeated_blocks
 from gradkit.update_ratio import _Before, update_ratios
 
@@ -54,14 +54,6 @@ PROG_BAR_KEYS = ("grad_norm", "clipped", "skipped")
 #: with ``zero_init_residual``, a zero-init LayerScale or adapter) zeroes the gradients upstream of it until the first
 #: step moves it, and a warm-up from ``lr=0`` holds it one step more.
 ZERO_GRADIENT_STEPS = 4
-
-
-def _has_matplotlib() -> bool:
-    """Whether matplotlib can be imported (not installed, or blocked with ``sys.modules["matplotlib"] = None``)."""
-    try:
-        return importlib.util.find_spec("matplotlib") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def _clipped_flag(plan: StepPlan) -> Tensor | None:
@@ -209,7 +201,7 @@ class GradNormMonitor:
         self._rows: dict[int, tuple[ParamIndex, list[str], Tensor]] = {}
         self._clipped: dict[int, Tensor] = {}
         self._steps_since_log: dict[int, int] = {}
-        self._record: _Record | None = None
+        self._record: Record | None = None
         self._report_dir: Path | None = None
         self._can_draw = False  # matplotlib is there (checked at attach)
         self._logs_since_report = 0
@@ -265,7 +257,7 @@ class GradNormMonitor:
         self._first_pending = True
         rank_zero = ctx.global_rank == 0
         self._report_dir = directory if self.report else None
-        self._can_draw = self.report and _has_matplotlib()
+        self._can_draw = self.report and has_matplotlib()
         if self.report and not self._can_draw:
             ctx.warn(
                 "GradNormMonitor(report=True): matplotlib is not installed, so no gradient_report.png is drawn (the "
@@ -274,7 +266,7 @@ class GradNormMonitor:
         self._logs_since_report, self._report_due = 0, False
         # The model order of the rows goes next to the logs (rank 0), for `python -m gradkit.report`.
         self._metadata_dir = directory if rank_zero else None
-        self._record = _Record() if self.report and rank_zero else None
+        self._record = Record() if self.report and rank_zero else None
 
     def finish(self, ctx: StepContext) -> Path | None:
         """The report at the end (``report=True``, rank 0): the PNG and each logger's copy; returns the PNG written."""
@@ -283,32 +275,13 @@ class GradNormMonitor:
         return self._publish_report(ctx, final=True)
 
     def _publish_report(self, ctx: StepContext, final: bool) -> Path | None:
-        """Draw the report from what the monitor logged, write the PNG and log it with the events to the loggers
-        (:func:`gradkit.report_loggers.publish`); the events alone when matplotlib is missing."""
-        from gradkit import report_loggers  # here: `python -m gradkit.report` must not find gradkit.report imported
-
+        """The report from what the monitor logged: the PNG and each logger's copy (the events only without
+        matplotlib)."""
+        assert self._report_dir is not None
         data = self.report_data
-        assert data is not None and self._report_dir is not None
-        steps = [s for key, values in data.series.items() if key.startswith("grad_norm/") for s in values]
-        step = max(steps, default=ctx.log_step)
-        events_file = str(self._report_dir / EVENTS_FILENAME) if data.events else None
-        figure, path = None, None
-        if self._can_draw:
-            from gradkit.report import close, draw, save
-
-            try:
-                figure = draw(data, source="GradNormMonitor")
-            except ValueError as err:  # nothing logged (a run stopped before its first optimizer step)
-                if final:
-                    ctx.warn(f"GradNormMonitor: no gradient report written: {err}")
-                return None
-            path = save(figure, self._report_dir / REPORT_FILE)
-        try:
-            report_loggers.publish(ctx.loggers, step, figure, data.events, ctx.warn, events_file)
-        finally:
-            if figure is not None:
-                close(figure)
-        return path
+        assert data is not None
+        warn_empty = ctx.warn if final else None  # a periodic report before the first logged step: nothing to say
+        return publish_report(data, self._report_dir, ctx.loggers, ctx.log_step, ctx.warn, self._can_draw, warn_empty)
 
     def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(self.norm_type)
@@ -561,46 +534,3 @@ class _ZeroWatch:
         assert self.zero is not None and self.present is not None
         zero = self.zero.cpu().nonzero().flatten().tolist()
         return [self.index.names[i] for i in zero if i in self.present]
-
-
-class _Record:
-    """The values the monitor logged, kept on the host for the report (rank 0, ``report=True``).
-
-    Past ``max_steps`` logged steps every other one is dropped (and from then on only every other one kept), so a
-    long run at a short logging period keeps a bounded record: the figure cannot show more columns anyway.
-    """
-
-    def __init__(self, max_steps: int = 4096) -> None:
-        self.max_steps = max_steps
-        self.steps: list[int] = []
-        self.values: list[dict[str, float]] = []
-        self.module_order: list[str] = []
-        self._stride = 1
-        self._seen = 0
-
-    def add(self, step: int, values: dict[str, float], modules: list[str], suffix: str) -> None:
-        if not self.module_order:
-            self.module_order = [name + suffix for name in modules]
-        self._seen += 1
-        if (self._seen - 1) % self._stride:
-            return
-        if self.steps and self.steps[-1] == step:  # a second optimizer logged at the same step
-            self.values[-1].update(values)
-            return
-        self.steps.append(step)
-        self.values.append(values)
-        if len(self.steps) > self.max_steps:
-            self.steps, self.values = self.steps[::2], self.values[::2]
-            self._stride *= 2
-
-    def merge(self, step: int, values: dict[str, float]) -> None:
-        """Add values measured after the step (the update ratio) to the record of ``step``, if it was kept."""
-        if self.steps and self.steps[-1] == step:
-            self.values[-1].update(values)
-
-    def run_data(self, events: list[dict]) -> RunData:
-        data = RunData(events=events, module_order=self.module_order)
-        for step, values in zip(self.steps, self.values, strict=True):
-            for key, value in values.items():
-                data.series[key][step] = value
-        return data

@@ -36,12 +36,10 @@ import argparse
 import itertools
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gradkit.report_data import (
-    INSTALL_HINT,
     REPORT_FILE,
     RISE_FACTOR,
     Incident,
@@ -60,6 +58,19 @@ from gradkit.report_data import (
     load_run,
     logged_steps_text,
 )
+from gradkit.report_layout import (
+    FADED,
+    INCIDENT_COLUMNS,
+    INCIDENT_HEADER,
+    INCIDENT_RANGE,
+    INCIDENT_TITLE,
+    MAX_INCIDENTS,
+    TOTAL_HEIGHT,
+    WIDTH,
+    Layout,
+    pyplot,
+    row_labels,
+)
 from gradkit.report_signals import add_signal_panels, signal_series
 
 __all__ = ["RATIO_GUIDE", "build_figure", "close", "draw", "main", "render", "render_data", "save"]
@@ -71,25 +82,6 @@ _CLIP_FRACTION = "grad_clip/clipped_fraction"
 _SKIPPED = "gradkit/skipped_steps"
 #: The update-to-weight ratio that the ratio panel centres its colours on (Karpathy's rule of thumb).
 RATIO_GUIDE = 1e-3
-
-# Figure geometry, in inches: panel heights stay fixed whatever the number of modules (the figure grows instead).
-_WIDTH = 12.0
-_ROW_HEIGHT = 0.2
-_MAX_HEAT_HEIGHT = 11.0
-_MIN_HEAT_HEIGHT = 1.4
-_LABEL_HEIGHT = 0.12  # below this many inches per row, only every k-th module name is written
-_TOTAL_HEIGHT = 2.6
-# Incident panels: the steps either side of an event, panels per row, at most this many panels, rows' height.
-_INCIDENT_COLUMNS = 2
-_MAX_INCIDENTS = 8
-_INCIDENT_ROW_HEIGHT = 0.16
-_INCIDENT_MIN_HEIGHT = 0.9
-_INCIDENT_MAX_HEIGHT = 4.0
-_INCIDENT_TITLE = 0.62  # inches above each panel for its title (up to three lines)
-_INCIDENT_BELOW = 0.45  # inches below each panel for its step labels
-_INCIDENT_HEADER = 0.6  # inches above the first row for the section title (two lines)
-_INCIDENT_RANGE = 2.0  # the colour scale spans 10**-2 .. 10**2 times a module's median
-_FADED = 0.4  # the alpha of a sparse heatmap's cells between logged steps
 
 
 def render(log_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -145,100 +137,7 @@ def save(fig, out: str | Path) -> Path:
 
 def close(fig) -> None:
     """Free ``fig`` (pyplot keeps every figure it made until it is closed)."""
-    _pyplot().close(fig)
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(
-            f"The gradient report needs matplotlib, which is not installed: {INSTALL_HINT}."
-        ) from err
-    return plt
-
-
-@dataclass
-class _Layout:
-    """Axes rectangles in inches, so all step panels get the same x extent whatever their labels.
-
-    From the top: the module heatmap, the update-ratio heatmap (when logged), the totals with the events, then the
-    incident panels (when there are incidents), ``_INCIDENT_COLUMNS`` to a row.
-    """
-
-    rows: int
-    label_chars: int
-    ratio_rows: int = 0
-    incidents: int = 0
-
-    @property
-    def heat_height(self) -> float:
-        return min(max(self.rows * _ROW_HEIGHT, _MIN_HEAT_HEIGHT), _MAX_HEAT_HEIGHT)
-
-    @property
-    def ratio_height(self) -> float:
-        return min(max(self.ratio_rows * _ROW_HEIGHT, _MIN_HEAT_HEIGHT), _MAX_HEAT_HEIGHT) if self.ratio_rows else 0.0
-
-    @property
-    def left(self) -> float:
-        return max(1.0, 0.3 + 0.062 * self.label_chars)
-
-    right = 1.25
-    top = 0.45
-    gap = 0.55
-    bottom = 1.35
-    incident_gap = 0.3  # inches between incident panels side by side
-
-    @property
-    def ratio_top(self) -> float:
-        return self.top + self.heat_height + self.gap
-
-    @property
-    def total_top(self) -> float:
-        return self.ratio_top + (self.ratio_height + self.gap if self.ratio_rows else 0.0)
-
-    @property
-    def incident_top(self) -> float:
-        return self.total_top + _TOTAL_HEIGHT + self.bottom
-
-    @property
-    def incident_height(self) -> float:
-        return min(max(self.rows * _INCIDENT_ROW_HEIGHT, _INCIDENT_MIN_HEIGHT), _INCIDENT_MAX_HEIGHT)
-
-    @property
-    def incident_row_height(self) -> float:
-        return _INCIDENT_TITLE + self.incident_height + _INCIDENT_BELOW
-
-    @property
-    def height(self) -> float:
-        rows = math.ceil(self.incidents / _INCIDENT_COLUMNS)
-        incidents = _INCIDENT_HEADER + rows * self.incident_row_height if rows else 0.0
-        return self.incident_top + incidents
-
-    def rect(self, y_from_top: float, h: float, fig_w: float = _WIDTH) -> list[float]:
-        width = fig_w - self.left - self.right
-        return [self.left / fig_w, 1 - (y_from_top + h) / self.height, width / fig_w, h / self.height]
-
-    def bar_rect(self, y_from_top: float, h: float) -> list[float]:
-        """A colour bar in the right margin, beside a panel."""
-        return [
-            (_WIDTH - self.right + 0.12) / _WIDTH,
-            1 - (y_from_top + h) / self.height,
-            0.15 / _WIDTH,
-            h / self.height,
-        ]
-
-    def incident_rect(self, i: int) -> list[float]:
-        """The ``i``-th incident panel: ``_INCIDENT_COLUMNS`` to a row, the first column under the step panels."""
-        row, col = divmod(i, _INCIDENT_COLUMNS)
-        width = (_WIDTH - self.left - self.right - (_INCIDENT_COLUMNS - 1) * self.incident_gap) / _INCIDENT_COLUMNS
-        x = self.left + col * (width + self.incident_gap)
-        y = self.incident_top + _INCIDENT_HEADER + row * self.incident_row_height + _INCIDENT_TITLE
-        h = self.incident_height
-        return [x / _WIDTH, 1 - (y + h) / self.height, width / _WIDTH, h / self.height]
+    pyplot().close(fig)
 
 
 def build_figure(data: RunData):
@@ -249,7 +148,7 @@ def build_figure(data: RunData):
     margin), so a step in a heatmap lies straight above the same step below. Every axes has a label that says what
     it is (``"gradient norm"``, ``"update ratio"``, ``"totals"``, ``"incident"``), for readers of the figure object.
     """
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib import ticker
 
     data = signal_series(data)  # EarlyWarning's series, kept in the events file; drawn by add_signal_panels
@@ -257,16 +156,16 @@ def build_figure(data: RunData):
     ratio_rows = data.ratio_rows
     steps = sorted({s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v})
     incidents = incident_windows(data.events, run_end=steps[-1] if steps else None)
-    layout = _Layout(
+    layout = Layout(
         rows=max(len(modules), 1),
         label_chars=max((len(m) for m in modules), default=10),
         ratio_rows=len(ratio_rows),
-        incidents=min(len(incidents), _MAX_INCIDENTS),
+        incidents=min(len(incidents), MAX_INCIDENTS),
     )
-    shown, left_out = choose_incidents(incidents, _MAX_INCIDENTS)
-    fig = plt.figure(figsize=(_WIDTH, layout.height))
+    shown, left_out = choose_incidents(incidents, MAX_INCIDENTS)
+    fig = plt.figure(figsize=(WIDTH, layout.height))
     ax_heat = fig.add_axes(layout.rect(layout.top, layout.heat_height), label="gradient norm")
-    ax_total = fig.add_axes(layout.rect(layout.total_top, _TOTAL_HEIGHT), sharex=ax_heat, label="totals")
+    ax_total = fig.add_axes(layout.rect(layout.total_top, TOTAL_HEIGHT), sharex=ax_heat, label="totals")
 
     event_steps = [int(e["step"]) for e in data.events if isinstance(e.get("step"), (int, float))]
     span = steps + event_steps
@@ -288,11 +187,11 @@ def build_figure(data: RunData):
                 cmap="viridis",
                 norm=image.norm,
                 extent=extent,
-                alpha=_FADED,
+                alpha=FADED,
                 zorder=1,
                 label="nearest logged",
             )
-        _row_labels(ax_heat, modules, layout.heat_height)
+        row_labels(ax_heat, modules, layout.heat_height)
         fig.colorbar(
             image, cax=fig.add_axes(layout.bar_rect(layout.top, layout.heat_height)), label="log10 gradient norm"
         )
@@ -341,13 +240,6 @@ def build_figure(data: RunData):
     return fig
 
 
-def _row_labels(ax, rows: list[str], height: float) -> None:
-    """Name the rows, every k-th one when the rows are too thin for a label each."""
-    every = max(1, math.ceil(_LABEL_HEIGHT * len(rows) / height))
-    shown = range(0, len(rows), every)
-    ax.set_yticks(list(shown), [rows[i] for i in shown], fontsize=7)
-
-
 def _mark_nonfinite(ax, series: list[dict[int, float]]) -> None:
     """Logged but non-finite (NaN/Inf) cells in red; cells with nothing logged stay blank."""
     bad = [(s, row) for row, values in enumerate(series) for s, v in values.items() if not math.isfinite(v)]
@@ -356,14 +248,14 @@ def _mark_nonfinite(ax, series: list[dict[int, float]]) -> None:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, -0.02), fontsize=7, frameon=False)
 
 
-def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layout: _Layout) -> None:
+def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layout: Layout) -> None:
     """The update-to-weight ratio per module (log10), coloured around :data:`RATIO_GUIDE`: white at 1e-3, red
     above (large updates: a high learning rate), blue below (small updates: a low one, or a module that does not
     train). A step that applied no update logged 0 and stays blank, like a step that logged nothing."""
     from matplotlib import ticker
     from matplotlib.colors import TwoSlopeNorm
 
-    plt = _pyplot()
+    plt = pyplot()
     series = [data.ratio_series(row) for row in rows]
     ratio_steps = sorted({s for values in series for s in values})
     grid, extent = heat_grid(series, steps or ratio_steps)
@@ -374,7 +266,7 @@ def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layo
     cmap = plt.get_cmap("RdBu_r").with_extremes(bad="0.85")
     norm = TwoSlopeNorm(vcenter=guide, vmin=low, vmax=high)
     image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, extent=extent)
-    _row_labels(ax, rows, layout.ratio_height)
+    row_labels(ax, rows, layout.ratio_height)
     bar = fig.colorbar(image, cax=fig.add_axes(layout.bar_rect(layout.ratio_top, layout.ratio_height)))
     bar.set_label("update / weight", fontsize=8)
     bar.ax.axhline(guide, color="black", lw=1.2)
@@ -388,17 +280,17 @@ def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layo
     ax.tick_params(labelbottom=False)
 
 
-def _draw_incidents(fig, data: RunData, shown: list[Incident], left_out: list[Incident], layout: _Layout) -> None:
+def _draw_incidents(fig, data: RunData, shown: list[Incident], left_out: list[Incident], layout: Layout) -> None:
     """One panel per incident of ``shown`` (:func:`~gradkit.report_data.choose_incidents`); the header says which
     were left out."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib import ticker
     from matplotlib.patches import Rectangle
 
     modules = data.modules
     rows = modules or ["total"]
     series = [data.module_series(m) for m in modules] or [data.series.get(_TOTAL, {})]
-    header_y = 1 - (layout.incident_top + _INCIDENT_HEADER - 0.05) / layout.height
+    header_y = 1 - (layout.incident_top + INCIDENT_HEADER - 0.05) / layout.height
     if left_out:
         total = len(shown) + len(left_out)
         header = (
@@ -411,7 +303,7 @@ def _draw_incidents(fig, data: RunData, shown: list[Incident], left_out: list[In
             "Incidents: per-module gradient norm / its usual norm (its median before the first event), log10;\n"
             "event steps framed, red: above usual, blue: below, grey: not logged, x: non-finite"
         )
-    fig.text(layout.left / _WIDTH, header_y, header, fontsize=10 if not left_out else 8.5, label="incidents header")
+    fig.text(layout.left / WIDTH, header_y, header, fontsize=10 if not left_out else 8.5, label="incidents header")
     cmap = plt.get_cmap("RdBu_r").with_extremes(bad="0.85")
     image = None
     for k, incident in enumerate(shown):
@@ -424,12 +316,12 @@ def _draw_incidents(fig, data: RunData, shown: list[Incident], left_out: list[In
             aspect="auto",
             interpolation="nearest",
             cmap=cmap,
-            vmin=-_INCIDENT_RANGE,
-            vmax=_INCIDENT_RANGE,
+            vmin=-INCIDENT_RANGE,
+            vmax=INCIDENT_RANGE,
             extent=extent,
         )
-        if k % _INCIDENT_COLUMNS == 0:
-            _row_labels(ax, rows, layout.incident_height)
+        if k % INCIDENT_COLUMNS == 0:
+            row_labels(ax, rows, layout.incident_height)
         else:
             ax.set_yticks([])
         _mark_nonfinite_cells(ax, series, steps)
@@ -447,7 +339,7 @@ def _draw_incidents(fig, data: RunData, shown: list[Incident], left_out: list[In
         title = _incident_title(incident, first_rise(rows, series, grid, steps), len(rows), logged)
         ax.set_title(title, fontsize=7.5)
     if image is not None:
-        top = layout.incident_top + _INCIDENT_HEADER + _INCIDENT_TITLE
+        top = layout.incident_top + INCIDENT_HEADER + INCIDENT_TITLE
         bar = fig.colorbar(image, cax=fig.add_axes(layout.bar_rect(top, layout.incident_height)), extend="both")
         bar.set_label("log10 norm / usual norm", fontsize=8)
 

@@ -26,6 +26,7 @@ __all__ = [
     "REPORT_FILE",
     "RISE_FACTOR",
     "Incident",
+    "Record",
     "Rise",
     "RunData",
     "cell_reach",
@@ -537,3 +538,47 @@ def event_label(event: dict) -> str:
     if event.get("action") == "skip":
         return f"{what} (step skipped)"
     return what
+
+
+class Record:
+    """The values :class:`~gradkit.monitor.GradNormMonitor` logged, kept on the host for the report (rank 0,
+    ``report=True``).
+
+    Past ``max_steps`` logged steps every other one is dropped (and from then on only every other one kept), so a
+    long run at a short logging period keeps a bounded record: the figure cannot show more columns anyway.
+    """
+
+    def __init__(self, max_steps: int = 4096) -> None:
+        self.max_steps = max_steps
+        self.steps: list[int] = []
+        self.values: list[dict[str, float]] = []
+        self.module_order: list[str] = []
+        self._stride = 1
+        self._seen = 0
+
+    def add(self, step: int, values: dict[str, float], modules: list[str], suffix: str) -> None:
+        if not self.module_order:
+            self.module_order = [name + suffix for name in modules]
+        self._seen += 1
+        if (self._seen - 1) % self._stride:
+            return
+        if self.steps and self.steps[-1] == step:  # a second optimizer logged at the same step
+            self.values[-1].update(values)
+            return
+        self.steps.append(step)
+        self.values.append(values)
+        if len(self.steps) > self.max_steps:
+            self.steps, self.values = self.steps[::2], self.values[::2]
+            self._stride *= 2
+
+    def merge(self, step: int, values: dict[str, float]) -> None:
+        """Add values measured after the step (the update ratio) to the record of ``step``, if it was kept."""
+        if self.steps and self.steps[-1] == step:
+            self.values[-1].update(values)
+
+    def run_data(self, events: list[dict]) -> RunData:
+        data = RunData(events=events, module_order=self.module_order)
+        for step, values in zip(self.steps, self.values, strict=True):
+            for key, value in values.items():
+                data.series[key][step] = value
+        return data

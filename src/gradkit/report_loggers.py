@@ -18,12 +18,15 @@ fails is skipped with one warning.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from gradkit.report_data import event_label
+from gradkit.events import EVENTS_FILENAME
+from gradkit.report_data import REPORT_FILE, RunData, event_label
 
 __all__ = [
     "EVENTS_ARTIFACT",
@@ -34,8 +37,10 @@ __all__ = [
     "event_rows",
     "events_markdown",
     "events_summary",
+    "has_matplotlib",
     "logger_kind",
     "publish",
+    "publish_report",
 ]
 
 #: The tag (TensorBoard) or key (W&B) of the figure, and of the events.
@@ -121,6 +126,48 @@ def events_markdown(events: Sequence[dict], events_file: str | None = None) -> s
     if events_file:
         lines.append(f"\nEvery field of every event: {events_file}")
     return "\n".join(lines)
+
+
+def has_matplotlib() -> bool:
+    """Whether matplotlib can be imported (not installed, or blocked with ``sys.modules["matplotlib"] = None``)."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def publish_report(
+    data: RunData,
+    directory: Path,
+    loggers: Sequence[object],
+    fallback_step: int,
+    warn: Callable[[str], None],
+    draw_figure: bool = True,
+    warn_empty: Callable[[str], None] | None = None,
+) -> Path | None:
+    """Draw the report of ``data`` (``draw_figure``: matplotlib is there), write ``directory/gradient_report.png``
+    and :func:`publish` it with the events at the last step that logged norms (``fallback_step`` when none did).
+    Returns the PNG written, ``None`` when nothing was drawn (``warn_empty`` says why when nothing was logged)."""
+    steps = [s for key, values in data.series.items() if key.startswith("grad_norm/") for s in values]
+    step = max(steps, default=fallback_step)
+    events_file = str(directory / EVENTS_FILENAME) if data.events else None
+    figure, path = None, None
+    if draw_figure:
+        from gradkit.report import close, draw, save  # here: `python -m gradkit.report` must not find it imported
+
+        try:
+            figure = draw(data, source="GradNormMonitor")
+        except ValueError as err:  # nothing logged (a run stopped before its first optimizer step)
+            if warn_empty is not None:
+                warn_empty(f"GradNormMonitor: no gradient report written: {err}")
+            return None
+        path = save(figure, directory / REPORT_FILE)
+    try:
+        publish(loggers, step, figure, data.events, warn, events_file)
+    finally:
+        if figure is not None:
+            close(figure)
+    return path
 
 
 def publish(

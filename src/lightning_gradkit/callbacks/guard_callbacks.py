@@ -185,7 +185,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
             grads_bad = ~torch.isfinite(step.grad_norm)
         elif self.check_grads and step.grad_norm is None and not self._ds_warned_no_norm:
             self._ds_warned_no_norm = True
-            Engine.of(trainer).context(trainer, pl_module).warn(
+            TrainerPipeline.of(trainer).context(trainer, pl_module).warn(
                 "NonFiniteGuard: the DeepSpeed engine computed no global gradient norm (ZeRO stage 0 in full "
                 "precision steps the torch optimizer directly), so only the loss is checked under this config."
             )
@@ -285,7 +285,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
         if stop:
             trainer.should_stop = True
             message += " Training stops (`stop_on_nonfinite_validation=True`)."
-        Engine.of(trainer).context(trainer, pl_module).warn(f"{message}{self._reporter.note}")
+        TrainerPipeline.of(trainer).context(trainer, pl_module).warn(f"{message}{self._reporter.note}")
 
 
 class SpikeGuard(gradkit.spike_guard.SpikeGuard, GradKitCallback):
