@@ -2,14 +2,15 @@
 
     python examples/fabric_pretrain.py --out-dir /tmp/fabric-run                  # TinyGPT, 200 steps, CPU or GPU
     python examples/fabric_pretrain.py --out-dir /tmp/fabric-run --inject-nan-at 40   # a NaN batch: skipped
-    python examples/fabric_pretrain.py --out-dir /tmp/fabric-run --resume auto --max-steps 300  # go on from the last
+    python examples/fabric_pretrain.py --out-dir /tmp/fabric-run --resume auto --max-steps 300  # go on from there
     python examples/fabric_pretrain.py --out-dir /tmp/fabric-run --model litgpt   # litgpt's GPT (pip install litgpt)
     python examples/fabric_pretrain.py --out-dir /tmp/fabric-run --devices 2 --strategy ddp       # or --strategy fsdp
     python examples/fabric_pretrain.py --help                                      # every option
 
 The loop has the shape of the ``fit`` loop of litgpt's ``pretrain.py``: ``fabric.launch()``, ``fabric.setup``, a
 learning-rate warmup and cosine decay set by hand, gradient accumulation under ``fabric.no_backward_sync``,
-``fabric.backward(loss / accum)``, ``fabric.log_dict`` and ``fabric.save(path, state)``. Where litgpt calls
+``fabric.backward(loss / accum)``, ``fabric.log_dict`` and ``fabric.save(path, state)`` (every ``--save-interval``
+steps and always at the end, so ``--resume auto`` finds the run's last step). Where litgpt calls
 ``fabric.clip_gradients`` and ``optimizer.step()``, it calls ``kit.step(optimizer)``: gradkit measures the gradients
 once, clips them, skips the step when a guard says so and steps the optimizer otherwise. ``kit.state_dict()`` goes
 into each checkpoint beside the model and the optimizer, so ``--resume`` continues with the clipper's statistics, the
@@ -67,7 +68,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--max-norm", type=float, default=1.0)
     add("--monitor-depth", type=int, default=None, help="GradNormMonitor(depth=...); default: one norm per block")
     add("--log-interval", type=int, default=10, help="optimizer steps between logged rows")
-    add("--save-interval", type=int, default=None, help="optimizer steps between checkpoints (and at the end)")
+    add("--save-interval", type=int, default=None, help="optimizer steps between checkpoints (one at the end anyway)")
     add("--out-dir", type=Path, default=Path(tempfile.gettempdir()) / "gradkit-fabric-pretrain")
     add("--resume", default=None, help='a checkpoint written by this script, or "auto": the last one in --out-dir')
     add("--max-bytes", type=int, default=200_000, help="bytes of standard-library text to train on")
@@ -165,6 +166,7 @@ def nan_injected(model: nn.Module, active: bool) -> Iterator[None]:
 
 
 def find_resume(resume: str | None, out_dir: Path) -> Path | None:
+    """The checkpoint ``--resume`` names: a path, or with ``"auto"`` the last one in ``out_dir`` (``None``: none)."""
     if resume != "auto":
         return Path(resume) if resume else None
     checkpoints = sorted(out_dir.glob("step-*/state.pth"))
@@ -217,7 +219,7 @@ def fit(fabric: L.Fabric, state: dict[str, Any], kit: GradKit, tokens: Tensor, a
             fabric.log_dict({"loss": last_loss, "lr": lr, "iter": state["iter_num"]}, step=step)
             fabric.print(f"step {step:5d} | loss {last_loss:.4f} | lr {lr:.2e}")  # gradkit's step numbers
         window_loss.zero_()
-        if args.save_interval and (state["step_count"] % args.save_interval == 0 or done):
+        if done or (args.save_interval and state["step_count"] % args.save_interval == 0):
             path = args.out_dir / f"step-{state['step_count']:08d}" / "state.pth"
             fabric.print(f"Saving checkpoint to {str(path)!r}")
             fabric.save(path, {**state, "gradkit": kit.state_dict()})
@@ -256,11 +258,15 @@ def main(argv: Sequence[str] | None = None) -> Summary:
     )
     state = {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
     resume = find_resume(args.resume, args.out_dir)
+    if resume is None and args.resume == "auto":
+        fabric.print(f"--resume auto: no checkpoint in {str(args.out_dir)!r} (step-*/state.pth): starting from step 0")
     if resume is not None:
-        fabric.print(f"Resuming training from {str(resume)!r}")
         # gradkit's state as a plain entry, handed back in what `load` did not restore: Fabric's sharded (FSDP)
         # checkpoints would return a dict in place of an object given in `state`, rather than call its load_state_dict.
         kit.load_state_dict(fabric.load(resume, state)["gradkit"])
+        fabric.print(f"Resuming training from {str(resume)!r} at step {state['step_count']}")
+        if state["step_count"] >= args.max_steps:
+            fabric.print(f"Step {state['step_count']} is --max-steps {args.max_steps} or past it: raise it to go on")
 
     tokens = torch.frombuffer(bytearray(stdlib_text(max_bytes=args.max_bytes)), dtype=torch.uint8).long()
     last_loss = fit(fabric, state, kit, tokens, args)

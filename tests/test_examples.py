@@ -120,7 +120,10 @@ def test_demo_skips_the_injected_nan_names_the_culprit_and_writes_the_report(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     args = [*quick_args("demo.yaml", tmp_path, "tiny_gpt.py"), "--inject-nan-at=3", "--inject-into=model.blocks.0.mlp"]
-    with pytest.warns(UserWarning, match=r"NonFiniteGuard: non-finite values at step 3: .* step was skipped"):
+    first_line = (
+        r"NonFiniteGuard: non-finite .* at step 3, culprit `model.blocks.0.mlp` \(from the replay\); the optimizer"
+    )
+    with pytest.warns(UserWarning, match=first_line):
         cli = load_example("tiny_gpt.py").main(args)
     trainer = cli.trainer
     assert trainer.global_step == 12
@@ -290,3 +293,28 @@ def test_spike_on_the_optimizer_clock_comes_back_after_a_rollback_and_escalation
     (escalation,) = [e for e in found if e["what"] == "escalation"]
     assert escalation["lr_factor"] == 0.1 and escalation["rewarmup_steps"] == 200
     assert sum(losses[-10:]) / 10 < sum(plain_losses[-10:]) / 10 - 0.1  # through the fault; plain restarted at 0
+
+
+def test_make_demo_runs_on_one_torch_thread() -> None:
+    """`make demo` sets the thread count (issue 33: two threads cost 7x the CPU time on a busy machine, for the same
+    numbers): the environment its command line gives makes torch use one thread."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    dry = subprocess.run(["make", "-n", "demo"], cwd=EXAMPLES.parent, capture_output=True, text=True, check=True)
+    (line,) = [line for line in dry.stdout.splitlines() if "examples/tiny_gpt.py" in line]
+    words = shlex.split(line)
+    assignments = dict(w.split("=", 1) for w in words[: next(i for i, w in enumerate(words) if "=" not in w)])
+    assert words[len(assignments) + 1 :][:4] == [
+        "examples/tiny_gpt.py",
+        "fit",
+        "--config",
+        "examples/configs/demo.yaml",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")} | assignments
+    threads = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env, capture_output=True, text=True
+    )
+    assert threads.stdout.strip() == "1", threads.stderr

@@ -152,3 +152,49 @@ def test_fabric_example_trains_litgpt_gpt_with_a_norm_per_block_and_skips_the_na
     assert type(summary.model.module).__module__ == "litgpt.model"
     assert sorted(logged(tmp_path, "grad_norm/module/transformer.h.0")) == [0, 1, 2, 3]
     assert all(torch.isfinite(p).all() for p in summary.model.parameters())
+
+
+def readme_fabric_commands() -> list[list[str]]:
+    """The README's `examples/fabric_pretrain.py` commands, split into arguments (without `python` and the path)."""
+    import shlex
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    lines = [
+        line.split("#")[0] for line in readme.splitlines() if line.startswith("python examples/fabric_pretrain.py")
+    ]
+    return [shlex.split(line)[2:] for line in lines]
+
+
+def test_the_readmes_resume_command_resumes_the_readmes_first_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 33: the README's first command saved no checkpoint, so its `--resume auto` started from scratch without
+    a word. Both as the README writes them, in a folder of their own and tiny (4 steps, then 6, the NaN at step 2)."""
+    first, resume = readme_fabric_commands()[:2]
+    assert "--inject-nan-at" in first and "--save-interval" not in first
+    assert resume[resume.index("--resume") + 1] == "auto"
+    out = ["--out-dir", str(tmp_path)]  # the README's /tmp/fabric-run, here
+    example = load_example()
+
+    example.main([*first, *TINY, "--max-steps=4", "--inject-nan-at=2", *out])
+    assert sorted(p.parent.name for p in tmp_path.glob("step-*/state.pth")) == ["step-00000004"]
+    capsys.readouterr()
+    summary = example.main([*resume, *TINY, "--max-steps=6", *out])
+    printed = capsys.readouterr().out
+    assert f"Resuming training from '{tmp_path / 'step-00000004' / 'state.pth'}' at step 4" in printed
+    assert (summary.steps, summary.skipped_steps) == (6, 1)  # the first run's skip came along in the checkpoint
+    assert sorted(logged_in(tmp_path, "version_1", "grad_norm/total")) == [4, 5]  # went on at step 4
+
+
+def test_resume_auto_without_a_checkpoint_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    summary = load_example().main([*TINY, "--max-steps=2", "--resume=auto", f"--out-dir={tmp_path}"])
+    assert f"--resume auto: no checkpoint in '{tmp_path}' (step-*/state.pth): starting from step 0" in (
+        capsys.readouterr().out
+    )
+    assert summary.steps == 2
+
+
+def logged_in(out_dir: Path, version: str, key: str) -> dict[int, float]:
+    """``key``'s value at each step of one run (``version``) of the folder's CSV logs."""
+    with (out_dir / "logs" / version / "metrics.csv").open() as f:
+        return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row[key]}

@@ -119,16 +119,17 @@ class SpikyModule(FaultModule):
         return loss
 
 
-def reference_spikes(values: list[float], z: float, alpha: float, warmup: int) -> list[int]:
-    """A hand-written float64 loop of the documented rule: EMA (Welford first), clamped update, z > threshold."""
+def reference_spikes(values: list[float], z: float, alpha: float, warmup: int, floor: float = 1.0) -> list[int]:
+    """A hand-written float64 loop of the documented rule: EMA (Welford first), z > threshold and a rise of more than
+    ``floor`` times the mean's magnitude, a spike's update clamped."""
     mean = var = 0.0
     spikes = []
     for step, x in enumerate(values):
         std = max(math.sqrt(max(var, 0.0)), abs(mean) * 1e-6 + 1e-12)
-        active = step >= warmup
-        if active and (x - mean) / std > z:
+        spike = step >= warmup and (x - mean) / std > z and x - mean > floor * abs(mean)
+        if spike:
             spikes.append(step)
-        record = min(x, mean + z * std) if active else x
+        record = min(x, mean + z * std) if spike else x
         n = step + 1
         w = max(1.0 / n, 1 - alpha)
         delta = record - mean
@@ -269,6 +270,7 @@ def test_resume_without_restored_statistics_would_differ(tmp_path: Path) -> None
         ({"window": 0}, "window"),
         ({"window": 10, "warmup_steps": 25}, "window"),
         ({"warmup_steps": 1}, "warmup_steps"),
+        ({"relative_floor": -0.1}, "relative_floor"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(kwargs: dict, argument: str) -> None:
@@ -332,3 +334,36 @@ def test_loss_monitor_records_the_mean_of_each_window_including_the_short_last_o
     recorded = guard.state_dict()["stats"]["values"][:3].tolist()
     assert len(model.losses) == 10
     assert recorded == pytest.approx(window_means(model.losses, 4), rel=1e-6)
+
+
+# -- a near-converged, flat loss (issue 33) ---------------------------------------------------------------------------
+def flat_loss_run(values: list[float], **guard_args: Any) -> list[int]:
+    """The loop door fed ``values`` as the losses (a model that is not the point); the steps a ``SpikeGuard(loss,
+    action="skip")`` skipped."""
+    from gradkit.loop import GradKit
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    kit = GradKit(model, optimizer, SpikeGuard("loss", action="skip", **guard_args), log_dir=False)
+    skipped = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the spike warnings: the skipped steps say it
+        for step, value in enumerate(values):
+            model(torch.ones(1, 2)).sum().backward()
+            kit.note_loss(torch.tensor(value))
+            if not kit.step(optimizer):
+                skipped.append(step)
+            optimizer.zero_grad(set_to_none=True)
+    return skipped
+
+
+def test_a_flat_near_converged_loss_does_not_alarm_and_a_real_spike_still_does() -> None:
+    """The issue's case: a loss near 0.0032 with a standard deviation of about 0.0003, then 0.0055 (6.2 to 7.7
+    standard deviations above the mean, 1.7 times the mean): ordinary noise, not a spike, by default; 0.05 (15x) is."""
+    flat = [0.0032 + 0.0003 * (-1) ** step for step in range(60)]
+    noise, spike = 60, 61
+    values = [*flat, 0.0055, 0.05, *flat[:5]]
+    assert reference_spikes(values, 6.0, 0.97, 25, floor=0.0)[:1] == [noise]  # the z-score alone: an alarm
+    assert flat_loss_run(values, relative_floor=0.0)[:1] == [noise]
+    assert reference_spikes(values, 6.0, 0.97, 25) == [spike]
+    assert flat_loss_run(values) == [spike]  # the default floor (1.0): the noise passes, the spike is skipped

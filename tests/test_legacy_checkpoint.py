@@ -80,7 +80,11 @@ def test_a_checkpoint_of_the_previous_layout_resumes_with_every_state(tmp_path: 
         old = saved["callbacks"][key]
         assert _same({k: state[k] for k in old}, old), (key, state, old)
         added = {k: state[k] for k in state.keys() - old.keys()}
-        assert added in ({}, {"skipped_steps": skipped, **never_escalated}), (key, added)
+        # NonFiniteGuard's replay budget: the step of its last replay, the first finding's in a checkpoint from before
+        # the budget (its one replay ran there), none when it never replayed
+        replayed = old.get("first_finding") if old.get("forensics_done") else None
+        last_replay = {"last_replay_step": replayed["step"] if replayed else None}
+        assert added in ({}, {"skipped_steps": skipped, **never_escalated}, last_replay), (key, added)
     # the strategy's scheduler counts and the open window (batch SAVE_AT_BATCH's gradients) came back
     assert probe.schedule == saved["gradkit_lr_schedule"]
     window = saved["gradkit_accumulation_window"]

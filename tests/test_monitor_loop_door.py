@@ -102,7 +102,8 @@ def test_the_loop_doors_report_shows_the_events_the_guards_write_at_finish(
 ) -> None:
     """The monitor listed first still draws after the guards' ``finish``: the door calls it in stage order."""
     drawn: list[list[dict]] = []
-    monkeypatch.setattr(gradkit.report, "render_data", lambda data, out, source: drawn.append(data.events))
+    real_draw = gradkit.report.draw
+    monkeypatch.setattr(gradkit.report, "draw", lambda data, source: drawn.append(data.events) or real_draw(data))
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = gradkit.monitor.GradNormMonitor(report=True)

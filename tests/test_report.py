@@ -146,6 +146,39 @@ def test_no_step_clipped_is_said_and_clipped_steps_are_marked(tmp_path: Path) ->
     assert sorted(x for x, _ in marks.get_offsets()) == [s for s, v in pre.items() if v > 0.05 + 1e-6]
 
 
+def test_each_clipped_fraction_bar_covers_the_steps_it_counts_centred_on_their_numbers(tmp_path: Path) -> None:
+    """Logged every step, the fraction of step s counts step s alone: its bar is the unit cell around s (issue 33:
+    it covered (s-1, s], half of it over the previous step); logged at 3 and 7, the second counts steps 4-7."""
+    data = load_run(_run(tmp_path))
+    data.series["grad_clip/clipped_fraction"] = {s: float(s % 2) for s in range(8)}
+    (twin,) = [a for a in build_figure(data).axes if a.get_label() == "clip fraction"]
+    (bars,) = twin.patches
+    values, edges, _ = bars.get_data()
+    assert list(edges) == [s - 0.5 for s in range(9)] and list(values) == [float(s % 2) for s in range(8)]
+    data.series["grad_clip/clipped_fraction"] = {3: 0.25, 7: 0.5}
+    (twin,) = [a for a in build_figure(data).axes if a.get_label() == "clip fraction"]
+    values, edges, _ = twin.patches[0].get_data()
+    assert list(edges) == [-0.5, 3.5, 7.5] and list(values) == [0.25, 0.5]
+
+
+def test_the_post_clip_line_is_drawn_only_where_clipping_acted(tmp_path: Path) -> None:
+    """Where no step was clipped the two totals are equal: only the pre-clip line is drawn there (issue 33: a dashed
+    post-clip line over it hid it); each clipped step joins its neighbours."""
+
+    data = load_run(_run(tmp_path))
+    pre = data.series["grad_norm/total"]
+    steps = sorted(pre)
+    clipped = {steps[2]: pre[steps[2]] / 4}
+    data.series["grad_norm/total_post_clip"] = {s: clipped.get(s, pre[s]) for s in steps}
+    lines = _total_lines(build_figure(data))
+    post = lines["total (post-clip)"]
+    assert post.get_linestyle() == "-" and list(post.get_xdata()) == steps
+    drawn = dict(zip(steps, post.get_ydata(), strict=True))
+    assert [s for s in steps if not math.isnan(drawn[s])] == steps[1:4]
+    assert drawn[steps[2]] == pytest.approx(pre[steps[2]] / 4)
+    assert list(lines["total (pre-clip)"].get_ydata()) == pytest.approx([pre[s] for s in steps])
+
+
 def test_skipped_steps_and_clip_fraction_are_drawn_where_logged(tmp_path: Path) -> None:
     data = load_run(_run(tmp_path))
     data.series["grad_clip/clipped_fraction"] = {3: 0.25, 7: 0.5}
@@ -248,7 +281,13 @@ def test_sparse_log_draws_markers_blank_columns_and_says_how_many_steps_were_log
     expected = column(rows, "grad_norm/module/head")
     assert _heat_value_at(heat, head, 0) == pytest.approx(math.log10(expected[0]), rel=1e-6)
     assert _heat_value_at(heat, head, 9) == pytest.approx(math.log10(expected[1]), rel=1e-6)
-    assert all(math.isnan(_heat_value_at(heat, head, s)) for s in range(1, 9))  # blank: nothing logged there
+    assert all(math.isnan(_heat_value_at(heat, head, s)) for s in range(1, 9))  # nothing measured there
+    # Beneath, faded, each logged value over its half of the gap (issue 33: no barcode of one-step columns).
+    faded = heat.images[1]
+    assert faded.get_alpha() < 1 and faded.get_zorder() < heat.images[0].get_zorder()
+    nearest = np.ma.filled(faded.get_array().astype(float), np.nan)[head]
+    assert list(nearest) == pytest.approx([math.log10(expected[0])] * 5 + [math.log10(expected[1])] * 5, rel=1e-6)
+    assert "faded: the nearest logged value, not measured there" in heat.get_title()
     line = _total_lines(fig)["total"]
     assert list(line.get_xdata()) == [0, 9] and list(line.get_ydata()) == pytest.approx(list(logged.values()))
     assert line.get_marker() == "o" and line.get_markevery() is None  # a marker on every logged point
@@ -260,6 +299,7 @@ def test_dense_log_fills_the_heatmap_and_draws_a_plain_line(tmp_path: Path) -> N
     fig = build_figure(load_run(trainer.logger.log_dir))
     assert "every step logged (0-7)" in _heat(fig).get_title()
     assert not any(math.isnan(v) for v in _heat(fig).images[0].get_array().ravel())
+    assert len(_heat(fig).images) == 1  # no faded layer: every step is measured
     assert _total_lines(fig)["total"].get_marker() in (None, "None", "")
 
 
@@ -411,22 +451,23 @@ def test_vit_root_parameters_get_rows_named_for_what_they_hold(tmp_path: Path) -
 def test_missing_matplotlib_hint_gives_the_install_command_that_works_from_a_checkout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The package is on no index: `pip install lightning_gradkit[report]` finds nothing, the checkout's extra works."""
+    """The package is on no index: `pip install lightning_gradkit[report]` finds nothing, the checkout's extra works.
+    The monitor says it in its one-line note (it does not raise: the README's quick start must run without
+    matplotlib), the CLI in its error."""
     import importlib.util
     import sys
 
+    log_dir = _run(tmp_path / "run")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
     )
-    with pytest.raises(ModuleNotFoundError) as from_monitor:
-        GradNormMonitor(report=True)
-    monkeypatch.undo()
-    log_dir = _run(tmp_path)
+    with pytest.warns(UserWarning, match="matplotlib is not installed") as from_monitor:
+        make_trainer(tmp_path, callbacks=[GradNormMonitor(report=True)], max_steps=1).fit(MLPModule(), loader())
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
     with pytest.raises(ModuleNotFoundError) as from_report:
         render(log_dir)
-    for err in (from_monitor, from_report):
-        message = str(err.value)
+    note = next(str(w.message) for w in from_monitor if "matplotlib" in str(w.message))
+    for message in (note, str(from_report.value)):
         assert "pip install -e '.[report]'" in message and "checkout" in message, message
         assert "lightning_gradkit[report]" not in message

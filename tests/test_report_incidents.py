@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gradkit.report import build_figure
@@ -115,3 +116,54 @@ def test_update_ratio_panel_shows_the_logged_ratios_per_module_in_fit_and_from_t
             assert logged[12] == 0.0 and grid.mask[i, 12]  # the skipped step: no update, a blank cell
             for step in (0, 5, 15):
                 assert grid[i, step] == pytest.approx(math.log10(logged[step]), rel=1e-6)
+
+
+# -- issue 33: what a panel may claim, and which incidents get one --------------------------------------------------
+def _lightning_default_run(events: list[dict]) -> RunData:
+    """Norms logged as Lightning's default period logs them over 200 steps (0, 49, 99, 149, 199); the embedding's
+    norm 1000 times its usual at step 40, which no logged step sees."""
+    data = RunData(module_order=["embedding", "head"], events=events)
+    for step in (0, 49, 99, 149, 199):
+        data.series["grad_norm/module/embedding"][step] = 1.0
+        data.series["grad_norm/module/head"][step] = 2.0
+        data.series["grad_norm/total"][step] = 2.2
+    return data
+
+
+def test_an_incident_panel_over_unlogged_steps_never_reads_as_measured() -> None:
+    events = [{"step": s, "what": "nonfinite_grads", "action": "skip", "culprit": None} for s in (40, 70)]
+    first, second = _axes(build_figure(_lightning_default_run(events)), "incident")
+    # Steps 30-50: only 49 was logged, not the event's step 40: the title says so instead of "no module above".
+    assert (
+        first.get_title().splitlines()[-1]
+        == "no module above 5x its usual norm at the 1 of 21 steps logged, the event's not"
+    )
+    # Steps 60-80: nothing logged at all.
+    assert second.get_title().splitlines()[-1] == (
+        "not measured: no step of 60-80 logged its norms (log every step to see it)"
+    )
+    assert [t.get_text() for t in second.texts] == ["nothing logged here"]
+    assert bool(np.isnan(np.ma.filled(second.images[0].get_array().astype(float), np.nan)).all())
+
+
+def test_panels_go_to_the_rarest_kinds_and_the_latest_and_the_header_names_the_rest() -> None:
+    """39 incidents (the issue's count): 38 routine skips and one rollback among them; 8 panels."""
+    data = RunData(module_order=["a"])
+    for step in range(0, 2300):
+        data.series["grad_norm/module/a"][step] = 1.0
+    skips = [{"step": s, "what": "nonfinite_grads", "action": "skip"} for s in range(20, 2300, 60)]
+    rollback = {"step": 530, "what": "rollback"}
+    assert len(skips) == 38 and all(abs(e["step"] - 530) > 2 * 10 for e in skips)  # 39 panels of their own
+    data.events = [*skips, rollback]
+    fig = build_figure(data)
+    panels = _axes(fig, "incident")
+    drawn = [_framed_steps(p)[0] for p in panels]
+    latest = sorted(e["step"] for e in skips)[-7:]
+    assert drawn == [530, *latest]  # the rare rollback, then the 7 latest skips, in step order
+    assert "rollback" in panels[0].get_title()
+    (header,) = [t for t in fig.texts if t.get_label() == "incidents header"]
+    left = sorted(e["step"] for e in skips)[:-7]
+    assert header.get_text().splitlines()[0] == (
+        f"Incidents: 8 of 39 drawn, the rarest kinds and the latest first; not drawn: 31 x nonfinite_grads "
+        f"(step skipped) at steps {left[0]}-{left[-1]}."
+    )

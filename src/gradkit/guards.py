@@ -20,6 +20,7 @@ from torch import Tensor
 
 from gradkit._arguments import check_bool, check_choice, check_int
 from gradkit.culprit import (
+    Culprit,
     MicroBatch,
     first_bad_batch,
     id_list,
@@ -36,6 +37,25 @@ from gradkit.pipeline import StepPlan
 from gradkit.protocol import Stage, StatsRequest, StepContext, state_key
 
 __all__ = ["NonFiniteGuard"]
+
+_WHAT_TEXT = {
+    "nonfinite_loss": "non-finite loss",
+    "nonfinite_grads": "non-finite gradients",
+    "nonfinite_loss_and_grads": "non-finite loss and gradients",
+}
+
+
+def _what_text(what: str) -> str:
+    """An event's ``what`` in words, for a warning's first line."""
+    return _WHAT_TEXT.get(what, what)
+
+
+def _culprit_text(culprit: Culprit) -> str:
+    """``culprit `name` (from the replay)``, for a warning's first line."""
+    if culprit.name is None:
+        return "culprit not localized"
+    how = {"replay": "from the replay", "loss": "no replay", "gradients": "first non-finite gradient, no replay"}
+    return f"culprit `{culprit.name}` ({how.get(culprit.source or '', culprit.source)})"
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -68,18 +88,19 @@ class NonFiniteGuard:
     - ``"raise"``: raise before the optimizer steps (one host read of the flag per step; any strategy).
     - ``"warn"``: let the update happen, count the flagged steps on device and report them on logging steps.
 
-    Forensics: on the first detection (not on every step), the micro-batches of the bad step are replayed once
-    under a dispatch mode that sees every aten operator of the forward and of the backward (see
-    :mod:`gradkit.forensics`). The replay follows the non-finite loss (else the non-finite gradients) back
-    to the operator that made it from finite values, and names the module it ran in (for an operator of the
-    backward, the module whose forward it differentiates), the operator (``aten.div.Tensor``) and the user's source
-    line. Infinities that a later operator makes finite again (a ``-inf`` attention mask before a softmax) are never
-    named; in-place operators (``ReLU(inplace=True)``) replay as they trained. The replay needs the detection at the
-    bad step, so it runs with ``action="raise"`` and with ``action="skip"`` and an ordinary optimizer, on
-    single-device and DDP strategies. Its cost, a host read per operator, is paid once; the training steps do not
-    pay for it. Behind the Trainer the replay runs ``training_step``; in a loop of your own it runs the closure each
-    micro-batch handed over: ``kit.note_loss(loss, replay=lambda: loss_fn(model(batch)))`` (see
-    :meth:`~gradkit.loop.GradKit.note_loss`; without one the event says the replay was unavailable).
+    Forensics: on a detection (the first of the run, then at most one per ``replay_every_n_steps`` optimizer steps,
+    not on every step), the micro-batches of the bad step are replayed once under a dispatch mode that sees every
+    aten operator of the forward and of the backward (see :mod:`gradkit.forensics`). The replay follows the
+    non-finite loss (else the non-finite gradients) back to the operator that made it from finite values, and names
+    the module it ran in (for an operator of the backward, the module whose forward it differentiates), the operator
+    (``aten.div.Tensor``) and the user's source line. Infinities that a later operator makes finite again (a ``-inf``
+    attention mask before a softmax) are never named; in-place operators (``ReLU(inplace=True)``) replay as they
+    trained. The replay needs the detection at the bad step, so it runs with ``action="raise"`` and with
+    ``action="skip"`` and an ordinary optimizer, on single-device and DDP strategies. Its cost, a host read per
+    operator, is paid once per replay; the training steps do not pay for it. Behind the Trainer the replay runs
+    ``training_step``; in a loop of your own it runs the closure each micro-batch handed over:
+    ``kit.note_loss(loss, replay=lambda: loss_fn(model(batch)))`` (see :meth:`~gradkit.loop.GradKit.note_loss`;
+    without one the event says the replay was unavailable).
 
     - A replay that raises is reported as ``"failed"`` with its error, one that cannot run as ``"unavailable"`` with
       the reason: the event and the message say so (never that the replay stayed finite), and the culprit then
@@ -100,7 +121,11 @@ class NonFiniteGuard:
       (``all_gather(..., sync_grads=True)``) unpaired.
 
     Events: each is one JSON line in ``gradkit_events.jsonl`` in the logger's directory (``GradKit``'s ``log_dir``),
-    written by rank 0, gathered from all ranks; the console line, the event and the error say the same. ``step`` is
+    written by rank 0, gathered from all ranks; the event and the error say the same. The warning's first line says
+    what, where and what was done (``NonFiniteGuard: non-finite gradients at step 40, culprit `blocks.1.mlp` (from
+    the replay); the optimizer step was skipped.``); the lines below it the micro-batch, the culprit's sentence,
+    the sample ids and the replay's verdict, and how many parameters had non-finite gradients (their names are in
+    the event); it points at your line (``trainer.fit(...)``, ``kit.step(...)``), not at gradkit's. ``step`` is
     the optimizer step, ``batch_idx`` the micro-batch where the non-finite value was first seen (the replay's, else
     the first micro-batch with a non-finite loss, else the step's last micro-batch), ``batches`` the micro-batches
     of the step. ``culprit`` has one meaning in every mode: the earliest point of the step's computation where a
@@ -136,16 +161,20 @@ class NonFiniteGuard:
         check_loss: check each micro-batch loss.
         check_grads: check the gradients (one finite flag from the step's shared norms: no extra pass).
         max_consecutive: stop after this many flagged steps in a row (``>= 1``).
-        forensics: replay the first bad step's micro-batches to name the culprit module (``training_step`` runs
+        forensics: replay a bad step's micro-batches to name the culprit module (``training_step`` runs
             again: see "Forensics" above).
+        replay_every_n_steps: the replay budget of a long run: a detection at least this many optimizer steps after
+            the last replayed one is replayed too (a second, independent NaN 900 steps later gets its own culprit);
+            the ones in between are not (a run of bad steps costs one replay). ``None``: the run's first detection
+            only.
         detect_anomaly: run that single replay under ``torch.autograd.detect_anomaly(check_nan=True)`` as well
             (single-process runs only).
         check_validation: report non-finite validation losses.
         stop_on_nonfinite_validation: stop training on a non-finite validation loss.
 
     Raises:
-        ValueError: on an unknown ``action``, ``max_consecutive < 1``, a non-bool flag, or with both
-            ``check_loss`` and ``check_grads`` false.
+        ValueError: on an unknown ``action``, ``max_consecutive < 1``, ``replay_every_n_steps < 1``, a non-bool
+            flag, or with both ``check_loss`` and ``check_grads`` false.
         RuntimeError: at the Trainer's setup, for ``action="skip"`` on a strategy that cannot skip steps (the
             message names the GradKit strategy to use); during training, for ``action="raise"`` on a non-finite
             step and after ``max_consecutive`` flagged steps in a row.
@@ -180,6 +209,7 @@ class NonFiniteGuard:
         detect_anomaly: bool = False,
         check_validation: bool = True,
         stop_on_nonfinite_validation: bool = False,
+        replay_every_n_steps: int | None = 500,
     ) -> None:
         self.action = check_choice("action", action, ("skip", "raise", "warn"))
         self.check_loss = check_bool("check_loss", check_loss)
@@ -194,6 +224,10 @@ class NonFiniteGuard:
         self.detect_anomaly = check_bool("detect_anomaly", detect_anomaly)
         self.check_validation = check_bool("check_validation", check_validation)
         self.stop_on_nonfinite_validation = check_bool("stop_on_nonfinite_validation", stop_on_nonfinite_validation)
+        if replay_every_n_steps is not None:
+            hint = "Leave it as None to replay the run's first detection only."
+            check_int("replay_every_n_steps", replay_every_n_steps, 1, hint=hint)
+        self.replay_every_n_steps = replay_every_n_steps
         self._reporter = Reporter("NonFiniteGuard", self.action)
         self._ledger = Ledger()
         self._scaler = False
@@ -207,7 +241,8 @@ class NonFiniteGuard:
         self._flags: tuple[Tensor, Tensor | None, Tensor | None, Tensor | None] | None = None
         self._consecutive: list[int] = []
         self._first_finding: dict[str, Any] | None = None
-        self._forensics_done = False
+        self._forensics_done = False  # a replay ran in this run
+        self._last_replay: int | None = None  # the step of the last replay
         self._param_names: list[str] = []
         self._key = f"{self.state_key}/loss_nonfinite_ranks"
 
@@ -222,6 +257,13 @@ class NonFiniteGuard:
 
     def may_skip(self) -> bool:
         return self.action == "skip"
+
+    def replay_allowed(self, step: int) -> bool:
+        """Whether a detection at optimizer step ``step`` may be replayed (``forensics`` and the replay budget)."""
+        if not self.forensics or self._last_replay is None:
+            return self.forensics
+        every = self.replay_every_n_steps
+        return every is not None and step - self._last_replay >= every
 
     def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
         self._reporter.attach(ctx)
@@ -247,7 +289,7 @@ class NonFiniteGuard:
             batch = ctx.micro_batch
             self._window.append(ctx.batch_idx if batch is None else batch.batch_idx)
             self._ids.append(None if batch is None else batch.ids)  # a reference: read on a flagged step only
-            if batch is not None and self.forensics and not self._forensics_done:
+            if batch is not None and self.replay_allowed(ctx.global_step):
                 self._micro_batches.append(batch)
         if self.check_loss:
             loss = loss.detach().float()
@@ -345,7 +387,7 @@ class NonFiniteGuard:
         nonfinite = (~torch.isfinite(stats.param_norms)).cpu()
         overflow = self._scaler and grads_nonfinite and not bad_ranks
         finding: Finding | None = None
-        if self.forensics and not self._forensics_done and not overflow:
+        if self.replay_allowed(step) and not overflow:
             finding = self._replay(ctx)
         local = {
             "rank": ctx.global_rank,
@@ -363,7 +405,7 @@ class NonFiniteGuard:
         positions = sorted({i for r in per_rank for i in r["params"]})
         params = [stats.names[i] for i in positions]
         grad_ranks = [r["rank"] for r in per_rank if r["params"]]
-        no_replay = "forensics=False" if not self.forensics else "the replay runs at the first detection only"
+        no_replay = "forensics=False" if not self.forensics else self._no_replay_reason()
         culprit = locate_culprit(per_rank, bad_ranks, params, no_replay)
         window = list(self._window) or [ctx.batch_idx]
         batch = culprit.batch if culprit.batch is not None else first_bad_batch(per_rank, window)
@@ -408,14 +450,28 @@ class NonFiniteGuard:
         if len(self._consecutive) >= self.max_consecutive:
             self._stop(ctx, len(self._consecutive), self._consecutive[0], step, summary)
         if not overflow:
-            ctx.warn(
-                f"NonFiniteGuard: {summary} The optimizer step was {'skipped' if self.action == 'skip' else 'applied'}."
-                f"{self._reporter.note}"
-            )
+            # A short first line; the details below it, the parameters' names only in the event.
+            verb = "skipped" if self.action == "skip" else "applied"
+            first = f"NonFiniteGuard: {_what_text(what)} at step {step}, {_culprit_text(culprit)}"
+            first += f"; the optimizer step was {verb}."
+            details = step_summary(step, batch, window, what, bad_ranks, grad_ranks, [], culprit, replay, ids)
+            if params:
+                details += f" Non-finite gradients in {len(params)} parameter(s) on rank(s) {grad_ranks}"
+                details += f" (first `{params[0]}`)." if len(params) > 1 else f": `{params[0]}`."
+            ctx.warn(f"{first}\n  {details}{self._reporter.note}")
+
+    def _no_replay_reason(self) -> str:
+        if self.replay_every_n_steps is None:
+            return "the replay runs at the first detection only (`replay_every_n_steps=None`)"
+        return (
+            f"the last replay ran at step {self._last_replay}: at most one per {self.replay_every_n_steps} steps "
+            "(`replay_every_n_steps`)"
+        )
 
     def _replay(self, ctx: StepContext) -> Finding:
-        """Replay the step's micro-batches (:func:`~gradkit.culprit.replay_micro_batches`), once per run."""
+        """Replay the step's micro-batches (:func:`~gradkit.culprit.replay_micro_batches`), within the budget."""
         self._forensics_done = True
+        self._last_replay = ctx.global_step
         anomaly = self.detect_anomaly and world_size() == 1
         return replay_micro_batches(ctx.model, self._micro_batches, loss_scale(ctx.loss_scale_source()), anomaly)
 
@@ -486,6 +542,7 @@ class NonFiniteGuard:
         return {
             "consecutive": list(self._consecutive),
             "forensics_done": self._forensics_done,
+            "last_replay_step": self._last_replay,
             "first_finding": self._first_finding,
             **self._reporter.skipped_state(),
         }
@@ -494,4 +551,8 @@ class NonFiniteGuard:
         self._consecutive = list(state_dict.get("consecutive", []))
         self._forensics_done = bool(state_dict.get("forensics_done", False))
         self._first_finding = state_dict.get("first_finding")
+        last = state_dict.get("last_replay_step")
+        if last is None and self._forensics_done and self._first_finding is not None:
+            last = self._first_finding["step"]  # saved before the budget: the one replay ran at the first finding
+        self._last_replay = None if last is None else int(last)
         self._reporter.restored_skips = float(state_dict.get("skipped_steps", 0.0))

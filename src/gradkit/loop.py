@@ -293,7 +293,6 @@ class GradKit:
             scaler = fabric_scaler(fabric) if scaler is None else scaler
         self._own_scaler = fabric is None and scaler is not None
         root = root_module(model)
-        flat = fabric_flat_sharded(fabric) if fabric is not None else False
         self.ctx = LoopContext(
             root,
             optimizers,
@@ -302,10 +301,11 @@ class GradKit:
             scaler,
             max_steps,
             events_dir(log_dir, fabric),
-            flat,
+            fabric_flat_sharded(fabric) if fabric is not None else False,
             [scheduler for scheduler, _ in owned],
             self.policies,
         )
+        self.ctx.loggers = list(getattr(fabric, "loggers", ()))  # Fabric's (Lightning) loggers: the monitor's report
         self.pipeline = self.ctx.pipeline
         # Each optimizer's own schedulers: `step(opt)` steps, or holds on a skip, only these.
         self._schedulers_of: dict[int, list[Any]] = {}

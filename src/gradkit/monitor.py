@@ -6,7 +6,6 @@ for Fabric and plain loops); the per-module rows (:func:`repeated_blocks`, :func
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,8 @@ from gradkit.norms import (
 from gradkit.params import clean_name, module_key
 from gradkit.pipeline import StepPlan
 from gradkit.protocol import Stage, StatsRequest, StepContext, state_key, values_to_host
-from gradkit.report_data import INSTALL_HINT, REPORT_FILE, RunData
+from gradkit.report_data import INSTALL_HINT, Record, RunData
+from gradkit.report_loggers import has_matplotlib, publish_report
 from gradkit.selection import auto_module_keys, module_rows, repeated_blocks
 from gradkit.update_ratio import _Before, update_ratios
 
@@ -118,9 +118,14 @@ class GradNormMonitor:
         update_ratio: also log the update-to-weight ratio (total and, with ``depth``, per module) on logging steps;
             see above for what it costs. The report draws it as a panel of its own.
         report: at the end of ``fit`` (or at ``GradKit.finish()``), render the gradient report (``gradkit.report``)
-            to ``gradient_report.png`` in the log directory (the ``Trainer``'s, or ``GradKit(log_dir=...)``). The
-            monitor keeps the values it logs (rank 0, on logging steps), so any logger, or none, will do. Needs
-            matplotlib: ``pip install -e '.[report]'`` in the lightning_gradkit checkout.
+            to ``gradient_report.png`` in the log directory (the ``Trainer``'s, or ``GradKit(log_dir=...)``) and log
+            it, with the guards' events, to each attached logger (:mod:`gradkit.report_loggers`): TensorBoard's
+            Images and Text tabs, a W&B image and table, MLflow artifacts and a tag. The monitor keeps the values
+            it logs (rank 0, on logging steps), so any logger, or none, will do. Drawing needs matplotlib (the
+            ``report`` extra); without it the run warns once and the loggers get the events only.
+        report_every_n_logs: also log the report to the loggers (and rewrite the PNG) every this many logging steps
+            of the monitor, at the end of the step; ``None``: at the end only. Drawing takes about a second per
+            report on a CPU, on the host: choose it so that a report comes every few minutes.
         log_every_n_steps: how often to log, in optimizer steps; defaults to the loop's period (the Trainer's
             ``log_every_n_steps``).
         prog_bar: show the total norm (``grad_norm``), the fraction of optimizer steps clipped since the previous
@@ -128,10 +133,10 @@ class GradNormMonitor:
             a guard that skips) in Lightning's progress bar, updated on logging steps (a ``Trainer`` only).
 
     Raises:
-        ValueError: if ``norm_type`` < 1, ``depth`` is neither ``"auto"`` nor an integer >= 0, or
-            ``log_every_n_steps`` is not a positive integer; behind a loop door, ``report=True`` without a
-            ``log_dir`` or ``prog_bar=True``.
-        ModuleNotFoundError: with ``report=True``, if matplotlib is not installed.
+        ValueError: if ``norm_type`` < 1, ``depth`` is neither ``"auto"`` nor an integer >= 0,
+            ``log_every_n_steps`` or ``report_every_n_logs`` is not a positive integer, ``report_every_n_logs``
+            comes without ``report=True``; behind a loop door, ``report=True`` without a ``log_dir`` or
+            ``prog_bar=True``.
 
     Example::
 
@@ -160,6 +165,7 @@ class GradNormMonitor:
         report: bool = False,
         log_every_n_steps: int | None = None,
         prog_bar: bool = False,
+        report_every_n_logs: int | None = None,
     ) -> None:
         self.norm_type = validate_norm_type(norm_type)
         if not (isinstance(depth, str) and depth == "auto"):
@@ -170,11 +176,14 @@ class GradNormMonitor:
         self.weight_norms = check_bool("weight_norms", weight_norms)
         self.update_ratio = check_bool("update_ratio", update_ratio)
         self.report = check_bool("report", report)
-        if report and importlib.util.find_spec("matplotlib") is None:
-            raise ModuleNotFoundError(
-                "GradNormMonitor(report=True) draws the report with matplotlib, which is not installed: "
-                f"{INSTALL_HINT}; or leave `report=False`."
-            )
+        if report_every_n_logs is not None:
+            check_int("report_every_n_logs", report_every_n_logs, 1, hint="Leave it as None for one report at the end.")
+            if not report:
+                raise ValueError(
+                    f"`report_every_n_logs={report_every_n_logs!r}` reports during the run, and `report=False` asks "
+                    "for no report. Set `report=True` too, or leave `report_every_n_logs=None`."
+                )
+        self.report_every_n_logs = report_every_n_logs
         if log_every_n_steps is not None:
             hint = "Leave it as None to follow the Trainer's `log_every_n_steps`."
             check_int("log_every_n_steps", log_every_n_steps, 1, hint=hint)
@@ -192,8 +201,11 @@ class GradNormMonitor:
         self._rows: dict[int, tuple[ParamIndex, list[str], Tensor]] = {}
         self._clipped: dict[int, Tensor] = {}
         self._steps_since_log: dict[int, int] = {}
-        self._record: _Record | None = None
+        self._record: Record | None = None
         self._report_dir: Path | None = None
+        self._can_draw = False  # matplotlib is there (checked at attach)
+        self._logs_since_report = 0
+        self._report_due = False
         self._metadata_dir: Path | None = None
         self._written_rows: dict[int, list[str]] = {}
         # Update ratio: the parameters before the step of a logging step, per optimizer, and the step hooks.
@@ -245,21 +257,31 @@ class GradNormMonitor:
         self._first_pending = True
         rank_zero = ctx.global_rank == 0
         self._report_dir = directory if self.report else None
+        self._can_draw = self.report and has_matplotlib()
+        if self.report and not self._can_draw:
+            ctx.warn(
+                "GradNormMonitor(report=True): matplotlib is not installed, so no gradient_report.png is drawn (the "
+                f"loggers get the events only); to draw it, {INSTALL_HINT}."
+            )
+        self._logs_since_report, self._report_due = 0, False
         # The model order of the rows goes next to the logs (rank 0), for `python -m gradkit.report`.
         self._metadata_dir = directory if rank_zero else None
-        self._record = _Record() if self.report and rank_zero else None
+        self._record = Record() if self.report and rank_zero else None
 
     def finish(self, ctx: StepContext) -> Path | None:
-        """Render the report (``report=True``, rank 0) from what the monitor logged; returns the file written."""
+        """The report at the end (``report=True``, rank 0): the PNG and each logger's copy; returns the PNG written."""
         if self._record is None or self._report_dir is None:
             return None
-        from gradkit.report import render_data  # here: `python -m gradkit.report` must not find it imported
+        return self._publish_report(ctx, final=True)
 
-        try:
-            return render_data(self.report_data, self._report_dir / REPORT_FILE, source="GradNormMonitor")
-        except ValueError as err:  # nothing logged (a run stopped before its first optimizer step)
-            ctx.warn(f"GradNormMonitor: no gradient report written: {err}")
-            return None
+    def _publish_report(self, ctx: StepContext, final: bool) -> Path | None:
+        """The report from what the monitor logged: the PNG and each logger's copy (the events only without
+        matplotlib)."""
+        assert self._report_dir is not None
+        data = self.report_data
+        assert data is not None
+        warn_empty = ctx.warn if final else None  # a periodic report before the first logged step: nothing to say
+        return publish_report(data, self._report_dir, ctx.loggers, ctx.log_step, ctx.warn, self._can_draw, warn_empty)
 
     def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(self.norm_type)
@@ -334,9 +356,15 @@ class GradNormMonitor:
         before.params = []
 
     def after_step(self, ctx: StepContext) -> None:
-        """Log the update ratios of a logging step (the batch's end under a Trainer)."""
-        if not self._step_hooks:  # not a logging step with `update_ratio`: nothing to do
-            return
+        """Log the update ratios of a logging step (the batch's end under a Trainer), then the report when one is due
+        (``report_every_n_logs``)."""
+        if self._step_hooks:  # a logging step with `update_ratio`
+            self._log_ratios(ctx)
+        if self._report_due:
+            self._report_due = False
+            self._publish_report(ctx, final=False)
+
+    def _log_ratios(self, ctx: StepContext) -> None:
         self._drop_step_hooks()
         for before in self._before.values():
             ratios = before.ratios
@@ -399,6 +427,10 @@ class GradNormMonitor:
         values = {**(host or values_to_host(metrics)), **(values_to_host(extra) if extra else {})}
         if self._record is not None:
             self._record.add(ctx.log_step, values, self._rows[idx][1] if idx in self._rows else [], suffix)
+            if self.report_every_n_logs is not None and idx == 0:
+                self._logs_since_report += 1
+                if self._logs_since_report >= self.report_every_n_logs:
+                    self._logs_since_report, self._report_due = 0, True
         if self.prog_bar:
             keys = ("grad_norm/total" + suffix, "grad_clip/clipped_fraction" + suffix, "gradkit/skipped_steps")
             shown = zip(PROG_BAR_KEYS, keys, strict=True)
@@ -502,46 +534,3 @@ class _ZeroWatch:
         assert self.zero is not None and self.present is not None
         zero = self.zero.cpu().nonzero().flatten().tolist()
         return [self.index.names[i] for i in zero if i in self.present]
-
-
-class _Record:
-    """The values the monitor logged, kept on the host for the report (rank 0, ``report=True``).
-
-    Past ``max_steps`` logged steps every other one is dropped (and from then on only every other one kept), so a
-    long run at a short logging period keeps a bounded record: the figure cannot show more columns anyway.
-    """
-
-    def __init__(self, max_steps: int = 4096) -> None:
-        self.max_steps = max_steps
-        self.steps: list[int] = []
-        self.values: list[dict[str, float]] = []
-        self.module_order: list[str] = []
-        self._stride = 1
-        self._seen = 0
-
-    def add(self, step: int, values: dict[str, float], modules: list[str], suffix: str) -> None:
-        if not self.module_order:
-            self.module_order = [name + suffix for name in modules]
-        self._seen += 1
-        if (self._seen - 1) % self._stride:
-            return
-        if self.steps and self.steps[-1] == step:  # a second optimizer logged at the same step
-            self.values[-1].update(values)
-            return
-        self.steps.append(step)
-        self.values.append(values)
-        if len(self.steps) > self.max_steps:
-            self.steps, self.values = self.steps[::2], self.values[::2]
-            self._stride *= 2
-
-    def merge(self, step: int, values: dict[str, float]) -> None:
-        """Add values measured after the step (the update ratio) to the record of ``step``, if it was kept."""
-        if self.steps and self.steps[-1] == step:
-            self.values[-1].update(values)
-
-    def run_data(self, events: list[dict]) -> RunData:
-        data = RunData(events=events, module_order=self.module_order)
-        for step, values in zip(self.steps, self.values, strict=True):
-            for key, value in values.items():
-                data.series[key][step] = value
-        return data

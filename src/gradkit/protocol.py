@@ -12,7 +12,6 @@ The pipeline that runs a step on them is :mod:`gradkit.pipeline`. Nothing here i
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -25,6 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from gradkit._torch_compat import handles_found_inf
+from gradkit._user_frame import warn_user
 from gradkit.norms import world_size
 
 if TYPE_CHECKING:
@@ -100,6 +100,8 @@ class StepContext:
         micro_batch: the micro-batch whose loss the door hands to ``note_loss``, kept for the culprit replay
             (``None`` where the door keeps none): the loop door's ``note_loss(loss, replay=...)``, the Trainer's
             batch of ``training_step``.
+        loggers: the loop's Lightning loggers (``trainer.loggers``, ``fabric.loggers``; empty where it has none):
+            what the monitor's report goes to besides its PNG (:mod:`gradkit.report_loggers`).
     """
 
     trainer = None
@@ -107,6 +109,7 @@ class StepContext:
     log_dir: Path | None = None
     progress_bar: Callable[[dict[str, float]], None] | None = None
     micro_batch: MicroBatch | None = None
+    loggers: Sequence[Any] = ()
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:
@@ -198,9 +201,9 @@ class StepContext:
         raise NotImplementedError
 
     def warn(self, message: str) -> None:
-        """A warning, from rank 0 only."""
+        """A warning, from rank 0 only, at the user's line (the first frame outside gradkit, Lightning and torch)."""
         if self.global_rank == 0:
-            warnings.warn(message, UserWarning, stacklevel=3)
+            warn_user(message)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -36,17 +36,16 @@ import argparse
 import itertools
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gradkit.report_data import (
-    INSTALL_HINT,
     REPORT_FILE,
     RISE_FACTOR,
     Incident,
     Rise,
     RunData,
+    choose_incidents,
     event_label,
     first_rise,
     heat_grid,
@@ -55,12 +54,26 @@ from gradkit.report_data import (
     is_sparse,
     is_validation_event,
     isolated_points,
+    left_out_text,
     load_run,
     logged_steps_text,
 )
+from gradkit.report_layout import (
+    FADED,
+    INCIDENT_COLUMNS,
+    INCIDENT_HEADER,
+    INCIDENT_RANGE,
+    INCIDENT_TITLE,
+    MAX_INCIDENTS,
+    TOTAL_HEIGHT,
+    WIDTH,
+    Layout,
+    pyplot,
+    row_labels,
+)
 from gradkit.report_signals import add_signal_panels, signal_series
 
-__all__ = ["RATIO_GUIDE", "build_figure", "main", "render", "render_data"]
+__all__ = ["RATIO_GUIDE", "build_figure", "close", "draw", "main", "render", "render_data", "save"]
 
 
 _TOTAL = "grad_norm/total"
@@ -69,24 +82,6 @@ _CLIP_FRACTION = "grad_clip/clipped_fraction"
 _SKIPPED = "gradkit/skipped_steps"
 #: The update-to-weight ratio that the ratio panel centres its colours on (Karpathy's rule of thumb).
 RATIO_GUIDE = 1e-3
-
-# Figure geometry, in inches: panel heights stay fixed whatever the number of modules (the figure grows instead).
-_WIDTH = 12.0
-_ROW_HEIGHT = 0.2
-_MAX_HEAT_HEIGHT = 11.0
-_MIN_HEAT_HEIGHT = 1.4
-_LABEL_HEIGHT = 0.12  # below this many inches per row, only every k-th module name is written
-_TOTAL_HEIGHT = 2.6
-# Incident panels: the steps either side of an event, panels per row, at most this many panels, rows' height.
-_INCIDENT_COLUMNS = 2
-_MAX_INCIDENTS = 8
-_INCIDENT_ROW_HEIGHT = 0.16
-_INCIDENT_MIN_HEIGHT = 0.9
-_INCIDENT_MAX_HEIGHT = 4.0
-_INCIDENT_TITLE = 0.62  # inches above each panel for its title (up to three lines)
-_INCIDENT_BELOW = 0.45  # inches below each panel for its step labels
-_INCIDENT_HEADER = 0.6  # inches above the first row for the section title (two lines)
-_INCIDENT_RANGE = 2.0  # the colour scale spans 10**-2 .. 10**2 times a module's median
 
 
 def render(log_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -112,109 +107,37 @@ def render_data(data: RunData, out: str | Path, source: str = "the run") -> Path
     Raises:
         ValueError: if ``data`` holds no gradient norm and no event.
     """
+    fig = draw(data, source)
+    try:
+        return save(fig, out)
+    finally:
+        close(fig)
+
+
+def draw(data: RunData, source: str = "the run"):
+    """The report's figure of ``data`` (:func:`build_figure`), after checking there is something to draw.
+
+    Raises:
+        ValueError: if ``data`` holds no gradient norm and no event.
+    """
     if not data.has_grad_norms and not data.events:
         raise ValueError(
             f"{source} has no `grad_norm/*` metric and no event. Add `GradNormMonitor()` to the Trainer callbacks to "
             "record what the report draws (`GradNormMonitor(report=True)` draws it at the end of fit)."
         )
-    fig = build_figure(data)
+    return build_figure(data)
+
+
+def save(fig, out: str | Path) -> Path:
+    """Write ``fig`` to the PNG ``out`` (110 dpi) and return its path."""
     out = Path(out)
     fig.savefig(out, dpi=110)
-    _pyplot().close(fig)
     return out
 
 
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(
-            f"The gradient report needs matplotlib, which is not installed: {INSTALL_HINT}."
-        ) from err
-    return plt
-
-
-@dataclass
-class _Layout:
-    """Axes rectangles in inches, so all step panels get the same x extent whatever their labels.
-
-    From the top: the module heatmap, the update-ratio heatmap (when logged), the totals with the events, then the
-    incident panels (when there are incidents), ``_INCIDENT_COLUMNS`` to a row.
-    """
-
-    rows: int
-    label_chars: int
-    ratio_rows: int = 0
-    incidents: int = 0
-
-    @property
-    def heat_height(self) -> float:
-        return min(max(self.rows * _ROW_HEIGHT, _MIN_HEAT_HEIGHT), _MAX_HEAT_HEIGHT)
-
-    @property
-    def ratio_height(self) -> float:
-        return min(max(self.ratio_rows * _ROW_HEIGHT, _MIN_HEAT_HEIGHT), _MAX_HEAT_HEIGHT) if self.ratio_rows else 0.0
-
-    @property
-    def left(self) -> float:
-        return max(1.0, 0.3 + 0.062 * self.label_chars)
-
-    right = 1.25
-    top = 0.45
-    gap = 0.55
-    bottom = 1.35
-    incident_gap = 0.3  # inches between incident panels side by side
-
-    @property
-    def ratio_top(self) -> float:
-        return self.top + self.heat_height + self.gap
-
-    @property
-    def total_top(self) -> float:
-        return self.ratio_top + (self.ratio_height + self.gap if self.ratio_rows else 0.0)
-
-    @property
-    def incident_top(self) -> float:
-        return self.total_top + _TOTAL_HEIGHT + self.bottom
-
-    @property
-    def incident_height(self) -> float:
-        return min(max(self.rows * _INCIDENT_ROW_HEIGHT, _INCIDENT_MIN_HEIGHT), _INCIDENT_MAX_HEIGHT)
-
-    @property
-    def incident_row_height(self) -> float:
-        return _INCIDENT_TITLE + self.incident_height + _INCIDENT_BELOW
-
-    @property
-    def height(self) -> float:
-        rows = math.ceil(self.incidents / _INCIDENT_COLUMNS)
-        incidents = _INCIDENT_HEADER + rows * self.incident_row_height if rows else 0.0
-        return self.incident_top + incidents
-
-    def rect(self, y_from_top: float, h: float, fig_w: float = _WIDTH) -> list[float]:
-        width = fig_w - self.left - self.right
-        return [self.left / fig_w, 1 - (y_from_top + h) / self.height, width / fig_w, h / self.height]
-
-    def bar_rect(self, y_from_top: float, h: float) -> list[float]:
-        """A colour bar in the right margin, beside a panel."""
-        return [
-            (_WIDTH - self.right + 0.12) / _WIDTH,
-            1 - (y_from_top + h) / self.height,
-            0.15 / _WIDTH,
-            h / self.height,
-        ]
-
-    def incident_rect(self, i: int) -> list[float]:
-        """The ``i``-th incident panel: ``_INCIDENT_COLUMNS`` to a row, the first column under the step panels."""
-        row, col = divmod(i, _INCIDENT_COLUMNS)
-        width = (_WIDTH - self.left - self.right - (_INCIDENT_COLUMNS - 1) * self.incident_gap) / _INCIDENT_COLUMNS
-        x = self.left + col * (width + self.incident_gap)
-        y = self.incident_top + _INCIDENT_HEADER + row * self.incident_row_height + _INCIDENT_TITLE
-        h = self.incident_height
-        return [x / _WIDTH, 1 - (y + h) / self.height, width / _WIDTH, h / self.height]
+def close(fig) -> None:
+    """Free ``fig`` (pyplot keeps every figure it made until it is closed)."""
+    pyplot().close(fig)
 
 
 def build_figure(data: RunData):
@@ -225,7 +148,7 @@ def build_figure(data: RunData):
     margin), so a step in a heatmap lies straight above the same step below. Every axes has a label that says what
     it is (``"gradient norm"``, ``"update ratio"``, ``"totals"``, ``"incident"``), for readers of the figure object.
     """
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib import ticker
 
     data = signal_series(data)  # EarlyWarning's series, kept in the events file; drawn by add_signal_panels
@@ -233,22 +156,42 @@ def build_figure(data: RunData):
     ratio_rows = data.ratio_rows
     steps = sorted({s for k, v in data.series.items() if k.startswith("grad_norm/") for s in v})
     incidents = incident_windows(data.events, run_end=steps[-1] if steps else None)
-    layout = _Layout(
+    layout = Layout(
         rows=max(len(modules), 1),
         label_chars=max((len(m) for m in modules), default=10),
         ratio_rows=len(ratio_rows),
-        incidents=min(len(incidents), _MAX_INCIDENTS),
+        incidents=min(len(incidents), MAX_INCIDENTS),
     )
-    fig = plt.figure(figsize=(_WIDTH, layout.height))
+    shown, left_out = choose_incidents(incidents, MAX_INCIDENTS)
+    fig = plt.figure(figsize=(WIDTH, layout.height))
     ax_heat = fig.add_axes(layout.rect(layout.top, layout.heat_height), label="gradient norm")
-    ax_total = fig.add_axes(layout.rect(layout.total_top, _TOTAL_HEIGHT), sharex=ax_heat, label="totals")
+    ax_total = fig.add_axes(layout.rect(layout.total_top, TOTAL_HEIGHT), sharex=ax_heat, label="totals")
 
     event_steps = [int(e["step"]) for e in data.events if isinstance(e.get("step"), (int, float))]
     span = steps + event_steps
+    sparse = bool(steps) and is_sparse(steps)
     if modules and steps:
-        grid, extent = heat_grid([data.module_series(m) for m in modules], steps)
-        image = ax_heat.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent)
-        _row_labels(ax_heat, modules, layout.heat_height)
+        series = [data.module_series(m) for m in modules]
+        grid, extent = heat_grid(series, steps)
+        image = ax_heat.imshow(
+            grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent, zorder=2, label="logged"
+        )
+        if sparse:
+            # Beneath the logged columns, faded: each logged value over its logging interval, so a sparse log reads
+            # as a picture of the run rather than a barcode of one-step columns; the title says it is not measured.
+            filled, _ = heat_grid(series, steps, filled=True)
+            ax_heat.imshow(
+                filled,
+                aspect="auto",
+                interpolation="nearest",
+                cmap="viridis",
+                norm=image.norm,
+                extent=extent,
+                alpha=FADED,
+                zorder=1,
+                label="nearest logged",
+            )
+        row_labels(ax_heat, modules, layout.heat_height)
         fig.colorbar(
             image, cax=fig.add_axes(layout.bar_rect(layout.top, layout.heat_height)), label="log10 gradient norm"
         )
@@ -274,7 +217,7 @@ def build_figure(data: RunData):
         )
         _draw_ratios(fig, ax_ratio, data, ratio_rows, steps, layout)
 
-    _draw_totals(ax_total, data, sparse=bool(steps) and is_sparse(steps))
+    _draw_totals(ax_total, data, sparse=sparse)
     _draw_events(ax_total, data.events)
     if span:
         ax_total.set_xlim(min(span) - 0.5, max(span) + 0.5)
@@ -292,16 +235,9 @@ def build_figure(data: RunData):
             handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=min(len(handles), 4), fontsize=8
         )
     if incidents:
-        _draw_incidents(fig, data, incidents, layout)
+        _draw_incidents(fig, data, shown, left_out, layout)
     add_signal_panels(fig, data)
     return fig
-
-
-def _row_labels(ax, rows: list[str], height: float) -> None:
-    """Name the rows, every k-th one when the rows are too thin for a label each."""
-    every = max(1, math.ceil(_LABEL_HEIGHT * len(rows) / height))
-    shown = range(0, len(rows), every)
-    ax.set_yticks(list(shown), [rows[i] for i in shown], fontsize=7)
 
 
 def _mark_nonfinite(ax, series: list[dict[int, float]]) -> None:
@@ -312,14 +248,14 @@ def _mark_nonfinite(ax, series: list[dict[int, float]]) -> None:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, -0.02), fontsize=7, frameon=False)
 
 
-def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layout: _Layout) -> None:
+def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layout: Layout) -> None:
     """The update-to-weight ratio per module (log10), coloured around :data:`RATIO_GUIDE`: white at 1e-3, red
     above (large updates: a high learning rate), blue below (small updates: a low one, or a module that does not
     train). A step that applied no update logged 0 and stays blank, like a step that logged nothing."""
     from matplotlib import ticker
     from matplotlib.colors import TwoSlopeNorm
 
-    plt = _pyplot()
+    plt = pyplot()
     series = [data.ratio_series(row) for row in rows]
     ratio_steps = sorted({s for values in series for s in values})
     grid, extent = heat_grid(series, steps or ratio_steps)
@@ -330,7 +266,7 @@ def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layo
     cmap = plt.get_cmap("RdBu_r").with_extremes(bad="0.85")
     norm = TwoSlopeNorm(vcenter=guide, vmin=low, vmax=high)
     image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, extent=extent)
-    _row_labels(ax, rows, layout.ratio_height)
+    row_labels(ax, rows, layout.ratio_height)
     bar = fig.colorbar(image, cax=fig.add_axes(layout.bar_rect(layout.ratio_top, layout.ratio_height)))
     bar.set_label("update / weight", fontsize=8)
     bar.ax.axhline(guide, color="black", lw=1.2)
@@ -344,24 +280,30 @@ def _draw_ratios(fig, ax, data: RunData, rows: list[str], steps: list[int], layo
     ax.tick_params(labelbottom=False)
 
 
-def _draw_incidents(fig, data: RunData, incidents: list[Incident], layout: _Layout) -> None:
-    plt = _pyplot()
+def _draw_incidents(fig, data: RunData, shown: list[Incident], left_out: list[Incident], layout: Layout) -> None:
+    """One panel per incident of ``shown`` (:func:`~gradkit.report_data.choose_incidents`); the header says which
+    were left out."""
+    plt = pyplot()
     from matplotlib import ticker
     from matplotlib.patches import Rectangle
 
     modules = data.modules
     rows = modules or ["total"]
     series = [data.module_series(m) for m in modules] or [data.series.get(_TOTAL, {})]
-    shown = incidents[:_MAX_INCIDENTS]
-    more = f" (the first {len(shown)} of {len(incidents)})" if len(incidents) > len(shown) else ""
-    header_y = 1 - (layout.incident_top + _INCIDENT_HEADER - 0.05) / layout.height
-    fig.text(
-        layout.left / _WIDTH,
-        header_y,
-        f"Incidents{more}: per-module gradient norm / its usual norm (its median before the first event), log10;\n"
-        "event steps framed, red: above usual, blue: below, grey: not logged, x: non-finite",
-        fontsize=10,
-    )
+    header_y = 1 - (layout.incident_top + INCIDENT_HEADER - 0.05) / layout.height
+    if left_out:
+        total = len(shown) + len(left_out)
+        header = (
+            f"Incidents: {len(shown)} of {total} drawn, the rarest kinds and the latest first; not drawn: "
+            f"{left_out_text(left_out)}.\nPer-module gradient norm / its usual norm (its median before the first "
+            "event), log10; event steps framed, red: above usual, blue: below, grey: not logged, x: non-finite"
+        )
+    else:
+        header = (
+            "Incidents: per-module gradient norm / its usual norm (its median before the first event), log10;\n"
+            "event steps framed, red: above usual, blue: below, grey: not logged, x: non-finite"
+        )
+    fig.text(layout.left / WIDTH, header_y, header, fontsize=10 if not left_out else 8.5, label="incidents header")
     cmap = plt.get_cmap("RdBu_r").with_extremes(bad="0.85")
     image = None
     for k, incident in enumerate(shown):
@@ -374,12 +316,12 @@ def _draw_incidents(fig, data: RunData, incidents: list[Incident], layout: _Layo
             aspect="auto",
             interpolation="nearest",
             cmap=cmap,
-            vmin=-_INCIDENT_RANGE,
-            vmax=_INCIDENT_RANGE,
+            vmin=-INCIDENT_RANGE,
+            vmax=INCIDENT_RANGE,
             extent=extent,
         )
-        if k % _INCIDENT_COLUMNS == 0:
-            _row_labels(ax, rows, layout.incident_height)
+        if k % INCIDENT_COLUMNS == 0:
+            row_labels(ax, rows, layout.incident_height)
         else:
             ax.set_yticks([])
         _mark_nonfinite_cells(ax, series, steps)
@@ -391,9 +333,13 @@ def _draw_incidents(fig, data: RunData, incidents: list[Incident], layout: _Layo
         ax.tick_params(labelsize=7)
         ax.set_xlabel("optimizer step", fontsize=7, labelpad=1)
         ax.xaxis.set_major_locator(ticker.MaxNLocator(nbins=5, integer=True))
-        ax.set_title(_incident_title(incident, first_rise(rows, series, grid, steps), len(rows)), fontsize=7.5)
+        logged = [step for step in steps if any(step in values for values in series)]
+        if not logged:
+            ax.text(0.5, 0.5, "nothing logged here", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+        title = _incident_title(incident, first_rise(rows, series, grid, steps), len(rows), logged)
+        ax.set_title(title, fontsize=7.5)
     if image is not None:
-        top = layout.incident_top + _INCIDENT_HEADER + _INCIDENT_TITLE
+        top = layout.incident_top + INCIDENT_HEADER + INCIDENT_TITLE
         bar = fig.colorbar(image, cax=fig.add_axes(layout.bar_rect(top, layout.incident_height)), extend="both")
         bar.set_label("log10 norm / usual norm", fontsize=8)
 
@@ -404,8 +350,9 @@ def _mark_nonfinite_cells(ax, series: list[dict[int, float]], steps: list[int]) 
         ax.scatter([b[0] for b in bad], [b[1] for b in bad], marker="x", color="black", s=12, lw=1, label="non-finite")
 
 
-def _incident_title(incident: Incident, rise: Rise | None, rows: int) -> str:
-    """What happened at which step(s), the culprit a replay named (if any), and where it began."""
+def _incident_title(incident: Incident, rise: Rise | None, rows: int, logged: list[int]) -> str:
+    """What happened at which step(s), the culprit a replay named (if any), and where it began, as far as the
+    ``logged`` steps of the panel tell: a panel whose steps were not logged says so, never that nothing rose."""
     labels = list(dict.fromkeys(event_label(e) for e in incident.events))
     steps = incident.event_steps
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]} ({len(incident.events)} events)"
@@ -416,7 +363,15 @@ def _incident_title(incident: Incident, rise: Rise | None, rows: int) -> str:
         lines.append(
             "culprit: " + ", ".join(culprits[:2]) + (f" (+{len(culprits) - 2} more)" if len(culprits) > 2 else "")
         )
-    if rise is None:
+    shown = incident.steps
+    unlogged_events = not set(steps) & set(logged)
+    if not logged:
+        first = f"not measured: no step of {shown[0]}-{shown[-1]} logged its norms (log every step to see it)"
+    elif rise is None and len(logged) < len(shown):
+        where = ", the event's not" if unlogged_events else ""
+        first = f"no module above {RISE_FACTOR:g}x its usual norm at the {len(logged)} of {len(shown)} steps logged"
+        first += where
+    elif rise is None:
         first = f"no module above {RISE_FACTOR:g}x its usual norm"
     elif math.isinf(rise.factors[0]):
         n = sum(math.isinf(f) for f in rise.factors)
@@ -427,11 +382,39 @@ def _incident_title(incident: Incident, rise: Rise | None, rows: int) -> str:
     return "\n".join([*lines, first])
 
 
+def _fraction_edges(steps: list[int]) -> list[float]:
+    """The edges of the clipped-fraction bars: the one logged at ``s`` covers the steps since the previous log (the
+    first, the steps from 0), each the unit cell around its number.
+
+    Example::
+
+        >>> _fraction_edges([0, 4, 9])
+        [-0.5, 0.5, 4.5, 9.5]
+    """
+    return [-0.5, *(s + 0.5 for s in steps)]
+
+
 def _clipped_count(fraction: dict[int, float]) -> tuple[int, int]:
     """``(clipped, steps)`` from fractions logged per logging interval (each covers the steps since the previous)."""
     steps = sorted(fraction)
     lengths = [steps[0] + 1] + [b - a for a, b in itertools.pairwise(steps)]
     return round(sum(fraction[s] * n for s, n in zip(steps, lengths, strict=True))), sum(lengths)
+
+
+def _clipped_stretches(pre: dict[int, float], post: dict[int, float], clipped: list[int]) -> dict[int, float]:
+    """The post-clip values at the clipped steps and at their logged neighbours, NaN at every other logged step.
+
+    Example::
+
+        >>> _clipped_stretches({0: 1.0, 1: 5.0, 2: 1.0, 3: 1.0}, {0: 1.0, 1: 2.0, 2: 1.0, 3: 1.0}, [1])
+        {0: 1.0, 1: 2.0, 2: 1.0, 3: nan}
+    """
+    steps = sorted(post)
+    keep = set(clipped)
+    for i, step in enumerate(steps):
+        if step in clipped:
+            keep.update(steps[max(i - 1, 0) : i + 2])
+    return {step: post[step] if step in keep else math.nan for step in steps}
 
 
 def _plot_series(ax, series: dict[int, float], sparse: bool, **style: Any) -> None:
@@ -467,8 +450,11 @@ def _draw_totals(ax, data: RunData, sparse: bool = False) -> None:
             label = "total (no step clipped)"
         _plot_series(ax, pre, sparse, label=label, color="tab:blue", lw=1)
         if clipped:
-            # Dashed: where a logged step was not clipped, the pre-clip line shows through.
-            _plot_series(ax, post, sparse, label="total (post-clip)", color="tab:green", lw=1, ls="--")
+            # Only where the clip acted (and to its neighbours, so each clipped point joins the line it left): where
+            # both are equal the pre-clip line is the only one drawn, and no line hides another.
+            _plot_series(
+                ax, _clipped_stretches(pre, post, clipped), sparse, label="total (post-clip)", color="tab:green", lw=1
+            )
             ax.scatter(clipped, [post[s] for s in clipped], s=12, color="tab:green", label="clipped", zorder=3)
         finite = [v for v in pre.values() if v > 0 and math.isfinite(v)]
         if finite and max(finite) > 10 * min(finite):
@@ -484,10 +470,16 @@ def _draw_totals(ax, data: RunData, sparse: bool = False) -> None:
         # The fraction is background: the norms and the event lines are drawn over its edges, not under them.
         ax.set_zorder(twin.get_zorder() + 1)
         ax.patch.set_visible(False)
-        # A fraction logged at step s covers the steps since the previous log: it is drawn over (previous, s].
-        twin.step(list(fraction), list(fraction.values()), where="pre", color="tab:gray", lw=0.8, alpha=0.7)
-        twin.fill_between(list(fraction), list(fraction.values()), step="pre", color="tab:gray", alpha=0.15)
-        twin.plot([], [], color="tab:gray", label="fraction of steps clipped (right axis)")
+        # A fraction logged at step s covers the steps since the previous log, previous+1 .. s: each step is the
+        # unit cell around its number, as in the heatmaps, so the bar spans (previous + 0.5, s + 0.5].
+        twin.stairs(
+            [fraction[step] for step in sorted(fraction)],
+            _fraction_edges(sorted(fraction)),
+            fill=True,
+            color="tab:gray",
+            alpha=0.25,
+            label="fraction of steps clipped (right axis)",
+        )
         twin.set_ylim(0, 1.05)
         twin.set_ylabel("clipped fraction", fontsize=8)
     if data.events:

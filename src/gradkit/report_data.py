@@ -26,18 +26,23 @@ __all__ = [
     "REPORT_FILE",
     "RISE_FACTOR",
     "Incident",
+    "Record",
     "Rise",
     "RunData",
     "cell_reach",
+    "choose_incidents",
     "event_label",
+    "fill_reach",
     "first_rise",
     "heat_grid",
     "incident_grid",
+    "incident_kind",
     "incident_windows",
     "is_incident",
     "is_sparse",
     "is_validation_event",
     "isolated_points",
+    "left_out_text",
     "load_run",
     "logged_steps_text",
     "step_lattice",
@@ -250,26 +255,54 @@ def logged_steps_text(steps: list[int]) -> str:
     Example::
 
         >>> logged_steps_text([0, 9])
-        '2 of 10 steps logged (0-9; blank: none logged)'
+        '2 of 10 steps logged (0-9; faded: the nearest logged value, not measured there)'
         >>> logged_steps_text([0, 1, 2])
         'every step logged (0-2)'
     """
     total = steps[-1] - steps[0] + 1
     if len(steps) == total:
         return f"every step logged ({steps[0]}-{steps[-1]})"
-    blank = "; blank: none logged" if None in step_lattice(steps, reach=cell_reach(steps))[1] else ""
-    return f"{len(steps)} of {total} steps logged ({steps[0]}-{steps[-1]}{blank})"
+    faded = "; faded: the nearest logged value, not measured there" if is_sparse(steps) else ""
+    return f"{len(steps)} of {total} steps logged ({steps[0]}-{steps[-1]}{faded})"
 
 
-def heat_grid(series: list[dict[int, float]], steps: list[int]) -> tuple[list[list[float]], tuple[float, ...]]:
-    """log10 of each series on the heatmap's columns over ``steps`` (NaN where nothing was logged), and the extent."""
-    columns, nearest = step_lattice(steps, reach=cell_reach(steps))
+def heat_grid(
+    series: list[dict[int, float]], steps: list[int], filled: bool = False
+) -> tuple[list[list[float]], tuple[float, ...]]:
+    """log10 of each series on the heatmap's columns over ``steps`` (NaN where nothing was logged), and the extent.
+
+    ``filled``: every column takes the value of the logged step nearest to it, up to half the usual gap between
+    logged steps either side (:func:`fill_reach`): the faded layer that keeps a sparse log from reading as a barcode
+    of one-step columns. A gap much longer than the usual one (a stretch with nothing logged) stays blank.
+
+    Example::
+
+        >>> heat_grid([{0: 10.0, 4: 100.0}], [0, 4])[0]
+        [[1.0, nan, nan, nan, 2.0]]
+        >>> heat_grid([{0: 10.0, 4: 100.0}], [0, 4], filled=True)[0]
+        [[1.0, 1.0, 1.0, 2.0, 2.0]]
+    """
+    columns, nearest = step_lattice(steps, reach=fill_reach(steps) if filled else cell_reach(steps))
     width = columns[1] - columns[0] if len(columns) > 1 else 1
     grid = []
     for values in series:
         logged = [_log10(values.get(s, math.nan)) for s in steps]
         grid.append([math.nan if i is None else logged[i] for i in nearest])
     return grid, (columns[0] - width / 2, columns[-1] + width / 2, len(series) - 0.5, -0.5)
+
+
+def fill_reach(steps: list[int]) -> float:
+    """How far the faded layer of a sparse heatmap carries a logged value: half the median gap between logged
+    steps (so the usual logging interval is covered end to end), at least :func:`cell_reach`.
+
+    Example::
+
+        >>> fill_reach([0, 49, 99, 149]), fill_reach([0, 1, 2])
+        (25.0, 0.5)
+    """
+    if len(steps) < 2:
+        return cell_reach(steps) if steps else 0.5
+    return max(cell_reach(steps), statistics.median(b - a for a, b in itertools.pairwise(steps)) / 2)
 
 
 # -- incidents: the events that skipped a step, rolled back or escalated, and where each began ----------------------
@@ -338,6 +371,59 @@ def incident_windows(events: list[dict], radius: int = INCIDENT_RADIUS, run_end:
         for incident in out:
             incident.last = max(min(incident.last, run_end), incident.event_steps[-1])
     return out
+
+
+def incident_kind(incident: Incident) -> tuple[str, ...]:
+    """What an incident is, for choosing panels: the labels of its events (:func:`event_label`), each once."""
+    return tuple(sorted({event_label(e) for e in incident.events}))
+
+
+def choose_incidents(incidents: list[Incident], limit: int) -> tuple[list[Incident], list[Incident]]:
+    """The incidents that get a panel, at most ``limit``, in step order, and those left out.
+
+    The rarest kinds first (:func:`incident_kind`: a rollback among 38 routine skips), then the latest: the run's
+    last incidents say most about where it ended.
+
+    Example::
+
+        >>> skip = [{"what": "spike", "action": "skip"}]
+        >>> skips = [Incident(s - 10, s + 10, [{"step": s, **skip[0]}]) for s in range(0, 900, 100)]
+        >>> rollback = Incident(440, 460, [{"step": 450, "what": "rollback"}])
+        >>> shown, left = choose_incidents([*skips, rollback], 3)
+        >>> [i.event_steps[0] for i in shown], len(left)
+        ([450, 700, 800], 7)
+    """
+    if len(incidents) <= limit:
+        return list(incidents), []
+    counts: dict[tuple[str, ...], int] = defaultdict(int)
+    for incident in incidents:
+        counts[incident_kind(incident)] += 1
+    ranked = sorted(incidents, key=lambda i: (counts[incident_kind(i)], -i.event_steps[-1]))
+    shown = sorted(ranked[:limit], key=lambda i: i.event_steps[0])
+    left = sorted(ranked[limit:], key=lambda i: i.event_steps[0])
+    return shown, left
+
+
+def left_out_text(left: list[Incident], most: int = 3) -> str:
+    """The incidents without a panel, in a few words: how many of each kind, between which steps.
+
+    Example::
+
+        >>> skips = [Incident(s - 10, s + 10, [{"step": s, "what": "spike", "action": "skip"}]) for s in (30, 90)]
+        >>> left_out_text(skips)
+        '2 x spike (step skipped) at steps 30-90'
+    """
+    kinds: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for incident in left:
+        kinds[incident_kind(incident)].append(incident.event_steps[0])
+    ordered = sorted(kinds.items(), key=lambda item: -len(item[1]))
+    parts = []
+    for kind, steps in ordered[:most]:
+        where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+        parts.append(f"{len(steps)} x {' + '.join(kind)} at {where}")
+    if len(ordered) > most:
+        parts.append(f"{sum(len(s) for _, s in ordered[most:])} more of {len(ordered) - most} other kinds")
+    return "; ".join(parts)
 
 
 def incident_grid(series: list[dict[int, float]], steps: list[int], before: int | None = None) -> list[list[float]]:
@@ -452,3 +538,47 @@ def event_label(event: dict) -> str:
     if event.get("action") == "skip":
         return f"{what} (step skipped)"
     return what
+
+
+class Record:
+    """The values :class:`~gradkit.monitor.GradNormMonitor` logged, kept on the host for the report (rank 0,
+    ``report=True``).
+
+    Past ``max_steps`` logged steps every other one is dropped (and from then on only every other one kept), so a
+    long run at a short logging period keeps a bounded record: the figure cannot show more columns anyway.
+    """
+
+    def __init__(self, max_steps: int = 4096) -> None:
+        self.max_steps = max_steps
+        self.steps: list[int] = []
+        self.values: list[dict[str, float]] = []
+        self.module_order: list[str] = []
+        self._stride = 1
+        self._seen = 0
+
+    def add(self, step: int, values: dict[str, float], modules: list[str], suffix: str) -> None:
+        if not self.module_order:
+            self.module_order = [name + suffix for name in modules]
+        self._seen += 1
+        if (self._seen - 1) % self._stride:
+            return
+        if self.steps and self.steps[-1] == step:  # a second optimizer logged at the same step
+            self.values[-1].update(values)
+            return
+        self.steps.append(step)
+        self.values.append(values)
+        if len(self.steps) > self.max_steps:
+            self.steps, self.values = self.steps[::2], self.values[::2]
+            self._stride *= 2
+
+    def merge(self, step: int, values: dict[str, float]) -> None:
+        """Add values measured after the step (the update ratio) to the record of ``step``, if it was kept."""
+        if self.steps and self.steps[-1] == step:
+            self.values[-1].update(values)
+
+    def run_data(self, events: list[dict]) -> RunData:
+        data = RunData(events=events, module_order=self.module_order)
+        for step, values in zip(self.steps, self.values, strict=True):
+            for key, value in values.items():
+                data.series[key][step] = value
+        return data

@@ -40,6 +40,11 @@ class SpikeGuard:
     micro-batch's, handed over by ``note_loss`` (behind the Trainer, ``on_before_backward``; in a loop of your own,
     :meth:`GradKit.note_loss <gradkit.loop.GradKit.note_loss>`).
 
+    A spike must also rise above the running mean by ``relative_floor`` times its magnitude: near convergence a
+    loss is flat, its standard deviation tiny, and the z-score alone would flag its ordinary noise (a loss of 0.0055
+    against a running mean of 0.0032 and a standard deviation of 0.00037 reads 6.2 standard deviations). The
+    threshold is ``mean + max(z_threshold * std, relative_floor * |mean|)``.
+
     The decision is identical on every rank: the loss of each rank travels in the pipeline's single collective, and
     gradient norms are global. No host synchronization is needed to decide; ``action`` says when one happens:
 
@@ -58,10 +63,14 @@ class SpikeGuard:
         window: keep the last ``window`` finite values instead of an EMA (>= ``warmup_steps``).
         warmup_steps: finite values seen before any decision (>= 2). Default 25 (ZClip's default).
         action: ``"warn"``, ``"skip"`` or ``"raise"``.
+        relative_floor: the least rise over the running mean that counts, as a fraction of the mean's magnitude
+            (>= 0). Default 1.0: a spike at least doubles the value (a gradient-norm spike is 10x and more). 0: the
+            z-score alone. Lower it (e.g. 0.2) for a loss far from zero whose smaller rises matter, a language
+            model's at 2-3.
 
     Raises:
         ValueError: on an unknown ``monitor`` or ``action``, ``z_threshold <= 0``, ``alpha`` outside ``(0, 1)``,
-            ``window < warmup_steps`` or ``warmup_steps < 2``.
+            ``window < warmup_steps``, ``warmup_steps < 2`` or ``relative_floor < 0``.
         RuntimeError: at the Trainer's setup, for ``action="skip"`` on a strategy that cannot skip steps; during
             training, for ``action="raise"`` on a spike.
 
@@ -89,6 +98,7 @@ class SpikeGuard:
         window: int | None = None,
         warmup_steps: int = 25,
         action: Literal["warn", "skip", "raise"] = "warn",
+        relative_floor: float = 1.0,
     ) -> None:
         self.action = check_choice("action", action, ("warn", "skip", "raise"))
         self.monitor = check_choice("monitor", monitor, ("loss", "grad_norm"))
@@ -103,6 +113,9 @@ class SpikeGuard:
                     f"warmup_steps={self.warmup_steps!r}. Enlarge the window or lower `warmup_steps`."
                 )
         self.window = window
+        self.relative_floor = check_float(
+            "relative_floor", relative_floor, minimum=0.0, hint="Use 0 for the z-score alone."
+        )
         # Host statistics, fed each step's value one step late (see `gradkit.host_lag`): a step's decision is one
         # comparison on device with the threshold of the steps before it.
         self._stats = HostMoments(self.alpha, window)
@@ -149,7 +162,7 @@ class SpikeGuard:
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         x = self._watched.value(plan)
         self._fold()
-        threshold = self._stats.threshold(self.z_threshold, self.warmup_steps)
+        threshold = self._threshold()
         # A finite value above the threshold; NaN and Inf never are (they are NonFiniteGuard's).
         spike = torch.nan_to_num(x, nan=-math.inf, posinf=-math.inf) > threshold
         self._lag.push(x.reshape(1))
@@ -157,6 +170,14 @@ class SpikeGuard:
         self._step = (spike, x)
         if self.action == "skip":
             plan.add_skip(spike)
+
+    def _threshold(self) -> float:
+        """``mean + max(z_threshold * std, relative_floor * |mean|)``; ``inf`` during warm-up."""
+        threshold = self._stats.threshold(self.z_threshold, self.warmup_steps)
+        if math.isinf(threshold):
+            return threshold
+        mean = self._stats.moments()[0]
+        return max(threshold, mean + self.relative_floor * abs(mean))
 
     def _fold(self) -> None:
         """Feed the statistics with the value of the step on its way to the host; keep it to report if it was a
@@ -206,13 +227,22 @@ class SpikeGuard:
         """Report ``flagged`` spikes, ``(step, value, z, mean, std)`` each, by the first one's values."""
         (first, value, z, mean, std), last, count = flagged[0], flagged[-1][0], len(flagged)
         what = f"{self.monitor}_spike"
-        values = {"value": value, "z": z, "mean": mean, "std": std, "z_threshold": self.z_threshold, "spikes": count}
+        values = {
+            "value": value,
+            "z": z,
+            "mean": mean,
+            "std": std,
+            "z_threshold": self.z_threshold,
+            "relative_floor": self.relative_floor,
+            "spikes": count,
+        }
         self._reporter.write(ctx, step=first, rank=None, what=what, culprit=culprit, values=values, last_step=last)
         steps = f"step {first}" if count == 1 else f"{count} steps between {first} and {last} (first at {first})"
         where = f"; largest gradient: `{culprit}`" if culprit else ""
         text = (
             f"SpikeGuard: {self.monitor} spike at {steps}: {value:.6g} is {z:.1f} standard deviations above the "
-            f"running mean {mean:.6g} (std {std:.3g}, threshold {self.z_threshold}){where}."
+            f"running mean {mean:.6g} (std {std:.3g}, threshold {self.z_threshold}, relative floor "
+            f"{self.relative_floor:g}){where}."
         )
         if self.action == "raise":
             raise RuntimeError(f"{text}{self._reporter.note}")

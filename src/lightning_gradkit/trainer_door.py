@@ -40,12 +40,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
 from gradkit._layout import verify_same_layout
 from gradkit._torch_compat import gradients_still_scaled
+from gradkit._user_frame import warn_user
 from gradkit.events import EventLog
 from gradkit.norms import loss_scale, world_size
 from gradkit.pipeline import Pipeline, StepPlan, UnitNorms
@@ -230,7 +230,12 @@ class TrainerContext(StepContext):
             logger.log_metrics(values, step=step)
 
     def warn(self, message: str) -> None:
-        rank_zero_warn(message)
+        if self.trainer.global_rank == 0:
+            warn_user(message)  # at the user's line, not Lightning's or gradkit's
+
+    @property
+    def loggers(self) -> Sequence[Any]:  # type: ignore[override]
+        return self.trainer.loggers
 
     def progress_bar(self, values: dict[str, float]) -> None:  # type: ignore[override]
         # CPU tensors: the progress bar reads them every batch, which must not synchronize the device.

@@ -14,7 +14,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -123,7 +122,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
         if self._deepspeed or not self._reporter.reads_on_host():  # nothing of the batch is needed
             return
         # A reference to the batch (no copy) and the torch RNG state, so a replay repeats its dropout masks.
-        replay = self.forensics and not self._forensics_done
+        replay = self.replay_allowed(trainer.global_step)
         ctx = TrainerPipeline.of(trainer).context(trainer, pl_module)
         ctx.micro_batch = training_step_batch(trainer, pl_module, batch, batch_idx, replay)
 
@@ -186,7 +185,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
             grads_bad = ~torch.isfinite(step.grad_norm)
         elif self.check_grads and step.grad_norm is None and not self._ds_warned_no_norm:
             self._ds_warned_no_norm = True
-            rank_zero_warn(
+            TrainerPipeline.of(trainer).context(trainer, pl_module).warn(
                 "NonFiniteGuard: the DeepSpeed engine computed no global gradient norm (ZeRO stage 0 in full "
                 "precision steps the torch optimizer directly), so only the loss is checked under this config."
             )
@@ -225,7 +224,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
         if new > 0:
             ctx = TrainerPipeline.of(trainer).context(trainer, pl_module)
             self._reporter.write(ctx, rank=None, what="nonfinite", culprit=None, values={"flagged_steps": new})
-            rank_zero_warn(
+            ctx.warn(
                 f"NonFiniteGuard: {new} DeepSpeed optimizer step(s) up to step {trainer.global_step} had a non-finite "
                 f"loss or global gradient norm. DeepSpeed skipped {skipped} step(s) itself since the last report "
                 f"(its overflow check, `deepspeed/skipped_steps`) and applied the others. Events: {self.events_path}."
@@ -286,7 +285,7 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
         if stop:
             trainer.should_stop = True
             message += " Training stops (`stop_on_nonfinite_validation=True`)."
-        rank_zero_warn(f"{message}{self._reporter.note}")
+        TrainerPipeline.of(trainer).context(trainer, pl_module).warn(f"{message}{self._reporter.note}")
 
 
 class SpikeGuard(gradkit.spike_guard.SpikeGuard, GradKitCallback):

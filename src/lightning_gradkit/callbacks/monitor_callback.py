@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
@@ -76,7 +76,7 @@ class GradNormMonitor(gradkit.monitor.GradNormMonitor, GradKitCallback):
         except MisconfigurationException:  # an accumulation schedule: no single estimate
             return
         if period and math.isfinite(total) and 0 < total < period:
-            rank_zero_warn(
+            TrainerPipeline.of(trainer).context(trainer, pl_module).warn(
                 f"GradNormMonitor: this run has {int(total)} optimizer step(s), fewer than the logging period of "
                 f"{period} (`log_every_n_steps`, counted in optimizer steps): gradient norms are logged on the first "
                 "and the last step only. Lower `Trainer(log_every_n_steps=...)` or "
@@ -147,7 +147,7 @@ class GradNormMonitor(gradkit.monitor.GradNormMonitor, GradKitCallback):
             metrics["grad_norm/total"] = float(step.grad_norm)  # the one device read, on logging steps only
         elif not self._warned_no_deepspeed_norm:
             self._warned_no_deepspeed_norm = True
-            rank_zero_warn(
+            TrainerPipeline.of(trainer).context(trainer, pl_module).warn(
                 "GradNormMonitor: the DeepSpeed engine computed no global gradient norm "
                 "(`engine.get_global_grad_norm()` is None), so `grad_norm/total` is not logged. DeepSpeed computes it "
                 "under ZeRO stage 1-3 or with fp16/bf16; with ZeRO stage 0 in full precision it steps the torch "
