@@ -88,6 +88,11 @@ plain-PyTorch door use it too).
 11. A torchmetrics ``Metric``'s state attributes put back after a replay (``gradkit/replay.py``, ``setattr`` of the
     names ``metric_state_names`` lists): a replayed ``training_step`` must not count its batch twice.
 
+**The Hugging Face door** (:mod:`gradkit.huggingface`) lists its own: ``Trainer._get_grad_norm`` and
+``Trainer._clip_grad_norm`` replaced on the instance, accelerate's ``AcceleratedOptimizer._is_overflow`` set on a
+skip, torch's ``optimizer._opt_called`` / ``_wrapped_by_lr_sched`` kept for the LR scheduler (read on transformers
+5.23.0, accelerate 1.15.0).
+
 **Hooks** gradkit registers on the user's objects, with torch's public ``register_*`` APIs, each removed by its owner:
 the loop door's first-window forward pre-hooks (removed at the first forward, or by ``GradKit.close``); the culprit
 replay's and the planner's forward hooks (removed when the replay or the measurement ends); ``GradNormMonitor``'s
