@@ -36,3 +36,25 @@ def _close_figures() -> Iterator[None]:
     plt = sys.modules.get("matplotlib.pyplot")
     if plt is not None:
         plt.close("all")
+
+
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left() -> Iterator[None]:
+    """A test that initializes ``torch.distributed`` in this process (one rank, gloo) or sets the launcher's
+    environment must not leave either to the tests after it (Lightning and Hugging Face read both)."""
+    import os
+
+    import torch.distributed as dist
+
+    saved = {key: os.environ.get(key) for key in _DIST_ENV}
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

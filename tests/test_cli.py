@@ -108,6 +108,8 @@ CALLBACK_ARGS: dict[str, dict[str, object]] = {
     "NonFiniteGuard": {"action": "warn", "max_consecutive": 3},
     "SpikeGuard": {"monitor": "grad_norm", "window": 30},
     "SpikeRollback": {"skip_batches": 10, "keep": 3},
+    "EarlyWarning": {"growth_steps": 10, "action": "escalate"},
+    "StepsToSkip": {"steps": [[5, 7]]},
     "ActivationCheckpointing": {"targets": ["Block"], "mode": "selective"},
     "InferenceModeValidation": {"fallback": "raise"},
     "AccumulationGuard": {"normalize": "tokens", "tokens_key": "n"},
