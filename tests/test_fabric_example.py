@@ -154,26 +154,26 @@ def test_fabric_example_trains_litgpt_gpt_with_a_norm_per_block_and_skips_the_na
     assert all(torch.isfinite(p).all() for p in summary.model.parameters())
 
 
-def readme_fabric_commands() -> list[list[str]]:
-    """The README's `examples/fabric_pretrain.py` commands, split into arguments (without `python` and the path)."""
+def documented_fabric_commands() -> list[list[str]]:
+    """The `examples/fabric_pretrain.py` commands of the front doors' page (docs/doors.md), split into arguments
+    (without `python` and the path)."""
     import shlex
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    lines = [
-        line.split("#")[0] for line in readme.splitlines() if line.startswith("python examples/fabric_pretrain.py")
-    ]
+    page = (Path(__file__).parents[1] / "docs" / "doors.md").read_text()
+    lines = [line.split("#")[0] for line in page.splitlines() if line.startswith("python examples/fabric_pretrain.py")]
     return [shlex.split(line)[2:] for line in lines]
 
 
-def test_the_readmes_resume_command_resumes_the_readmes_first_run(
+def test_the_documented_resume_command_resumes_the_documented_first_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 33: the README's first command saved no checkpoint, so its `--resume auto` started from scratch without
-    a word. Both as the README writes them, in a folder of their own and tiny (4 steps, then 6, the NaN at step 2)."""
-    first, resume = readme_fabric_commands()[:2]
+    """Issue 33: the documented first command saved no checkpoint, so its `--resume auto` started from scratch
+    without a word. Both as docs/doors.md writes them, in a folder of their own and tiny (4 steps, then 6, the NaN at
+    step 2)."""
+    first, resume = documented_fabric_commands()[:2]
     assert "--inject-nan-at" in first and "--save-interval" not in first
     assert resume[resume.index("--resume") + 1] == "auto"
-    out = ["--out-dir", str(tmp_path)]  # the README's /tmp/fabric-run, here
+    out = ["--out-dir", str(tmp_path)]  # the page's /tmp/fabric-run, here
     example = load_example()
 
     example.main([*first, *TINY, "--max-steps=4", "--inject-nan-at=2", *out])

@@ -1,6 +1,6 @@
 """lightning_gradkit: Lightning callbacks and a strategy mixin for the gradient path of a training run.
 
-Public API only; see "Architecture" in the README ("measure once, decide once, touch the gradients once").
+Public API only; see docs/architecture.md ("measure once, decide once, touch the gradients once").
 
 Two import roots ship together:
 

@@ -4,8 +4,8 @@ Lightning objects arrive as arguments; the torch-only code (the ``gradkit`` impo
 torchmetrics private reads in :mod:`gradkit._torch_compat`.
 
 Read in the source of Lightning 2.4.0, 2.5.0, 2.5.5 and 2.6.6; run with torch 2.13 by the full suite on 2.6.6 and
-by ``make test-compat`` on 2.5.6 and 2.6.6. The package supports ``lightning>=2.5,<3`` and ``torch>=2.5`` (README,
-"Versions tested"): Lightning 2.4 reads the same attributes, but its loop runs the last batch again when a fit
+by ``make test-compat`` on 2.5.6 and 2.6.6. The package supports ``lightning>=2.5,<3`` and ``torch>=2.5``
+(docs/versions.md): Lightning 2.4 reads the same attributes, but its loop runs the last batch again when a fit
 resumes from a checkpoint saved in ``on_train_batch_end``, so no exact mid-epoch resume can be built on it. A note
 says where releases differ.
 
