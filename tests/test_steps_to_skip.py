@@ -186,6 +186,17 @@ def test_the_trainer_refuses_a_strategy_that_cannot_drop_a_step(tmp_path: Path) 
         trainer.fit(_Module(), loader())
 
 
+def test_the_trainer_refuses_manual_optimization_and_says_what_to_do_instead(tmp_path: Path) -> None:
+    module = _Module()
+    module.automatic_optimization = False
+    trainer = make_trainer(
+        tmp_path, strategy="gradkit", callbacks=[StepsToSkipCallback(steps=DROPPED)], logger=False, max_steps=1
+    )
+    with pytest.raises(RuntimeError, match=r"StepsToSkip needs automatic optimization.*range_of\(self.global_step\)"):
+        trainer.fit(module, loader())
+    assert module.trained == []  # refused at setup, before any batch
+
+
 # -- the rollback's left-out steps, in the same form -----------------------------------------------------------------
 def test_a_rollback_event_lists_the_steps_it_left_out_and_steps_from_events_reads_them(tmp_path: Path) -> None:
     """A loss spike that persists from step 8 on: the rollback fires at step 10, restores the snapshot taken before

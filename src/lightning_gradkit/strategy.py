@@ -78,7 +78,12 @@ from gradkit.protocol import hook
 from gradkit.replay import replaying
 from gradkit.snapshot import Snapshot
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device
-from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, clipping_instead, is_deepspeed_strategy
+from lightning_gradkit._deepspeed import (
+    SKIPPING_INSTEAD,
+    clipping_instead,
+    is_deepspeed_strategy,
+    refuse_under_deepspeed,
+)
 from lightning_gradkit._window import open_window
 from lightning_gradkit.trainer_door import GradKitCallback, StepPlan, TrainerPipeline, check_callback_instances
 
@@ -121,6 +126,25 @@ def gradkit_strategy_hint(strategy: object) -> str:
     if isinstance(strategy, SingleDeviceStrategy):
         return 'Trainer(strategy="gradkit") or GradKitSingleDeviceStrategy(...)'
     return f"a subclass `class My{type(strategy).__name__}(GradKitStrategyMixin, {type(strategy).__name__})`"
+
+
+def require_gradkit_step(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, who: str, does: str, deepspeed: tuple[str, str], manual: str
+) -> None:
+    """Refuse, naming the fix, a fit where the callback ``who`` cannot act on optimizer steps: under DeepSpeed
+    (``deepspeed``: why, what to do instead), without a GradKit strategy (which ``does`` what ``who`` needs), or
+    under manual optimization (``manual``: what to do instead, or empty)."""
+    refuse_under_deepspeed(trainer, f"`{who}(...)`", *deepspeed)
+    if not isinstance(trainer.strategy, GradKitStrategyMixin):
+        raise RuntimeError(
+            f"{who} {does}, which needs a GradKit strategy, but the Trainer uses {type(trainer.strategy).__name__}. "
+            f"Use {gradkit_strategy_hint(trainer.strategy)}."
+        )
+    if not pl_module.automatic_optimization:
+        raise RuntimeError(
+            f"{who} needs automatic optimization (one optimizer step per batch, which the GradKit strategy {does}), "
+            f"but the LightningModule sets `automatic_optimization = False`.{' ' + manual if manual else ''}"
+        )
 
 
 @dataclass

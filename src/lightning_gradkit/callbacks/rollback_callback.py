@@ -7,8 +7,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from gradkit import rollback
-from lightning_gradkit._deepspeed import refuse_under_deepspeed
-from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
+from lightning_gradkit.strategy import require_gradkit_step
 from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
 
 __all__ = ["SpikeRollback"]
@@ -51,24 +50,19 @@ class SpikeRollback(rollback.SpikeRollback, GradKitCallback):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        refuse_under_deepspeed(
+        require_gradkit_step(
             trainer,
-            "`SpikeRollback(...)`",
-            "it restores the parameters and optimizer state from a snapshot and skips the triggering step, but the "
-            "DeepSpeed engine owns the optimizer state (partitioned under ZeRO) and its step",
-            "DeepSpeed has no rollback (no config key does it). Save checkpoints (`ModelCheckpoint(every_n_train_steps="
-            "...)`) and resume from the last good one with `trainer.fit(..., ckpt_path=...)`.",
+            pl_module,
+            "SpikeRollback",
+            "skips the optimizer step that triggers a rollback",
+            deepspeed=(
+                "it restores the parameters and optimizer state from a snapshot and skips the triggering step, but "
+                "the DeepSpeed engine owns the optimizer state (partitioned under ZeRO) and its step",
+                "DeepSpeed has no rollback (no config key does it). Save checkpoints (`ModelCheckpoint("
+                "every_n_train_steps=...)`) and resume from the last good one with `trainer.fit(..., ckpt_path=...)`.",
+            ),
+            manual="",
         )
-        if not isinstance(trainer.strategy, GradKitStrategyMixin):
-            raise RuntimeError(
-                f"SpikeRollback skips the optimizer step that triggers a rollback, which needs a GradKit strategy, but "
-                f"the Trainer uses {type(trainer.strategy).__name__}. Use {gradkit_strategy_hint(trainer.strategy)}."
-            )
-        if not pl_module.automatic_optimization:
-            raise RuntimeError(
-                "SpikeRollback needs automatic optimization (one optimizer step per batch that the GradKit strategy "
-                "can skip), but the LightningModule sets `automatic_optimization = False`."
-            )
         sharded = isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)) and trainer.world_size > 1
         if self.save_snapshots and sharded:
             raise ValueError(

@@ -12,7 +12,7 @@ from torch import Tensor
 import gradkit.early_warning
 import gradkit.steps_to_skip
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
-from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
+from lightning_gradkit.strategy import require_gradkit_step
 from lightning_gradkit.trainer_door import GradKitCallback
 
 __all__ = ["EarlyWarning", "StepsToSkip"]
@@ -91,20 +91,15 @@ class StepsToSkip(gradkit.steps_to_skip.StepsToSkip, GradKitCallback):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        refuse_under_deepspeed(
+        require_gradkit_step(
             trainer,
-            "`StepsToSkip(...)`",
-            "the GradKit strategy drops a declared step's batches, and DeepSpeed's engine owns the step",
-            "DeepSpeed has no declared data skip: leave the batches out of your data loader.",
+            pl_module,
+            "StepsToSkip",
+            "drops the batches of declared steps",
+            deepspeed=(
+                "the GradKit strategy drops a declared step's batches, and DeepSpeed's engine owns the step",
+                "DeepSpeed has no declared data skip: leave the batches out of your data loader.",
+            ),
+            manual="Return early from `training_step` where `StepsToSkip.range_of(self.global_step)` is not None "
+            "instead.",
         )
-        if not isinstance(trainer.strategy, GradKitStrategyMixin):
-            raise RuntimeError(
-                f"StepsToSkip drops the batches of declared steps through a GradKit strategy, but the Trainer uses "
-                f"{type(trainer.strategy).__name__}. Use {gradkit_strategy_hint(trainer.strategy)}."
-            )
-        if not pl_module.automatic_optimization:
-            raise RuntimeError(
-                "StepsToSkip needs automatic optimization (the GradKit strategy drops the step's training_step and "
-                "optimizer step), but the LightningModule sets `automatic_optimization = False`: return early from "
-                "`training_step` where `StepsToSkip.range_of(self.global_step)` is not None instead."
-            )
