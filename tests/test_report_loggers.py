@@ -74,11 +74,12 @@ def test_trainer_logs_the_report_and_the_events_to_tensorboard_at_the_end_and_ev
     logger = TensorBoardLogger(tmp_path, name="tb")
     monitor, events = guarded_fit(tmp_path, logger, report_every_n_logs=2)
     images, texts = read_tensorboard(logger.log_dir)
-    # Logging steps 0..5: a report after every second one (steps 1, 3, 5), and the one at the end of fit (step 5).
-    assert [step for step, _, _ in images] == [1, 3, 5, 5]
+    # Logging steps 0..5: a report after every second one (steps 1, 3, 5); the one at the end of fit would show what
+    # the report of step 5 showed, so it is not logged a second time.
+    assert [step for step, _, _ in images] == [1, 3, 5]
     # The last is the figure of the whole run; the first, before the NaN, has no incident panel below the others.
     assert images[-1][1:] == figure_pixels(monitor) and images[0][2] < images[-1][2]
-    assert [step for step, _ in texts] == [1, 3, 5, 5]
+    assert [step for step, _ in texts] == [1, 3, 5]
     assert texts[0][1] == "no event"
     final = texts[-1][1]
     summary = "1 event: 1 x nonfinite_loss_and_grads (step skipped) at step 2"
@@ -87,6 +88,17 @@ def test_trainer_logs_the_report_and_the_events_to_tensorboard_at_the_end_and_ev
     assert row in final.splitlines() and "encoder.0" in row  # the culprit the replay named
     assert str(Path(logger.log_dir) / "gradkit_events.jsonl") in final
     assert (Path(logger.log_dir) / "gradient_report.png").is_file()  # the file folder, as before
+
+
+def test_the_report_at_the_end_is_logged_when_it_shows_more_than_the_last_periodic_one(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    monitor, _ = guarded_fit(tmp_path, logger, report_every_n_logs=4)
+    images, texts = read_tensorboard(logger.log_dir)
+    # Logging steps 0..5: the periodic report after the fourth (step 3), then the end of fit (step 5) with two more.
+    assert [step for step, _, _ in images] == [3, 5] and [step for step, _ in texts] == [3, 5]
+    assert images[-1][1:] == figure_pixels(monitor)
 
 
 def test_the_loop_door_logs_the_report_to_fabrics_tensorboard_logger(tmp_path: Path) -> None:

@@ -206,6 +206,7 @@ class GradNormMonitor:
         self._can_draw = False  # matplotlib is there (checked at attach)
         self._logs_since_report = 0
         self._report_due = False
+        self._published: tuple[object, Path | None] | None = None  # what the last report showed, and its PNG
         self._metadata_dir: Path | None = None
         self._written_rows: dict[int, list[str]] = {}
         # Update ratio: the parameters before the step of a logging step, per optimizer, and the step hooks.
@@ -263,7 +264,7 @@ class GradNormMonitor:
                 "GradNormMonitor(report=True): matplotlib is not installed, so no gradient_report.png is drawn (the "
                 f"loggers get the events only); to draw it, {INSTALL_HINT}."
             )
-        self._logs_since_report, self._report_due = 0, False
+        self._logs_since_report, self._report_due, self._published = 0, False, None
         # The model order of the rows goes next to the logs (rank 0), for `python -m gradkit.report`.
         self._metadata_dir = directory if rank_zero else None
         self._record = Record() if self.report and rank_zero else None
@@ -280,8 +281,15 @@ class GradNormMonitor:
         assert self._report_dir is not None
         data = self.report_data
         assert data is not None
+        # What the report shows: the points of each series and the events. The report at the end of a run whose last
+        # logging step already published a periodic one would log the same figure again at the same step.
+        shown = (sorted((key, len(values)) for key, values in data.series.items()), len(data.events))
+        if final and self._published is not None and self._published[0] == shown:
+            return self._published[1]
         warn_empty = ctx.warn if final else None  # a periodic report before the first logged step: nothing to say
-        return publish_report(data, self._report_dir, ctx.loggers, ctx.log_step, ctx.warn, self._can_draw, warn_empty)
+        path = publish_report(data, self._report_dir, ctx.loggers, ctx.log_step, ctx.warn, self._can_draw, warn_empty)
+        self._published = (shown, path)
+        return path
 
     def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(self.norm_type)
