@@ -96,6 +96,7 @@ __all__ = [
     "gradkit_strategy_hint",
     "handles_found_inf",
     "register_strategies",
+    "require_gradkit_step",
 ]
 
 
