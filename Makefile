@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradkit-installed
 
-.PHONY: demo test test-compat lint bench gpu-check docs docs-inventories clean
+.PHONY: demo test test-compat lint bench gpu-check docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -96,23 +96,20 @@ $(COMPAT_DIR)/lightning-%/.gradkit-installed: pyproject.toml constraints.txt con
 	touch $@
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests examples benchmarks docs/conf.py docs/fetch_inventories.py
-	$(VENV)/bin/ruff format --check src tests examples benchmarks docs/conf.py docs/fetch_inventories.py
+	$(VENV)/bin/ruff check src tests examples benchmarks docs/conf.py docs/external_names.py
+	$(VENV)/bin/ruff format --check src tests examples benchmarks docs/conf.py docs/external_names.py
 
 # `make docs`: the documentation site (Sphinx: MyST pages, autodoc + napoleon for the API reference) into docs/_build
 # (git-ignored), every warning an error (-W; --keep-going lists them all first). -E re-reads every page, so a warning
-# in an unchanged page fails a second build too. No network: intersphinx reads only the inventories committed in
-# docs/_inventories (`make docs-inventories` fetches them where the documentation hosts are reachable).
-# tests/test_docs.py runs the pages' code blocks (part of `make test`). `make docs SPHINXOPTS=-n` also lists the
-# cross-references that resolve nowhere (not an error: the docstrings name private modules the site leaves out, and
-# torch's and Lightning's names resolve only with their inventories).
+# in an unchanged page fails a second build too. The build is nitpicky: a cross-reference that resolves nowhere is an
+# error, short of the private names docs/conf.py's nitpick_ignore lists. No network: the names of Python, torch,
+# Lightning and transformers link to their official pages through inventories the build writes from the table in
+# docs/external_names.py, so a docstring that names a new torch or Lightning type fails until the table has its page.
+# tests/test_docs.py runs the pages' code blocks and checks that table (part of `make test`).
 SPHINXOPTS ?=
 
 docs: $(STAMP)
 	$(VENV)/bin/sphinx-build -b html -W --keep-going -E -q $(SPHINXOPTS) docs docs/_build/html
-
-docs-inventories: $(STAMP)
-	$(PY) docs/fetch_inventories.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_monitoring.py

@@ -1,13 +1,20 @@
 """Sphinx configuration of the lightning_gradkit documentation (``make docs``).
 
 The pages are Markdown (MyST); the API reference comes from the docstrings of the public names (autodoc, Google
-style through napoleon). The build reads nothing from the network: see ``intersphinx_mapping`` below.
+style through napoleon). The names of Python, torch, Lightning and transformers link to their official pages through
+inventories written at build time from ``docs/external_names.py``: the build reads nothing from the network. The build
+is nitpicky: a reference that resolves nowhere fails it (``nitpick_ignore`` below lists what the site leaves out).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sphinx.application import Sphinx
+    from sphinx.config import Config
 
 DOCS = Path(__file__).parent
 # The package from this checkout, installed or not (`make docs` uses the venv's editable install; a bare
@@ -15,7 +22,7 @@ DOCS = Path(__file__).parent
 sys.path.insert(0, str(DOCS.parent / "src"))
 sys.path.insert(0, str(DOCS))
 
-from fetch_inventories import INVENTORIES  # noqa: E402 (after the path it needs)
+from external_names import write_inventories  # noqa: E402 (after the path it needs)
 
 project = "lightning_gradkit"
 author = "lightning_gradkit contributors"
@@ -30,7 +37,7 @@ extensions = [
 
 source_suffix = {".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build", "_inventories"]
+exclude_patterns = ["_build"]
 
 # MyST: `{directive}` fences (the autodoc directives go through `{eval-rst}`) and heading anchors, so that a page
 # can link to another page's section (`[text](page.md#section)`).
@@ -46,20 +53,77 @@ napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 
 # intersphinx without the network. The build must pass in CI, which reaches no documentation host, so no inventory
-# is ever downloaded at build time: each project's objects.inv is read from docs/_inventories/ when a copy is
-# committed there (`make docs-inventories` fetches them where the network allows), and a project without a copy is
-# left out of the mapping: its names (torch.Tensor, lightning.pytorch.Trainer) then render as code without a link,
-# instead of failing a `-W` build on a fetch error. The build says which inventories it used.
-intersphinx_mapping = {
-    name: (url, str(DOCS / "_inventories" / f"{name}.inv"))
-    for name, url in INVENTORIES.items()
-    if (DOCS / "_inventories" / f"{name}.inv").is_file()
-}
-print(
-    "intersphinx inventories in docs/_inventories: "
-    + (", ".join(sorted(intersphinx_mapping)) or "none (names of torch and Lightning are not linked)")
-)
+# is downloaded: docs/external_names.py maps every name of another project that the site references (as autodoc
+# writes it: torch.nn.modules.module.Module, lightning.pytorch.core.module.LightningModule) to its page on that
+# project's site, and at the start of the build an inventory per project is written from it into the doctree folder
+# (the build folder, git-ignored) and intersphinx reads those files (`_link_external_names` in `setup` below).
+intersphinx_mapping: dict[str, tuple[str, str]] = {}
+
+# Every reference must resolve: a name of the site, or one of docs/external_names.py. A docstring that names a new
+# torch, Lightning or Python type fails `make docs` until its page is added there. Ignored below: only what the site
+# leaves out on purpose, each group with its reason.
+nitpicky = True
+nitpick_ignore = [
+    # gradkit's torch-level classes and modules behind the public Lightning callbacks: a callback's docstring names
+    # the policy it wraps (and the modules that do the work), while the site documents the callback only.
+    ("py:class", "gradkit.accumulate.WindowScale"),
+    ("py:class", "gradkit.agc.AdaptiveGradClip"),
+    ("py:class", "gradkit.clipping.ClipGradNorm"),
+    ("py:class", "gradkit.clipping.ClipGradValue"),
+    ("py:class", "gradkit.early_warning.EarlyWarning"),
+    ("py:class", "gradkit.guards.NonFiniteGuard"),
+    ("py:class", "gradkit.history_clipping.AutoClip"),
+    ("py:class", "gradkit.history_clipping.ZClip"),
+    ("py:class", "gradkit.monitor.GradNormMonitor"),
+    ("py:class", "gradkit.rollback.SpikeRollback"),
+    ("py:class", "gradkit.spike_guard.SpikeGuard"),
+    ("py:class", "gradkit.steps_to_skip.StepsToSkip"),
+    ("py:class", "StepsToSkip"),
+    ("py:func", "gradkit.replay.replay"),
+    ("py:mod", "gradkit.report_loggers"),
+    ("py:mod", "gradkit.selection"),
+    ("py:mod", "lightning_gradkit._deepspeed"),
+    ("py:mod", "lightning_gradkit.activation_checkpointing.injection"),
+    ("py:mod", "lightning_gradkit.activation_checkpointing.planner"),
+    ("py:mod", "lightning_gradkit.diagnostics.autograd_graph"),
+    ("py:data", "lightning_gradkit.diagnostics.host_sync.SYNC_CALLS"),
+    # the protocol's internals that the documented StepContext, StepPlan and Policy name: the contexts of each door,
+    # the roster and micro-batch records, the helpers of the protocol and of the callbacks' checks
+    ("py:class", "gradkit.loop.LoopContext"),
+    ("py:class", "lightning_gradkit.trainer_door.TrainerContext"),
+    ("py:class", "MicroBatch"),
+    ("py:class", "Roster"),
+    ("py:func", "is_policy"),
+    ("py:func", "selective_policy"),
+    ("py:func", "find_inference_tensors"),
+    ("py:func", "inference_mode_unsafe_reason"),
+    # members named in a docstring in single backticks (the default role) that the reference does not list:
+    # StepPlan's methods, a callback's attributes, HFGradKit.kit
+    ("py:meth", "add_skip"),
+    ("py:meth", "multiply_scale"),
+    ("py:meth", "release_gradients"),
+    ("py:attr", "framework_report"),
+    ("py:attr", "report"),
+    ("py:attr", "reports"),
+    ("py:attr", "trainer_only"),
+    ("py:attr", "HFGradKit.kit"),
+    # private type aliases in the signature of Lightning's FSDPStrategy (inherited by GradKitFSDPStrategy), defined
+    # under TYPE_CHECKING only and documented nowhere
+    ("py:class", "_POLICY"),
+    ("py:class", "_SHARDING_STRATEGY"),
+]
+
 
 html_theme = "furo"
 html_title = "lightning_gradkit"
 html_static_path: list[str] = []
+
+
+def _link_external_names(app: Sphinx, config: Config) -> None:
+    """Write the inventories of docs/external_names.py into the doctree folder and point intersphinx at them (before
+    intersphinx validates its mapping, priority 800)."""
+    config.intersphinx_mapping = write_inventories(Path(app.doctreedir) / "external_names")
+
+
+def setup(app: Sphinx) -> None:
+    app.connect("config-inited", _link_external_names, priority=500)

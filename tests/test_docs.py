@@ -15,6 +15,9 @@ A page's fenced blocks are taken by language:
   Sphinx's, checked by the ``-W`` build (``make docs``).
 
 The docstring examples (``>>>``) of the public names, which the API reference renders, run as doctests.
+
+The names of other projects that the site links (``docs/external_names.py``) each designate an object of the installed
+package, the one their anchor names, and their URLs stay under the project's documentation root.
 """
 
 from __future__ import annotations
@@ -413,3 +416,77 @@ def test_docstring_examples_run(name: str, tmp_path: Path, monkeypatch: pytest.M
             runner.run(test, out=output.write)
     assert runner.failures == 0, output.getvalue()
     assert runner.tries > 0
+
+
+# ---------------------------------------------------------------------------------------------------------- links
+
+
+def _external_names() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_external_names", DOCS / "external_names.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXTERNAL = _external_names()
+# the official documentation root of each project the site links
+OFFICIAL_ROOTS = {
+    "python": "https://docs.python.org/3/",
+    "torch": "https://docs.pytorch.org/docs/stable/",
+    "lightning": "https://lightning.ai/docs/pytorch/stable/",
+    "transformers": "https://huggingface.co/docs/transformers/",
+}
+DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+def _resolve(dotted: str) -> object:
+    """The object a dotted name designates: its longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            found = getattr(found, attribute)
+        return found
+    raise ImportError(f"no module of {dotted!r} imports")
+
+
+@pytest.mark.parametrize("name", sorted(EXTERNAL.NAMES))
+def test_external_name_is_an_object_of_the_installed_package(name: str) -> None:
+    """Each linked name designates an object of the installed package, and its anchor, where the anchor is a Python
+    name (not a section), designates the same object: the page documents what the signature shows."""
+    link = EXTERNAL.NAMES[name]
+    if link.project == "transformers":
+        pytest.importorskip("transformers")  # the huggingface extra
+    target = link.target or name
+    found = _resolve(target)
+    assert callable(found), f"{name}: {target} is not a class or function"
+    if DOTTED.fullmatch(link.anchor):
+        assert _resolve(link.anchor) is found, f"{name}: the page documents {link.anchor}, another object"
+
+
+def test_external_links_stay_under_their_project_roots() -> None:
+    assert EXTERNAL.ROOTS == OFFICIAL_ROOTS
+    for name, link in EXTERNAL.NAMES.items():
+        assert link.project in OFFICIAL_ROOTS, name
+        assert link.role in ("class", "function"), name
+        assert "://" not in link.page and not link.page.startswith("/") and ".." not in link.page, name
+        assert "#" not in link.page and link.anchor and not re.search(r"\s", link.anchor), name
+        assert EXTERNAL.url(name) == f"{OFFICIAL_ROOTS[link.project]}{link.page}#{link.anchor}", name
+
+
+def test_external_inventories_read_back(tmp_path: Path) -> None:
+    """The inventories conf.py writes load with Sphinx's own reader, every name at its URL."""
+    inventory = pytest.importorskip("sphinx.util.inventory")
+    mapping = EXTERNAL.write_inventories(tmp_path)
+    assert set(mapping) == set(OFFICIAL_ROOTS)
+    loaded = {}
+    for root, path in mapping.values():
+        data = inventory.InventoryFile.loads(Path(path).read_bytes(), uri=root).data
+        for objtype, entries in data.items():
+            for name, item in entries.items():
+                loaded[name] = (objtype, item.uri)
+    assert loaded == {name: (f"py:{link.role}", EXTERNAL.url(name)) for name, link in EXTERNAL.NAMES.items()}
