@@ -39,7 +39,7 @@ class Link(NamedTuple):
     target: str = ""  # the importable object when the name is not itself an import path (a short form)
 
 
-_LIGHTNING_API = "optional-api/api/"
+_LIGHTNING_API = "api/"  # Sphinx autosummary pages: api/<public name>.html
 
 NAMES: dict[str, Link] = {
     # Python
@@ -81,33 +81,33 @@ NAMES: dict[str, Link] = {
     # Lightning (its pages document the lightning.pytorch names; the fabric classes are the same objects)
     "lightning.pytorch.core.module.LightningModule": Link(
         "lightning",
-        _LIGHTNING_API + "lightning.pytorch.core.LightningModule",
+        _LIGHTNING_API + "lightning.pytorch.core.LightningModule.html",
         "lightning.pytorch.core.LightningModule",
     ),
     "lightning.pytorch.accelerators.accelerator.Accelerator": Link(
         "lightning",
-        _LIGHTNING_API + "lightning.pytorch.accelerators.Accelerator",
+        _LIGHTNING_API + "lightning.pytorch.accelerators.Accelerator.html",
         "lightning.pytorch.accelerators.Accelerator",
     ),
     "pl.accelerators.Accelerator": Link(
         "lightning",
-        _LIGHTNING_API + "lightning.pytorch.accelerators.Accelerator",
+        _LIGHTNING_API + "lightning.pytorch.accelerators.Accelerator.html",
         "lightning.pytorch.accelerators.Accelerator",
         target="lightning.pytorch.accelerators.Accelerator",
     ),
     "lightning.fabric.plugins.environments.cluster_environment.ClusterEnvironment": Link(
         "lightning",
-        _LIGHTNING_API + "lightning.pytorch.plugins.environments.ClusterEnvironment",
+        _LIGHTNING_API + "lightning.pytorch.plugins.environments.ClusterEnvironment.html",
         "lightning.pytorch.plugins.environments.ClusterEnvironment",
     ),
     "lightning.fabric.plugins.io.checkpoint_io.CheckpointIO": Link(
         "lightning",
-        _LIGHTNING_API + "lightning.pytorch.plugins.io.CheckpointIO",
+        _LIGHTNING_API + "lightning.pytorch.plugins.io.CheckpointIO.html",
         "lightning.pytorch.plugins.io.CheckpointIO",
     ),
     "lightning.pytorch.plugins.precision.precision.Precision": Link(
         "lightning",
-        _LIGHTNING_API + "lightning.pytorch.plugins.precision.Precision",
+        _LIGHTNING_API + "lightning.pytorch.plugins.precision.Precision.html",
         "lightning.pytorch.plugins.precision.Precision",
     ),
     # transformers (the Hugging Face door)
