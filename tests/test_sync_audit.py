@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 
 from helpers import MLPModule, loader, make_trainer
-from lightning_gradkit import SyncAudit
+from lightning_gradkit import NonFiniteGuard, SyncAudit
 from lightning_gradkit.diagnostics.host_sync import HostSyncRecorder
 from lightning_gradkit.diagnostics.sources import LIBRARY, USER, SourceClassifier
 
@@ -104,6 +104,18 @@ def test_unaudited_steps_run_without_interception_and_nothing_stays_installed(tm
 class HookSyncModule(MLPModule):
     def on_train_batch_end(self, outputs: dict[str, Tensor], batch: object, batch_idx: int) -> None:
         self.last = float(outputs["loss"])
+
+
+def test_gradkits_own_syncs_are_the_frameworks_not_the_users(tmp_path: Path) -> None:
+    """The gate reads the skip flag on the host (an ordinary optimizer) and the monitor's values on logging steps:
+    gradkit's own syncs, counted apart from the user's, as Lightning's are; a clean module is reported clean."""
+    audit = SyncAudit(every_n_steps=1)
+    trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[audit, NonFiniteGuard(action="skip")])
+    trainer.fit(MLPModule(), loader(n=32))
+    assert audit.report == [] and audit.step_counts == [0, 0, 0, 0]
+    gradkit_dir = os.path.dirname(os.path.realpath(__import__("gradkit").__file__))
+    assert audit.framework_report
+    assert all(os.path.realpath(r.filename).startswith(gradkit_dir) for r in audit.framework_report)
 
 
 def test_lightning_module_batch_end_hook_is_audited_then_restored(tmp_path: Path) -> None:

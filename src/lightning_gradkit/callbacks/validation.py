@@ -40,7 +40,16 @@ _SKIP_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent
 # Packages whose objects hold no user cache: the search does not look inside their instances (a Trainer, a logger,
 # an optimizer kept on the module), nor, when it names an owner after a failure, at their module globals.
 _FRAMEWORK_PACKAGES = frozenset(
-    {"builtins", "torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_gradkit", "torchmetrics"}
+    {
+        "builtins",
+        "torch",
+        "lightning",
+        "lightning_fabric",
+        "pytorch_lightning",
+        "lightning_gradkit",
+        "gradkit",
+        "torchmetrics",
+    }
 )
 # What torch says when training meets an inference tensor (saved for backward, or updated in place).
 _INFERENCE_TENSOR_ERROR = re.compile(r"[Ii]nference tensors? ")

@@ -34,7 +34,7 @@ LIBRARY, FRAMEWORK, USER = 0, 1, 2
 #: Packages that only carry out what their caller asked: a sync inside them is charged to the caller.
 LIBRARY_PACKAGES = ("torch", "functorch", "numpy", "torchmetrics", "lightning_utilities", "typing_extensions")
 #: Packages that run the user's code: a sync they make themselves is theirs, not the user's.
-FRAMEWORK_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_gradkit")
+FRAMEWORK_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_gradkit", "gradkit")
 
 # The interceptor is transparent to attribution: its own frames are never "the caller".
 _INTERCEPTOR_FILE = os.path.join(os.path.dirname(os.path.realpath(__file__)), "host_sync.py")
