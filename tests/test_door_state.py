@@ -8,6 +8,7 @@ all batches, which tests/test_front_doors.py proves equal to the Trainer and to 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,38 @@ def test_a_loop_door_state_resumes_a_trainer(tmp_path: Path) -> None:
     )
     trainer.fit(module, DataLoader(_epoch(), batch_size=None), ckpt_path=path)
     _assert_same(module.state_dict(), expected)
+
+
+def test_saved_snapshots_carry_a_torch_clippers_state_through_a_loop_doors_resume() -> None:
+    """`SpikeRollback(save_snapshots=True)` beside a torch-only clipper (no ``state_key`` attribute: keyed by its class
+    name, as behind the Trainer): the state saves, resumes, and the resumed loop ends as the uninterrupted one."""
+    from gradkit.guards import NonFiniteGuard as TorchNonFiniteGuard
+    from gradkit.history_clipping import AutoClip
+    from gradkit.rollback import SpikeRollback
+
+    def kit_for(model: nn.Module, opt: torch.optim.Optimizer) -> GradKit:
+        rollback = SpikeRollback("loss", snapshot_every_n_steps=2, save_snapshots=True)
+        policies = [AutoClip(percentile=50.0), TorchNonFiniteGuard(action="skip"), rollback]  # the NaN batch: skipped
+        return GradKit(model, opt, policies, log_every_n_steps=0, log_dir=False)
+
+    model = Net()
+    model.load_state_dict(_initial_state())
+    opt = _optimizer("sgd", model.parameters())
+    kit = kit_for(model, opt)
+    _plain(model, opt, kit, _epoch()[:4])
+    state, saved_model, saved_opt = copy.deepcopy((kit.state_dict(), model.state_dict(), opt.state_dict()))
+    (ring,) = [s["snapshots"] for key, s in state["policies"].items() if key.startswith("SpikeRollback")]
+    assert ring and all("AutoClip" in snapshot["callbacks"] for snapshot in ring)
+    _plain(model, opt, kit, _epoch()[4:])
+
+    fresh = Net()
+    fresh.load_state_dict(saved_model)
+    fresh_opt = _optimizer("sgd", fresh.parameters())
+    fresh_opt.load_state_dict(saved_opt)
+    fresh_kit = kit_for(fresh, fresh_opt)
+    fresh_kit.load_state_dict(state)
+    _plain(fresh, fresh_opt, fresh_kit, _epoch()[4:])
+    _assert_same(fresh.state_dict(), model.state_dict())
 
 
 def test_a_state_saved_as_a_list_still_loads_by_position() -> None:

@@ -21,7 +21,7 @@ from gradkit.escalation import Escalation
 from gradkit.events import EventLog
 from gradkit.norms import nonfinite_mask
 from gradkit.pipeline import Pipeline, StepPlan
-from gradkit.protocol import Stage, StatsRequest, StepContext, hook, state_key
+from gradkit.protocol import Stage, StatsRequest, StepContext, hook, policy_key, state_key
 from gradkit.running import RunningMoments
 from gradkit.snapshot import Snapshot, StepSnapshot
 from gradkit.watch import WatchedValue
@@ -285,7 +285,7 @@ class SpikeRollback:
         resumed, self._resumed = self._resumed, False
         if saved:
             # The newest `keep` snapshots of the checkpoint: the ring of the uninterrupted run.
-            policies = {p.state_key: p for p in self._stateful(ctx)}
+            policies = {policy_key(p): p for p in self._stateful(ctx)}
             newest = sorted(saved, key=lambda state: int(state["id"]), reverse=True)[: self.keep]
             for entry, state in zip(self._ring, newest, strict=False):
                 entry.load_state_dict(state, policies, device)

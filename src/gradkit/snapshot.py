@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from gradkit.norms import local_tensor
-from gradkit.protocol import StepContext, unwrapped
+from gradkit.protocol import StepContext, policy_key, unwrapped
 
 __all__ = ["RNGState", "Snapshot", "StepSnapshot", "capture_rng", "restore_rng", "trained_parameters"]
 
@@ -535,13 +535,13 @@ class StepSnapshot:
             "schedulers": self.schedulers,
             "strategy": self.strategy,
             "rng": self.rng.state_dict(),
-            "callbacks": {policy.state_key: state for policy, state in self.callbacks},
+            "callbacks": {policy_key(policy): state for policy, state in self.callbacks},
             "stats": self.stats,
             "skipped": None if self.skipped is None else float(self.skipped),
         }
 
     def load_state_dict(self, state: dict[str, Any], policies: dict[str, Any], device: torch.device) -> None:
-        """Adopt a :meth:`state_dict`; ``policies`` are the other stateful policies by ``state_key``."""
+        """Adopt a :meth:`state_dict`; ``policies`` are the other stateful policies by :func:`~gradkit.protocol.policy_key`."""
         self.id, self.step, self.origin = int(state["id"]), int(state["step"]), state["origin"]
         self.tensors.load_state_dict(state["tensors"])
         self.schedulers = list(state["schedulers"])
