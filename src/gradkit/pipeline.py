@@ -320,7 +320,7 @@ class Pipeline:
             self._runs[id(optimizer)] = (step, self.generation, _grad_versions(optimizer) if cached.shared else None)
             if first is None:
                 self.observe(plan, roster, ctx)
-            plan.grads, plan.released = [], True  # a plan kept after its step must not keep its gradients alive
+            plan.release_gradients()  # a plan kept after its step must not keep its gradients alive
         return plan
 
     def _roster(self, optimizer: Optimizer, policies: Sequence[Policy]) -> Roster:

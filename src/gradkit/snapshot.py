@@ -541,7 +541,8 @@ class StepSnapshot:
         }
 
     def load_state_dict(self, state: dict[str, Any], policies: dict[str, Any], device: torch.device) -> None:
-        """Adopt a :meth:`state_dict`; ``policies`` are the other stateful policies by :func:`~gradkit.protocol.policy_key`."""
+        """Adopt a :meth:`state_dict`; ``policies`` are the other stateful policies by their
+        :func:`~gradkit.protocol.policy_key`."""
         self.id, self.step, self.origin = int(state["id"]), int(state["step"]), state["origin"]
         self.tensors.load_state_dict(state["tensors"])
         self.schedulers = list(state["schedulers"])

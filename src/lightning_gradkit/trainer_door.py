@@ -45,11 +45,10 @@ from torch.optim import Optimizer
 
 from gradkit._layout import verify_same_layout
 from gradkit._torch_compat import gradients_still_scaled
-from gradkit._user_frame import warn_user
 from gradkit.events import EventLog
 from gradkit.norms import loss_scale, world_size
 from gradkit.pipeline import Pipeline, StepPlan, UnitNorms
-from gradkit.protocol import Policy, Stage, StatsRequest, StepContext, hook, unwrapped, values_to_host
+from gradkit.protocol import Policy, Stage, StatsRequest, StepContext, hook, values_to_host
 from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
 
@@ -229,10 +228,6 @@ class TrainerContext(StepContext):
         for logger in self.trainer.loggers:
             logger.log_metrics(values, step=step)
 
-    def warn(self, message: str) -> None:
-        if self.trainer.global_rank == 0:
-            warn_user(message)  # at the user's line, not Lightning's or gradkit's
-
     @property
     def loggers(self) -> Sequence[Any]:  # type: ignore[override]
         return self.trainer.loggers
@@ -264,12 +259,6 @@ class TrainerContext(StepContext):
         load = getattr(self.trainer.strategy, "gradkit_load_state_dict", None)
         if load is not None:
             load(state)
-
-    def optimizer_index(self, optimizer: Optimizer) -> int:
-        for i, opt in enumerate(self.trainer.optimizers):
-            if opt is optimizer or unwrapped(opt) is optimizer:
-                return i
-        return 0
 
 
 # Where the events go when the Trainer has no logger and no `default_root_dir` of its own: Lightning's default log
@@ -355,7 +344,7 @@ class TrainerPipeline(Pipeline):
 
     def step_plan(self, trainer: pl.Trainer, optimizer: Optimizer) -> StepPlan | None:  # type: ignore[override]
         """The plan decided for ``optimizer``'s current step (its first evaluation), ``None`` if none ran yet."""
-        return super().step_plan((trainer.global_step, trainer.fit_loop.total_batch_idx), optimizer)
+        return super().step_plan(self.context(trainer, trainer.lightning_module).step_key(), optimizer)
 
     def run(  # type: ignore[override]
         self,
