@@ -482,6 +482,11 @@ class GradKitCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._forward("finish", trainer, pl_module)
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Also when training ended with an error (no `on_train_end`): the hooks a policy put on the model and the
+        # optimizers leave them, as `GradKit.close()` removes them behind the loop door.
+        self._forward("detach", trainer, pl_module)
+
     def _forward(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         method = hook(self, name)
         if method is not None:

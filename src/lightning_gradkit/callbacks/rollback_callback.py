@@ -75,7 +75,3 @@ class SpikeRollback(rollback.SpikeRollback, GradKitCallback):
         # After the checkpoint's states were loaded, before the first epoch's data loader draws from the RNGs (its
         # sampler's seed): the first snapshot holds the RNG states the run starts with.
         self._start(TrainerPipeline.of(trainer).context(trainer, pl_module))
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # Also when training ended with an error (no `on_train_end`): the learning-rate hooks leave the optimizers.
-        self._escalation.remove_hooks()

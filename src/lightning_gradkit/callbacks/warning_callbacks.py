@@ -60,11 +60,6 @@ class EarlyWarning(gradkit.early_warning.EarlyWarning, GradKitCallback):
         self._trained = False
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # Also when training ended with an error: the hooks leave the model and the optimizers.
-        self._signals.detach()
-        self._escalation.remove_hooks()
-
 
 class StepsToSkip(gradkit.steps_to_skip.StepsToSkip, GradKitCallback):
     r"""Drop the batches of declared optimizer-step ranges: the Trainer callback of
