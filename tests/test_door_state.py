@@ -229,3 +229,26 @@ def test_the_context_manager_finishes_then_closes() -> None:
     with pytest.raises(RuntimeError, match="boom"), GradKit(model, opt, [probe], log_every_n_steps=0):
         raise RuntimeError("boom")
     assert probe.calls[-2:] == ["attach", "detach"]  # no finish after an exception
+
+
+class _FailingModule(NetModule):
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if batch_idx == 2:
+            raise RuntimeError("the user's error")
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_trainers_teardown_detaches_the_policies_after_an_error_too(tmp_path: Path) -> None:
+    """Behind the Trainer, `detach` runs at teardown (as `GradKit.close()` behind the loop door), also when training
+    stopped with an error and `on_train_end` (the policies' `finish`) never ran."""
+    from lightning_gradkit import GradKitCallback
+
+    class ProbeCallback(_Probe, GradKitCallback):
+        pass
+
+    probe = ProbeCallback()
+    module = _FailingModule("sgd")
+    trainer = make_trainer(tmp_path, callbacks=[probe], logger=False)
+    with pytest.raises(RuntimeError, match="the user's error"):
+        trainer.fit(module, DataLoader(_epoch(), batch_size=None))
+    assert probe.calls == ["attach", "detach"] and _hooks(module) == 0

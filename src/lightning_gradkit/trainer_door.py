@@ -483,8 +483,12 @@ class GradKitCallback(Callback):
         self._forward("finish", trainer, pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # Also when training ended with an error (no `on_train_end`): the hooks a policy put on the model and the
-        # optimizers leave them, as `GradKit.close()` removes them behind the loop door.
+        # The hooks a policy put on the model and the optimizers leave them, as `GradKit.close()` removes them behind
+        # the loop door.
+        self._forward("detach", trainer, pl_module)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # After an error Lightning calls neither `on_train_end` nor `teardown`: the hooks leave here.
         self._forward("detach", trainer, pl_module)
 
     def _forward(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
