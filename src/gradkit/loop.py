@@ -60,7 +60,6 @@ __all__ = ["GradKit", "LoopContext"]
 _LogFn = Callable[[dict[str, float], int], Any]
 
 
-#: The events' folder when neither ``log_dir`` nor Fabric's logger names one (as the Trainer's ``lightning_logs``).
 class LoopContext(StepContext):
     """The loop as :class:`GradKit` sees it: its own step counter, the optimizers, the scaler and a log function.
 

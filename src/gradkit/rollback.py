@@ -49,10 +49,11 @@ class SpikeRollback:
     state + buffers) per rank, about 6x the fp32 parameter bytes with Adam and ``keep=2``.
 
     **Trigger.** Each optimizer step the monitored value (the loss averaged over the accumulation window and the
-    ranks, or the total gradient 2-norm) gets a z-score against NaN-masked running statistics on device, exactly
-    as in :class:`~lightning_gradkit.SpikeGuard`: ``z > z_threshold`` after ``warmup_steps`` finite values is a
-    spike, and the statistics are fed the value clamped to ``mean + z_threshold * std``. A step is *flagged* when
-    it spikes or when the loss or the gradients are non-finite. A rollback fires after ``patience`` consecutive
+    ranks, or the total gradient 2-norm) gets a z-score against NaN-masked running statistics, as in
+    :class:`~lightning_gradkit.SpikeGuard` with ``relative_floor=0`` (no floor on the rise): ``z > z_threshold``
+    after ``warmup_steps`` finite values is a spike, and the statistics are fed the value clamped to
+    ``mean + z_threshold * std``. A step is *flagged* when it spikes or when the loss or the gradients are
+    non-finite. A rollback fires after ``patience`` consecutive
     flagged steps, or after ``nonfinite_patience`` consecutive non-finite ones. The default 2 lets
     ``NonFiniteGuard(action="skip")`` cure a single bad batch by skipping it, and rolls back when skipping did
     not cure it (the next step is non-finite too). The values travel in the engine's single collective, so every
