@@ -7,6 +7,7 @@ import atexit
 import csv
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -226,6 +227,28 @@ def run_without_lightning(code: str, *args: str, timeout: float = 120) -> str:
     assert marker, done.stdout[-4000:]
     assert json.loads(loaded) == []
     return stdout
+
+
+def assert_same_state(a: Any, b: Any, where: str = "state") -> None:
+    """Two nested states (``state_dict``s) hold the same values: the same types, keys and lengths, tensors bitwise
+    (the same dtype and shape, NaN where NaN), everything else ``==`` (a float NaN equal to NaN)."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} is not {type(b).__name__}"
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{list(a.shape)} {b.dtype}{list(b.shape)}"
+        nan = a.isnan()
+        assert torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan]), where
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), where
+    else:
+        assert a == b, where
 
 
 def read_metrics(source: pl.Trainer | Path) -> list[dict[str, str]]:

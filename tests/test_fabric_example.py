@@ -11,11 +11,12 @@ import importlib.util
 import math
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from helpers import assert_same_state
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "fabric_pretrain.py"
 LITGPT_MISSING = importlib.util.find_spec("litgpt") is None
@@ -47,25 +48,6 @@ def logged(out_dir: Path, key: str) -> dict[int, float]:
     """``key``'s value at each step of the run's CSV log (Fabric writes one row per ``log_dict`` call)."""
     with (out_dir / "logs" / "version_0" / "metrics.csv").open() as f:
         return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row[key]}
-
-
-def assert_same(a: Any, b: Any, where: str = "state") -> None:
-    """Equal nested state: tensors bitwise (NaN equal to NaN), everything else by ``==``."""
-    assert type(a) is type(b), where
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b) or torch.allclose(a, b, rtol=0, atol=0, equal_nan=True), where
-    elif isinstance(a, float) and math.isnan(a):
-        assert math.isnan(b), where
-    else:
-        assert a == b, where
 
 
 def reference_parameters(example: ModuleType, args: list[str], left_out: int) -> dict[str, torch.Tensor]:
@@ -130,7 +112,7 @@ def test_fabric_example_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path
         assert torch.equal(resumed_parameters[name], value), name
     full_state, resumed_state = full.kit.state_dict(), resumed.kit.state_dict()
     assert full_state["step"] == resumed_state["step"] == 6
-    assert_same(resumed_state, full_state)
+    assert_same_state(resumed_state, full_state)
 
 
 def test_fabric_example_resume_auto_takes_the_last_checkpoint(tmp_path: Path) -> None:

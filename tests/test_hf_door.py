@@ -21,12 +21,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from gradkit.huggingface import install  # noqa: E402
-from helpers import run_without_lightning  # noqa: E402
+from helpers import assert_same_state, run_without_lightning  # noqa: E402
 from hf_fixtures import (  # noqa: E402
     CULPRITS,
     MODELS,
     TokenData,
-    assert_same_state,
     batches,
     gradkit_rows,
     hand_written_run,

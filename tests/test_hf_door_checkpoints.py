@@ -15,10 +15,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from gradkit.huggingface import STATE_FILENAME, install  # noqa: E402
+from helpers import assert_same_state  # noqa: E402
 from hf_fixtures import (  # noqa: E402
     MODELS,
     TokenData,
-    assert_same_state,
     gradkit_rows,
     merged_rows,
     optimizer_and_scheduler,
