@@ -265,6 +265,14 @@ def gradkit_rows(log_history: list[dict[str, Any]]) -> list[tuple[int, dict[str,
     return out
 
 
+def assert_same_model(a: nn.Module, b: nn.Module) -> None:
+    """Every entry of ``b``'s ``state_dict`` is bitwise the same in ``a``'s (``torch.equal``: a NaN fails even where
+    both hold one, unlike :func:`helpers.assert_same_state`)."""
+    state = a.state_dict()
+    for key, value in b.state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
 def merged_rows(rows: list[tuple[int, dict[str, float]]]) -> dict[int, dict[str, str]]:
     """Rows of one step merged (the last step may log twice: the step, then ``finish``), each value as its ``repr``
     so that rows compare exactly, NaN included."""
