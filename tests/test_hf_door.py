@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from lightning_gradkit import (  # noqa: E402
     SpikeRollback,
     ZClip,
 )
+from test_guards import events  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:NonFiniteGuard:UserWarning", "ignore:SpikeGuard:UserWarning", "ignore:SpikeRollback:UserWarning"
@@ -343,7 +343,7 @@ def test_the_monitors_gradient_report_is_drawn_in_the_output_dir(tmp_path: Path)
         "gpt2", tmp_path, [GradNormMonitor(report=True), ClipGradNorm(max_norm=0.5), NonFiniteGuard(action="skip")]
     )
     assert (tmp_path / REPORT_FILE).stat().st_size > 10_000
-    (event,) = [json.loads(line) for line in (tmp_path / "gradkit_events.jsonl").read_text().splitlines()]
+    (event,) = events(tmp_path)
     assert (event["what"], event["step"], event["action"]) == ("nonfinite_loss_and_grads", 3, "skip")
     assert door.kit.skipped_steps == 1 and trainer.state.global_step == STEPS
 
@@ -354,7 +354,7 @@ def test_the_culprit_replay_names_the_module_where_the_nan_began(kind: str, tmp_
     # the time the step ends. The guard replays the step's micro-batches through `compute_loss` on the inputs HF gave
     # it, once, and finds the module.
     trainer, door = _hf_run(kind, tmp_path, [NonFiniteGuard(action="skip")])
-    (event,) = [json.loads(line) for line in (tmp_path / "gradkit_events.jsonl").read_text().splitlines()]
+    (event,) = events(tmp_path)
     assert event["step"] == 3 and event["culprit"] == CULPRITS[kind]
     assert event["reproducible"] is True
     assert door.kit.skipped_steps == 1
