@@ -44,9 +44,10 @@ def load_example() -> ModuleType:
     return module
 
 
-def logged(out_dir: Path, key: str) -> dict[int, float]:
-    """``key``'s value at each step of the run's CSV log (Fabric writes one row per ``log_dict`` call)."""
-    with (out_dir / "logs" / "version_0" / "metrics.csv").open() as f:
+def logged(out_dir: Path, key: str, version: str = "version_0") -> dict[int, float]:
+    """``key``'s value at each step of one run (``version``) of the folder's CSV logs (Fabric writes one row per
+    ``log_dict`` call)."""
+    with (out_dir / "logs" / version / "metrics.csv").open() as f:
         return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row[key]}
 
 
@@ -165,7 +166,7 @@ def test_the_documented_resume_command_resumes_the_documented_first_run(
     printed = capsys.readouterr().out
     assert f"Resuming training from '{tmp_path / 'step-00000004' / 'state.pth'}' at step 4" in printed
     assert (summary.steps, summary.skipped_steps) == (6, 1)  # the first run's skip came along in the checkpoint
-    assert sorted(logged_in(tmp_path, "version_1", "grad_norm/total")) == [4, 5]  # went on at step 4
+    assert sorted(logged(tmp_path, "grad_norm/total", version="version_1")) == [4, 5]  # went on at step 4
 
 
 def test_resume_auto_without_a_checkpoint_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -174,9 +175,3 @@ def test_resume_auto_without_a_checkpoint_says_so(tmp_path: Path, capsys: pytest
         capsys.readouterr().out
     )
     assert summary.steps == 2
-
-
-def logged_in(out_dir: Path, version: str, key: str) -> dict[int, float]:
-    """``key``'s value at each step of one run (``version``) of the folder's CSV logs."""
-    with (out_dir / "logs" / version / "metrics.csv").open() as f:
-        return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row[key]}
