@@ -60,7 +60,8 @@ def _reference(device: str = "cpu", **kwargs: Any) -> tuple[Any, Any, Any]:
     model = MODELS["gpt2"]().to(device)
     poison(model, "gpt2")
     optimizer, scheduler = optimizer_and_scheduler(model, STEPS)
-    micro = [{k: v.to(device) for k, v in b.items()} for b in batches(TokenData("gpt2", SAMPLES, poisoned=[17]))]
+    data = TokenData("gpt2", SAMPLES, poisoned=[BAD_SAMPLE])
+    micro = [{k: v.to(device) for k, v in b.items()} for b in batches(data)]
     kit, rows = loop_door_run(model, "gpt2", micro, ACCUMULATE, optimizer, scheduler, _policies(), 1, **kwargs)
     return model, kit, rows
 
