@@ -1,4 +1,4 @@
-"""Shared test utilities: a host-sync counter, small models and a Trainer factory."""
+"""Shared test utilities: a host-sync counter, small models, a Trainer factory and a fresh-interpreter runner."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import atexit
 import csv
 import functools
 import json
+import math
 import os
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -190,6 +192,63 @@ def make_trainer(tmp_path: Path, **kwargs: Any) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
+
+
+def run_fresh(
+    code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (``python -c``, ``args`` as its ``sys.argv[1:]``) with this test run's
+    ``sys.path`` and the extra environment variables ``env``; assert that it exits with status 0 and return it."""
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **(env or {})}
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=full_env, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-8000:]
+    return done
+
+
+#: The packages of Lightning, and gradkit's Lightning layer: a plain PyTorch user loads none of them.
+LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning", "lightning_gradkit")
+
+#: Starts the last line of stdout of :func:`run_without_lightning`'s interpreter: the Lightning modules loaded.
+_LOADED_MARKER = "gradkit-test: Lightning modules loaded: "
+
+
+def run_without_lightning(code: str, *args: str, timeout: float = 120) -> str:
+    """:func:`run_fresh` ``code``, then assert that the interpreter had loaded no module of
+    :data:`LIGHTNING_PACKAGES` when ``code`` ended; return the stdout of ``code``."""
+    report = (
+        "\nimport json as _json, sys as _sys\n"
+        f"print({_LOADED_MARKER!r} + _json.dumps(sorted(m for m in _sys.modules "
+        f"if m.split('.')[0] in {LIGHTNING_PACKAGES!r})))\n"
+    )
+    done = run_fresh(code + report, *args, timeout=timeout)
+    stdout, marker, loaded = done.stdout.rpartition(_LOADED_MARKER)
+    assert marker, done.stdout[-4000:]
+    assert json.loads(loaded) == []
+    return stdout
+
+
+def assert_same_state(a: Any, b: Any, where: str = "state") -> None:
+    """Two nested states (``state_dict``s) hold the same values: the same types, keys and lengths, tensors bitwise
+    (the same dtype and shape, NaN where NaN), everything else ``==`` (a float NaN equal to NaN)."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} is not {type(b).__name__}"
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{list(a.shape)} {b.dtype}{list(b.shape)}"
+        nan = a.isnan()
+        assert torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan]), where
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), where
+    else:
+        assert a == b, where
 
 
 def read_metrics(source: pl.Trainer | Path) -> list[dict[str, str]]:

@@ -4,9 +4,6 @@ AGC and the papers' formulas."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
@@ -20,6 +17,7 @@ from gradkit.clipping import ClipGradNorm, ClipGradValue, clip_coefficient, clip
 from gradkit.history_clipping import AutoClip, ZClip, nan_percentile
 from gradkit.loop import GradKit
 from gradkit.norms import row_norms
+from helpers import run_without_lightning
 
 
 # -- the math ------------------------------------------------------------------------------------------------------
@@ -244,7 +242,7 @@ def test_one_zclip_for_two_optimizers_keeps_one_state_per_optimizer() -> None:
 
 
 _NO_LIGHTNING = """
-import math, sys
+import math
 import torch
 from torch import nn
 from clip_reference import AGCRef, AutoClipRef, NormRef, ValueRef, ZClipRef
@@ -280,16 +278,11 @@ pairs = [
 for clipper, reference in pairs:
     worst = max((a - b).abs().max().item() for a, b in zip(train(clipper), train(reference)))
     print(type(clipper).__name__, worst <= 1e-6)
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "lightning_fabric", "pytorch_lightning")))
 """
 
 
 def test_torch_clippers_run_behind_gradkit_without_lightning_loaded() -> None:
     """A fresh interpreter: each clipper trains like its reference, and nothing of Lightning was imported."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run([sys.executable, "-c", _NO_LIGHTNING], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.split("\n")
+    lines = run_without_lightning(_NO_LIGHTNING).split("\n")
     names = ["ClipGradNorm", "ClipGradValue", "AdaptiveGradClip", "AutoClip", "ZClip"]
     assert lines[:5] == [f"{name} True" for name in names]
-    assert lines[5] == "[]"

@@ -49,9 +49,7 @@ def _foreign_private_reads() -> dict[str, set[str]]:
             elif isinstance(node, ast.Attribute):
                 if isinstance(node.ctx, ast.Store):
                     defined.add(node.attr)
-                elif _private(node.attr) and not (
-                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
-                ):
+                elif _private(node.attr) and not _own(node.value):
                     read.setdefault(node.attr, set()).add(path.name)
             elif (
                 isinstance(node, ast.Call)

@@ -285,7 +285,7 @@ def _check_pip(args: list[str]) -> None:
         assert not unknown, f"`pip {' '.join(args)}`: extras {unknown} are not in pyproject.toml ({sorted(extras)})"
 
 
-def _check_tiny_gpt(args: list[str], tmp_path: Path) -> None:
+def _check_tiny_gpt(args: list[str]) -> None:
     assert args[0] == "fit", args
     example = _example("tiny_gpt")
     args = [a.replace("examples/", f"{ROOT}/examples/") for a in args[1:]]
@@ -343,7 +343,7 @@ def test_bash_commands_are_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPa
                     case ["pip", ("install" | "wheel"), *_]:
                         _check_pip(argv[1:])
                     case ["python", "examples/tiny_gpt.py", *rest]:
-                        _check_tiny_gpt(rest, tmp_path)
+                        _check_tiny_gpt(rest)
                     case ["python", "examples/fabric_pretrain.py", *rest]:
                         _check_fabric_pretrain(rest)
                     case ["python", "examples/hf_finetune.py", *rest]:

@@ -21,7 +21,7 @@ from gradkit.loop import GradKit
 from gradkit.protocol import Stage
 from helpers import make_trainer
 from lightning_gradkit import NonFiniteGuard, SpikeGuard, ZClip
-from test_front_doors import Net, NetModule, _batches, _initial_state, _optimizer
+from test_front_doors import Net, NetModule, _assert_same_state, _batches, _initial_state, _optimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning", "ignore:SpikeGuard:UserWarning")
 
@@ -71,12 +71,6 @@ def _trainer_checkpoint(tmp_path: Path) -> dict[str, Any]:
     return torch.load(path, weights_only=False)
 
 
-def _assert_same(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-
 def test_a_trainer_checkpoint_resumes_behind_the_loop_door(tmp_path: Path) -> None:
     expected, expected_state = _uninterrupted()
     checkpoint = _trainer_checkpoint(tmp_path)
@@ -88,7 +82,7 @@ def test_a_trainer_checkpoint_resumes_behind_the_loop_door(tmp_path: Path) -> No
     kit.load_state_dict(checkpoint)
     assert kit.state_dict()["step"] == HALF
     _plain(model, opt, kit, _epoch())
-    _assert_same(model.state_dict(), expected)
+    _assert_same_state(model.state_dict(), expected)
     # The policies' statistics went on from the Trainer's, as in the uninterrupted run.
     state = kit.state_dict()["policies"]
     assert state.keys() == expected_state["policies"].keys() == {cb.state_key for cb in _policies()}
@@ -116,7 +110,7 @@ def test_a_loop_door_state_resumes_a_trainer(tmp_path: Path) -> None:
         tmp_path, default_root_dir=tmp_path, strategy="gradkit", callbacks=_policies(), logger=False, max_epochs=2
     )
     trainer.fit(module, DataLoader(_epoch(), batch_size=None), ckpt_path=path)
-    _assert_same(module.state_dict(), expected)
+    _assert_same_state(module.state_dict(), expected)
 
 
 def test_saved_snapshots_carry_a_torch_clippers_state_through_a_loop_doors_resume() -> None:

@@ -14,14 +14,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 
 from gradkit.early_warning import EarlyWarning
 from gradkit.escalation import rewarmup_factor
 from gradkit.loop import GradKit
 from gradkit.warning_rules import DEFAULT_FLOORS, DEFAULT_THRESHOLDS, Detector
-from helpers import read_metrics
+from helpers import make_trainer, read_metrics
 from lightning_gradkit import EarlyWarning as EarlyWarningCallback
 from lightning_gradkit.demos import GPTConfig, TinyGPT, TinyGPTModule
 from lightning_gradkit.diagnostics.op_count import OpCounter
@@ -238,16 +237,12 @@ def _module() -> TinyGPTModule:
 
 
 def test_the_trainer_logs_the_signals_of_its_logging_steps(tmp_path: Path) -> None:
-    trainer = pl.Trainer(
+    trainer = make_trainer(
+        tmp_path,
         default_root_dir=tmp_path,
-        accelerator="cpu",
         max_steps=6,
         log_every_n_steps=2,
-        logger=CSVLogger(tmp_path),
         callbacks=[EarlyWarningCallback(output="model.lm_head")],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(_module(), datamodule=_Data())
     rows = [r for r in read_metrics(trainer) if r.get("signals/spike_score_total")]
@@ -263,17 +258,14 @@ def test_a_dropped_batch_gives_the_spike_score_no_loss(tmp_path: Path) -> None:
     from lightning_gradkit import StepsToSkip
 
     warning = EarlyWarningCallback(attention=None, adam=False, update_spread=False)
-    trainer = pl.Trainer(
+    trainer = make_trainer(
+        tmp_path,
         default_root_dir=tmp_path,
-        accelerator="cpu",
         strategy="gradkit",
         max_steps=6,
         log_every_n_steps=3,
         logger=False,
         callbacks=[StepsToSkip(steps=[[1, 3]]), warning],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(_module(), datamodule=_Data())
     # Steps 0, 3, 4, 5 trained; the logging steps 2 and 5 fed every trained step's loss (about log 256), no 0.0.
@@ -303,16 +295,13 @@ class _WindowEnd(pl.Callback):
 
 def _trainer_batch_ops(tmp_path: Path, callbacks: list[Any]) -> OpCounter:
     window = _Window(batch=4)
-    trainer = pl.Trainer(
+    trainer = make_trainer(
+        tmp_path,
         default_root_dir=tmp_path,
-        accelerator="cpu",
         max_steps=8,
         log_every_n_steps=50,
         logger=False,
         callbacks=[window, *callbacks, _WindowEnd(window)],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(_module(), datamodule=_Data())
     return window.counter

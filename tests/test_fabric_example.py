@@ -11,11 +11,12 @@ import importlib.util
 import math
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from helpers import assert_same_state
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "fabric_pretrain.py"
 LITGPT_MISSING = importlib.util.find_spec("litgpt") is None
@@ -43,29 +44,11 @@ def load_example() -> ModuleType:
     return module
 
 
-def logged(out_dir: Path, key: str) -> dict[int, float]:
-    """``key``'s value at each step of the run's CSV log (Fabric writes one row per ``log_dict`` call)."""
-    with (out_dir / "logs" / "version_0" / "metrics.csv").open() as f:
+def logged(out_dir: Path, key: str, version: str = "version_0") -> dict[int, float]:
+    """``key``'s value at each step of one run (``version``) of the folder's CSV logs (Fabric writes one row per
+    ``log_dict`` call)."""
+    with (out_dir / "logs" / version / "metrics.csv").open() as f:
         return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row[key]}
-
-
-def assert_same(a: Any, b: Any, where: str = "state") -> None:
-    """Equal nested state: tensors bitwise (NaN equal to NaN), everything else by ``==``."""
-    assert type(a) is type(b), where
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b) or torch.allclose(a, b, rtol=0, atol=0, equal_nan=True), where
-    elif isinstance(a, float) and math.isnan(a):
-        assert math.isnan(b), where
-    else:
-        assert a == b, where
 
 
 def reference_parameters(example: ModuleType, args: list[str], left_out: int) -> dict[str, torch.Tensor]:
@@ -130,7 +113,7 @@ def test_fabric_example_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path
         assert torch.equal(resumed_parameters[name], value), name
     full_state, resumed_state = full.kit.state_dict(), resumed.kit.state_dict()
     assert full_state["step"] == resumed_state["step"] == 6
-    assert_same(resumed_state, full_state)
+    assert_same_state(resumed_state, full_state)
 
 
 def test_fabric_example_resume_auto_takes_the_last_checkpoint(tmp_path: Path) -> None:
@@ -183,7 +166,7 @@ def test_the_documented_resume_command_resumes_the_documented_first_run(
     printed = capsys.readouterr().out
     assert f"Resuming training from '{tmp_path / 'step-00000004' / 'state.pth'}' at step 4" in printed
     assert (summary.steps, summary.skipped_steps) == (6, 1)  # the first run's skip came along in the checkpoint
-    assert sorted(logged_in(tmp_path, "version_1", "grad_norm/total")) == [4, 5]  # went on at step 4
+    assert sorted(logged(tmp_path, "grad_norm/total", version="version_1")) == [4, 5]  # went on at step 4
 
 
 def test_resume_auto_without_a_checkpoint_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -192,9 +175,3 @@ def test_resume_auto_without_a_checkpoint_says_so(tmp_path: Path, capsys: pytest
         capsys.readouterr().out
     )
     assert summary.steps == 2
-
-
-def logged_in(out_dir: Path, version: str, key: str) -> dict[int, float]:
-    """``key``'s value at each step of one run (``version``) of the folder's CSV logs."""
-    with (out_dir / "logs" / version / "metrics.csv").open() as f:
-        return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row[key]}

@@ -4,7 +4,6 @@ gets a replay of its own) and a warning whose first line is short and names the 
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import warnings
 from pathlib import Path
@@ -16,6 +15,7 @@ from torch import Tensor, nn
 from gradkit.loop import GradKit
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import NonFiniteGuard
+from test_guards import events
 
 
 class Switch(nn.Module):
@@ -48,8 +48,7 @@ def train_loop(tmp_path: Path, steps: int, faulty: set[int], guard: NonFiniteGua
             kit.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
         kit.finish()
-    events = [json.loads(line) for line in (tmp_path / "gradkit_events.jsonl").read_text().splitlines()]
-    return events, [str(w.message) for w in caught if str(w.message).startswith("NonFiniteGuard")]
+    return events(tmp_path), [str(w.message) for w in caught if str(w.message).startswith("NonFiniteGuard")]
 
 
 def test_a_second_independent_nan_900_steps_later_gets_its_own_replay_and_one_in_between_does_not(
@@ -117,7 +116,7 @@ def test_the_nan_warning_has_a_short_first_line_at_the_users_line_and_no_paramet
     text = "\n".join(details)
     assert "Non-finite gradients in 53 parameter(s)" in text and "extra.48" not in text
     assert text.endswith(f"Events: {Path(trainer.log_dir) / 'gradkit_events.jsonl'}.")
-    (event,) = [json.loads(line) for line in (Path(trainer.log_dir) / "gradkit_events.jsonl").read_text().splitlines()]
+    (event,) = events(trainer)
     assert len(event["values"]["nonfinite_param_grads"]) == 50  # the names are in the event (its first 50)
 
 

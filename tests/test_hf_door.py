@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +20,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from gradkit.huggingface import install  # noqa: E402
+from helpers import assert_same_state, run_without_lightning  # noqa: E402
 from hf_fixtures import (  # noqa: E402
     CULPRITS,
     MODELS,
     TokenData,
-    assert_same_state,
+    assert_same_model,
     batches,
     gradkit_rows,
     hand_written_run,
@@ -49,6 +46,7 @@ from lightning_gradkit import (  # noqa: E402
     SpikeRollback,
     ZClip,
 )
+from test_guards import events  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:NonFiniteGuard:UserWarning", "ignore:SpikeGuard:UserWarning", "ignore:SpikeRollback:UserWarning"
@@ -109,11 +107,6 @@ def _loop_run(
     return model, opt, kit, rows
 
 
-def _assert_same_model(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    for key, value in b.state_dict().items():
-        assert torch.equal(a.state_dict()[key], value), key
-
-
 def _policies() -> list[Any]:
     return [GradNormMonitor(), ClipGradNorm(max_norm=0.5), NonFiniteGuard(action="skip")]
 
@@ -125,7 +118,7 @@ def test_the_door_trains_as_the_loop_door_and_the_hand_written_loop(kind: str, t
     # The loop door on the same micro-batches, with the loss HF back-propagates: bitwise the same run, the same
     # logged values at the same steps, the same skipped step.
     model, optimizer, kit, rows = _loop_run(kind, _policies())
-    _assert_same_model(trainer.model, model)
+    assert_same_model(trainer.model, model)
     assert merged_rows(gradkit_rows(trainer.state.log_history)) == merged_rows(rows)
     assert door.kit.skipped_steps == kit.skipped_steps == 1
     # HF held its scheduler on the skipped step: 7 steps of the linear decay.
@@ -144,7 +137,7 @@ def test_the_door_trains_as_the_loop_door_and_the_hand_written_loop(kind: str, t
     optimizer, scheduler = optimizer_and_scheduler(model, STEPS)
     clean = batches(TokenData(kind, _samples(STEPS, ACCUMULATE)), drop=[6, 7])
     hand_written_run(model, kind, clean, ACCUMULATE, optimizer, scheduler, max_norm=0.5)
-    _assert_same_model(trainer.model, model)
+    assert_same_model(trainer.model, model)
     assert trainer.optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
 
 
@@ -154,7 +147,7 @@ def test_hfs_own_fused_adamw_and_schedule_train_as_the_loop_door(tmp_path: Path)
     trainer, door = _hf_run("gpt2", tmp_path, _policies(), optimizer=None, learning_rate=1e-3)
     assert trainer.optimizer.optimizer.defaults["fused"]
     model, _, kit, rows = _loop_run("gpt2", _policies(), optimizer="hf")
-    _assert_same_model(trainer.model, model)
+    assert_same_model(trainer.model, model)
     assert merged_rows(gradkit_rows(trainer.state.log_history)) == merged_rows(rows)
     assert door.kit.skipped_steps == kit.skipped_steps == 1 and trainer.lr_scheduler.last_epoch == STEPS - 1
     # Against a hand-written loop with clip_grad_norm_ and the NaN window left out, a tolerance: Adam divides each
@@ -185,7 +178,7 @@ def test_every_clipper_clips_as_behind_the_loop_door(clipper: Any, tmp_path: Pat
     steps = 5
     trainer, _ = _hf_run("gpt2", tmp_path, [GradNormMonitor(), clipper()], steps=steps, accumulate=1, bad=())
     model, _, _, rows = _loop_run("gpt2", [GradNormMonitor(), clipper()], steps=steps, accumulate=1, bad=())
-    _assert_same_model(trainer.model, model)
+    assert_same_model(trainer.model, model)
     logged = merged_rows(gradkit_rows(trainer.state.log_history))
     assert logged == merged_rows(rows)
     # The clipper acted (the run differs from one without it).
@@ -229,7 +222,7 @@ def test_a_skipped_step_leaves_parameters_optimizer_state_and_buffers_untouched(
     assert not torch.equal(seen["before2"][0]["head.weight"], seen["after2"][0]["head.weight"])
     # And the whole run equals the loop door's on the same loss (HF divides it by the 2 micro-batches).
     reference, _, kit, _ = _loop_run("norm", [NonFiniteGuard(action="skip")], steps=6)
-    _assert_same_model(trainer.model, reference)
+    assert_same_model(trainer.model, reference)
     assert kit.skipped_steps == 1
 
 
@@ -237,7 +230,7 @@ def test_a_nan_loss_with_finite_gradients_is_skipped(tmp_path: Path) -> None:
     # Only the loss check sees it: the door hands each micro-batch's loss to the guard.
     trainer, door = _hf_run("gpt2", tmp_path, [NonFiniteGuard(action="skip")], where="loss")
     model, _, kit, _ = _loop_run("gpt2", [NonFiniteGuard(action="skip")], where="loss")
-    _assert_same_model(trainer.model, model)
+    assert_same_model(trainer.model, model)
     assert door.kit.skipped_steps == kit.skipped_steps == 1
     assert trainer.lr_scheduler.last_epoch == STEPS - 1
 
@@ -248,7 +241,7 @@ def test_spike_guard_skips_a_loss_spike_as_behind_the_loop_door(tmp_path: Path) 
 
     trainer, door = _hf_run("gpt2", tmp_path, policies(), where="spike")
     model, _, kit, _ = _loop_run("gpt2", policies(), where="spike")
-    _assert_same_model(trainer.model, model)
+    assert_same_model(trainer.model, model)
     assert door.kit.skipped_steps == kit.skipped_steps == 1
     assert trainer.lr_scheduler.last_epoch == STEPS - 1
     assert_same_state(door.policies[0].state_dict(), kit.policies[0].state_dict())
@@ -268,7 +261,7 @@ def test_spike_rollback_rewinds_hfs_lr_scheduler_with_the_model(tmp_path: Path) 
     trainer, door = _hf_run("gpt2", tmp_path, policies(), steps=steps, bad=bad)
     model, optimizer, kit, _ = _loop_run("gpt2", policies(), steps=steps, bad=bad)
     assert door.policies[1].rollbacks == kit.policies[1].rollbacks == 1
-    _assert_same_model(trainer.model, model)
+    assert_same_model(trainer.model, model)
     assert trainer.optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
     # The schedule took as many steps as the model holds: the attempted steps less the rewound ones (steps 5, 6 and 7
     # in HF's count, back to the snapshot after step 4) and the one stepped over (8): steps 1-4, 9 and 10.
@@ -284,7 +277,7 @@ def test_the_door_takes_over_hfs_max_grad_norm_and_says_so(tmp_path: Path) -> No
         trainer, door = _hf_run("gpt2", tmp_path / "hf", [GradNormMonitor(), NonFiniteGuard()], max_grad_norm=0.5)
     assert [type(p).__name__ for p in door.policies] == ["GradNormMonitor", "NonFiniteGuard", "ClipGradNorm"]
     model, _, kit, rows = _loop_run("gpt2", _policies())
-    _assert_same_model(trainer.model, model)
+    assert_same_model(trainer.model, model)
     assert merged_rows(gradkit_rows(trainer.state.log_history)) == merged_rows(rows)
     hf_rows = [row for row in trainer.state.log_history if "grad_norm" in row]
     assert all(repr(row["grad_norm"]) == merged_rows(rows)[row["step"]]["grad_norm/total"] for row in hf_rows)
@@ -350,7 +343,7 @@ def test_the_monitors_gradient_report_is_drawn_in_the_output_dir(tmp_path: Path)
         "gpt2", tmp_path, [GradNormMonitor(report=True), ClipGradNorm(max_norm=0.5), NonFiniteGuard(action="skip")]
     )
     assert (tmp_path / REPORT_FILE).stat().st_size > 10_000
-    (event,) = [json.loads(line) for line in (tmp_path / "gradkit_events.jsonl").read_text().splitlines()]
+    (event,) = events(tmp_path)
     assert (event["what"], event["step"], event["action"]) == ("nonfinite_loss_and_grads", 3, "skip")
     assert door.kit.skipped_steps == 1 and trainer.state.global_step == STEPS
 
@@ -361,13 +354,13 @@ def test_the_culprit_replay_names_the_module_where_the_nan_began(kind: str, tmp_
     # the time the step ends. The guard replays the step's micro-batches through `compute_loss` on the inputs HF gave
     # it, once, and finds the module.
     trainer, door = _hf_run(kind, tmp_path, [NonFiniteGuard(action="skip")])
-    (event,) = [json.loads(line) for line in (tmp_path / "gradkit_events.jsonl").read_text().splitlines()]
+    (event,) = events(tmp_path)
     assert event["step"] == 3 and event["culprit"] == CULPRITS[kind]
     assert event["reproducible"] is True
     assert door.kit.skipped_steps == 1
     # The replay changed nothing: the run equals the loop door's without a replay.
     model, _, _, _ = _loop_run(kind, [NonFiniteGuard(action="skip")])
-    _assert_same_model(trainer.model, model)
+    assert_same_model(trainer.model, model)
 
 
 def test_the_door_with_gradkits_torch_policies_loads_no_lightning(tmp_path: Path) -> None:
@@ -378,14 +371,8 @@ def test_the_door_with_gradkits_torch_policies_loads_no_lightning(tmp_path: Path
         "'--max-bytes', '20000', '--cpu', '--max-steps', '3', '--batch-size', '2', '--accumulate', '1', "
         "'--inject-nan-at', '1', '--clip', 'zclip']\n"
         f"runpy.run_path({str(Path(__file__).parents[1] / 'examples/hf_finetune.py')!r}, run_name='__main__')\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'lightning_gradkit', "
-        "'pytorch_lightning', 'lightning_fabric')))\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "3 optimizer steps, 1 skipped" in done.stdout
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert "3 optimizer steps, 1 skipped" in run_without_lightning(code, timeout=300)
 
 
 def test_a_short_last_window_is_one_step_with_its_own_loss_scale(tmp_path: Path) -> None:
@@ -406,6 +393,6 @@ def test_a_short_last_window_is_one_step_with_its_own_loss_scale(tmp_path: Path)
     optimizer, scheduler = optimizer_and_scheduler(reference, 6)
     micro = batches(TokenData("gpt2", 12))
     kit, rows = loop_door_run(reference, "gpt2", micro, 2, optimizer, scheduler, policies(), 2, epochs=3)
-    _assert_same_model(trainer.model, reference)
+    assert_same_model(trainer.model, reference)
     assert_same_state(door.policies[2].state_dict(), kit.policies[2].state_dict())
     assert merged_rows(gradkit_rows(trainer.state.log_history)) == merged_rows(rows)

@@ -21,6 +21,7 @@ from gradkit.huggingface import install  # noqa: E402
 from hf_fixtures import (  # noqa: E402
     MODELS,
     TokenData,
+    assert_same_model,
     batches,
     gradkit_rows,
     loop_door_run,
@@ -59,14 +60,14 @@ def _reference(device: str = "cpu", **kwargs: Any) -> tuple[Any, Any, Any]:
     model = MODELS["gpt2"]().to(device)
     poison(model, "gpt2")
     optimizer, scheduler = optimizer_and_scheduler(model, STEPS)
-    micro = [{k: v.to(device) for k, v in b.items()} for b in batches(TokenData("gpt2", SAMPLES, poisoned=[17]))]
+    data = TokenData("gpt2", SAMPLES, poisoned=[BAD_SAMPLE])
+    micro = [{k: v.to(device) for k, v in b.items()} for b in batches(data)]
     kit, rows = loop_door_run(model, "gpt2", micro, ACCUMULATE, optimizer, scheduler, _policies(), 1, **kwargs)
     return model, kit, rows
 
 
 def _assert_same_run(trainer: Any, door: Any, model: Any, kit: Any, rows: Any) -> None:
-    for key, value in model.state_dict().items():
-        assert torch.equal(trainer.model.state_dict()[key], value), key
+    assert_same_model(trainer.model, model)
     assert merged_rows(gradkit_rows(trainer.state.log_history)) == merged_rows(rows)
     assert door.kit.skipped_steps == kit.skipped_steps
 

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import subprocess
-import sys
 import weakref
 
 import pytest
@@ -27,6 +24,7 @@ import torch
 from gradkit import _multi_norm
 from gradkit._multi_norm import fallback_reason, multi_tensor_norms, norm_implementation
 from gradkit.norms import per_tensor_norms, total_norm
+from helpers import run_fresh
 
 RTOL = 1e-6  # the kernel against float64
 RTOL_TORCH = 1e-5  # torch's CPU reductions
@@ -222,10 +220,7 @@ print("ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton)")
 def test_triton_kernel_under_the_cpu_interpreter_matches_the_fallback() -> None:
     # TRITON_INTERPRET must be set before triton is imported: a fresh interpreter, with this run's sys.path.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.strip() == "ok"
+    assert run_fresh(_INTERPRETED, timeout=600, env={"TRITON_INTERPRET": "1"}).stdout.strip() == "ok"
 
 
 def _gpt2_small_shapes() -> list[tuple[int, ...]]:

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import ast
 import importlib
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import gradkit
 import lightning_gradkit
+from helpers import run_fresh, run_without_lightning
 
 PACKAGE = Path(lightning_gradkit.__file__).parent
 TORCH_ROOT = Path(gradkit.__file__).parent
@@ -40,45 +38,33 @@ def test_the_torch_root_imports_no_lightning() -> None:
             assert top != "lightning_gradkit", f"{path.relative_to(TORCH_ROOT)} imports {name}"
 
 
-def _run(code: str) -> str:
-    """Run ``code`` in a fresh interpreter (with this test run's ``sys.path``) and return its stdout."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 def test_importing_the_torch_root_loads_no_lightning() -> None:
     # The loop door and the policies, used the way a plain PyTorch loop uses them.
-    out = _run(
-        "import sys, gradkit, gradkit.clipping, gradkit.agc, gradkit.norms, gradkit.accumulate\n"
-        "print(sorted({'lightning', 'lightning_fabric', 'pytorch_lightning'} & set(sys.modules)))"
-    )
-    assert out.strip() == "[]"
+    run_without_lightning("import gradkit, gradkit.clipping, gradkit.agc, gradkit.norms, gradkit.accumulate")
 
 
 def test_importing_the_package_before_lightning_registers_the_strategy_names() -> None:
     # Lightning imported first is the in-process case of tests/test_strategy.py.
-    out = _run(
+    out = run_fresh(
         "import lightning_gradkit\n"
         "from lightning.pytorch import Trainer\n"
         "trainer = Trainer(strategy='gradkit_ddp', accelerator='cpu', devices=2, logger=False, "
         "enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)\n"
         "print(type(trainer.strategy).__name__, trainer.strategy._start_method)"
-    )
+    ).stdout
     assert out.split()[-2:] == ["GradKitDDPStrategy", "popen"]
 
 
 def test_lightning_cli_resolves_short_class_names_when_lightning_is_imported_first() -> None:
     # LightningCLI (jsonargparse) looks short class paths up among the imported subclasses of `Callback`.
-    out = _run(
+    out = run_fresh(
         "import lightning.pytorch, lightning_gradkit\n"
         "from jsonargparse import ArgumentParser\n"
         "from lightning.pytorch.callbacks import Callback\n"
         "parser = ArgumentParser()\n"
         "parser.add_argument('--cb', type=Callback)\n"
         "print(parser.parse_args(['--cb', 'ZClip', '--cb.z_threshold', '2.5']).cb.class_path)"
-    )
+    ).stdout
     assert out.split()[-1] == "lightning_gradkit.ZClip"
 
 
