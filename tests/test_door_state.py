@@ -142,7 +142,7 @@ def test_saved_snapshots_carry_a_torch_clippers_state_through_a_loop_doors_resum
     fresh_kit = kit_for(fresh, fresh_opt)
     fresh_kit.load_state_dict(state)
     _plain(fresh, fresh_opt, fresh_kit, _epoch()[4:])
-    _assert_same(fresh.state_dict(), model.state_dict())
+    _assert_same_state(fresh.state_dict(), model.state_dict())
 
 
 def test_a_state_saved_as_a_list_still_loads_by_position() -> None:
