@@ -44,14 +44,17 @@ def gradients_still_scaled(scaler: GradScaler, optimizer: Optimizer) -> bool:
 
 
 def handles_found_inf(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer.step`` honours a ``found_inf`` attribute on device (PyTorch's fused optimizers).
+    """Whether ``optimizer.step`` honours a ``found_inf`` (and ``grad_scale``) attribute on device in every param
+    group (PyTorch's fused optimizers).
 
     ``_step_supports_amp_scaling`` is the private flag ``GradScaler.step`` itself tests before it sets
     ``optimizer.found_inf`` and ``grad_scale``; Adam, AdamW, SGD and Adagrad set it only with ``fused=True``.
-    There is no public equivalent.
+    There is no public equivalent. The attributes are optimizer-wide but torch reads them per param group: a group
+    with ``fused=False`` in a fused optimizer (torch accepts it) runs the foreach or single-tensor kernel, which
+    asserts that both are ``None``. So the optimizer counts as fused only when every group is.
     """
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and bool(
-        optimizer.defaults.get("fused", False)
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        group.get("fused", optimizer.defaults.get("fused", False)) for group in optimizer.param_groups
     )
 
 

@@ -9,7 +9,11 @@ the same decision:
 - fused optimizer (``Adam/AdamW/SGD/Adagrad(fused=True)``): the flag is passed as the optimizer's ``found_inf``
   (combined with the ``GradScaler``'s), and the fused kernel skips the update on device: no host synchronization;
   the plan's common factor (clip coefficient times accumulation scale), when the pipeline left it unwritten
-  (:attr:`StepPlan.folded`), goes in as the kernel's ``grad_scale``: no write pass over the gradients;
+  (:attr:`StepPlan.folded`), goes in as the kernel's ``grad_scale``: no write pass over the gradients. One
+  exception, a step that creates optimizer state (the first step, or the first after a moment reset): torch's fused
+  step keeps the state it created even when ``found_inf`` skipped the kernel (``_fused_sgd``'s momentum buffers are
+  ``torch.empty_like``, garbage), so there the flag is read on the host once and a skipped step's new state removed
+  (:func:`_forget_state_of_skipped_step`);
 - otherwise one host read of the flag (shared with whoever asks next, :meth:`StepPlan.skip_on_host`): on a skip
   the optimizer is not called, so parameters and optimizer state stay bitwise as they were.
 """
@@ -43,9 +47,12 @@ def step_as_decided(
     """Call ``inner`` (``optimizer``'s own ``step``; the optimizer itself, not a wrapper) with ``kwargs`` unless
     ``plan`` (``None``: the pipeline did not run for the step) skips the step; a skipped step returns
     ``skipped_result`` (PyTorch's optimizers return the closure's result)."""
+    fused = handles_found_inf(optimizer)
     if plan is None or (plan.skip is None and plan.folded is None):  # no skip asked, gradients written: step
+        if fused and optimizer.__dict__.get("found_inf") is not None:  # a GradScaler's own skip, same exposure
+            return fused_step(optimizer, inner, None, kwargs)
         return inner(**kwargs)
-    if handles_found_inf(optimizer):
+    if fused:
         # The kernel reads the flag on device: no host sync, and the skip is as exact as the GradScaler's.
         return fused_step(optimizer, inner, plan.skip, kwargs, plan.folded)
     if plan.skip_on_host():  # the one host read the design allows, shared with whoever asks next
@@ -87,7 +94,43 @@ def fused_step(
             torch.reciprocal(factor) if existing is None else existing / factor.to(existing.device)
         )
     with shadowed(optimizer, **attributes):
-        return inner(**kwargs)
+        flag = optimizer.__dict__.get("found_inf")  # ours, the GradScaler's, or both: what the kernel skips on
+        stateless = _stateless_params(optimizer) if flag is not None else {}
+        result = inner(**kwargs)
+    if stateless:
+        _forget_state_of_skipped_step(optimizer, stateless, flag)
+    return result
+
+
+def _stateless_params(optimizer: Optimizer) -> dict[Tensor, bool]:
+    """The parameters about to be stepped that have no optimizer state yet (a first step, or one after
+    :func:`~gradkit.escalation.reset_optimizer_state_`), each with whether ``optimizer.state`` holds an (empty)
+    entry for it. A plain Python pass over the parameters: no tensor is read."""
+    state = optimizer.state
+    return {
+        p: p in state
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None and not state.get(p)
+    }
+
+
+def _forget_state_of_skipped_step(optimizer: Optimizer, stateless: dict[Tensor, bool], flag: Tensor) -> None:
+    """Undo the state a skipped fused step created, so that the next step is the optimizer's first one again, as in
+    a run without the skipped batch (the reference). torch's fused ``step`` initializes lazy state before its kernel
+    reads ``found_inf`` and keeps it on a skip: ``_fused_sgd`` keeps ``torch.empty_like`` momentum buffers (garbage
+    the next step reads as momentum), ``_fused_adam`` zero moments and a step count of 0. A ``GradScaler`` skipping
+    the same step leaves the same. The host read of the flag happens only on a step that created state (the first
+    of each parameter, or the first after a moment reset), never in the steady state."""
+    state = optimizer.state
+    created = [p for p in stateless if state.get(p)]
+    if not created or not bool(flag):  # the one host read, once per created state
+        return
+    for p in created:
+        if stateless[p]:
+            state[p] = {}  # it held an empty entry before: put back exactly that
+        else:
+            del state[p]
 
 
 @contextmanager
