@@ -10,7 +10,9 @@ import torch
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (runs on the lent GPU machine)")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA device: run `make gpu-check` on a machine with one (docs/benchmarks.md)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

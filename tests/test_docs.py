@@ -280,8 +280,11 @@ def _check_pip(args: list[str]) -> None:
     extras = set(re.findall(r"^([A-Za-z0-9_-]+) = \[", table, re.M))
     wheel = f"dist/lightning_gradkit-{version}-py3-none-any.whl"
     options = {"-e", "--no-deps", "-w", "dist"}
+    # The CPU torch + torchvision pitfall (getting started): torch pinned as the Makefile pins it.
+    (torch_pin,) = set(re.findall(r"pip install -q (torch==\S+)", (ROOT / "Makefile").read_text()))
+    third_party = {torch_pin, "torchvision==0.28.0", "timm", "--index-url", "https://download.pytorch.org/whl/cpu"}
     for spec in args[1:]:
-        if spec in options:
+        if spec in options or spec in third_party:
             continue
         path, _, named = spec.partition("[")
         assert path in (".", wheel), f"`pip {' '.join(args)}`: {path!r} is neither the checkout nor {wheel}"
