@@ -497,3 +497,16 @@ def test_external_inventories_read_back(tmp_path: Path) -> None:
             for name, item in entries.items():
                 loaded[name] = (objtype, item.uri)
     assert loaded == {name: (f"py:{link.role}", EXTERNAL.url(name)) for name, link in EXTERNAL.NAMES.items()}
+
+
+def test_no_public_docstring_writes_a_bare_file_uri() -> None:
+    """docutils (the docstrings' reStructuredText, not the MyST pages) turns a standalone ``file:...`` into a hyperlink
+    (``file`` is a URI scheme): SyncAudit's "file:line" rendered as a dead link. Written as a literal, it stays text."""
+    import gradkit
+    import lightning_gradkit
+
+    bare = re.compile(r"(?<![`\w/])file:(?!//)")
+    texts = {f"{root.__name__}.{name}": getattr(root, name).__doc__ or "" for root in (lightning_gradkit, gradkit)
+             for name in root.__all__}  # fmt: skip
+    found = [where for where, text in texts.items() if bare.search(text)]
+    assert not found, found

@@ -33,7 +33,7 @@ class SyncAudit(Callback):
     A ``loss.item()``, ``if torch.isnan(x).any():``, ``print(tensor)`` or ``.cpu()`` in a training step makes the
     CPU wait until the GPU has caught up; the time then shows up elsewhere (often in ``backward`` or the optimizer).
     On the audited steps this callback records every such sync made by your hooks and steps, attributes each to
-    the line of YOUR code that caused it, and reports a table: file:line, code, syncs per step and, where it can be
+    the line of YOUR code that caused it, and reports a table: ``file:line``, code, syncs per step and, where it can be
     measured, the share of the step's wall time the host spent stalled there.
 
     On CUDA the counts come from PyTorch's detector (``torch.cuda.set_sync_debug_mode("warn")``, on for the audited
