@@ -1,11 +1,15 @@
-"""Every public callback, and the Trainer holding it, pickles and deep-copies before and after ``fit``, as plain
-Lightning's Trainer does (``torch.save(trainer)``), and a copy carries on exactly as the original."""
+"""Every public callback and every gradkit policy, and the Trainer or loop holding them, pickles and deep-copies before
+and after ``fit``, as plain Lightning's Trainer does (``torch.save(trainer)``), and a copy carries on exactly as the
+original."""
 
 from __future__ import annotations
 
 import copy
+import importlib
+import inspect
 import io
 import pickle
+import pkgutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +20,13 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
+import gradkit
+from gradkit.guards import NonFiniteGuard as TorchNonFiniteGuard
+from gradkit.loop import GradKit
+from gradkit.monitor import GradNormMonitor as TorchGradNormMonitor
+from gradkit.protocol import Policy, Stage
+from gradkit.rollback import SpikeRollback as TorchSpikeRollback
+from gradkit.spike_guard import SpikeGuard as TorchSpikeGuard
 from helpers import MLPModule, exported_callbacks, loader, make_trainer
 from lightning_gradkit import (
     AccumulationGuard,
@@ -96,9 +107,10 @@ def _assert_same(actual: Any, expected: Any, where: str = "state_dict", ignore: 
         assert actual == expected, where
 
 
-def _fit(tmp_path: Path, model: pl.LightningModule, callback: Callback, **kwargs: Any) -> pl.Trainer:
+def _fit(tmp_path: Path, model: pl.LightningModule, callbacks: Callback | list[Callback], **kwargs: Any) -> pl.Trainer:
     torch.manual_seed(0)
-    trainer = make_trainer(tmp_path, callbacks=[callback], strategy="gradkit", limit_val_batches=2, **kwargs)
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    trainer = make_trainer(tmp_path, callbacks=callbacks, strategy="gradkit", limit_val_batches=2, **kwargs)
     trainer.fit(model, loader(), loader(n=16))
     return trainer
 
@@ -190,3 +202,137 @@ def test_strategies_pickle_and_deep_copy_as_lightnings_own(strategy: Callable[[]
     for duplicate in (_pickled(original), copy.deepcopy(original)):
         assert type(duplicate) is type(original)
         assert isinstance(duplicate, parent)
+
+
+# -- a clipper beside a skipping guard: the pipeline the guard keeps holds every policy's bound hooks ----------------
+# The clippers, by their class's stage: a Trainer (and a loop) takes one at a time.
+CLIPPERS = sorted(name for name, cls in exported_callbacks().items() if getattr(cls, "stage", None) is Stage.CLIP)
+
+
+class NaNAtBatch(MLPModule):
+    """A NaN loss at one batch: the guards skip that step, so the skip path has run before the Trainer is saved."""
+
+    def __init__(self, nan_batch: int = 5) -> None:
+        super().__init__()
+        self.nan_batch = nan_batch
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx == self.nan_batch else loss
+
+
+@pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning")  # the NaN step is planted
+@pytest.mark.parametrize("clipper", CLIPPERS)
+def test_fitted_trainer_with_a_clipper_and_every_other_callback_survives_torch_save_and_load(
+    tmp_path: Path, clipper: str
+) -> None:
+    """Lightning's own ``test_model_torch_save`` on a Trainer that holds the clipper, a skipping guard and every
+    other public callback (one fit for all), under ``strategy="gradkit"``; the reference is the fitted original."""
+    callbacks = [make() for name, (make, _) in CASES.items() if name == clipper or name not in CLIPPERS]
+    for callback in callbacks:
+        for duplicate in (_pickled(callback), copy.deepcopy(callback)):
+            _assert_same(duplicate.state_dict(), callback.state_dict())
+    model = NaNAtBatch()
+    trainer = _fit(tmp_path, model, callbacks, accumulate_grad_batches=2)
+    guard = next(cb for cb in callbacks if isinstance(cb, NonFiniteGuard))
+    # Two batches a step: step 1 (batches 2 and 3) dropped by StepsToSkip, the NaN step 2 skipped by the guards.
+    assert guard.state_dict()["skipped_steps"] == 2.0
+
+    path = tmp_path / "trainer.pt"
+    torch.save(trainer.model, path)
+    torch.save(trainer, path)
+    loaded = torch.load(path, weights_only=False)
+    for duplicate in (loaded, _pickled(trainer), copy.deepcopy(trainer)):
+        assert type(duplicate.strategy) is type(trainer.strategy)
+        for key, value in duplicate.lightning_module.state_dict().items():
+            assert torch.equal(value, model.state_dict()[key]), key
+        assert [type(cb) for cb in duplicate.callbacks] == [type(cb) for cb in trainer.callbacks]
+        for copied, original in zip(duplicate.callbacks, trainer.callbacks, strict=True):
+            _assert_same(copied.state_dict(), original.state_dict(), type(original).__name__)
+
+
+# -- the torch policies behind the loop door -------------------------------------------------------------------------
+# Each gradkit policy in its typical configuration; `WindowScale` is made by `ManualAccumulator` for one window only
+# (the manual-optimization test above pickles the accumulator).
+TORCH_CASES: dict[str, Callable[[], Policy]] = {
+    "AdaptiveGradClip": lambda: gradkit.AdaptiveGradClip(clip_factor=0.01, exclude=["re:2"]),
+    "AutoClip": lambda: gradkit.AutoClip(percentile=10.0, history_size=100),
+    "ClipGradNorm": lambda: gradkit.ClipGradNorm(max_norm=0.1),
+    "ClipGradValue": lambda: gradkit.ClipGradValue(clip_value=0.01),
+    "EarlyWarning": lambda: gradkit.EarlyWarning(attention=None, output="2"),
+    "GradNormMonitor": lambda: TorchGradNormMonitor(param_groups=True, weight_norms=True, update_ratio=True),
+    "NonFiniteGuard": lambda: TorchNonFiniteGuard(action="skip"),
+    "SpikeGuard": lambda: TorchSpikeGuard(warmup_steps=2, action="skip"),
+    "SpikeRollback": lambda: TorchSpikeRollback(warmup_steps=2, snapshot_every_n_steps=2),
+    "StepsToSkip": lambda: gradkit.StepsToSkip(steps=[[1, 2]]),
+    "ZClip": lambda: gradkit.ZClip(warmup_steps=2, max_norm=1.0),
+}
+NOT_GIVEN_TO_A_LOOP = {"WindowScale"}
+
+
+def _gradkit_policies() -> set[str]:
+    """Every public policy class of every ``gradkit`` module (a class with a :class:`Stage`), found by walking the
+    package, so that a new one fails :func:`test_every_torch_policy_is_covered` until it is added here."""
+    found = set()
+    for info in pkgutil.iter_modules(gradkit.__path__, "gradkit."):
+        module = importlib.import_module(info.name)
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            if inspect.isclass(obj) and isinstance(getattr(obj, "stage", None), Stage):
+                found.add(name)
+    return found
+
+
+def _log_nowhere(metrics: dict[str, float], step: int) -> None:
+    """The loop's ``log``: a module-level function, as a user's logger would be, so the loop itself pickles."""
+
+
+def _state(policy: object) -> dict[str, Any]:
+    state_dict = getattr(policy, "state_dict", None)
+    return state_dict() if state_dict is not None else {}
+
+
+def _loop(policies: list[Policy], model: nn.Module, tmp_path: Path, steps: range) -> None:
+    """Train ``model`` behind the loop door with ``policies`` on a fixed batch, with a NaN loss at step 3 (the loop's
+    step; a new loop counts its own steps from 0)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kit = GradKit(model, optimizer, policies, log=_log_nowhere, log_every_n_steps=2, log_dir=tmp_path)
+    x = torch.linspace(-1.0, 1.0, 32).reshape(4, 8)
+    for step in steps:
+        if not kit.drops_batch:  # StepsToSkip's declared steps: no forward, no backward
+            loss = model(x).pow(2).mean() * (float("nan") if step == 3 else 1.0)
+            kit.note_loss(loss)
+            loss.backward()
+        kit.step(optimizer)
+        optimizer.zero_grad()
+    kit.finish()
+
+
+def test_every_torch_policy_is_covered() -> None:
+    assert _gradkit_policies() == set(TORCH_CASES) | NOT_GIVEN_TO_A_LOOP
+
+
+@pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning")  # the NaN step is planted
+@pytest.mark.parametrize("clipper", CLIPPERS)
+def test_torch_policies_pickle_and_deep_copy_before_and_after_a_loop_door_run(tmp_path: Path, clipper: str) -> None:
+    """The clipper and every other gradkit policy, in one loop: duplicates hold the original's state before and after
+    the run, and a pickled copy of the fitted set carries on as the original does."""
+    policies = [make() for name, make in TORCH_CASES.items() if name == clipper or name not in CLIPPERS]
+    for policy in policies:
+        for duplicate in (_pickled(policy), copy.deepcopy(policy)):
+            _assert_same(_state(duplicate), _state(policy), type(policy).__name__)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    _loop(policies, model, tmp_path / "first", range(6))
+    guard = next(p for p in policies if isinstance(p, TorchNonFiniteGuard))
+    assert guard.state_dict()["skipped_steps"] == 2.0  # step 1 dropped (StepsToSkip), the NaN step 3 skipped
+    pickled, deep = _pickled(policies), copy.deepcopy(policies)
+    for duplicates in (pickled, deep):
+        for copied, original in zip(duplicates, policies, strict=True):
+            _assert_same(_state(copied), _state(original), type(original).__name__)
+
+    twin = copy.deepcopy(model)
+    _loop(policies, model, tmp_path / "original", range(6, 9))
+    _loop(pickled, twin, tmp_path / "copy", range(6, 9))
+    for (key, expected), actual in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
+        assert torch.equal(actual, expected), key

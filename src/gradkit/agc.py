@@ -22,10 +22,6 @@ from gradkit.clipping import (
     ClipDecision,
     ClipLedger,
     describe,
-    ledger_metrics,
-    ledger_state,
-    load_ledger_state,
-    log_if_logging_step,
     norm_ratio,
 )
 from gradkit.norms import (
@@ -200,10 +196,19 @@ class AdaptiveGradClip:
         if plan.grads:
             self._clip(plan)
 
-    observe = log_if_logging_step
-    metrics = ledger_metrics
-    state_dict = ledger_state
-    load_state_dict = load_ledger_state
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+        if plan.logging_step:
+            self._ledger.log(plan, ctx)
+
+    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
+        """The values the class logs for the last step of an optimizer, as device tensors (no host sync)."""
+        return self._ledger.metrics(optimizer_idx)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._ledger.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._ledger.load_state_dict(state_dict)
 
     # -- one step ------------------------------------------------------------------------------------------------
     def _cached(self, plan: StepPlan, key: tuple[Any, ...]) -> Any:

@@ -5,7 +5,7 @@ the pipeline measured once (no second pass over the gradients), writes a coeffic
 plan, and the pipeline multiplies the gradients once, with no host sync. The same objects work behind every door: a
 plain loop or Fabric (:class:`~gradkit.loop.GradKit`), and the Lightning ``Trainer``, whose callbacks of the same
 names (:mod:`lightning_gradkit.callbacks.clip_callbacks`) subclass these classes. One class per algorithm, no base
-class: what they share is a few functions and a composed :class:`ClipLedger`.
+class: what they share is a composed :class:`ClipLedger`, which each clipper's hooks call.
 
 :class:`ClipGradNorm` and :class:`ClipGradValue` are here; :class:`~gradkit.history_clipping.AutoClip` and
 :class:`~gradkit.history_clipping.ZClip`, whose threshold follows the history of norms, in
@@ -19,7 +19,7 @@ import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,16 +34,10 @@ __all__ = [
     "ClipGradNorm",
     "ClipGradValue",
     "ClipLedger",
-    "clip_again_to_target",
     "clip_coefficient",
     "clip_to_threshold",
     "describe",
-    "ledger_metrics",
-    "ledger_state",
-    "load_ledger_state",
-    "log_if_logging_step",
     "norm_ratio",
-    "request_norm",
 ]
 
 #: Added to the total norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does.
@@ -121,7 +115,10 @@ class ClipLedger:
     """What a clipper keeps of its steps, per optimizer (by index): the last decision, for the logged values, and
     the count of clipped steps since the last log, saved in checkpoints with the clipper's own per-optimizer state.
 
-    Every clipper composes one; its ``decide`` calls :meth:`record`, its ``observe`` :meth:`log`.
+    Every clipper composes one; its ``decide`` calls :meth:`record`, its ``observe`` :meth:`log` (on logging steps),
+    its ``metrics``, ``state_dict`` and ``load_state_dict`` the methods of the same names. Each clipper defines these
+    hooks in its own class body (no module function assigned as a method): the pipeline keeps them as bound methods,
+    and a bound method pickles by its function's ``__name__``, which must be the attribute's name.
     """
 
     def __init__(self) -> None:
@@ -170,7 +167,13 @@ class ClipLedger:
         self.steps[idx] = 0
 
     def metrics(self, idx: int) -> dict[str, Tensor]:
-        """The values logged for the last step of optimizer ``idx`` (see :meth:`ClipGradNorm.metrics`)."""
+        """The values logged for the last step of optimizer ``idx``, as device tensors (no host sync).
+
+        ``grad_clip/pre_clip_norm`` and ``grad_clip/post_clip_norm`` (the total norm before and after clipping, in
+        the clipper's norm), ``grad_clip/coef`` (the clip coefficient; for per-unit or element-wise clipping, the
+        ratio of the two norms), ``grad_clip/clipped_fraction`` (the fraction of optimizer steps clipped since the
+        previous log) and, for the adaptive clippers (``AutoClip``, ``ZClip``), ``grad_clip/threshold``.
+        """
         decision = self.last[idx]
         steps = max(self.steps.get(idx, 0), 1)
         self.count_now(idx)
@@ -209,46 +212,6 @@ class ClipLedger:
 def describe(clipper: object, **config: object) -> str:
     """``Name(arg=value, ...)``: a clipper as its constructor call."""
     return f"{type(clipper).__name__}({', '.join(f'{k}={v!r}' for k, v in config.items())})"
-
-
-# -- the methods every clipper shares, assigned in each class: one class per algorithm and no base class, so that a --
-# -- Trainer callback's MRO stays 4 classes deep ---------------------------------------------------------------------
-class _Clipper(Protocol):
-    norm_type: float
-    _ledger: ClipLedger
-
-
-def request_norm(self: _Clipper, request: StatsRequest) -> None:
-    request.norm_types.add(self.norm_type)
-
-
-def log_if_logging_step(self: _Clipper, plan: StepPlan, ctx: StepContext) -> None:
-    if plan.logging_step:
-        self._ledger.log(plan, ctx)
-
-
-def ledger_metrics(self: _Clipper, optimizer_idx: int = 0) -> dict[str, Tensor]:
-    """The values logged for the last step of an optimizer, as device tensors (no host sync).
-
-    ``grad_clip/pre_clip_norm`` and ``grad_clip/post_clip_norm`` (the total norm before and after clipping, in
-    the clipper's norm), ``grad_clip/coef`` (the clip coefficient; for per-unit or element-wise clipping, the
-    ratio of the two norms), ``grad_clip/clipped_fraction`` (the fraction of optimizer steps clipped since the
-    previous log) and, for the adaptive clippers (``AutoClip``, ``ZClip``), ``grad_clip/threshold``.
-    """
-    return self._ledger.metrics(optimizer_idx)
-
-
-def ledger_state(self: _Clipper) -> dict[str, Any]:
-    return self._ledger.state_dict()
-
-
-def load_ledger_state(self: _Clipper, state_dict: dict[str, Any]) -> None:
-    self._ledger.load_state_dict(state_dict)
-
-
-def clip_again_to_target(self: _Clipper, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
-    if plan.grads:
-        self._ledger.clip_again(plan, self.norm_type)
 
 
 # -- the clippers ----------------------------------------------------------------------------------------------------
@@ -294,7 +257,8 @@ class ClipGradNorm:
     def __repr__(self) -> str:
         return describe(self, max_norm=self.max_norm, norm_type=self.norm_type)
 
-    request_stats = request_norm
+    def request_stats(self, request: StatsRequest) -> None:
+        request.norm_types.add(self.norm_type)
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         if not plan.grads:
@@ -310,10 +274,19 @@ class ClipGradNorm:
         if plan.grads:
             plan.clip_coef = clip_coefficient(plan.pre_clip_total(self.norm_type), self.max_norm)
 
-    observe = log_if_logging_step
-    metrics = ledger_metrics
-    state_dict = ledger_state
-    load_state_dict = load_ledger_state
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+        if plan.logging_step:
+            self._ledger.log(plan, ctx)
+
+    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
+        """The values the class logs for the last step of an optimizer, as device tensors (no host sync)."""
+        return self._ledger.metrics(optimizer_idx)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._ledger.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._ledger.load_state_dict(state_dict)
 
 
 class ClipGradValue:
@@ -350,7 +323,8 @@ class ClipGradValue:
     def __repr__(self) -> str:
         return describe(self, clip_value=self.clip_value)
 
-    request_stats = request_norm
+    def request_stats(self, request: StatsRequest) -> None:
+        request.norm_types.add(self.norm_type)
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         if not plan.grads:
@@ -365,7 +339,16 @@ class ClipGradValue:
         if plan.grads:
             plan.clamp_value = self.clip_value
 
-    observe = log_if_logging_step
-    metrics = ledger_metrics
-    state_dict = ledger_state
-    load_state_dict = load_ledger_state
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+        if plan.logging_step:
+            self._ledger.log(plan, ctx)
+
+    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
+        """The values the class logs for the last step of an optimizer, as device tensors (no host sync)."""
+        return self._ledger.metrics(optimizer_idx)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._ledger.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._ledger.load_state_dict(state_dict)

@@ -22,18 +22,14 @@ from gradkit.clipping import (
     NORM_EPS,
     ClipDecision,
     ClipLedger,
-    clip_again_to_target,
     clip_coefficient,
     clip_to_threshold,
     describe,
-    ledger_metrics,
-    log_if_logging_step,
-    request_norm,
 )
 from gradkit.host_lag import HostLag, as_float32
 from gradkit.norms import finite_mask
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import Stage, StepContext
+from gradkit.protocol import Stage, StatsRequest, StepContext
 
 __all__ = ["MAX_HISTORY", "AutoClip", "ZClip", "nan_percentile"]
 
@@ -118,7 +114,8 @@ class AutoClip:
     def __repr__(self) -> str:
         return describe(self, percentile=self.percentile, history_size=self.history_size)
 
-    request_stats = request_norm
+    def request_stats(self, request: StatsRequest) -> None:
+        request.norm_types.add(self.norm_type)
 
     def _history(self, idx: int, device: torch.device) -> _NormHistory:
         history = self._histories.get(idx)
@@ -147,9 +144,18 @@ class AutoClip:
         post = functools.partial(operator.mul, pre, coef)
         self._ledger.record(plan, ClipDecision(pre, post, coef, norm > threshold, threshold, target=threshold))
 
-    decide_again = clip_again_to_target
-    observe = log_if_logging_step
-    metrics = ledger_metrics
+    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+        # A later evaluation of the step's closure is clipped to the first one's target; the history is fed once.
+        if plan.grads:
+            self._ledger.clip_again(plan, self.norm_type)
+
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+        if plan.logging_step:
+            self._ledger.log(plan, ctx)
+
+    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
+        """The values the class logs for the last step of an optimizer, as device tensors (no host sync)."""
+        return self._ledger.metrics(optimizer_idx)
 
     def state_dict(self) -> dict[str, Any]:
         """Per optimizer, the ``history`` (NaN: an empty slot) and the ``count`` of norms it took, on the CPU."""
@@ -250,7 +256,8 @@ class ZClip:
         config = {"alpha": self.alpha, "z_threshold": self.z_threshold, "warmup_steps": self.warmup_steps}
         return describe(self, **config, max_norm=self.max_norm)
 
-    request_stats = request_norm
+    def request_stats(self, request: StatsRequest) -> None:
+        request.norm_types.add(self.norm_type)
 
     def _fold(self, stats: _ZStatistics) -> None:
         """Update the statistics with the norm still on its way to the host (the previous step's)."""
@@ -319,9 +326,18 @@ class ZClip:
         )
         self._ledger.record(plan, decision)
 
-    decide_again = clip_again_to_target
-    observe = log_if_logging_step
-    metrics = ledger_metrics
+    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+        # A later evaluation of the step's closure is clipped to the first one's target; the history is fed once.
+        if plan.grads:
+            self._ledger.clip_again(plan, self.norm_type)
+
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+        if plan.logging_step:
+            self._ledger.log(plan, ctx)
+
+    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
+        """The values the class logs for the last step of an optimizer, as device tensors (no host sync)."""
+        return self._ledger.metrics(optimizer_idx)
 
     def state_dict(self) -> dict[str, Any]:
         """Per optimizer, the ``mean`` and ``var`` (float64) and ``count`` of the statistics, every norm passed so far
