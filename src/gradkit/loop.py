@@ -41,6 +41,7 @@ from gradkit._torch_compat import gradients_still_scaled, loss_scale
 from gradkit.culprit import MicroBatch
 from gradkit.gate import close_step, shadowed, step_as_decided
 from gradkit.loop_setup import (
+    checked_door_arguments,
     checked_policies,
     checked_schedulers,
     events_dir,
@@ -243,9 +244,11 @@ class GradKit:
 
     Raises:
         TypeError: if ``policies`` is neither a policy nor a list, or a policy is a class instead of an instance, or
-            not a gradkit policy.
-        ValueError: if a policy needs a Lightning ``Trainer``, two clippers are given, ``log_every_n_steps`` < 0, a
-            scheduler is a ``ReduceLROnPlateau`` or was built on an optimizer not given here.
+            not a gradkit policy; if an argument is not the kind of object it takes (``model`` an ``nn.Module``,
+            ``optimizers`` torch optimizers, ``log`` a function, ``scaler`` a ``GradScaler``, ``schedulers`` LR
+            schedulers, ``fabric`` a ``Fabric``, ``log_dir`` a path), naming it.
+        ValueError: if a policy needs a Lightning ``Trainer``, two clippers are given, ``log_every_n_steps`` < 0,
+            ``max_steps`` < 1, a scheduler is a ``ReduceLROnPlateau`` or was built on an optimizer not given here.
 
     Example::
 
@@ -278,7 +281,7 @@ class GradKit:
         max_steps: int | None = None,
         log_dir: str | Path | Literal[False] | None = None,
     ) -> None:
-        optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+        optimizers = checked_door_arguments(model, optimizers, log, scaler, fabric, max_steps, log_dir)
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
             raise ValueError(
                 f"`log_every_n_steps` must be an int >= 0, got {log_every_n_steps!r}. Use e.g. 50 (Lightning's "
