@@ -47,6 +47,7 @@ from gradkit.loop_setup import (
     events_dir,
     fabric_flat_sharded,
     fabric_scaler,
+    matched_states,
     root_module,
     watches_loss,
 )
@@ -509,28 +510,24 @@ class GradKit:
         policy the state its callback saved and the step count. A state saved before the policies were keyed (a list,
         in the order of ``policies``) loads by position.
 
-        Raises:
-            KeyError: if a policy of this door has no state in ``state_dict`` (a different set of policies, or
-                different arguments that change their ``state_key``), naming the keys that are there.
-        """
-        if "callbacks" in state_dict and "global_step" in state_dict:  # a Lightning checkpoint
+        Policies and states are matched by ``state_key``, as a ``Trainer`` matches callbacks: a policy with no saved
+        state (added at this restart, e.g. ``StepsToSkip(steps=steps_from_events(run_dir))``) starts fresh, and a
+        saved state whose policy is gone is not loaded (reported for this door's own states only: a Trainer
+        checkpoint holds every callback's); one warning says each."""
+        trainer = "callbacks" in state_dict and "global_step" in state_dict
+        if trainer:  # a Lightning checkpoint
             step, skipped, states = state_dict["global_step"], None, state_dict["callbacks"]
         else:
             step, skipped, states = state_dict["step"], state_dict["skipped_steps"], state_dict["policies"]
         self.ctx.step = int(step)
         if skipped is not None:
             self.pipeline.skipped_steps = torch.tensor(float(skipped), device=self.ctx.device)
-        stateful = [p for p in self.policies if hook(p, "load_state_dict") is not None]
         if isinstance(states, Mapping):
-            missing = [policy_key(p) for p in stateful if policy_key(p) not in states]
-            if missing:
-                raise KeyError(
-                    f"GradKit.load_state_dict: no state for {', '.join(missing)}; the state holds "
-                    f"{', '.join(map(str, states)) or 'none'}. Build the door with the policies (and arguments) the "
-                    "state was saved with."
-                )
-            for policy in stateful:
-                policy.load_state_dict(states[policy_key(policy)])
+            pairs, notes = matched_states(self.policies, states, report_gone=not trainer)
+            for note in notes:
+                self.ctx.warn(note)
+            for policy, state in pairs:
+                policy.load_state_dict(state)
         else:
             for policy, state in zip(self.policies, states, strict=True):  # a stateless policy saved {} there
                 if (load := hook(policy, "load_state_dict")) is not None:

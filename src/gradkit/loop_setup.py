@@ -14,7 +14,16 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradkit._arguments import check_int, check_type, shown
-from gradkit.protocol import Policy, Stage, hook, is_policy, policy_key, unwrapped
+from gradkit.protocol import (
+    Policy,
+    Stage,
+    fresh_state_note,
+    gone_state_note,
+    hook,
+    is_policy,
+    policy_key,
+    unwrapped,
+)
 
 __all__ = [
     "checked_door_arguments",
@@ -23,6 +32,7 @@ __all__ = [
     "events_dir",
     "fabric_flat_sharded",
     "fabric_scaler",
+    "matched_states",
     "root_module",
     "watches_loss",
 ]
@@ -115,6 +125,24 @@ def fabric_flat_sharded(fabric: Any) -> bool:
     """Whether Fabric runs FSDP1 over several ranks (every gradient a flat local shard)."""
     strategies = sys.modules.get("lightning.fabric.strategies") or sys.modules.get("lightning_fabric.strategies")
     return strategies is not None and isinstance(fabric.strategy, strategies.FSDPStrategy) and fabric.world_size > 1
+
+
+def matched_states(
+    policies: Sequence[Policy], states: Mapping[str, Any], report_gone: bool
+) -> tuple[list[tuple[Policy, Any]], list[str]]:
+    """Each stateful policy with its saved state, matched by ``state_key`` as a ``Trainer`` matches callbacks, and the
+    warnings of the mismatches: a policy with no saved state starts fresh (added at a restart, or built with other
+    arguments); a saved state whose policy is gone is not loaded (said only with ``report_gone``: a Trainer
+    checkpoint holds every callback's state, gradkit's or not)."""
+    stateful = {policy_key(p): p for p in policies if hook(p, "load_state_dict") is not None}
+    notes = []
+    fresh = [key for key in stateful if key not in states]
+    if fresh:
+        notes.append(fresh_state_note(fresh))
+    gone = [str(key) for key in states if key not in stateful]
+    if gone and report_gone:
+        notes.append(gone_state_note(gone))
+    return [(policy, states[key]) for key, policy in stateful.items() if key in states], notes
 
 
 def watches_loss(policy: Policy) -> bool:

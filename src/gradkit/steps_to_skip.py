@@ -106,7 +106,8 @@ class StepsToSkip:
     gradients dropped. With gradient accumulation every micro-batch of a dropped step is dropped.
 
     The ranges are saved in checkpoints: a run resumed from one keeps skipping the ranges it was given, and those
-    given again are merged in. Each range is an ``steps_skipped`` event with ``steps_to_skip=[[start, stop]]`` when
+    given again are merged in; added at a restart from a checkpoint saved without it, it starts fresh (a warning
+    says so), behind every door. Each range is an ``steps_skipped`` event with ``steps_to_skip=[[start, stop]]`` when
     its first step is dropped; ``SpikeRollback``'s ``rollback`` events list the steps they left out in the same
     form, and :func:`steps_from_events` collects both from an events file.
 

@@ -41,6 +41,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -49,7 +50,7 @@ from gradkit._torch_compat import gradients_still_scaled
 from gradkit.events import EventLog
 from gradkit.norms import loss_scale, world_size
 from gradkit.pipeline import Pipeline, StepPlan, UnitNorms
-from gradkit.protocol import Policy, Stage, StatsRequest, StepContext, hook, values_to_host
+from gradkit.protocol import Policy, Stage, StatsRequest, StepContext, fresh_state_note, hook, values_to_host
 from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
 
@@ -467,7 +468,8 @@ class GradKitCallback(Callback):
 
     The first of a Trainer's gradkit callbacks that Lightning calls in ``on_before_optimizer_step`` runs the pipeline
     for all of them. ``state_dict`` / ``load_state_dict`` are the policy's own: a checkpoint keeps them under the
-    callback's ``state_key``, the key :class:`~gradkit.loop.GradKit` uses too. A callback that only works under a
+    callback's ``state_key``, the key :class:`~gradkit.loop.GradKit` uses too; a stateful callback the checkpoint has
+    no state for (added at the restart) starts fresh, with the loop door's warning. A callback that only works under a
     Trainer (``AccumulationGuard``) sets :attr:`trainer_only` to the reason, which the loop door's refusal names.
     """
 
@@ -550,6 +552,24 @@ class GradKitCallback(Callback):
     ) -> None:
         if _first_gradkit_callback(trainer) is self:
             note_window_on_load(trainer, checkpoint)
+            _note_fresh_callbacks(trainer, checkpoint)
+
+
+def _note_fresh_callbacks(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Say, once, which stateful gradkit callbacks the checkpoint holds no state for (added at this restart): Lightning
+    starts them fresh without a word, the loop and Hugging Face doors with this one. (A saved state whose callback is
+    gone, Lightning itself reports: "callbacks used to create the checkpoint need to be provided".)"""
+    saved = checkpoint.get("callbacks") or {}
+    fresh = [
+        cb.state_key
+        for cb in trainer.callbacks
+        if isinstance(cb, GradKitCallback)
+        and type(cb).state_dict is not Callback.state_dict  # a callback without state has nothing to resume
+        and cb.state_key not in saved
+        and cb._legacy_state_key not in saved
+    ]
+    if fresh:
+        rank_zero_warn(fresh_state_note(fresh))
 
 
 def _first_gradkit_callback(trainer: pl.Trainer) -> GradKitCallback | None:
