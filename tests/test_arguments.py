@@ -9,11 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from gradkit._arguments import check_float, check_int, check_strings
+from gradkit.loop import GradKit
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import (
     AccumulationGuard,
@@ -22,12 +25,14 @@ from lightning_gradkit import (
     AutoClip,
     ClipGradNorm,
     ClipGradValue,
+    EarlyWarning,
     GradNormMonitor,
     GraphLeakGuard,
     InferenceModeValidation,
     ManualAccumulator,
     NonFiniteGuard,
     SpikeGuard,
+    StepsToSkip,
     SyncAudit,
     ZClip,
 )
@@ -69,6 +74,16 @@ BAD = [
     (lambda: ActivationCheckpointing(["Linear"], offload="no"), "offload", "'no'"),  # type: ignore[arg-type]
     (lambda: SpikeGuard(warmup_steps=True), "warmup_steps", "True"),
     (lambda: ClipGradNorm(True), "max_norm", "True"),  # True is an int to Python, never a norm to a user
+    # not a list of ranges (used to raise a bare "'float' object is not iterable", or to pass for 0)
+    (lambda: StepsToSkip(steps=math.nan), "steps", "nan"),  # type: ignore[arg-type]
+    (lambda: StepsToSkip(steps=-1), "steps", "-1"),  # type: ignore[arg-type]
+    (lambda: StepsToSkip(steps=1.5), "steps", "1.5"),  # type: ignore[arg-type]
+    (lambda: StepsToSkip(steps=True), "steps", "True"),  # type: ignore[arg-type]
+    # not a dict of signals (used to raise AttributeError: 'str' object has no attribute 'items')
+    (lambda: EarlyWarning(thresholds="attn_logit_max"), "thresholds", "'attn_logit_max'"),  # type: ignore[arg-type]
+    (lambda: EarlyWarning(thresholds=1000.0), "thresholds", "1000.0"),  # type: ignore[arg-type]
+    (lambda: EarlyWarning(floors="150"), "floors", "'150'"),  # type: ignore[arg-type]
+    (lambda: EarlyWarning(floors=150), "floors", "150"),  # type: ignore[arg-type]
 ]
 
 
@@ -79,6 +94,36 @@ def test_bad_argument_raises_value_error_naming_argument_and_value(
     with pytest.raises(ValueError, match=f"`{argument}`") as info:
         factory()
     assert value in str(info.value)
+
+
+def _door(model: Any = "built", optimizer: Any = "built", **kwargs: Any) -> GradKit:
+    """A loop door on a small model and its SGD, with ``model``, ``optimizer`` or ``kwargs`` replaced."""
+    built = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(built.parameters(), lr=0.1) if optimizer == "built" else optimizer
+    return GradKit(built if model == "built" else model, optimizer, [ClipGradNorm(1.0)], **kwargs)
+
+
+# The loop door's arguments: each used to be accepted and fail at the first (logging) step, or fail with an error
+# that named none of them (`'NoneType' object has no attribute 'parameters'`, `expected str, bytes or os.PathLike`).
+BAD_DOOR = [
+    (lambda: _door(model=None), TypeError, "model", "None"),
+    (lambda: _door(optimizer=None), TypeError, "optimizers", "None"),
+    (lambda: _door(log_dir=5), TypeError, "log_dir", "5 (an int)"),
+    (lambda: _door(fabric="x"), TypeError, "fabric", "'x' (a str)"),
+    (lambda: _door(scaler="fp16"), TypeError, "scaler", "'fp16' (a str)"),
+    (lambda: _door(schedulers="cosine"), TypeError, "schedulers", "'cosine' (a str)"),
+    (lambda: _door(log="stdout"), TypeError, "log", "'stdout' (a str)"),
+    (lambda: _door(max_steps="100"), ValueError, "max_steps", "'100'"),
+]
+
+
+@pytest.mark.parametrize(("factory", "error", "argument", "value"), BAD_DOOR)
+def test_a_bad_loop_door_argument_is_refused_at_construction_naming_it_and_the_value(
+    factory: Callable[[], object], error: type[Exception], argument: str, value: str
+) -> None:
+    with pytest.raises(error, match=f"^`{argument}` must be ") as info:
+        factory()
+    assert f"got {value}" in str(info.value)
 
 
 def test_one_string_is_one_pattern_not_a_list_of_letters() -> None:

@@ -139,6 +139,8 @@ def _early_warning(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningM
     assert (run / "gradient_report.png").is_file()
     assert ns["watch"].thresholds["spike_score"] == 0.01
     assert (ns["skipping"].global_step, ns["declared"].dropped, ns["kit"].skipped_steps) == (6, 2, 2)
+    fresh = [w for w in caught if str(w.message).startswith("Resuming with no saved state for StepsToSkip: ")]
+    assert len(fresh) == 1 and ns["restarted"].state_dict()["step"] == 0  # the restart loaded, StepsToSkip fresh
 
 
 def _activation_checkpointing(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:

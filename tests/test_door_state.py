@@ -21,6 +21,7 @@ from gradkit.loop import GradKit
 from gradkit.protocol import Stage
 from helpers import make_trainer
 from lightning_gradkit import NonFiniteGuard, SpikeGuard, ZClip
+from lightning_gradkit import StepsToSkip as StepsToSkipCallback
 from test_front_doors import Net, NetModule, _assert_same_state, _batches, _initial_state, _optimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning", "ignore:SpikeGuard:UserWarning")
@@ -113,6 +114,27 @@ def test_a_loop_door_state_resumes_a_trainer(tmp_path: Path) -> None:
     _assert_same_state(module.state_dict(), expected)
 
 
+def test_a_trainer_resume_with_a_policy_added_and_one_gone_warns_as_the_loop_door(tmp_path: Path) -> None:
+    """The Trainer side of the restart: an added StepsToSkip starts fresh, with the loop door's warning (Lightning
+    says nothing), and the state of the NonFiniteGuard left out is reported by Lightning. The dropped NaN batch of the
+    second epoch leaves the model where the uninterrupted run's skip left it."""
+    expected, _ = _uninterrupted()
+    _trainer_checkpoint(tmp_path)
+    declared = StepsToSkipCallback(steps=[[HALF + 5, HALF + 6]])  # the NaN batch of the second epoch
+    resumed = [*(p for p in _policies() if not isinstance(p, NonFiniteGuard)), declared]
+    module = NetModule("sgd")
+    trainer = make_trainer(
+        tmp_path, default_root_dir=tmp_path, strategy="gradkit", callbacks=resumed, logger=False, max_epochs=2
+    )
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(module, DataLoader(_epoch(), batch_size=None), ckpt_path=tmp_path / "half.ckpt")
+    messages = [str(w.message) for w in caught]
+    assert sum(m.startswith("Resuming with no saved state for StepsToSkip: ") for m in messages) == 1
+    assert any("Please add the following callbacks: [\"NonFiniteGuard{'action': 'skip'}\"]" in m for m in messages)
+    assert declared.dropped == 1
+    _assert_same_state(module.state_dict(), expected)
+
+
 def test_saved_snapshots_carry_a_torch_clippers_state_through_a_loop_doors_resume() -> None:
     """`SpikeRollback(save_snapshots=True)` beside a torch-only clipper (no ``state_key`` attribute: keyed by its class
     name, as behind the Trainer): the state saves, resumes, and the resumed loop ends as the uninterrupted one."""
@@ -157,13 +179,29 @@ def test_a_state_saved_as_a_list_still_loads_by_position() -> None:
     assert other.state_dict() == keyed
 
 
-def test_loading_a_state_without_a_policy_names_the_keys() -> None:
+def test_a_policy_added_at_a_resume_starts_fresh_and_a_gone_policys_state_is_reported() -> None:
+    """As a Trainer resumes: states are matched by key, each mismatch is one warning, not an error (the loop door
+    raised a KeyError). The references: the saved state itself, and the state of a policy never trained."""
     model = Net()
     opt = _optimizer("sgd", model.parameters())
-    state = GradKit(model, opt, [NonFiniteGuard(action="skip")], log_every_n_steps=0).state_dict()
-    kit = GradKit(model, opt, [ZClip()], log_every_n_steps=0)
-    with pytest.raises(KeyError, match=r"no state for ZClip.*the state holds NonFiniteGuard"):
-        kit.load_state_dict(state)
+    saved_with = [NonFiniteGuard(action="skip"), SpikeGuard(monitor="loss", warmup_steps=3, action="warn")]
+    kit = GradKit(model, opt, saved_with, log_every_n_steps=0, log_dir=False)
+    _plain(model, opt, kit, _batches()[:4])
+    state = copy.deepcopy(kit.state_dict())
+    kept, added = SpikeGuard(monitor="loss", warmup_steps=3, action="warn"), ZClip()
+    resumed = GradKit(model, opt, [kept, added], log_every_n_steps=0, log_dir=False)
+    with pytest.warns(UserWarning) as caught:
+        resumed.load_state_dict(state)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2
+    assert messages[0].startswith("Resuming with no saved state for ZClip: it was not in the run")
+    assert "so it starts fresh" in messages[0]
+    assert messages[1].startswith("The checkpoint holds the state of NonFiniteGuard{'action': 'skip'}, which this run")
+    assert "is not loaded" in messages[1]
+    after = resumed.state_dict()
+    assert after["step"] == 4
+    assert after["policies"][kept.state_key] == state["policies"][kept.state_key]
+    assert after["policies"]["ZClip"] == ZClip().state_dict()
 
 
 def test_two_policies_with_one_state_key_are_refused() -> None:

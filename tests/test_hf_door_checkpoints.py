@@ -26,7 +26,7 @@ from hf_fixtures import (  # noqa: E402
     poison,
     training_args,
 )
-from lightning_gradkit import GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip  # noqa: E402
+from lightning_gradkit import GradNormMonitor, NonFiniteGuard, SpikeGuard, StepsToSkip, ZClip  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning", "ignore:SpikeGuard:UserWarning")
 
@@ -83,3 +83,28 @@ def test_a_checkpoint_without_the_policies_state_resumes_them_fresh_and_says_so(
     with pytest.warns(UserWarning, match=f"holds no {STATE_FILENAME}.*the policies start fresh"):
         _, door = _run(tmp_path / "resumed", resume=str(folder))
     assert door.kit.skipped_steps == 0  # the skip of step 2 is not in the fresh state
+
+
+def test_a_resume_with_a_policy_added_and_one_gone_warns_as_the_loop_door(tmp_path: Path) -> None:
+    """The door loads through the loop door's ``load_state_dict``: a policy added at the restart starts fresh and a
+    saved state whose policy is gone is reported, each in one warning, in the loop door's words (it used to raise a
+    KeyError); the added StepsToSkip then drops its step."""
+
+    def run(policies: list[Any], resume: str | None = None) -> Any:
+        model = MODELS["norm"]()
+        args = training_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+        data = TokenData("norm", 4 * 4)
+        trainer = transformers.Trainer(model, args, train_dataset=data, optimizers=optimizer_and_scheduler(model, 4))
+        door = install(trainer, policies)
+        trainer.train(resume_from_checkpoint=resume)
+        return door
+
+    run([NonFiniteGuard(action="skip"), ZClip(warmup_steps=2)])
+    declared = StepsToSkip(steps=[[3, 4]])
+    with pytest.warns(UserWarning) as caught:
+        door = run([ZClip(warmup_steps=2), declared], resume=str(tmp_path / "checkpoint-2"))
+    messages = [str(w.message) for w in caught]
+    assert sum(m.startswith("Resuming with no saved state for StepsToSkip: ") for m in messages) == 1
+    gone = "The checkpoint holds the state of NonFiniteGuard{'action': 'skip'}, which this run does not have"
+    assert sum(m.startswith(gone) for m in messages) == 1
+    assert declared.dropped == 1 and door.kit.skipped_steps == 1 and door.kit.ctx.step == 4

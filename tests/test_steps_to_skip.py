@@ -27,13 +27,15 @@ def _batches() -> list[tuple[Tensor, Tensor]]:
     return list(loader(n=48, batch_size=8))
 
 
-def _reference(skip: set[int], lr: float = 0.05) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _reference(
+    skip: set[int], lr: float = 0.05, batches: list[tuple[Tensor, Tensor]] | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A hand-written loop over the same batches that steps Adam, and its LR schedule, on the kept ones only."""
     torch.manual_seed(0)
     model = MLPModule()
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
-    for step, (x, y) in enumerate(_batches()):
+    for step, (x, y) in enumerate(_batches() if batches is None else batches):
         if step in skip:
             continue
         optimizer.zero_grad()
@@ -218,3 +220,58 @@ def test_a_rollback_event_lists_the_steps_it_left_out_and_steps_from_events_read
     assert event["steps_to_skip"] == [[event["to_step"], event["from_step"] + event["skip_batches"]]]
     assert event["steps_to_skip"] == [[8, 13]]
     assert steps_from_events(tmp_path) == [[8, 13]]
+
+
+def test_a_restart_from_before_a_rollback_skips_its_steps_as_a_loop_that_leaves_them_out(tmp_path: Path) -> None:
+    """The restart of docs/jobs/early_warning.md behind the loop door: a run rolls back over a stretch of bad data; a
+    checkpoint taken before it is resumed with ``StepsToSkip(steps=steps_from_events(run_dir))`` added to the
+    policies. The added policy starts fresh (one warning; the loop door used to raise a KeyError), and the resumed run
+    ends as a hand-written loop over the same batches that leaves those steps out."""
+    batches = list(loader(n=128, batch_size=8))  # 16 steps; the batches of steps 8 to 12 spike the loss
+
+    def loss_of(model: nn.Module, step: int) -> Tensor:
+        x, y = batches[step]
+        return nn.functional.mse_loss(model(x), y) + (100.0 if 8 <= step <= 12 else 0.0)
+
+    def rollback() -> SpikeRollback:
+        return SpikeRollback("loss", warmup_steps=3, patience=3, snapshot_every_n_steps=4, skip_batches=2)
+
+    def run(kit: GradKit, model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            if not kit.drops_batch:
+                loss = loss_of(model, step)
+                loss.backward()
+                kit.note_loss(loss)
+            kit.step(optimizer)
+            optimizer.zero_grad()
+
+    def build(policies: list[Any], log_dir: Path, saved: dict[str, Any] | None = None) -> tuple[Any, ...]:
+        torch.manual_seed(0)
+        model = MLPModule()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+        if saved is not None:
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["opt"])
+            schedule.load_state_dict(saved["lr"])
+        return model, optimizer, schedule, GradKit(model, optimizer, policies, schedulers=schedule, log_dir=log_dir)
+
+    model, optimizer, schedule, kit = build([rollback()], tmp_path / "first")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the rollback's own warnings
+        run(kit, model, optimizer, range(4))
+        states = {"kit": kit, "model": model, "opt": optimizer, "lr": schedule}
+        saved = copy.deepcopy({key: value.state_dict() for key, value in states.items()})  # before the rollback
+        run(kit, model, optimizer, range(4, 16))
+    left_out = steps_from_events(tmp_path / "first")
+    assert left_out == [[8, 13]]  # the rollback at step 10 went back to step 8 and stepped over steps 11 and 12
+
+    declared = StepsToSkip(steps=left_out)
+    model, optimizer, _, kit = build([rollback(), declared], tmp_path / "restart", saved)
+    with pytest.warns(UserWarning, match=r"^Resuming with no saved state for StepsToSkip: .* it starts fresh") as w:
+        kit.load_state_dict(saved["kit"])
+    assert len(w) == 1
+    run(kit, model, optimizer, range(4, 16))
+    reference, _ = _reference(set(range(8, 13)), batches=batches)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    assert declared.dropped == 5 and kit.skipped_steps == 5 and kit.state_dict()["step"] == 16

@@ -1,10 +1,11 @@
 """Argument checks shared by every constructor: one style of error for every callback.
 
 Each check returns the value in its canonical type (``int``, ``float``, ``bool``, ``list[str]``) or raises
-``ValueError`` naming the argument, the value received and what is accepted. ``bool`` is never accepted as a number
-(``True`` is an ``int`` to Python, never a step count to a user), ``None`` and strings are refused with the same
-message instead of the bare ``int()``/``float()`` error, and NaN never passes a range check (every comparison with
-NaN is false, so ``value <= 0`` alone lets it through).
+``ValueError`` naming the argument, the value received and what is accepted (:func:`check_type`, for an argument
+that takes an object such as a model or a function, raises ``TypeError`` the same way). ``bool`` is never accepted as
+a number (``True`` is an ``int`` to Python, never a step count to a user), ``None`` and strings are refused with the
+same message instead of the bare ``int()``/``float()`` error, and NaN never passes a range check (every comparison
+with NaN is false, so ``value <= 0`` alone lets it through).
 
 The checks of one argument of one job (``norm_type``, ``normalize``, ``every_n``, ``memory_budget``) live here too,
 so a callback and the functions it drives refuse a value with the same message; and :func:`name_list` and
@@ -23,8 +24,10 @@ __all__ = [
     "check_float",
     "check_int",
     "check_strings",
+    "check_type",
     "format_bytes",
     "name_list",
+    "shown",
     "validate_every_n",
     "validate_memory_budget",
     "validate_norm_type",
@@ -182,6 +185,36 @@ def check_strings(name: str, value: object, allow_empty: bool = True, hint: str 
     if not value and not allow_empty:
         raise _fail(name, expected, value, hint)
     return list(value)
+
+
+def check_type(name: str, value: object, accepted: type | tuple[type, ...], expected: str, hint: str = "") -> None:
+    """Refuse ``value`` unless it is an instance of ``accepted``; ``expected`` says what is accepted, in words. The
+    value is shown as its ``repr`` when that is short (``'stdout'``, ``5``), with its type.
+
+    Raises:
+        TypeError: naming the argument and the value, if ``value`` is not an instance of ``accepted`` (the kind of
+            object is wrong, not its value).
+
+    Example::
+
+        >>> check_type("name", 5, str, "a string")
+        Traceback (most recent call last):
+        ...
+        TypeError: `name` must be a string, got 5 (an int).
+    """
+    if not isinstance(value, accepted):
+        raise TypeError(f"`{name}` must be {expected}, got {shown(value)}.{' ' + hint if hint else ''}")
+
+
+def shown(value: object) -> str:
+    """``value`` for a message: its ``repr`` and type when the ``repr`` is one short line (``'fp16' (a str)``,
+    ``None``), else its type alone (``a Linear``: a module's ``repr`` fills a screen)."""
+    text = repr(value)
+    name = type(value).__name__
+    kind = f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+    if value is None:
+        return text
+    return f"{text} ({kind})" if len(text) <= 60 and "\n" not in text else kind
 
 
 # -- checks of one argument of one job, shared by its callback and its functions ------------------------------

@@ -119,8 +119,9 @@ def install(trainer: Trainer, policies: Policy | Sequence[Policy], *, events: bo
         The installed door; its :attr:`~HFGradKit.kit` is the loop door of the current ``train()`` call.
 
     Raises:
-        ValueError: if ``TrainingArguments.max_grad_norm > 0`` and ``policies`` holds a clipper (two clippers), or the
-            Trainer runs DeepSpeed, FSDP, XLA or Megatron-LM; as ``GradKit`` for ``policies``.
+        ValueError: if ``TrainingArguments.max_grad_norm > 0`` and ``policies`` holds a clipper (two clippers), the
+            Trainer runs DeepSpeed, FSDP, XLA or Megatron-LM, or already has a door (``install`` called twice); as
+            ``GradKit`` for ``policies``.
         TypeError: as ``GradKit`` for ``policies``; if ``trainer`` is not a ``transformers.Trainer``.
 
     Example::
@@ -169,8 +170,8 @@ class HFGradKit(TrainerCallback):
       optimizer state. A scheduler HF steps on a metric (``ReduceLROnPlateau``) is neither held nor rewound.
 
     Not supported: DeepSpeed, FSDP, XLA and Megatron-LM (refused at :func:`install`), hyperparameter search (the
-    state file goes to ``output_dir``'s checkpoint folders only). Installed once per ``Trainer``: its wrappers stay
-    on the instance, and each ``train()`` call builds a new loop door.
+    state file goes to ``output_dir``'s checkpoint folders only). Installed once per ``Trainer`` (a second
+    :func:`install` is refused): its wrappers stay on the instance, and each ``train()`` call builds a new loop door.
 
     Args:
         trainer: the ``Trainer`` to install on.
@@ -188,6 +189,7 @@ class HFGradKit(TrainerCallback):
                 f"`trainer` must be a transformers.Trainer, got a {type(trainer).__name__}. For a loop of your own, "
                 "use gradkit.loop.GradKit."
             )
+        _check_installed_once(trainer)
         _check_distributed(trainer)
         self.policies = _clipping(trainer, checked_policies(policies))
         self.trainer = trainer
@@ -469,6 +471,19 @@ def _clipping(trainer: Trainer, policies: list[Policy]) -> list[Policy]:
         stacklevel=4,
     )
     return [*policies, ClipGradNorm(max_norm=max_norm)]
+
+
+def _check_installed_once(trainer: Trainer) -> None:
+    """Refuse a second door on one ``Trainer``: each would wrap the other's methods and step the optimizer through
+    its own loop door, and the first, whose steps never come, would warn at the end that none went through it."""
+    installed = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, HFGradKit)]
+    if installed:
+        names = ", ".join(type(p).__name__ for p in installed[0].policies) or "no policy"
+        raise ValueError(
+            f"`trainer` already has gradkit's door (with {names}): `install` was called on it before, and a "
+            "second door would run every step twice. Call `install(trainer, [...])` once, with every policy in the "
+            "list, e.g. `install(trainer, [GradNormMonitor(), NonFiniteGuard(action='skip')])`."
+        )
 
 
 def _check_distributed(trainer: Trainer) -> None:

@@ -41,11 +41,13 @@ from gradkit._torch_compat import gradients_still_scaled, loss_scale
 from gradkit.culprit import MicroBatch
 from gradkit.gate import close_step, shadowed, step_as_decided
 from gradkit.loop_setup import (
+    checked_door_arguments,
     checked_policies,
     checked_schedulers,
     events_dir,
     fabric_flat_sharded,
     fabric_scaler,
+    matched_states,
     root_module,
     watches_loss,
 )
@@ -243,9 +245,11 @@ class GradKit:
 
     Raises:
         TypeError: if ``policies`` is neither a policy nor a list, or a policy is a class instead of an instance, or
-            not a gradkit policy.
-        ValueError: if a policy needs a Lightning ``Trainer``, two clippers are given, ``log_every_n_steps`` < 0, a
-            scheduler is a ``ReduceLROnPlateau`` or was built on an optimizer not given here.
+            not a gradkit policy; if an argument is not the kind of object it takes (``model`` an ``nn.Module``,
+            ``optimizers`` torch optimizers, ``log`` a function, ``scaler`` a ``GradScaler``, ``schedulers`` LR
+            schedulers, ``fabric`` a ``Fabric``, ``log_dir`` a path), naming it.
+        ValueError: if a policy needs a Lightning ``Trainer``, two clippers are given, ``log_every_n_steps`` < 0,
+            ``max_steps`` < 1, a scheduler is a ``ReduceLROnPlateau`` or was built on an optimizer not given here.
 
     Example::
 
@@ -278,7 +282,7 @@ class GradKit:
         max_steps: int | None = None,
         log_dir: str | Path | Literal[False] | None = None,
     ) -> None:
-        optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+        optimizers = checked_door_arguments(model, optimizers, log, scaler, fabric, max_steps, log_dir)
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
             raise ValueError(
                 f"`log_every_n_steps` must be an int >= 0, got {log_every_n_steps!r}. Use e.g. 50 (Lightning's "
@@ -506,28 +510,24 @@ class GradKit:
         policy the state its callback saved and the step count. A state saved before the policies were keyed (a list,
         in the order of ``policies``) loads by position.
 
-        Raises:
-            KeyError: if a policy of this door has no state in ``state_dict`` (a different set of policies, or
-                different arguments that change their ``state_key``), naming the keys that are there.
-        """
-        if "callbacks" in state_dict and "global_step" in state_dict:  # a Lightning checkpoint
+        Policies and states are matched by ``state_key``, as a ``Trainer`` matches callbacks: a policy with no saved
+        state (added at this restart, e.g. ``StepsToSkip(steps=steps_from_events(run_dir))``) starts fresh, and a
+        saved state whose policy is gone is not loaded (reported for this door's own states only: a Trainer
+        checkpoint holds every callback's); one warning says each."""
+        trainer = "callbacks" in state_dict and "global_step" in state_dict
+        if trainer:  # a Lightning checkpoint
             step, skipped, states = state_dict["global_step"], None, state_dict["callbacks"]
         else:
             step, skipped, states = state_dict["step"], state_dict["skipped_steps"], state_dict["policies"]
         self.ctx.step = int(step)
         if skipped is not None:
             self.pipeline.skipped_steps = torch.tensor(float(skipped), device=self.ctx.device)
-        stateful = [p for p in self.policies if hook(p, "load_state_dict") is not None]
         if isinstance(states, Mapping):
-            missing = [policy_key(p) for p in stateful if policy_key(p) not in states]
-            if missing:
-                raise KeyError(
-                    f"GradKit.load_state_dict: no state for {', '.join(missing)}; the state holds "
-                    f"{', '.join(map(str, states)) or 'none'}. Build the door with the policies (and arguments) the "
-                    "state was saved with."
-                )
-            for policy in stateful:
-                policy.load_state_dict(states[policy_key(policy)])
+            pairs, notes = matched_states(self.policies, states, report_gone=not trainer)
+            for note in notes:
+                self.ctx.warn(note)
+            for policy, state in pairs:
+                policy.load_state_dict(state)
         else:
             for policy, state in zip(self.policies, states, strict=True):  # a stateless policy saved {} there
                 if (load := hook(policy, "load_state_dict")) is not None:

@@ -3,8 +3,9 @@ schedulers and the optimizers they belong to, the module inside Fabric's or DDP'
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -12,20 +13,84 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from gradkit.protocol import Policy, Stage, hook, is_policy, policy_key, unwrapped
+from gradkit._arguments import check_int, check_type, shown
+from gradkit.protocol import (
+    Policy,
+    Stage,
+    fresh_state_note,
+    gone_state_note,
+    hook,
+    is_policy,
+    policy_key,
+    unwrapped,
+)
 
 __all__ = [
+    "checked_door_arguments",
     "checked_policies",
     "checked_schedulers",
     "events_dir",
     "fabric_flat_sharded",
     "fabric_scaler",
+    "matched_states",
     "root_module",
     "watches_loss",
 ]
 
 
 _DEFAULT_LOG_DIR = "gradkit_logs"
+
+
+def checked_door_arguments(
+    model: object,
+    optimizers: object,
+    log: object,
+    scaler: object,
+    fabric: object,
+    max_steps: object,
+    log_dir: object,
+) -> list[Optimizer]:
+    """The arguments of ``GradKit(...)`` checked before anything is built from them (a wrong one would fail later,
+    inside a step, with an error that names none of them); returns the optimizers as a list.
+
+    Raises:
+        TypeError: naming the argument, the value and what it takes, for a ``model`` that is not an ``nn.Module``,
+            ``optimizers`` that are not torch optimizers, a ``log`` that cannot be called, a ``scaler`` that is not a
+            ``GradScaler``, a ``fabric`` that is not Lightning's ``Fabric``, a ``log_dir`` that is not a path.
+        ValueError: for ``max_steps`` that is not a step count, or no optimizer at all.
+    """
+    check_type("model", model, nn.Module, "the torch module being trained (an `nn.Module`)")
+    listed = [optimizers] if isinstance(optimizers, Optimizer) else optimizers
+    fix = "Pass the optimizer the loop steps, or a list of them: `GradKit(model, optimizer, policies)`."
+    if not isinstance(listed, Sequence) or isinstance(listed, str):
+        raise TypeError(f"`optimizers` must be a torch optimizer or a list of them, got {shown(optimizers)}. {fix}")
+    if not listed:
+        raise ValueError(f"`optimizers` is empty: the loop door steps at least one optimizer. {fix}")
+    for optimizer in listed:
+        check_type("optimizers", unwrapped(optimizer), Optimizer, "a torch optimizer or a list of them", fix)
+    if log is not None:
+        check_type("log", log, Callable, "None or a function `log(metrics, step)`", "E.g. `log=fabric.log_dict`.")
+    if scaler is not None:
+        check_type(
+            "scaler", scaler, torch.amp.GradScaler, "None or the loop's `torch.amp.GradScaler`",
+            "For fp16, build one (`torch.amp.GradScaler('cuda')`) and pass it; under Fabric leave it None.",
+        )  # fmt: skip
+    if fabric is not None:
+        check_type("fabric", fabric, _fabric_classes(), "None or the loop's `lightning.fabric.Fabric`")
+    if max_steps is not None:
+        check_int("max_steps", max_steps, 1, hint="None when the loop's length is not known.")
+    if log_dir is not None and log_dir is not False:
+        check_type(
+            "log_dir", log_dir, (str, os.PathLike), "a directory (a str or a Path), None or False",
+            "None: Fabric's logger directory, else ./gradkit_logs; False: no event file.",
+        )  # fmt: skip
+    return list(listed)
+
+
+def _fabric_classes() -> tuple[type, ...]:
+    """Lightning's ``Fabric`` class, from each of its packages already imported (none imported: no Fabric exists)."""
+    modules = (sys.modules.get("lightning.fabric"), sys.modules.get("lightning_fabric"))
+    return tuple(module.Fabric for module in modules if module is not None and hasattr(module, "Fabric"))
 
 
 def events_dir(log_dir: str | Path | Literal[False] | None, fabric: Any) -> Path | None:
@@ -62,6 +127,24 @@ def fabric_flat_sharded(fabric: Any) -> bool:
     return strategies is not None and isinstance(fabric.strategy, strategies.FSDPStrategy) and fabric.world_size > 1
 
 
+def matched_states(
+    policies: Sequence[Policy], states: Mapping[str, Any], report_gone: bool
+) -> tuple[list[tuple[Policy, Any]], list[str]]:
+    """Each stateful policy with its saved state, matched by ``state_key`` as a ``Trainer`` matches callbacks, and the
+    warnings of the mismatches: a policy with no saved state starts fresh (added at a restart, or built with other
+    arguments); a saved state whose policy is gone is not loaded (said only with ``report_gone``: a Trainer
+    checkpoint holds every callback's state, gradkit's or not)."""
+    stateful = {policy_key(p): p for p in policies if hook(p, "load_state_dict") is not None}
+    notes = []
+    fresh = [key for key in stateful if key not in states]
+    if fresh:
+        notes.append(fresh_state_note(fresh))
+    gone = [str(key) for key in states if key not in stateful]
+    if gone and report_gone:
+        notes.append(gone_state_note(gone))
+    return [(policy, states[key]) for key, policy in stateful.items() if key in states], notes
+
+
 def watches_loss(policy: Policy) -> bool:
     """Whether ``policy`` watches the loss (``monitor="loss"``), which only :meth:`GradKit.note_loss` hands it behind
     this door."""
@@ -70,15 +153,25 @@ def watches_loss(policy: Policy) -> bool:
 
 def checked_schedulers(schedulers: Any, optimizers: list[Optimizer]) -> list[tuple[Any, Optimizer]]:
     """Each scheduler (one, or a list of them) with the optimizer it was built on (``scheduler.optimizer``; without
-    that attribute, the loop's only optimizer).
+    that attribute, the loop's only optimizer). ``None`` is none.
 
     Raises:
+        TypeError: an object that is not an LR scheduler (no ``step`` and ``state_dict``), e.g. the name ``"cosine"``.
         ValueError: a ``ReduceLROnPlateau`` (it steps on a metric), a scheduler of an optimizer the loop does not
             step, or one that does not say its optimizer in a loop of several.
     """
     single = hasattr(schedulers, "state_dict") and hasattr(schedulers, "step")
+    listed = [schedulers] if single else [] if schedulers is None else schedulers
+    if isinstance(listed, (str, Mapping)) or not isinstance(listed, Iterable):
+        listed = [listed]  # refused below, as the scheduler it is not
     out = []
-    for scheduler in [schedulers] if single else list(schedulers):
+    for scheduler in listed:
+        if not (callable(getattr(scheduler, "step", None)) and callable(getattr(scheduler, "state_dict", None))):
+            raise TypeError(
+                f"`schedulers` must be LR schedulers (objects with `step()` and `state_dict()`), or a list of them, "
+                f"got {shown(scheduler)}. Build one on the loop's optimizer, e.g. "
+                "`torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max_steps)`."
+            )
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             # As Lightning's `reduce_on_plateau` needs a `monitor`: `kit.step` has no metric to give it.
             raise ValueError(

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from gradkit._arguments import name_list
 from gradkit._torch_compat import handles_found_inf
 from gradkit._user_frame import warn_user
 from gradkit.norms import world_size
@@ -37,6 +38,8 @@ __all__ = [
     "Stage",
     "StatsRequest",
     "StepContext",
+    "fresh_state_note",
+    "gone_state_note",
     "hook",
     "is_policy",
     "policy_key",
@@ -335,6 +338,29 @@ def policy_key(policy: object) -> str:
     own, made by :func:`state_key`), else its class name, as Lightning's ``Callback.state_key`` defaults to."""
     key = getattr(policy, "state_key", None)
     return key if isinstance(key, str) else type(policy).__qualname__
+
+
+def fresh_state_note(keys: Sequence[str]) -> str:
+    """The warning of a resume whose state has nothing for the policies ``keys`` (their ``state_key``): added at the
+    restart (``StepsToSkip(steps=steps_from_events(run_dir))``), or built with other arguments. They start fresh;
+    every door says it in these words (the loop door, the Hugging Face door, the Trainer's gradkit callbacks)."""
+    was, starts = ("it was", "it starts") if len(keys) == 1 else ("they were", "they start")
+    return (
+        f"Resuming with no saved state for {name_list(keys)}: {was} not in the run that saved the checkpoint (added "
+        f"at this restart, or built with other arguments), so {starts} fresh, as constructed. The other policies "
+        "resume their saved state."
+    )
+
+
+def gone_state_note(keys: Sequence[str]) -> str:
+    """The warning of a resume whose state holds the states ``keys`` of policies the run no longer has: they are not
+    loaded (the run goes on without them), as the Lightning ``Trainer`` ignores, with a warning, the state of a
+    callback that is gone."""
+    it, is_, policies = ("it", "it is", "that policy") if len(keys) == 1 else ("them", "they are", "those policies")
+    return (
+        f"The checkpoint holds the state of {name_list(keys)}, which this run does not have: {is_} not loaded. To "
+        f"resume {it}, add {policies} back with the arguments of the saved run; to train without, nothing to do."
+    )
 
 
 def is_policy(obj: object) -> bool:

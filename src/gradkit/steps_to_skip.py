@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from gradkit._arguments import shown
 from gradkit.events import EVENTS_FILENAME, EventLog
 from gradkit.protocol import Stage, StepContext, state_key
 
@@ -37,13 +38,19 @@ def merge_ranges(ranges: Sequence[Sequence[int]], argument: str = "steps") -> li
     """Check ``[start, stop)`` step ranges and merge those that overlap or touch, in order.
 
     Raises:
-        ValueError: naming ``argument``, for an entry that is not two integers ``0 <= start < stop``.
+        ValueError: naming ``argument``, for ``ranges`` that are not a list of ranges (a number, a string) or an
+            entry that is not two integers ``0 <= start < stop``.
 
     Example::
 
         >>> merge_ranges([[300, 320], [100, 150], [140, 160], [160, 170]])
         [[100, 170], [300, 320]]
     """
+    if not isinstance(ranges, (list, tuple)):  # a number has no ranges to iterate, a string's would be its letters
+        raise ValueError(
+            f"`{argument}` must be a list of [start, stop) optimizer-step ranges, got {shown(ranges)}. E.g. "
+            "`[[1200, 1450]]` drops the batches of steps 1200 to 1449, `[[7, 8]]` step 7 alone."
+        )
     checked = []
     for entry in ranges:
         pair = list(entry) if isinstance(entry, (list, tuple)) else []
@@ -99,7 +106,8 @@ class StepsToSkip:
     gradients dropped. With gradient accumulation every micro-batch of a dropped step is dropped.
 
     The ranges are saved in checkpoints: a run resumed from one keeps skipping the ranges it was given, and those
-    given again are merged in. Each range is an ``steps_skipped`` event with ``steps_to_skip=[[start, stop]]`` when
+    given again are merged in; added at a restart from a checkpoint saved without it, it starts fresh (a warning
+    says so), behind every door. Each range is an ``steps_skipped`` event with ``steps_to_skip=[[start, stop]]`` when
     its first step is dropped; ``SpikeRollback``'s ``rollback`` events list the steps they left out in the same
     form, and :func:`steps_from_events` collects both from an events file.
 
@@ -107,7 +115,8 @@ class StepsToSkip:
         steps: the ``[start, stop)`` ranges (pairs of integers), in any order; overlapping ranges are merged.
 
     Raises:
-        ValueError: at construction, for a range that is not two integers ``0 <= start < stop``.
+        ValueError: at construction, for ``steps`` that are not a list of ranges (``nan``, ``-1``, ``True``) or a
+            range that is not two integers ``0 <= start < stop``.
 
     Example::
 
@@ -128,7 +137,7 @@ class StepsToSkip:
     stage = Stage.GUARD
 
     def __init__(self, steps: list[list[int]] | None = None) -> None:
-        self.steps = merge_ranges(steps or [])
+        self.steps = merge_ranges([] if steps is None else steps)
         self._announced: list[list[int]] = []
         self._events: EventLog | None = None
         self._counted: int | None = None

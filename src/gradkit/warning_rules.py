@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gradkit._arguments import check_float
+from gradkit._arguments import check_float, shown
 
 __all__ = ["DEFAULT_FLOORS", "DEFAULT_THRESHOLDS", "SIGNALS", "Detector", "Finding", "checked_rules"]
 
@@ -60,14 +61,19 @@ def checked_rules(argument: str, given: dict[str, float | None] | None, defaults
     """``defaults`` updated with ``given`` (a signal mapped to a number, or ``None`` to turn its rule off).
 
     Raises:
-        ValueError: naming ``argument``, for a signal that is not one of :data:`SIGNALS` or a value that is neither
-            ``None`` nor a finite number.
+        ValueError: naming ``argument``, for ``given`` that is not a dict (a string, a number), a signal that is not
+            one of :data:`SIGNALS` or a value that is neither ``None`` nor a finite number.
 
     Example::
 
         >>> checked_rules("thresholds", {"spike_score": 0.05}, DEFAULT_THRESHOLDS)["spike_score"]
         0.05
     """
+    if given is not None and not isinstance(given, Mapping):
+        raise ValueError(
+            f"`{argument}` must be a dict of signal names to numbers (None turns a rule off), got {shown(given)}. "
+            f"E.g. `{argument}={{'attn_logit_max': {defaults['attn_logit_max']}}}`; the signals are {list(SIGNALS)}."
+        )
     rules = dict(defaults)
     for signal, value in (given or {}).items():
         if signal not in SIGNALS:

@@ -31,8 +31,9 @@ Map of this file, in order: what the pipeline reads of the Trainer (:func:`_pend
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -48,7 +50,7 @@ from gradkit._torch_compat import gradients_still_scaled
 from gradkit.events import EventLog
 from gradkit.norms import loss_scale, world_size
 from gradkit.pipeline import Pipeline, StepPlan, UnitNorms
-from gradkit.protocol import Policy, Stage, StatsRequest, StepContext, hook, values_to_host
+from gradkit.protocol import Policy, Stage, StatsRequest, StepContext, fresh_state_note, hook, values_to_host
 from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
 
@@ -64,6 +66,7 @@ __all__ = [
     "check_callback_instances",
     "events_dir",
     "flat_sharded",
+    "instance_hook",
     "is_logging_step",
     "log_metrics",
     "unscaled_loss",
@@ -372,8 +375,9 @@ def check_callback_instances(trainer: pl.Trainer) -> None:
 
     Lightning calls a callback's hooks on the object it was given; on a class they run unbound and fail with
     "missing 1 required positional argument: 'pl_module'", then once more in ``on_exception``. The gradkit
-    strategies check when they connect to the model, the gradkit callbacks in their ``setup`` (which catches a class
-    listed after one of them).
+    strategies check when they connect to the model, every gradkit callback in its ``setup``: an instance's catches
+    a class listed after it, a class's own (:class:`_InstanceHook`) catches the class itself, without a gradkit
+    strategy.
 
     Raises:
         TypeError: naming each class and the instance to pass instead. The classes leave ``trainer.callbacks``
@@ -411,6 +415,38 @@ def unscaled_loss(trainer: pl.Trainer, loss: Tensor) -> Tensor:
     return loss if scale is None else loss / scale.to(loss.device)
 
 
+class _InstanceHook:
+    """A callback's ``setup`` that refuses its class given in place of an instance (``callbacks=[ZClip]``).
+
+    Lightning calls each hook as ``getattr(callback, "setup")(trainer, pl_module, stage=...)`` on whatever the list
+    holds; on a class that is the plain function, called unbound ("missing 1 required positional argument"). Read
+    from the class, this descriptor gives a function that raises :func:`check_callback_instances`'s error instead:
+    the first hook Lightning calls catches the class wherever it stands in the list, with or without a gradkit
+    strategy. Read from an instance, it is the method itself.
+    """
+
+    def __init__(self, method: Callable[..., None]) -> None:
+        self.method = method
+        self.__doc__ = method.__doc__
+
+    def __get__(self, instance: object, owner: type) -> Callable[..., None]:
+        if instance is not None:
+            return self.method.__get__(instance, owner)
+        return functools.partial(_setup_of_a_class, self.method)
+
+
+def _setup_of_a_class(method: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    if args and isinstance(args[0], pl.Trainer):  # Lightning's call on the class: `trainer` in the place of `self`
+        check_callback_instances(args[0])
+    method(*args, **kwargs)  # an explicit unbound call, `ZClip.setup(callback, trainer, pl_module, stage)`
+
+
+def instance_hook(method: Callable[..., None]) -> Any:
+    """Decorate a plain Lightning callback's ``setup`` so that its class in ``callbacks=[...]`` is refused with the
+    fix (:class:`GradKitCallback`'s subclasses get it without the decorator)."""
+    return _InstanceHook(method)
+
+
 class GradKitCallback(Callback):
     """The Lightning adapter of a torch policy: every Trainer hook forwarded to the policy's protocol hook.
 
@@ -432,7 +468,8 @@ class GradKitCallback(Callback):
 
     The first of a Trainer's gradkit callbacks that Lightning calls in ``on_before_optimizer_step`` runs the pipeline
     for all of them. ``state_dict`` / ``load_state_dict`` are the policy's own: a checkpoint keeps them under the
-    callback's ``state_key``, the key :class:`~gradkit.loop.GradKit` uses too. A callback that only works under a
+    callback's ``state_key``, the key :class:`~gradkit.loop.GradKit` uses too; a stateful callback the checkpoint has
+    no state for (added at the restart) starts fresh, with the loop door's warning. A callback that only works under a
     Trainer (``AccumulationGuard``) sets :attr:`trainer_only` to the reason, which the loop door's refusal names.
     """
 
@@ -441,6 +478,13 @@ class GradKitCallback(Callback):
     trainer_only: str | None = None
     _first_forward_done = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        setup = cls.__dict__.get("setup")
+        if setup is not None and not isinstance(setup, _InstanceHook):
+            cls.setup = _InstanceHook(setup)  # type: ignore[method-assign]  # `callbacks=[cls]` is refused
+
+    @instance_hook
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_callback_instances(trainer)
         TrainerPipeline.of(trainer).reset()
@@ -508,6 +552,24 @@ class GradKitCallback(Callback):
     ) -> None:
         if _first_gradkit_callback(trainer) is self:
             note_window_on_load(trainer, checkpoint)
+            _note_fresh_callbacks(trainer, checkpoint)
+
+
+def _note_fresh_callbacks(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Say, once, which stateful gradkit callbacks the checkpoint holds no state for (added at this restart): Lightning
+    starts them fresh without a word, the loop and Hugging Face doors with this one. (A saved state whose callback is
+    gone, Lightning itself reports: "callbacks used to create the checkpoint need to be provided".)"""
+    saved = checkpoint.get("callbacks") or {}
+    fresh = [
+        cb.state_key
+        for cb in trainer.callbacks
+        if isinstance(cb, GradKitCallback)
+        and type(cb).state_dict is not Callback.state_dict  # a callback without state has nothing to resume
+        and cb.state_key not in saved
+        and cb._legacy_state_key not in saved
+    ]
+    if fresh:
+        rank_zero_warn(fresh_state_note(fresh))
 
 
 def _first_gradkit_callback(trainer: pl.Trainer) -> GradKitCallback | None:

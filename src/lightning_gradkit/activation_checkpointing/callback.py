@@ -35,6 +35,7 @@ from lightning_gradkit.activation_checkpointing.planner import (
     measure_saved_activations,
     plan_checkpointing,
 )
+from lightning_gradkit.trainer_door import instance_hook
 
 __all__ = ["ActivationCheckpointing"]
 
@@ -191,6 +192,7 @@ class ActivationCheckpointing(Callback):
             self._inject(root, selected)
 
     # -- Lightning hooks ----------------------------------------------------------------------------------------------
+    @instance_hook  # `callbacks=[ActivationCheckpointing]`, the class, is refused with the fix
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return

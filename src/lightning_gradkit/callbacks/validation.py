@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from gradkit._arguments import check_bool, check_choice, name_list
 from gradkit.events import EventLog
-from lightning_gradkit.trainer_door import events_dir
+from lightning_gradkit.trainer_door import events_dir, instance_hook
 
 __all__ = [
     "Fallback",
@@ -364,6 +364,7 @@ class InferenceModeValidation(pl.Callback):
         self._reported: set[str] = set()
 
     # -- switching the fit loop's validation --------------------------------------------------------------------
+    @instance_hook  # `callbacks=[InferenceModeValidation]`, the class, is refused with the fix
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Resolved on every rank here: `trainer.log_dir` is a broadcast from rank 0.
         self._events = EventLog(events_dir(trainer), rank=trainer.global_rank)

@@ -26,7 +26,7 @@ from lightning_gradkit.diagnostics.autograd_graph import (
     steady_growth,
     storage_keys,
 )
-from lightning_gradkit.trainer_door import events_dir, write_rank_event
+from lightning_gradkit.trainer_door import events_dir, instance_hook, write_rank_event
 
 __all__ = ["GraphLeakGuard", "LeakReport"]
 
@@ -147,6 +147,7 @@ class GraphLeakGuard(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(check_every_n_steps=self.check_every_n_steps)
 
+    @instance_hook  # `callbacks=[GraphLeakGuard]`, the class, is refused with the fix
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return

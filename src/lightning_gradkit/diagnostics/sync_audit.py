@@ -18,7 +18,7 @@ from lightning_gradkit.diagnostics.host_sync import (
     site_row,
 )
 from lightning_gradkit.diagnostics.sources import SourceClassifier, package_dirs
-from lightning_gradkit.trainer_door import events_dir, write_rank_event
+from lightning_gradkit.trainer_door import events_dir, instance_hook, write_rank_event
 
 __all__ = ["SyncAudit"]
 
@@ -143,6 +143,7 @@ class SyncAudit(Callback):
         return self._method
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------
+    @instance_hook  # `callbacks=[SyncAudit]`, the class, is refused with the fix
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._classifier is None:
             self._classifier = SourceClassifier(self.skip_packages)
