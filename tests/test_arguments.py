@@ -126,6 +126,13 @@ def test_a_bad_loop_door_argument_is_refused_at_construction_naming_it_and_the_v
     assert f"got {value}" in str(info.value)
 
 
+def test_an_optimizer_of_another_model_is_refused_by_the_loop_door() -> None:
+    # The door would measure and guard gradients the optimizer never applies, and let the others through unguarded.
+    other = torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"^`optimizers\[0\]` \(SGD, 2 parameter\(s\)\) steps none of the parameters"):
+        _door(optimizer=other)
+
+
 def test_one_string_is_one_pattern_not_a_list_of_letters() -> None:
     assert AdaptiveGradClip(exclude="Linear").exclude == ["Linear"]
     assert AdaptiveGradClip(exclude="re:^head\\.").exclude == ["re:^head\\."]

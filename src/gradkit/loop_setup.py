@@ -84,7 +84,23 @@ def checked_door_arguments(
             "log_dir", log_dir, (str, os.PathLike), "a directory (a str or a Path), None or False",
             "None: Fabric's logger directory, else ./gradkit_logs; False: no event file.",
         )  # fmt: skip
+    _check_optimizers_train_model(model, listed)  # type: ignore[arg-type]
     return list(listed)
+
+
+def _check_optimizers_train_model(model: nn.Module, optimizers: Sequence[Optimizer]) -> None:
+    """Refuse an optimizer that steps none of ``model``'s parameters (``GradKit(model_b, optimizer_of_model_a)``):
+    the door would measure and guard gradients the optimizer never applies, and silently apply the others. An
+    optimizer that also steps parameters outside the model (a learnable loss temperature) is fine."""
+    owned = {id(p) for p in model.parameters()}
+    for i, optimizer in enumerate(optimizers):
+        params = [p for group in unwrapped(optimizer).param_groups for p in group["params"]]
+        if params and not any(id(p) in owned for p in params):
+            raise ValueError(
+                f"`optimizers[{i}]` ({type(unwrapped(optimizer)).__name__}, {len(params)} parameter(s)) steps none of "
+                f"the parameters of `model` ({type(model).__name__}): it was built for another model. Build it on "
+                "this model's parameters (`torch.optim.AdamW(model.parameters())`), or pass the model it trains."
+            )
 
 
 def _fabric_classes() -> tuple[type, ...]:
