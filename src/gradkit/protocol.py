@@ -30,6 +30,7 @@ from gradkit.norms import world_size
 if TYPE_CHECKING:
     from gradkit.culprit import MicroBatch
     from gradkit.pipeline import Pipeline, StepPlan
+    from gradkit.snapshot import Snapshot
 
 __all__ = [
     "Policy",
@@ -222,6 +223,11 @@ class StepContext:
     def schedulers(self) -> list[object]:
         """The LR schedulers of the loop (``state_dict``/``load_state_dict``), in a fixed order."""
         return []
+
+    def window_buffers(self) -> Snapshot | None:
+        """The module buffers as the current accumulation window found them (what a skip puts back), where the door
+        holds them (while a policy may skip); ``None`` otherwise."""
+        return None
 
     def step_state(self) -> dict[str, object]:
         """What the door itself changes per step besides the above (the Trainer's LR-schedule counts)."""
