@@ -226,8 +226,8 @@ def test_fused_adam_skips_on_device_and_syncs_only_to_replay_the_bad_step(tmp_pa
         with pytest.warns(UserWarning, match="between steps 2 and 2"):
             trainer.fit(model, loader())
     # The clean steps read nothing on the host. Step 3 learns (one step late) that step 2 was flagged and replays it:
-    # the replay's reads are the only ones of the run.
-    assert len(per_step) == 8 and [step for step, syncs in enumerate(per_step) if syncs] == [3], per_step
+    # the replay's reads are the only ones after step 0 (a fused optimizer's first step: test_first_step_sync.py).
+    assert len(per_step) == 8 and [step for step, syncs in enumerate(per_step) if syncs and step > 0] == [3], per_step
     assert state_equal(model.snapshots[2], model.snapshots[3])
     assert not state_equal(model.snapshots[3], model.snapshots[4])
     # Reported at the end of training from the device-side count; the replay found the loss made non-finite.

@@ -42,6 +42,7 @@ __all__ = [
 #: Keys of a dict batch whose value names its samples (the first one present is used).
 SAMPLE_ID_KEYS = ("id", "ids", "index", "indices", "sample_id", "sample_ids")
 
+# An event's ``what`` in words (:func:`what_text`).
 _WHAT_TEXT = {
     "nonfinite_loss": "non-finite loss",
     "nonfinite_grads": "non-finite gradients",

@@ -70,9 +70,12 @@ class NonFiniteGuard:
     the module it ran in (for an operator of the backward, the module whose forward it differentiates), the operator
     (``aten.div.Tensor``) and the user's source line. Infinities that a later operator makes finite again (a ``-inf``
     attention mask before a softmax) are never named; in-place operators (``ReLU(inplace=True)``) replay as they
-    trained. The replay needs the detection at the bad step, so it runs with ``action="raise"`` and with
-    ``action="skip"`` and an ordinary optimizer, on single-device and DDP strategies. Its cost, a host read per
-    operator, is paid once per replay; the training steps do not pay for it. Behind the Trainer the replay runs
+    trained. The replay needs the bad step's parameters: it runs with ``action="raise"`` and ``action="skip"``, on
+    single-device and DDP strategies. A fused optimizer skips on device, so its flag reaches the host one step later:
+    the skipped step left the parameters as they were, and the next step reads the flag before its own optimizer
+    step, so the bad step's micro-batches (kept by reference until then, never copied) are replayed there, against
+    the buffers of the bad step's window start; the report on the next logging step names the culprit. Its cost, a
+    host read per operator, is paid once per replay; the clean steps pay none. Behind the Trainer the replay runs
     ``training_step``; in a loop of your own it runs the closure each micro-batch handed over:
     ``kit.note_loss(loss, replay=lambda: loss_fn(model(batch)))`` (see :meth:`~gradkit.loop.GradKit.note_loss`;
     without one the event says the replay was unavailable).
@@ -93,7 +96,7 @@ class NonFiniteGuard:
       culprit, so a collective inside ``training_step`` (``self.all_gather``, a contrastive loss, a metric synced
       on step) pairs up across ranks as in training. ``detect_anomaly`` applies to single-process runs only: it
       raises inside the backward on the ranks that see the NaN only, which would leave a collective of the backward
-      (``allgather_ranks(..., sync_grads=True)``) unpaired.
+      (``all_gather(..., sync_grads=True)``) unpaired.
 
     Events: each is one JSON line in ``gradkit_events.jsonl`` in the logger's directory (``GradKit``'s ``log_dir``),
     written by rank 0, gathered from all ranks; the event and the error say the same. The warning's first line says
@@ -109,8 +112,8 @@ class NonFiniteGuard:
     ``source``); without one, a non-finite loss on some rank gives ``"<loss>"`` (the value was already non-finite
     there; a replay would name the module), and otherwise the culprit is the first parameter (in the optimizer's
     order) whose gradient was non-finite on some rank. ``culprit_source`` says which (``"replay"``, ``"loss"`` or
-    ``"gradients"``). ``action="warn"`` and fused optimizers never replay (the flag is read on logging steps only),
-    so their culprit comes from the loss or the gradients.
+    ``"gradients"``). ``action="warn"`` never replays (the update was applied, so the step's parameters are gone):
+    its culprit comes from the loss or the gradients, and the message says to use ``"skip"`` or ``"raise"``.
 
     With the fp16 ``GradScaler``, non-finite gradients under a finite loss are the scaler's routine overflow (its
     first steps at the default scale 65536 overflow often): the scaler skips the step itself and lowers its scale.
@@ -477,7 +480,7 @@ class NonFiniteGuard:
         overflow = self._scaler and grads and not bad_ranks  # the GradScaler's routine skip: never replayed
         if not self._reporter.replays_late() or overflow or not self.replay_allowed(flagged.step):
             return
-        finding = self._replay(ctx, batches, flagged.step, ctx.window_buffers())
+        finding = self._replay(ctx, batches, flagged.step, ctx.window_buffers)
         local = {
             "rank": ctx.global_rank,
             "finding": {"culprit": finding.culprit, "phase": finding.phase, **finding.detail},
@@ -517,7 +520,7 @@ class NonFiniteGuard:
         first, last, count = record.first, record.last, record.count
         bad_ranks, grads = self._late_flags(record.flags, ctx)
         kept: Kept = record.keep
-        params = []
+        params: list[str] = []
         if grads and self._param_names:  # the first parameter with a non-finite gradient (a logging step: may read)
             params = [self._param_names[int(nonfinite_mask(kept.param_norms).to(torch.float32).argmax())]]
         what = "fp16_overflow" if self._scaler and grads and not bad_ranks else nonfinite_kind(bool(bad_ranks), grads)
@@ -528,11 +531,11 @@ class NonFiniteGuard:
         values: dict[str, Any] = {"flagged_steps": count, "first_step": first, "last_step": last, "longest_run": run}
         findings = [dict(r["finding"], rank=r["rank"]) for r in per_rank if r["finding"] is not None]
         if findings:
-            values["forensics"] = findings
-        where = {}
-        if culprit.batch is not None:  # the replay's micro-batch, its step's micro-batches and its sample ids
-            position = kept.window.index(culprit.batch) if culprit.batch in kept.window else -1
-            ids = {str(r["rank"]): r["ids"][position] for r in per_rank if position >= 0 and r["ids"][position]}
+            values.update(forensics=findings, replay_reproduced_ranks=replay.reproduced_on)
+        where: dict[str, Any] = {}
+        if culprit.batch in kept.window:  # the replayed micro-batch that made it: its step's micro-batches, its ids
+            position = kept.window.index(culprit.batch)
+            ids = {str(r["rank"]): r["ids"][position] for r in per_rank if r["ids"][position]}
             where = {
                 "batch_idx": culprit.batch,
                 "batches": [kept.window[0], kept.window[-1]],

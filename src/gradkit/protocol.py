@@ -103,6 +103,8 @@ class StepContext:
             batch of ``training_step``.
         loggers: the loop's Lightning loggers (``trainer.loggers``, ``fabric.loggers``; empty where it has none):
             what the monitor's report goes to besides its PNG (:mod:`gradkit.report_loggers`).
+        window_buffers: the module buffers as the current accumulation window found them (what a skip puts back),
+            where the door holds them (while a policy may skip); ``None`` otherwise.
     """
 
     trainer = None
@@ -111,6 +113,7 @@ class StepContext:
     progress_bar: Callable[[dict[str, float]], None] | None = None
     micro_batch: MicroBatch | None = None
     loggers: Sequence[Any] = ()
+    window_buffers: Snapshot | None = None
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:
@@ -223,11 +226,6 @@ class StepContext:
     def schedulers(self) -> list[object]:
         """The LR schedulers of the loop (``state_dict``/``load_state_dict``), in a fixed order."""
         return []
-
-    def window_buffers(self) -> Snapshot | None:
-        """The module buffers as the current accumulation window found them (what a skip puts back), where the door
-        holds them (while a policy may skip); ``None`` otherwise."""
-        return None
 
     def step_state(self) -> dict[str, object]:
         """What the door itself changes per step besides the above (the Trainer's LR-schedule counts)."""

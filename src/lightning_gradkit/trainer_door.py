@@ -207,7 +207,8 @@ class TrainerContext(StepContext):
     def loss_scale_source(self) -> object | None:
         return getattr(self.trainer.precision_plugin, "scaler", None)
 
-    def window_buffers(self) -> Snapshot | None:
+    @property
+    def window_buffers(self) -> Snapshot | None:  # type: ignore[override]
         return getattr(self.trainer.strategy, "_gradkit_buffers", None)  # a GradKit strategy's, while a policy may skip
 
     def is_logging_step(self, every_n_steps: int | None = None) -> bool:
