@@ -603,6 +603,46 @@ def test_a_fused_optimizers_skip_is_replayed_one_step_late_behind_the_trainer_an
     assert_same_state(model.state_dict(), reference.state_dict(), "loop door")
 
 
+class CountsForwards(nn.Module):
+    """A buffer that every training forward increments (a counter a model keeps itself); each forward notes the value
+    it saw, replays too (a Python side effect, which a replay repeats)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.seen: list[float] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append(float(self.calls))
+        if self.training:
+            self.calls += 1
+        return x
+
+
+def test_a_late_replay_runs_against_the_buffers_the_bad_step_saw() -> None:
+    """Reference: the buffer value the bad step's own forward saw. Step 1 is NaN and skipped on device (its forward
+    saw 1 and wrote 2, which the skip puts back); step 2's forward sees 1 and writes 2 before the replay of step 1,
+    which must see 1 again, and leave 2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(CountsForwards(), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    kit = GradKit(model, opt, NonFiniteGuard(), log_dir=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(4):
+            x = torch.randn(8, 4)
+            x[0, 0] = float("nan") if step == 1 else x[0, 0]
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            kit.note_loss(loss, replay=lambda x=x: model(x).pow(2).mean())
+            kit.step(opt)
+            opt.zero_grad(set_to_none=True)
+        kit.finish()
+    counter = model[0]
+    assert counter.seen == [0.0, 1.0, 1.0, 1.0, 2.0]  # steps 0, 1, 2, the replay of step 1 (at step 2), step 3
+    assert float(counter.calls) == 3.0 and kit.skipped_steps == 1
+
+
 class RaisesWhenReplayed(MLPModule):
     """A NaN loss at batch 2, and a ``training_step`` that raises when it sees a batch a second time (a replay)."""
 
