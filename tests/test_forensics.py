@@ -20,7 +20,7 @@ from gradkit.forensics import find_nonfinite_origin
 from gradkit.loop import GradKit
 from gradkit.params import clean_name
 from gradkit.replay import capture_rng, replay
-from helpers import MLPModule, loader, make_trainer
+from helpers import MLPModule, assert_same_state, count_syncs, loader, make_trainer
 from lightning_gradkit import NonFiniteGuard
 from lightning_gradkit.callbacks.guard_callbacks import training_step_batch
 from lightning_gradkit.trainer_door import TrainerPipeline
@@ -511,6 +511,136 @@ def test_loop_door_without_a_replay_says_how_to_give_one(tmp_path: Path) -> None
     assert (event["culprit"], event["culprit_source"]) == ("<loss>", "loss")
     (finding,) = event["values"]["forensics"]
     assert finding["phase"] == "unavailable" and "kit.note_loss(loss, replay=lambda:" in finding["reason"]
+
+
+class NormalizedBN(MLPModule):
+    """Row normalization (0 / 0 = NaN on a row of zeros) and a BatchNorm, whose running statistics every forward writes
+    and a skip puts back, before the MLP; trained with AdamW(fused=True), which skips on device (``found_inf``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.normalize = NormalizesRows()
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(self.norm(self.normalize(x)))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
+
+
+def _counted_step(kit: GradKit, optimizer: torch.optim.Optimizer) -> int:
+    """``kit.step(optimizer)``; the host syncs it made."""
+    with count_syncs() as counter, counter.active():
+        kit.step(optimizer)
+    return counter.total
+
+
+def test_a_fused_optimizers_skip_is_replayed_one_step_late_behind_the_trainer_and_the_loop_door(tmp_path: Path) -> None:
+    """Windows of 2 micro-batches; the zero row of batch 3 makes NaN in ``normalize`` at step 1. The fused kernel skips
+    step 1 on device; its flag reaches the host in step 2, before step 2's optimizer step, and step 1's micro-batches
+    are replayed then. References: the module, operator and line the test planted; a plain torch loop with fused
+    AdamW that never saw window 1 (parameters and BatchNorm statistics bitwise: the replay left nothing behind); the
+    loop door's clean steps read nothing on the host."""
+    mse = nn.functional.mse_loss
+    torch.manual_seed(0)
+    module = NormalizedBN()
+    initial = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = make_trainer(
+        tmp_path / "trainer", strategy="gradkit", callbacks=[NonFiniteGuard()], accumulate_grad_batches=2
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, _zero_row_loader())
+    (trainer_event,) = events(trainer)
+
+    model = NormalizedBN()
+    model.load_state_dict(initial)
+    opt = model.configure_optimizers()
+    kit = GradKit(model, opt, NonFiniteGuard(), log_dir=tmp_path / "loop")
+    syncs: dict[int, int] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, (x, y) in enumerate(_zero_row_loader()):
+            loss = mse(model(x), y)
+            (loss / 2).backward()
+            kit.note_loss(loss, replay=lambda x=x, y=y: mse(model(x), y))
+            if i % 2 == 0:
+                continue
+            # Counted: step 1 (the bad one) and step 3. Not step 2, which replays step 1 (the counter's mode would be
+            # the innermost frame of the replay), nor step 0, a fused optimizer's first (test_first_step_sync.py).
+            step = kit.ctx.step
+            if step in (1, 3):
+                syncs[step] = _counted_step(kit, opt)
+            else:
+                kit.step(opt)
+            opt.zero_grad(set_to_none=True)
+        kit.finish()
+    (loop_event,) = events(tmp_path / "loop")
+    assert syncs == {1: 0, 3: 0}
+
+    for event in (trainer_event, loop_event):
+        assert (event["first_step"], event["batch_idx"], event["batches"]) == (1, 3, [2, 3])
+        assert (event["culprit"], event["culprit_source"], event["reproducible"]) == ("normalize", "replay", True)
+    (trainer_finding,) = trainer_event["values"]["forensics"]
+    (loop_finding,) = loop_event["values"]["forensics"]
+    assert (loop_finding["phase"], loop_finding["op"]) == ("forward", "aten.div.Tensor")
+    assert loop_finding["source"].endswith("return x / x.abs().amax(dim=1, keepdim=True)  # the culprit line")
+    assert loop_finding == trainer_finding
+    (line,) = [str(w.message) for w in caught if "NonFiniteGuard" in str(w.message)]
+    assert "culprit `normalize`: first non-finite value made by `aten.div.Tensor` in the forward of `normalize`" in line
+
+    reference = NormalizedBN()
+    reference.load_state_dict(initial)
+    reference_opt = reference.configure_optimizers()
+    batches = list(_zero_row_loader())
+    for window in (0, 2, 3):
+        for x, y in batches[2 * window : 2 * window + 2]:
+            (mse(reference(x), y) / 2).backward()
+        reference_opt.step()
+        reference_opt.zero_grad(set_to_none=True)
+    assert_same_state(module.state_dict(), reference.state_dict(), "trainer")
+    assert_same_state(model.state_dict(), reference.state_dict(), "loop door")
+
+
+class CountsForwards(nn.Module):
+    """A buffer that every training forward increments (a counter a model keeps itself); each forward notes the value
+    it saw, replays too (a Python side effect, which a replay repeats)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.seen: list[float] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append(float(self.calls))
+        if self.training:
+            self.calls += 1
+        return x
+
+
+def test_a_late_replay_runs_against_the_buffers_the_bad_step_saw() -> None:
+    """Reference: the buffer value the bad step's own forward saw. Step 1 is NaN and skipped on device (its forward
+    saw 1 and wrote 2, which the skip puts back); step 2's forward sees 1 and writes 2 before the replay of step 1,
+    which must see 1 again, and leave 2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(CountsForwards(), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    kit = GradKit(model, opt, NonFiniteGuard(), log_dir=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(4):
+            x = torch.randn(8, 4)
+            x[0, 0] = float("nan") if step == 1 else x[0, 0]
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            kit.note_loss(loss, replay=lambda x=x: model(x).pow(2).mean())
+            kit.step(opt)
+            opt.zero_grad(set_to_none=True)
+        kit.finish()
+    counter = model[0]
+    assert counter.seen == [0.0, 1.0, 1.0, 1.0, 2.0]  # steps 0, 1, 2, the replay of step 1 (at step 2), step 3
+    assert float(counter.calls) == 3.0 and kit.skipped_steps == 1
 
 
 class RaisesWhenReplayed(MLPModule):

@@ -109,7 +109,8 @@ MODES = {
 @pytest.mark.parametrize("mode", list(MODES))
 def test_culprit_has_one_meaning_in_every_mode(tmp_path: Path, mode: str) -> None:
     """A gradient poisoned by a hook: the first non-finite value IS that parameter's gradient, in every mode.
-    A poisoned loss: ``<loss>`` in every mode, localized by a replay where one runs, seen in the loss otherwise."""
+    A poisoned loss: ``<loss>`` in every mode, localized by a replay where one runs, seen in the loss otherwise.
+    Reference: the parameter and the loss the test poisons."""
     config = MODES[mode]
     for kind, value, target in (("grad", INF, "head.bias"), ("loss", NAN, "")):
         torch.manual_seed(0)
@@ -125,6 +126,10 @@ def test_culprit_has_one_meaning_in_every_mode(tmp_path: Path, mode: str) -> Non
                 trainer.fit(model, loader())
         event = events(trainer)[0]
         replayed = "forensics" in event["values"]
+        # Every mode that skips or raises replays (a fused optimizer's skip one step late); "warn" applied the update,
+        # and its event says how to get a replay.
+        assert replayed == (config["action"] != "warn"), mode
+        assert replayed or "use action='skip' or 'raise'" in event["reproducible_reason"], mode
         if kind == "grad":
             assert event["culprit"] == "head.bias", mode
             assert event["culprit_source"] == ("replay" if replayed else "gradients"), mode

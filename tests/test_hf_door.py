@@ -363,6 +363,28 @@ def test_the_culprit_replay_names_the_module_where_the_nan_began(kind: str, tmp_
     assert_same_model(trainer.model, model)
 
 
+def test_hfs_default_fused_adamw_skip_names_the_culprit_one_step_late(tmp_path: Path) -> None:
+    # HF's default optimizer (`optim="adamw_torch_fused"`) skips on device: the flag of step 3 reaches the host in step
+    # 4, before step 4's optimizer step, and the poisoned micro-batch 6 is replayed then. Reference: the module, the
+    # operator and the line the test's poison plants (`hf_fixtures.poison`).
+    guard = NonFiniteGuard(action="skip")
+    trainer, door = _hf_run("gpt2", tmp_path, [guard], optimizer=None, optim="adamw_torch_fused", learning_rate=1e-3)
+    assert trainer.optimizer.optimizer.defaults["fused"]
+    (event,) = events(tmp_path)
+    assert (event["first_step"], event["batch_idx"], event["batches"]) == (3, 6, [6, 7])
+    assert (event["culprit"], event["culprit_source"], event["reproducible"]) == (CULPRITS["gpt2"], "replay", True)
+    # The poison is a forward hook of the module (its forward, outside its submodules); the NaN enters as the constant
+    # `math.nan` becomes a tensor, on the poison's line.
+    (finding,) = event["values"]["forensics"]
+    assert (finding["phase"], finding["op"]) == ("forward_between_submodules", "aten.scalar_tensor.default")
+    assert finding["source"].endswith('in corrupt: factor = torch.where(state["bad"], math.nan, 1.0).to(output.dtype)')
+    # The late replay changed nothing: bitwise the loop door's run, which keeps no micro-batch and never replays (the
+    # test above ties that run to a hand-written loop without the NaN window).
+    model, _, kit, _ = _loop_run("gpt2", [NonFiniteGuard(action="skip")], optimizer="hf")
+    assert_same_model(trainer.model, model)
+    assert door.kit.skipped_steps == kit.skipped_steps == 1
+
+
 def test_the_door_with_gradkits_torch_policies_loads_no_lightning(tmp_path: Path) -> None:
     # The example trains with gradkit's plain torch policies: an HF user installs no Lightning.
     code = (

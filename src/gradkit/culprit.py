@@ -11,11 +11,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradkit._arguments import name_list
 from gradkit.forensics import Finding, describe_error, find_nonfinite_origin
+from gradkit.norms import world_size
 from gradkit.replay import RNGState, replay
+from gradkit.snapshot import Snapshot
 
 __all__ = [
     "REPLAY_STAYED_FINITE",
@@ -23,7 +26,9 @@ __all__ = [
     "Culprit",
     "MicroBatch",
     "Reproducibility",
+    "culprit_text",
     "first_bad_batch",
+    "gather_ranks",
     "id_list",
     "locate_culprit",
     "nonfinite_kind",
@@ -31,11 +36,18 @@ __all__ = [
     "reproducibility",
     "sample_ids",
     "step_summary",
+    "what_text",
 ]
 
 #: Keys of a dict batch whose value names its samples (the first one present is used).
 SAMPLE_ID_KEYS = ("id", "ids", "index", "indices", "sample_id", "sample_ids")
 
+# An event's ``what`` in words (:func:`what_text`).
+_WHAT_TEXT = {
+    "nonfinite_loss": "non-finite loss",
+    "nonfinite_grads": "non-finite gradients",
+    "nonfinite_loss_and_grads": "non-finite loss and gradients",
+}
 # Finding phases of a replay that did not see the non-finite value, or did not run to the end.
 _NOT_SEEN = ("not_reproduced", "failed", "unavailable")
 # Why no replay ran where the door kept no micro-batch (a loop that gave `note_loss` no `replay`).
@@ -66,14 +78,20 @@ class MicroBatch:
 
 
 def replay_micro_batches(
-    module: nn.Module, batches: list[MicroBatch], backward_scale: Tensor | None = None, anomaly: bool = False
+    module: nn.Module,
+    batches: list[MicroBatch],
+    backward_scale: Tensor | None = None,
+    anomaly: bool = False,
+    buffers: Snapshot | None = None,
 ) -> Finding:
     """Replay a step's micro-batches in order; the first that makes a non-finite value again names the culprit.
 
     Every micro-batch is replayed, also after one found the culprit, so that the collectives a replayed forward
     issues (``self.all_gather`` in ``training_step``) pair up across ranks as they did in training. Each runs in
     :func:`~gradkit.replay.replay` with its RNG state set: ``module``'s state comes out unchanged.
-    ``backward_scale`` and ``anomaly`` are :func:`~gradkit.forensics.find_nonfinite_origin`'s.
+    ``backward_scale`` and ``anomaly`` are :func:`~gradkit.forensics.find_nonfinite_origin`'s. ``buffers``: the
+    module's buffers as the bad step's window found them (a replay one step late, after the next step's forwards
+    wrote them), set inside each micro-batch's replay context (which puts the current ones back after it).
 
     Returns:
         The first finding with a culprit (its ``detail["batch_idx"]`` set), else the first micro-batch whose replay
@@ -90,6 +108,8 @@ def replay_micro_batches(
         else:
             try:
                 with replay(module, batch.rng):
+                    if buffers is not None:
+                        buffers.restore()  # in place: the replay context restores what it captured on entry
                     finding = find_nonfinite_origin(module, batch.compute_loss, backward_scale, anomaly)
             except Exception as err:  # forensics must never be what stops a run
                 finding = Finding(None, "failed", {"error": describe_error(err)})
@@ -108,6 +128,20 @@ def nonfinite_kind(loss: bool, grads: bool) -> str:
     if loss and grads:
         return "nonfinite_loss_and_grads"
     return "nonfinite_loss" if loss else "nonfinite_grads"
+
+
+def what_text(what: str) -> str:
+    """An event's ``what`` in words, for a warning's first line."""
+    return _WHAT_TEXT.get(what, what)
+
+
+def gather_ranks(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (a collective: all ranks must call it at the same point)."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class Culprit(NamedTuple):
@@ -155,6 +189,14 @@ def locate_culprit(
     if params:
         return Culprit(params[0], "gradients", f"the first parameter with a non-finite gradient ({why})", None)
     return Culprit(None, None, f"not localized ({why})", None)
+
+
+def culprit_text(culprit: Culprit) -> str:
+    """``culprit `name` (from the replay)``, for a warning's first line."""
+    if culprit.name is None:
+        return "culprit not localized"
+    how = {"replay": "from the replay", "loss": "no replay", "gradients": "first non-finite gradient, no replay"}
+    return f"culprit `{culprit.name}` ({how.get(culprit.source or '', culprit.source)})"
 
 
 #: Why a replay that stayed finite proves nothing: it covers ``training_step`` and its backward only.

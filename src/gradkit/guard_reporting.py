@@ -11,13 +11,19 @@ in the pipeline's ``GUARD`` stage. What differs is when the host learns the deci
   (:class:`~gradkit.host_lag.HostLag`); the flagged steps are kept on the host (``NonFiniteGuard``'s
   :class:`Ledger`, ``SpikeGuard``'s list) and reported on logging steps (and at the end of training); the report
   covers every step flagged since the previous one.
+- ``action="skip"`` with a fused optimizer is also replayed one step late (:meth:`Reporter.replays_late`): the skip
+  left the parameters as they were, and the flag of step ``t`` reaches the host in step ``t + 1``'s pipeline,
+  before step ``t + 1``'s optimizer step, so the parameters are still step ``t``'s. Step ``t``'s micro-batches are
+  kept by reference (:class:`Kept`) until then, and replayed against the buffers of step ``t``'s window start.
 
-In this file: :class:`Ledger` (the host record between two reports) and :class:`Reporter` (what both guards compose:
-the event file, which of the two ways applies, the saved count of skipped steps).
+In this file: :class:`Ledger` (the host record between two reports), :class:`Kept` (what a step keeps for it) and
+:class:`Reporter` (what both guards compose: the event file, which of the ways applies, the saved count of skipped
+steps).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -25,12 +31,13 @@ import torch
 from torch import Tensor
 
 from gradkit._torch_compat import handles_found_inf
+from gradkit.culprit import MicroBatch
 from gradkit.events import EventLog
 from gradkit.host_lag import HostLag
 from gradkit.pipeline import Pipeline, StepPlan
 from gradkit.protocol import StepContext, unwrapped
 
-__all__ = ["Ledger", "Period", "Reporter"]
+__all__ = ["Flagged", "Kept", "Ledger", "Period", "Reporter"]
 
 
 class Ledger:
@@ -54,21 +61,23 @@ class Ledger:
         self._run_last = -1
         self._longest = (0, -1, -1)
 
-    def record(self, step: int, flags: Tensor, keep: Any = None) -> None:
-        """Note step ``step``'s ``flags`` (``flags[0] > 0``: flagged) and what to read on a flagged step."""
-        self.fold()
+    def record(self, step: int, flags: Tensor, keep: Any = None) -> Flagged | None:
+        """Note step ``step``'s ``flags`` (``flags[0] > 0``: flagged) and what to read on a flagged step; returns the
+        previous step if its flags, now on the host, say it was flagged (:meth:`fold`)."""
+        flagged = self.fold()
         self._lag.push(flags)
         self._pending = (step, keep)
+        return flagged
 
-    def fold(self) -> None:
-        """Take in the step whose flags are on their way to the host."""
+    def fold(self) -> Flagged | None:
+        """Take in the step whose flags are on their way to the host; return it if it was flagged."""
         values = self._lag.pop()
         if values is None or self._pending is None:
-            return
+            return None
         (step, keep), self._pending = self._pending, None
         if not values[0] > 0:
             self._run = 0
-            return
+            return None
         self._flagged.append((step, values, keep))
         if self._run == 0:
             self._run_first = step
@@ -76,6 +85,7 @@ class Ledger:
         self._run_last = step
         if self._run >= self._longest[0]:
             self._longest = (self._run, self._run_first, step)
+        return Flagged(step, values, keep)
 
     def read(self) -> Period | None:
         """The period's summary, then start a new period; ``None`` if nothing was flagged."""
@@ -88,6 +98,36 @@ class Ledger:
             return None
         step, flags, keep = flagged[0]
         return Period(len(flagged), step, flagged[-1][0], *longest, flags, keep)
+
+
+class Flagged(NamedTuple):
+    """A step whose flags reached the host and say it was flagged: its step, its flags, what it kept."""
+
+    step: int
+    flags: list[float]
+    keep: Any
+
+
+@dataclass
+class Kept:
+    """What ``NonFiniteGuard`` keeps of a step until its flags reach the host one step later, by reference: nothing
+    is copied, so a clean step pays nothing for it.
+
+    Attributes:
+        param_norms: the step's per-parameter norms (a device vector), to name the first non-finite gradient.
+        micro_batches: the step's micro-batches as the door kept them (where it is replayed late, within the replay
+            budget): they hold the batch (its tensors), the closure that runs its forward again and the torch RNG
+            state before it alive through the next step's forward and backward, then are let go.
+        window: the step's micro-batch indices.
+        ids: each micro-batch's sample ids, as the batch holds them (a device tensor stays there until reported).
+        per_rank: after the late replay, every rank's finding (for :func:`~gradkit.culprit.locate_culprit`).
+    """
+
+    param_norms: Tensor
+    micro_batches: list[MicroBatch] = field(default_factory=list)
+    window: list[int] = field(default_factory=list)
+    ids: list[Any] = field(default_factory=list)
+    per_rank: list[dict[str, Any]] | None = None
 
 
 class Period(NamedTuple):
@@ -159,6 +199,16 @@ class Reporter:
     def reads_on_host(self) -> bool:
         """Whether the guard learns of a flagged step at that step (else: one step later, on logging steps)."""
         return self.action == "raise" or (self.action == "skip" and not self.fused)
+
+    def replays_late(self) -> bool:
+        """Whether a flagged step is replayed when its flag reaches the host, one step late: a skip on device (a fused
+        optimizer's ``found_inf``) left the parameters as the bad step had them, until the next optimizer step. A
+        ``"warn"`` step was applied: its parameters are gone, so it is not replayed."""
+        return self.action == "skip" and self.fused
+
+    def keeps_micro_batches(self) -> bool:
+        """Whether the door's micro-batches are kept for a replay: at the step, or one step late."""
+        return self.reads_on_host() or self.replays_late()
 
     def flagged_on_host(self, plan: StepPlan, flag: Tensor, within_skip: bool = True) -> bool:
         """Read the guard's flag when it acts at the step; shares the door's read of the skip decision.

@@ -20,51 +20,26 @@ from torch import Tensor
 
 from gradkit._arguments import check_bool, check_choice, check_int
 from gradkit.culprit import (
-    Culprit,
     MicroBatch,
+    culprit_text,
     first_bad_batch,
+    gather_ranks,
     id_list,
     locate_culprit,
     nonfinite_kind,
     replay_micro_batches,
     reproducibility,
     step_summary,
+    what_text,
 )
 from gradkit.forensics import Finding
-from gradkit.guard_reporting import Ledger, Reporter
+from gradkit.guard_reporting import Flagged, Kept, Ledger, Reporter
 from gradkit.norms import loss_scale, nonfinite_mask, world_size
 from gradkit.pipeline import StepPlan
 from gradkit.protocol import Stage, StatsRequest, StepContext, state_key
+from gradkit.snapshot import Snapshot
 
 __all__ = ["NonFiniteGuard"]
-
-_WHAT_TEXT = {
-    "nonfinite_loss": "non-finite loss",
-    "nonfinite_grads": "non-finite gradients",
-    "nonfinite_loss_and_grads": "non-finite loss and gradients",
-}
-
-
-def _what_text(what: str) -> str:
-    """An event's ``what`` in words, for a warning's first line."""
-    return _WHAT_TEXT.get(what, what)
-
-
-def _culprit_text(culprit: Culprit) -> str:
-    """``culprit `name` (from the replay)``, for a warning's first line."""
-    if culprit.name is None:
-        return "culprit not localized"
-    how = {"replay": "from the replay", "loss": "no replay", "gradients": "first non-finite gradient, no replay"}
-    return f"culprit `{culprit.name}` ({how.get(culprit.source or '', culprit.source)})"
-
-
-def _gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (a collective: all ranks must call it at the same point)."""
-    if world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 class NonFiniteGuard:
@@ -95,9 +70,12 @@ class NonFiniteGuard:
     the module it ran in (for an operator of the backward, the module whose forward it differentiates), the operator
     (``aten.div.Tensor``) and the user's source line. Infinities that a later operator makes finite again (a ``-inf``
     attention mask before a softmax) are never named; in-place operators (``ReLU(inplace=True)``) replay as they
-    trained. The replay needs the detection at the bad step, so it runs with ``action="raise"`` and with
-    ``action="skip"`` and an ordinary optimizer, on single-device and DDP strategies. Its cost, a host read per
-    operator, is paid once per replay; the training steps do not pay for it. Behind the Trainer the replay runs
+    trained. The replay needs the bad step's parameters: it runs with ``action="raise"`` and ``action="skip"``, on
+    single-device and DDP strategies. A fused optimizer skips on device, so its flag reaches the host one step later:
+    the skipped step left the parameters as they were, and the next step reads the flag before its own optimizer
+    step, so the bad step's micro-batches (kept by reference until then, never copied) are replayed there, against
+    the buffers of the bad step's window start; the report on the next logging step names the culprit. Its cost, a
+    host read per operator, is paid once per replay; the clean steps pay none. Behind the Trainer the replay runs
     ``training_step``; in a loop of your own it runs the closure each micro-batch handed over:
     ``kit.note_loss(loss, replay=lambda: loss_fn(model(batch)))`` (see :meth:`~gradkit.loop.GradKit.note_loss`;
     without one the event says the replay was unavailable).
@@ -134,8 +112,8 @@ class NonFiniteGuard:
     ``source``); without one, a non-finite loss on some rank gives ``"<loss>"`` (the value was already non-finite
     there; a replay would name the module), and otherwise the culprit is the first parameter (in the optimizer's
     order) whose gradient was non-finite on some rank. ``culprit_source`` says which (``"replay"``, ``"loss"`` or
-    ``"gradients"``). ``action="warn"`` and fused optimizers never replay (the flag is read on logging steps only),
-    so their culprit comes from the loss or the gradients.
+    ``"gradients"``). ``action="warn"`` never replays (the update was applied, so the step's parameters are gone):
+    its culprit comes from the loss or the gradients, and the message says to use ``"skip"`` or ``"raise"``.
 
     With the fp16 ``GradScaler``, non-finite gradients under a finite loss are the scaler's routine overflow (its
     first steps at the default scale 65536 overflow often): the scaler skips the step itself and lowers its scale.
@@ -239,6 +217,7 @@ class NonFiniteGuard:
         self._ids: list[Any] = []
         self._micro_batches: list[MicroBatch] = []
         self._flags: tuple[Tensor, Tensor | None, Tensor | None, Tensor | None] | None = None
+        self._late: Flagged | None = None  # the previous step, learnt flagged in this step's `decide`
         self._consecutive: list[int] = []
         self._first_finding: dict[str, Any] | None = None
         self._forensics_done = False  # a replay ran in this run
@@ -285,7 +264,7 @@ class NonFiniteGuard:
     def note_loss(self, loss: Tensor, ctx: StepContext) -> None:
         """A micro-batch loss (without the AMP scale), checked on device (no host sync); the micro-batch the door
         keeps for a replay (:attr:`~gradkit.pipeline.StepContext.micro_batch`) joins the window."""
-        if self._reporter.reads_on_host():
+        if self._reporter.keeps_micro_batches():
             batch = ctx.micro_batch
             self._window.append(ctx.batch_idx if batch is None else batch.batch_idx)
             self._ids.append(None if batch is None else batch.ids)  # a reference: read on a flagged step only
@@ -346,7 +325,9 @@ class NonFiniteGuard:
             if loss_ranks is not None:
                 flags = torch.cat([flags.to(loss_ranks.dtype), loss_ranks])
             self._param_names = plan.primary.names
-            self._ledger.record(ctx.global_step, flags, plan.primary.param_norms)
+            # References, not copies: a clean step pays nothing for what a flagged one will need.
+            kept = Kept(plan.primary.param_norms, self._micro_batches, self._window, self._ids)
+            self._late = self._ledger.record(ctx.global_step, flags, kept)
 
     def _overflow(self, loss_bad: Tensor | None, grads_bad: Tensor | None) -> Tensor | None:
         """Under a GradScaler: non-finite gradients and a finite loss on every rank (a device flag, no sync); ``None``
@@ -363,7 +344,11 @@ class NonFiniteGuard:
         try:
             if self._reporter.reads_on_host():
                 self._act_at_step(plan, ctx)
-            elif plan.logging_step:
+                return
+            late, self._late = self._late, None
+            if late is not None:
+                self._replay_late(late, ctx)
+            if plan.logging_step:
                 self._report_ledger(ctx)
         finally:
             self._forget_window()
@@ -388,7 +373,7 @@ class NonFiniteGuard:
         overflow = self._scaler and grads_nonfinite and not bad_ranks
         finding: Finding | None = None
         if self.replay_allowed(step) and not overflow:
-            finding = self._replay(ctx)
+            finding = self._replay(ctx, self._micro_batches, step)
         local = {
             "rank": ctx.global_rank,
             # As training_step returned them (Lightning divides by the accumulation count before the backward).
@@ -400,13 +385,12 @@ class NonFiniteGuard:
             "described": None if finding is None else finding.describe(),
             "ids": [id_list(ids) for ids in self._ids],
         }
-        per_rank = _gather(local)
+        per_rank = gather_ranks(local)
         # Gradients can differ between ranks (a rank's own hook after the all-reduce): report every rank's.
         positions = sorted({i for r in per_rank for i in r["params"]})
         params = [stats.names[i] for i in positions]
         grad_ranks = [r["rank"] for r in per_rank if r["params"]]
-        no_replay = "forensics=False" if not self.forensics else self._no_replay_reason()
-        culprit = locate_culprit(per_rank, bad_ranks, params, no_replay)
+        culprit = locate_culprit(per_rank, bad_ranks, params, self._no_replay_reason())
         window = list(self._window) or [ctx.batch_idx]
         batch = culprit.batch if culprit.batch is not None else first_bad_batch(per_rank, window)
         replay = reproducibility(per_rank)
@@ -452,7 +436,7 @@ class NonFiniteGuard:
         if not overflow:
             # A short first line; the details below it, the parameters' names only in the event.
             verb = "skipped" if self.action == "skip" else "applied"
-            first = f"NonFiniteGuard: {_what_text(what)} at step {step}, {_culprit_text(culprit)}"
+            first = f"NonFiniteGuard: {what_text(what)} at step {step}, {culprit_text(culprit)}"
             first += f"; the optimizer step was {verb}."
             details = step_summary(step, batch, window, what, bad_ranks, grad_ranks, [], culprit, replay, ids)
             if params:
@@ -461,6 +445,14 @@ class NonFiniteGuard:
             ctx.warn(f"{first}\n  {details}{self._reporter.note}")
 
     def _no_replay_reason(self) -> str:
+        """Why no replay ran at a flagged step, and how to get one."""
+        if not self.forensics:
+            return "forensics=False"
+        if not self._reporter.keeps_micro_batches():
+            return (
+                "action='warn' applied the update, so a replay would not see the step's parameters: use "
+                "action='skip' or 'raise' to name the module, the operator and the source line"
+            )
         if self.replay_every_n_steps is None:
             return "the replay runs at the first detection only (`replay_every_n_steps=None`)"
         return (
@@ -468,12 +460,40 @@ class NonFiniteGuard:
             "(`replay_every_n_steps`)"
         )
 
-    def _replay(self, ctx: StepContext) -> Finding:
-        """Replay the step's micro-batches (:func:`~gradkit.culprit.replay_micro_batches`), within the budget."""
+    def _replay(
+        self, ctx: StepContext, batches: list[MicroBatch], step: int, buffers: Snapshot | None = None
+    ) -> Finding:
+        """Replay step ``step``'s micro-batches (:func:`~gradkit.culprit.replay_micro_batches`), within the budget."""
         self._forensics_done = True
-        self._last_replay = ctx.global_step
+        self._last_replay = step
         anomaly = self.detect_anomaly and world_size() == 1
-        return replay_micro_batches(ctx.model, self._micro_batches, loss_scale(ctx.loss_scale_source()), anomaly)
+        return replay_micro_batches(ctx.model, batches, loss_scale(ctx.loss_scale_source()), anomaly, buffers)
+
+    def _replay_late(self, flagged: Flagged, ctx: StepContext) -> None:
+        """Replay a step a fused optimizer skipped on device, now that its flag reached the host: no optimizer step has
+        applied since, so the parameters are still the bad step's, and its window's buffers are set for the replay
+        (the next step's forwards wrote them since). Every rank learns the flag at the same step: the findings are
+        gathered there."""
+        kept: Kept = flagged.keep
+        batches, kept.micro_batches = kept.micro_batches, []  # let the batches go, replayed or not
+        bad_ranks, grads = self._late_flags(flagged.flags, ctx)
+        overflow = self._scaler and grads and not bad_ranks  # the GradScaler's routine skip: never replayed
+        if not self._reporter.replays_late() or overflow or not self.replay_allowed(flagged.step):
+            return
+        finding = self._replay(ctx, batches, flagged.step, ctx.window_buffers)
+        local = {
+            "rank": ctx.global_rank,
+            "finding": {"culprit": finding.culprit, "phase": finding.phase, **finding.detail},
+            "described": finding.describe(),
+            "ids": [id_list(ids) for ids in kept.ids],
+        }
+        kept.per_rank = gather_ranks(local)
+
+    def _late_flags(self, flags: list[float], ctx: StepContext) -> tuple[list[int], bool]:
+        """From flags read one step late: the ranks whose loss was non-finite, and whether gradients were."""
+        loss_ranks = flags[3:] if len(flags) > 3 else [flags[1] if self.check_loss else 0]
+        bad_ranks = [r if len(flags) > 3 else ctx.global_rank for r, v in enumerate(loss_ranks) if v > 0]
+        return bad_ranks, self.check_grads and bool(flags[2])
 
     def _stop(self, ctx: StepContext, count: int, first: int, last: int, summary: str) -> None:
         first_found = ""
@@ -491,42 +511,53 @@ class NonFiniteGuard:
 
     # -- lazy reporting (device ledger) ------------------------------------------------------------------------
     def _report_ledger(self, ctx: StepContext) -> None:
+        flagged = self._ledger.fold()  # this step's flags: a logging step (or the end) may wait for them
+        if flagged is not None:
+            self._replay_late(flagged, ctx)
         record = self._ledger.read()
         if record is None:
             return
-        names = self._param_names
         first, last, count = record.first, record.last, record.count
-        flags = record.flags  # [flag, loss non-finite, gradients non-finite, per-rank losses...]
-        loss_ranks = flags[3:] if len(flags) > 3 else [flags[1] if self.check_loss else 0]
-        bad_ranks = [r if len(flags) > 3 else ctx.global_rank for r, v in enumerate(loss_ranks) if v > 0]
-        grads = self.check_grads and bool(flags[2])
-        param = None
-        if grads and names:  # the first parameter with a non-finite gradient (a logging step: the read is allowed)
-            param = names[int(nonfinite_mask(record.keep).to(torch.float32).argmax())]
-        what = nonfinite_kind(bool(bad_ranks), grads)
-        if self._scaler and grads and not bad_ranks:
-            what = "fp16_overflow"
+        bad_ranks, grads = self._late_flags(record.flags, ctx)
+        kept: Kept = record.keep
+        params: list[str] = []
+        if grads and self._param_names:  # the first parameter with a non-finite gradient (a logging step: may read)
+            params = [self._param_names[int(nonfinite_mask(kept.param_norms).to(torch.float32).argmax())]]
+        what = "fp16_overflow" if self._scaler and grads and not bad_ranks else nonfinite_kind(bool(bad_ranks), grads)
+        per_rank = kept.per_rank or []
+        culprit = locate_culprit(per_rank, bad_ranks, params, self._no_replay_reason())
+        replay = reproducibility(per_rank)
         run = record.longest_run
-        values = {"flagged_steps": count, "first_step": first, "last_step": last, "longest_run": run}
-        culprit, source, detail = param, "gradients" if param is not None else None, []
-        if bad_ranks:
-            culprit, source = "<loss>", "loss"
-            detail = [f"loss non-finite on rank(s) {bad_ranks}", "culprit `<loss>`: the loss was already non-finite"]
-        elif param is not None:
-            detail = [f"culprit `{param}`: the first parameter with a non-finite gradient"]
-        if detail:
-            detail[-1] += " (no replay in this mode)"
+        values: dict[str, Any] = {"flagged_steps": count, "first_step": first, "last_step": last, "longest_run": run}
+        findings = [dict(r["finding"], rank=r["rank"]) for r in per_rank if r["finding"] is not None]
+        if findings:
+            values.update(forensics=findings, replay_reproduced_ranks=replay.reproduced_on)
+        where: dict[str, Any] = {}
+        if culprit.batch in kept.window:  # the replayed micro-batch that made it: its step's micro-batches, its ids
+            position = kept.window.index(culprit.batch)
+            ids = {str(r["rank"]): r["ids"][position] for r in per_rank if r["ids"][position]}
+            where = {
+                "batch_idx": culprit.batch,
+                "batches": [kept.window[0], kept.window[-1]],
+                "sample_ids": ids or None,
+            }
         self._reporter.write(
             ctx,
             rank=bad_ranks or None,
             what=what,
-            culprit=culprit,
-            culprit_source=source,
-            reproducible=None,
-            reproducible_reason="no replay ran (steps reported lazily, on logging steps, are never replayed)",
+            culprit=culprit.name,
+            culprit_source=culprit.source,
+            reproducible=replay.reproducible,
+            reproducible_reason=replay.reason if per_rank else f"no replay ran: {self._no_replay_reason()}",
             values=values,
             first_step=first,
+            **where,
         )
+        if findings and self._first_finding is None:
+            self._first_finding = {"step": first, "culprit": culprit.name, "described": culprit.text}
+        detail = [f"loss non-finite on rank(s) {bad_ranks}"] if bad_ranks else []
+        if culprit.name is not None:
+            detail.append(f"culprit `{culprit.name}`: {culprit.text}")
         verb = "skipped" if self.action == "skip" else "applied"
         summary = (
             f"{count} optimizer step(s) with non-finite values between steps {first} and {last} (updates {verb}); "

@@ -158,7 +158,8 @@ class HFGradKit(TrainerCallback):
       by the window's token count (``num_items_in_batch``) or HF divides by ``gradient_accumulation_steps``. Each
       comes with its replay for ``NonFiniteGuard``'s culprit search: ``compute_loss`` on the inputs HF gave it, on
       the unwrapped model, under HF's ``compute_loss_context_manager``; on a non-finite step the guard names the
-      module, the operator and the source line where the first non-finite value appeared.
+      module, the operator and the source line where the first non-finite value appeared (with HF's default
+      ``optim="adamw_torch_fused"``, which skips on device, from a replay at the next step).
     - **Logging**: the policies log on HF's logging steps (``logging_steps`` with ``logging_strategy="steps"``; with
       another strategy only their first and last steps); each logging step's values reach ``trainer.log`` once, at
       ``on_step_end``, under HF's ``global_step``.

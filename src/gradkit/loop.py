@@ -331,7 +331,7 @@ class GradKit:
             # What a skipped step's forwards wrote into the buffers (BatchNorm statistics) is put back: a window
             # opens when the previous step ends (`step`), the first one (and the first after `load_state_dict`) at
             # the first forward of any submodule, whatever calls it (a `no_grad` pass, a `model.loss(...)` method).
-            self._buffers = Snapshot(root)
+            self._buffers = self.ctx.window_buffers = Snapshot(root)
             self._arm_first_forward()
 
     def _arm_first_forward(self) -> None:
@@ -365,7 +365,7 @@ class GradKit:
                 step ended), so dropout masks repeat unless the loop draws random numbers in between (a shuffling
                 ``DataLoader`` starting an epoch). Call the unwrapped model (``model.module`` under DDP): the
                 replay differentiates with ``torch.autograd.grad``, which DDP's wrapper does not expect. Kept
-                (with what it references) until the step ends, only while a replay may still run.
+                while a replay may run: until the step's flag is read (with a fused optimizer, at the next step).
         """
         ctx = self.ctx
         ctx.micro_batches += 1  # the policies that keep the loss detach it (none may keep it)
@@ -548,7 +548,7 @@ class GradKit:
         self._call("detach", self.ctx)
         if self._buffers is not None:
             self._buffers.drop()
-            self._buffers = None
+            self._buffers = self.ctx.window_buffers = None
 
     def __enter__(self) -> GradKit:
         return self

@@ -31,6 +31,7 @@ from gradkit.norms import world_size
 if TYPE_CHECKING:
     from gradkit.culprit import MicroBatch
     from gradkit.pipeline import Pipeline, StepPlan
+    from gradkit.snapshot import Snapshot
 
 __all__ = [
     "Policy",
@@ -105,6 +106,8 @@ class StepContext:
             batch of ``training_step``.
         loggers: the loop's Lightning loggers (``trainer.loggers``, ``fabric.loggers``; empty where it has none):
             what the monitor's report goes to besides its PNG (:mod:`gradkit.report_loggers`).
+        window_buffers: the module buffers as the current accumulation window found them (what a skip puts back),
+            where the door holds them (while a policy may skip); ``None`` otherwise.
     """
 
     trainer = None
@@ -113,6 +116,7 @@ class StepContext:
     progress_bar: Callable[[dict[str, float]], None] | None = None
     micro_batch: MicroBatch | None = None
     loggers: Sequence[Any] = ()
+    window_buffers: Snapshot | None = None
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:

@@ -51,6 +51,7 @@ from gradkit.events import EventLog
 from gradkit.norms import loss_scale, world_size
 from gradkit.pipeline import Pipeline, StepPlan, UnitNorms
 from gradkit.protocol import Policy, Stage, StatsRequest, StepContext, fresh_state_note, hook, values_to_host
+from gradkit.snapshot import Snapshot
 from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
 
@@ -208,6 +209,10 @@ class TrainerContext(StepContext):
 
     def loss_scale_source(self) -> object | None:
         return getattr(self.trainer.precision_plugin, "scaler", None)
+
+    @property
+    def window_buffers(self) -> Snapshot | None:  # type: ignore[override]
+        return getattr(self.trainer.strategy, "_gradkit_buffers", None)  # a GradKit strategy's, while a policy may skip
 
     def is_logging_step(self, every_n_steps: int | None = None) -> bool:
         return is_logging_step(self.trainer, every_n_steps)

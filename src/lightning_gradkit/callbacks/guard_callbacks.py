@@ -119,9 +119,10 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._deepspeed or not self._reporter.reads_on_host():  # nothing of the batch is needed
+        if self._deepspeed or not self._reporter.keeps_micro_batches():  # nothing of the batch is needed
             return
-        # A reference to the batch (no copy) and the torch RNG state, so a replay repeats its dropout masks.
+        # A reference to the batch (no copy) and the torch RNG state, so a replay repeats its dropout masks. A fused
+        # optimizer's skip is replayed one step late: the guard keeps the reference until then.
         replay = self.replay_allowed(trainer.global_step)
         ctx = TrainerPipeline.of(trainer).context(trainer, pl_module)
         ctx.micro_batch = training_step_batch(trainer, pl_module, batch, batch_idx, replay)
