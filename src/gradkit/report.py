@@ -168,8 +168,26 @@ def build_figure(data: RunData):
     ax_total = fig.add_axes(layout.rect(layout.total_top, TOTAL_HEIGHT), sharex=ax_heat, label="totals")
 
     event_steps = [int(e["step"]) for e in data.events if isinstance(e.get("step"), (int, float))]
-    span = steps + event_steps
     sparse = bool(steps) and is_sparse(steps)
+    _draw_module_heatmap(fig, ax_heat, data, steps, layout, sparse)
+    if ratio_rows:
+        ax_ratio = fig.add_axes(
+            layout.rect(layout.ratio_top, layout.ratio_height), sharex=ax_heat, label="update ratio"
+        )
+        _draw_ratios(fig, ax_ratio, data, ratio_rows, steps, layout)
+    _draw_totals(ax_total, data, sparse=sparse)
+    _draw_events(ax_total, data.events)
+    _frame_totals(fig, ax_heat, ax_total, steps + event_steps, ticker)
+    if incidents:
+        _draw_incidents(fig, data, shown, left_out, layout)
+    add_signal_panels(fig, data)
+    return fig
+
+
+def _draw_module_heatmap(fig, ax_heat, data: RunData, steps: list[int], layout: Layout, sparse: bool) -> None:
+    """The per-module heatmap (log10 norms, a row per module, the colour bar in the right margin) and its title, or
+    the reason it is empty."""
+    modules = data.modules
     if modules and steps:
         series = [data.module_series(m) for m in modules]
         grid, extent = heat_grid(series, steps)
@@ -195,7 +213,7 @@ def build_figure(data: RunData):
         fig.colorbar(
             image, cax=fig.add_axes(layout.bar_rect(layout.top, layout.heat_height)), label="log10 gradient norm"
         )
-        _mark_nonfinite(ax_heat, [data.module_series(m) for m in modules])
+        _mark_nonfinite(ax_heat, series)
     else:
         reason = (
             "no per-module norms logged: GradNormMonitor(depth=0)?"
@@ -211,14 +229,11 @@ def build_figure(data: RunData):
         parts.append(logged_steps_text(steps))
     ax_heat.set_title(", ".join(parts), fontsize=10)
     ax_heat.tick_params(labelbottom=False)
-    if ratio_rows:
-        ax_ratio = fig.add_axes(
-            layout.rect(layout.ratio_top, layout.ratio_height), sharex=ax_heat, label="update ratio"
-        )
-        _draw_ratios(fig, ax_ratio, data, ratio_rows, steps, layout)
 
-    _draw_totals(ax_total, data, sparse=sparse)
-    _draw_events(ax_total, data.events)
+
+def _frame_totals(fig, ax_heat, ax_total, span: list[int], ticker) -> None:
+    """The totals panel's x range (every logged step and event), integer ticks, axis labels, and one legend below it
+    for the totals and the clip-fraction twin."""
     if span:
         ax_total.set_xlim(min(span) - 0.5, max(span) + 0.5)
     # Optimizer steps are whole numbers: no tick at 2.5 in a short run (else the ticks of matplotlib's default).
@@ -234,10 +249,6 @@ def build_figure(data: RunData):
         ax_total.legend(
             handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=min(len(handles), 4), fontsize=8
         )
-    if incidents:
-        _draw_incidents(fig, data, shown, left_out, layout)
-    add_signal_panels(fig, data)
-    return fig
 
 
 def _mark_nonfinite(ax, series: list[dict[int, float]]) -> None:

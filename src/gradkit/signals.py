@@ -322,7 +322,19 @@ class StabilitySignals:
         if not self._observed:
             return None
         self._observed = False
-        if self._pending:  # the step's window of micro-batch losses is complete
+        self._close_window(ctx)
+        if not self._logging:
+            return None
+        self._logging = False
+        self._before.clear()
+        reading = self._reading(self._reduced(ctx.device))
+        self._attn, self._logz, self._adam, self._ratios = {}, None, [], {}
+        return reading
+
+    def _close_window(self, ctx: StepContext) -> None:
+        """The step's window of micro-batch losses is complete: hand it to the step's pending entry, and remove the
+        hooks that only this step needed."""
+        if self._pending:
             step = self._pending[-1]
             step.losses, self._window = self._window, []
             if step.losses:
@@ -330,23 +342,25 @@ class StabilitySignals:
         for handle in self._step_hooks:
             handle.remove()
         self._step_hooks = []
-        if not self._logging:
-            return None
-        self._logging = False
-        self._before.clear()
-        device = ctx.device
+
+    def _reduced(self, device: torch.device) -> _Reduced:
+        """Every signal of the logging step packed into three vectors (summed, maximized, plain), reduced over the
+        ranks and read to the host in one transfer."""
         sums, maxima, plain = _Pack(device), _Pack(device), _Pack(device)
-        attention = {name: maxima.add(value) for name, value in sorted(self._attn.items())}
-        logz = None
+        out = _Reduced(attention={name: maxima.add(value) for name, value in sorted(self._attn.items())})
         if self._logz is not None:
             total, count, peak = self._logz
-            logz = (sums.add(total), sums.add(host_to_device([float(count)], torch.float32, device)), maxima.add(peak))
-        adam = [(names, sums.add(t.flatten())) for names, t in self._adam]
-        pending, self._pending = self._pending, []
-        losses = [t.float() for entry in pending for t in entry.losses]
+            out.logz = (
+                sums.add(total),
+                sums.add(host_to_device([float(count)], torch.float32, device)),
+                maxima.add(peak),
+            )
+        out.adam = [(names, sums.add(t.flatten())) for names, t in self._adam]
+        out.pending, self._pending = self._pending, []
+        losses = [t.float() for entry in out.pending for t in entry.losses]
         loss_part = sums.add(torch.stack(losses)) if losses else None
-        ratios = [(names, plain.add(t)) for names, t in self._ratios.values()]
-        norms = [e.norm if e.scale is None else e.norm * e.scale for e in pending if e.norm is not None]
+        out.ratios = [(names, plain.add(t)) for names, t in self._ratios.values()]
+        norms = [e.norm if e.scale is None else e.norm * e.scale for e in out.pending if e.norm is not None]
         norm_part = plain.add(torch.stack(norms)) if norms else None
         sum_vec, max_vec = sums.vector(), maxima.vector()
         if world_size() > 1:
@@ -356,30 +370,36 @@ class StabilitySignals:
                 sum_vec[loss_part] /= world_size()
         host = torch.cat([sum_vec, max_vec, plain.vector()]).tolist()
         ns, nm = sum_vec.numel(), max_vec.numel()
-        s, m, p = host[:ns], host[ns : ns + nm], host[ns + nm :]
+        out.s, out.m, out.p = host[:ns], host[ns : ns + nm], host[ns + nm :]
+        out.losses = out.s[loss_part] if loss_part is not None else []
+        out.norms = out.p[norm_part] if norm_part else []
+        return out
+
+    def _reading(self, r: _Reduced) -> Reading:
+        """The logging step's :class:`Reading` from the host values."""
+        s, m, p = r.s, r.m, r.p
         reading = Reading(self._step)
-        for name, part in attention.items():
+        for name, part in r.attention.items():
             reading.add("attn_logit_max", name, m[part][0])
-        if logz is not None:
-            total, count = s[logz[0]][0], s[logz[1]][0]
+        if r.logz is not None:
+            total, count = s[r.logz[0]][0], s[r.logz[1]][0]
             reading.add("logz_mean", "", total / max(count, 1.0), self.output)
-            reading.add("logz_max", "", m[logz[2]][0], self.output)
-        for names, part in adam:
+            reading.add("logz_max", "", m[r.logz[2]][0], self.output)
+        for names, part in r.adam:
             g2, v, count, numel = (s[part][k * len(names) : (k + 1) * len(names)] for k in range(4))
             for i, row in enumerate(names):
                 if numel[i] > 0:
                     reading.add("adam_g2_v", row, g2[i] / v[i] if v[i] > 0 else math.inf)
                     reading.add("adam_spike_frac", row, count[i] / numel[i])
-        found = [(r, v) for names, part in ratios for r, v in zip(names, p[part], strict=True) if v > 0]
-        found = [(r, v) for r, v in found if math.isfinite(v)]
+        found = [(row, v) for names, part in r.ratios for row, v in zip(names, p[part], strict=True) if v > 0]
+        found = [(row, v) for row, v in found if math.isfinite(v)]
         if len(found) >= 3:
             top, value = max(found, key=lambda item: item[1])
             reading.add("update_ratio_spread", "", value / statistics.median(v for _, v in found), top)
         if self.spike_score_on:
-            self._score(pending, s[loss_part] if loss_part is not None else [], p[norm_part] if norm_part else [])
+            self._score(r.pending, r.losses, r.norms)
             reading.add("spike_score", "", self.spike_score.score)
             reading.add("spike_score_total", "", self.spike_score.total)
-        self._attn, self._logz, self._adam, self._ratios = {}, None, [], {}
         return reading
 
     def _score(self, pending: list[_Pending], losses: list[float], norms: list[float]) -> None:
@@ -457,6 +477,23 @@ def signal_key(signal: str, module: str = "") -> str:
         ('signals/attn_logit_max/blocks.0.attn', 'signals/spike_score')
     """
     return PREFIX + signal + (f"/{module}" if module else "")
+
+
+@dataclass
+class _Reduced:
+    """A logging step's signals on the host: the summed (``s``), maximized (``m``) and plain (``p``) values, and where
+    each signal's values sit in them."""
+
+    attention: dict[str, slice]
+    logz: tuple[slice, slice, slice] | None = None
+    adam: list[tuple[list[str], slice]] = field(default_factory=list)
+    ratios: list[tuple[list[str], slice]] = field(default_factory=list)
+    pending: list[_Pending] = field(default_factory=list)
+    s: list[float] = field(default_factory=list)
+    m: list[float] = field(default_factory=list)
+    p: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
 
 
 class _Pack:

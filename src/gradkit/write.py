@@ -44,27 +44,7 @@ def write(plan: StepPlan, common: Tensor | None) -> None:
     broadcast over it: unit-wise factors); sparse gradients are written through their values.
     """
     if plan.param_coefs:
-        uniform: list[Tensor] = []
-        uniform_ids: list[int] = []
-        own: list[tuple[Tensor, Tensor, bool]] = []
-        for i, g, run in zip(plan.present, plan.grads, plan.run_ids, strict=True):
-            coef = plan.param_coefs.get(i)
-            if coef is None:
-                uniform.append(g)
-                uniform_ids.append(run)
-            else:
-                own.append((g, coef, run < 0))
-        coefs = [c for _, c, _ in own]
-        if common is not None:
-            coefs = torch._foreach_mul(coefs, common)
-        own = [(g, c if c.dtype == g.dtype else c.to(g.dtype), s) for (g, _, s), c in zip(own, coefs, strict=True)]
-        dense = [(g, c) for g, c, sparse in own if not sparse]
-        if dense:
-            torch._foreach_mul_([g for g, _ in dense], [c for _, c in dense])
-        for g, c, sparse in own:
-            if sparse:
-                _scale_sparse_(g, c)
-        runs, sparse_grads = split_runs(uniform, uniform_ids)
+        runs, sparse_grads = _write_param_coefs(plan, common)
     else:
         runs, sparse_grads = split_runs(plan.grads, plan.run_ids)
     if common is not None:
@@ -74,6 +54,32 @@ def write(plan: StepPlan, common: Tensor | None) -> None:
             _scale_sparse_(g, common)
     if plan.clamp_value is not None and plan.grads:
         _clamp(plan, plan.clamp_value)
+
+
+def _write_param_coefs(plan: StepPlan, common: Tensor | None) -> tuple[list[list[Tensor]], list[Tensor]]:
+    """Multiply each gradient that has its own factor (AGC) by it times ``common``; returns the other gradients, as
+    :func:`split_runs` groups them, for the common factor alone."""
+    uniform: list[Tensor] = []
+    uniform_ids: list[int] = []
+    own: list[tuple[Tensor, Tensor, bool]] = []
+    for i, g, run in zip(plan.present, plan.grads, plan.run_ids, strict=True):
+        coef = plan.param_coefs.get(i)
+        if coef is None:
+            uniform.append(g)
+            uniform_ids.append(run)
+        else:
+            own.append((g, coef, run < 0))
+    coefs = [c for _, c, _ in own]
+    if common is not None:
+        coefs = torch._foreach_mul(coefs, common)
+    own = [(g, c if c.dtype == g.dtype else c.to(g.dtype), s) for (g, _, s), c in zip(own, coefs, strict=True)]
+    dense = [(g, c) for g, c, sparse in own if not sparse]
+    if dense:
+        torch._foreach_mul_([g for g, _ in dense], [c for _, c in dense])
+    for g, c, sparse in own:
+        if sparse:
+            _scale_sparse_(g, c)
+    return split_runs(uniform, uniform_ids)
 
 
 def _clamp(plan: StepPlan, clamp_value: float) -> None:

@@ -293,6 +293,19 @@ def _owners(containers: list[object], ignore: set[int]) -> dict[int, str]:
                 if id(value) in ids:
                     holders.setdefault(id(value), (ref, key))
     modules = {id(vars(m)): name for name, m in list(sys.modules.items()) if type(m) is types.ModuleType}
+    dict_owner = _dict_owners(holders)
+    for container_id, (d, key) in holders.items():
+        if id(d) in modules:
+            result[container_id] = f"{modules[id(d)]}.{key}"
+        elif id(d) in dict_owner:
+            result[container_id] = f"{dict_owner[id(d)]}.{key}"
+        else:
+            result[container_id] = f"<dict>[{key!r}]"
+    return result
+
+
+def _dict_owners(holders: dict[int, tuple[dict, object]]) -> dict[int, str]:
+    """``id(d) -> name`` of the class or object whose namespace is each dict ``d`` in ``holders``."""
     dicts = {id(d): d for d, _ in holders.values()}
     dict_owner: dict[int, str] = {}
     for owner in gc.get_referrers(*dicts.values()) if dicts else []:
@@ -303,14 +316,7 @@ def _owners(containers: list[object], ignore: set[int]) -> dict[int, str]:
                     dict_owner.setdefault(id(d), f"{owner.__module__}.{owner.__qualname__}")
         elif id(_instance_dict(owner)) in dicts:
             dict_owner.setdefault(id(_instance_dict(owner)), f"<{type(owner).__name__}>")
-    for container_id, (d, key) in holders.items():
-        if id(d) in modules:
-            result[container_id] = f"{modules[id(d)]}.{key}"
-        elif id(d) in dict_owner:
-            result[container_id] = f"{dict_owner[id(d)]}.{key}"
-        else:
-            result[container_id] = f"<dict>[{key!r}]"
-    return result
+    return dict_owner
 
 
 def _instance_dict(obj: object) -> object:
