@@ -1,6 +1,7 @@
-"""The reference pages of the docs site state what the code does: every public callback has its page, and the
-argument table of ``docs/callbacks/index.md`` names every constructor argument with the constructor's default; a
-known limitation is checked on the installed release it names."""
+"""The reference pages of the docs site state what the code does: every public callback has its page, its docstring
+(the page, ``help()``) describes every constructor argument, and the argument table of ``docs/callbacks/index.md``
+names every constructor argument with the constructor's default; a known limitation is checked on the installed
+release it names."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 
+import lightning_gradkit
 from helpers import exported_callbacks
 
 DOCS = Path(__file__).parents[1] / "docs"
@@ -35,6 +37,61 @@ def argument_table() -> dict[str, str]:
 
 def public_callbacks() -> list[type[pl.Callback]]:
     return list(exported_callbacks().values())
+
+
+def documented_arguments(doc: str) -> dict[str, str]:
+    """The ``Args:`` section of a Google-style docstring: each argument -> its description (continuation lines
+    joined). Read by indentation only, as napoleon and jsonargparse's docstring parser read it: an entry is a line
+    one level in, ``name: text`` or ``name (type): text``."""
+    lines = inspect.cleandoc(doc).splitlines()
+    if "Args:" not in lines:
+        return {}
+    entries: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in lines[lines.index("Args:") + 1 :]:
+        if line and not line.startswith(" "):  # the next section
+            break
+        entry = re.match(r"^    (\S[^:]*?)(?: \([^)]*\))?:(?: (.*))?$", line)
+        if entry and not line.startswith("     "):
+            current = entries.setdefault(entry.group(1), [])
+            current.append(entry.group(2) or "")
+        elif line.strip():
+            current.append(line.strip())
+    return {name: " ".join(text).strip() for name, text in entries.items()}
+
+
+def torch_policy(cls: type) -> type | None:
+    """The torch policy (a class of the ``gradkit`` root) a callback subclasses, if any: read from the MRO."""
+    return next((base for base in cls.__mro__[1:] if base.__module__.split(".")[0] == "gradkit"), None)
+
+
+def test_every_callback_argument_has_a_description_in_its_docstring() -> None:
+    # The docstring is the page (autodoc), `help()` and LightningCLI's `--help`: each argument once, one entry each.
+    undocumented, unknown = {}, {}
+    for cls in public_callbacks():
+        described = documented_arguments(cls.__doc__ or "")
+        arguments = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        if missing := [a for a in arguments if not described.get(a)]:
+            undocumented[cls.__name__] = missing
+        if extra := sorted(set(described) - set(arguments)):  # e.g. `a, b: ...`, which no parser splits
+            unknown[cls.__name__] = extra
+    assert not undocumented, f"constructor arguments without a description in the class docstring: {undocumented}"
+    assert not unknown, f"Args entries that name no constructor argument: {unknown}"
+
+
+def test_a_policy_callbacks_docstring_holds_its_torch_policys_text() -> None:
+    # One text for both roots: the callback's docstring holds the torch class's text up to its sections and its Args
+    # section verbatim; the loop-door example stays the torch class's, the callback shows a Trainer.
+    policies = {cls.__name__: torch_policy(cls) for cls in public_callbacks() if torch_policy(cls) is not None}
+    assert len(policies) == 11, sorted(policies)
+    for name, policy in policies.items():
+        callback = inspect.cleandoc(getattr(lightning_gradkit, name).__doc__)
+        torch_doc = inspect.cleandoc(policy.__doc__)
+        head, args = torch_doc.split("\nArgs:\n", 1)
+        args = "Args:\n" + re.split(r"\n\n(?=\S)", args, maxsplit=1)[0]
+        assert head.split("\n\n", 1)[0] in callback and head.rsplit("\n\n", 1)[-1] in callback, name
+        assert args in callback, f"{name}: the torch class's Args section is not in the callback's docstring"
+        assert "Trainer(" in callback.split("Example::", 1)[1], f"{name}: no Trainer example"
 
 
 def test_every_public_callback_has_its_page_its_row_and_its_toctree_entry() -> None:
