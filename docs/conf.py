@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from docutils.nodes import Element
+    from sphinx.addnodes import pending_xref
     from sphinx.application import Sphinx
     from sphinx.config import Config
+    from sphinx.environment import BuildEnvironment
 
 DOCS = Path(__file__).parent
 # The package from this checkout, installed or not (`make docs` uses the venv's editable install; a bare
@@ -64,24 +67,20 @@ intersphinx_mapping: dict[str, tuple[str, str]] = {}
 # leaves out on purpose, each group with its reason.
 nitpicky = True
 nitpick_ignore = [
-    # gradkit's torch-level classes and modules behind the public Lightning callbacks: a callback's docstring names
-    # the policy it wraps (and the modules that do the work), while the site documents the callback only.
+    # gradkit's torch-level classes and modules that do the work behind the documented policies: a policy's docstring
+    # (its callback's page) names them, while the site documents the policies only. A reference to a policy itself
+    # (`gradkit.clipping.ZClip`) or to the loop door links to its page (`_link_torch_root` below).
     ("py:class", "gradkit.accumulate.WindowScale"),
-    ("py:class", "gradkit.agc.AdaptiveGradClip"),
-    ("py:class", "gradkit.clipping.ClipGradNorm"),
-    ("py:class", "gradkit.clipping.ClipGradValue"),
-    ("py:class", "gradkit.early_warning.EarlyWarning"),
-    ("py:class", "gradkit.guards.NonFiniteGuard"),
-    ("py:class", "gradkit.history_clipping.AutoClip"),
-    ("py:class", "gradkit.history_clipping.ZClip"),
-    ("py:class", "gradkit.monitor.GradNormMonitor"),
-    ("py:class", "gradkit.rollback.SpikeRollback"),
-    ("py:class", "gradkit.spike_guard.SpikeGuard"),
-    ("py:class", "gradkit.steps_to_skip.StepsToSkip"),
+    ("py:class", "gradkit.host_lag.HostLag"),
+    ("py:class", "gradkit.snapshot.StepSnapshot"),
     ("py:class", "StepsToSkip"),
     ("py:func", "gradkit.replay.replay"),
+    ("py:mod", "gradkit.escalation"),
+    ("py:mod", "gradkit.forensics"),
     ("py:mod", "gradkit.report_loggers"),
     ("py:mod", "gradkit.selection"),
+    ("py:mod", "gradkit.signals"),
+    ("py:mod", "gradkit.warning_rules"),
     ("py:mod", "lightning_gradkit._deepspeed"),
     ("py:mod", "lightning_gradkit.activation_checkpointing.injection"),
     ("py:mod", "lightning_gradkit.activation_checkpointing.planner"),
@@ -105,6 +104,8 @@ nitpick_ignore = [
     ("py:attr", "framework_report"),
     ("py:attr", "report"),
     ("py:attr", "reports"),
+    ("py:attr", "sampled"),
+    ("py:attr", "snapshot_bytes"),
     ("py:attr", "trainer_only"),
     ("py:attr", "HFGradKit.kit"),
     # private type aliases in the signature of Lightning's FSDPStrategy (inherited by GradKitFSDPStrategy), defined
@@ -125,5 +126,25 @@ def _link_external_names(app: Sphinx, config: Config) -> None:
     config.intersphinx_mapping = write_inventories(Path(app.doctreedir) / "external_names")
 
 
+def _link_torch_root(app: Sphinx, env: BuildEnvironment, node: pending_xref, contnode: Element) -> Element | None:
+    """A reference into a module of the torch root (``gradkit.history_clipping.ZClip``,
+    ``gradkit.loop.GradKit.note_loss``) links to where the site documents that class under its public name: the loop
+    door as ``gradkit.GradKit``, a policy on its callback's page (``lightning_gradkit.ZClip``, the same docstring)."""
+    parts = node.get("reftarget", "").split(".")
+    if node.get("refdomain") != "py" or parts[0] != "gradkit":
+        return None
+    domain = env.get_domain("py")
+    for i, part in enumerate(parts[1:], start=1):
+        if part[:1].isupper():  # the class, after its module's path
+            name = ".".join(parts[i:])
+            known = domain.objects  # type: ignore[attr-defined]
+            public = next((p for p in (f"gradkit.{name}", f"lightning_gradkit.{name}") if p in known), None)
+            if public is None:
+                return None
+            return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], public, node, contnode)
+    return None
+
+
 def setup(app: Sphinx) -> None:
     app.connect("config-inited", _link_external_names, priority=500)
+    app.connect("missing-reference", _link_torch_root)

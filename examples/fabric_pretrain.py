@@ -38,8 +38,7 @@ from lightning.fabric.loggers import CSVLogger
 from lightning.fabric.strategies import ModelParallelStrategy, Strategy
 from torch import Tensor, nn
 
-from gradkit.loop import GradKit
-from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip
+from gradkit import ClipGradNorm, GradKit, GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip
 from lightning_gradkit.demos import GPTConfig, TinyGPT, stdlib_text
 
 VOCAB_SIZE = 256  # bytes

@@ -8,7 +8,7 @@
 
 The script is an ordinary ``Trainer`` run: ``TrainingArguments``, a dataset of token ids with labels, ``Trainer(...)``,
 ``trainer.train()``. One line adds gradkit: ``install(trainer, [...])``, with gradkit's policies as plain torch
-objects (no Lightning is imported; ``lightning_gradkit``'s callbacks of the same names work too). From then on every
+objects, imported from ``gradkit`` (no Lightning is imported). From then on every
 optimizer step goes through gradkit's pipeline: the gradient norms are measured once (per block, in HF's logs and
 reporters, and as HF's own ``grad_norm``), HF's ``max_grad_norm`` clipping runs there after the guards' read, a step
 with a NaN/Inf loss or gradient is skipped (the model, the optimizer state and the LR schedule stay as they were), and
@@ -36,11 +36,8 @@ import transformers
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from gradkit import ZClip
-from gradkit.guards import NonFiniteGuard
+from gradkit import GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip
 from gradkit.huggingface import install
-from gradkit.monitor import GradNormMonitor
-from gradkit.spike_guard import SpikeGuard
 
 VOCAB_SIZE = 256  # bytes
 

@@ -163,6 +163,22 @@ def test_clipping_callbacks_show_jsonargparse_only_their_public_arguments(name: 
     assert [a.dest[3:] for a in parser._actions if a.dest.startswith("cb.")] == CLIP_ARGUMENTS[name]
 
 
+def test_help_describes_every_argument_of_every_callback() -> None:
+    # What `--trainer.callbacks.help <name>` prints for each argument: jsonargparse's reading of the class docstring's
+    # Args (the composed one for a policy's callback), independent of the docs test's own parser.
+    from jsonargparse import ArgumentParser
+
+    undocumented = {}
+    for name, cls in exported_callbacks().items():
+        parser = ArgumentParser()
+        parser.add_class_arguments(cls, "cb")
+        helps = {a.dest[3:]: (a.help or "").strip() for a in parser._actions if a.dest.startswith("cb.")}
+        assert set(helps) == set(inspect.signature(cls.__init__).parameters) - {"self"}, name
+        if missing := sorted(argument for argument, text in helps.items() if not text):
+            undocumented[name] = missing
+    assert not undocumented, f"arguments that LightningCLI's --help shows without a description: {undocumented}"
+
+
 @pytest.mark.parametrize(
     ("name", "cls"),
     [

@@ -14,7 +14,8 @@ A page's fenced blocks are taken by language:
 - ``text``: output or a listing, not code. ``{directive}`` fences (``{eval-rst}``, ``{toctree}``, ``{include}``) are
   Sphinx's, checked by the ``-W`` build (``make docs``).
 
-The docstring examples (``>>>``) of the public names, which the API reference renders, run as doctests.
+The docstring examples (``>>>``) of the public names of both roots (``help()`` and the pages show them) run as
+doctests, each in a namespace of its own: an example imports what it uses.
 
 The names of other projects that the site links (``docs/external_names.py``) each designate an object of the installed
 package, the one their anchor names, and their URLs stay under the project's documentation root.
@@ -22,6 +23,7 @@ package, the one their anchor names, and their URLs stay under the project's doc
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import doctest
 import importlib
@@ -252,6 +254,49 @@ def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.Monkey
     OUTCOMES[page](namespace, tmp_path, caught)
 
 
+def _import_origins(tree: ast.Module) -> dict[str, str]:
+    """Each name a block's imports bind -> the module it comes from (``import a.b`` binds ``a``)."""
+    origins = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            origins.update({alias.asname or alias.name: node.module for alias in node.names})
+        elif isinstance(node, ast.Import):
+            origins.update({(alias.asname or alias.name).split(".")[0]: alias.name for alias in node.names})
+    return origins
+
+
+# The one import of each door that is not the Trainer's: the policies and GradKit from `gradkit`, HF's `install`.
+DOOR_IMPORTS = {"GradKit": "gradkit", "install": "gradkit.huggingface"}
+
+
+def test_loop_and_hf_door_blocks_import_from_gradkit() -> None:
+    """One import per door, taught the same way on every page: a block that builds the loop door (``GradKit(...)``,
+    Fabric included) or the HF door (``install(...)``) takes each gradkit name it uses from ``gradkit`` itself (not
+    ``lightning_gradkit``, which loads Lightning, nor a submodule), whether it imports it or an earlier block of the
+    page did (the page's blocks share one namespace)."""
+    checked, wrong = 0, []
+    for page in PYTHON_PAGES:
+        origins: dict[str, str] = {}
+        for block in blocks(page):
+            if block.language != "python":
+                continue
+            tree = ast.parse(block.code)
+            origins.update(_import_origins(tree))
+            calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+            if not calls & set(DOOR_IMPORTS):
+                continue
+            checked += 1
+            used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+            for name in sorted(used):
+                module = origins.get(name, "")
+                if module.split(".")[0] in ("gradkit", "lightning_gradkit") and module != DOOR_IMPORTS.get(
+                    name, "gradkit"
+                ):
+                    wrong.append(f"docs/{page}:{block.line}: `{name}` from `{module}`")
+    assert checked >= 4, checked  # doors.md (loop, Fabric), hf_door.md, jobs/early_warning.md
+    assert not wrong, f"loop-door and HF-door blocks that import from elsewhere than `gradkit`: {wrong}"
+
+
 # ---------------------------------------------------------------------------------------------------------- bash
 
 
@@ -399,10 +444,19 @@ def _public() -> dict[str, object]:
 
 
 def test_every_public_name_is_in_the_api_reference() -> None:
+    import gradkit
+
     documented = {
         match
         for page in PAGES
         for match in re.findall(r"^\.\. auto(?:class|function):: (\S+)", (DOCS / page).read_text(), re.M)
+    }
+    # A name of both roots is documented under the one the docs teach for its door (`gradkit.GradKit`: the loop door).
+    torch_root = {name.removeprefix("gradkit.") for name in documented if name.startswith("gradkit.")}
+    documented |= {
+        f"lightning_gradkit.{name}"
+        for name in torch_root & set(gradkit.__all__)
+        if _public().get(f"lightning_gradkit.{name}") is getattr(gradkit, name)
     }
     missing = sorted(set(_public()) - documented)
     assert not missing, f"public names with no autodoc entry in docs/: {missing}"
@@ -410,11 +464,24 @@ def test_every_public_name_is_in_the_api_reference() -> None:
     assert not stale, f"autodoc entries for names that are not in lightning_gradkit.__all__: {stale}"
 
 
+def _documented_objects() -> dict[str, object]:
+    """The public names of both roots whose docstrings a reader sees (``help()``, the pages); an object of both roots
+    once, under ``lightning_gradkit``. The torch policies' examples run behind the loop door, the callbacks' in a
+    Trainer."""
+    import gradkit
+
+    public = _public()
+    shared = {id(obj) for obj in public.values()}
+    torch_root = {f"gradkit.{name}": getattr(gradkit, name) for name in gradkit.__all__}
+    return {**public, **{name: obj for name, obj in torch_root.items() if id(obj) not in shared}}
+
+
 def _doctests(name: str) -> list[doctest.DocTest]:
-    return [t for t in doctest.DocTestFinder(recurse=False).find(_public()[name], name, globs={}) if t.examples]
+    found = doctest.DocTestFinder(recurse=False).find(_documented_objects()[name], name, globs={})
+    return [t for t in found if t.examples]
 
 
-@pytest.mark.parametrize("name", [name for name in sorted(_public()) if _doctests(name)])
+@pytest.mark.parametrize("name", [name for name in sorted(_documented_objects()) if _doctests(name)])
 def test_docstring_examples_run(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)

@@ -39,8 +39,40 @@ def test_the_torch_root_imports_no_lightning() -> None:
 
 
 def test_importing_the_torch_root_loads_no_lightning() -> None:
-    # The loop door and the policies, used the way a plain PyTorch loop uses them.
-    run_without_lightning("import gradkit, gradkit.clipping, gradkit.agc, gradkit.norms, gradkit.accumulate")
+    # The loop door and the policies, imported the way the docs teach a plain PyTorch loop to.
+    run_without_lightning(f"from gradkit import {', '.join(gradkit.__all__)}\nimport gradkit.accumulate")
+
+
+def _torch_policies() -> dict[str, str]:
+    """Every class of the torch root that sets a ``stage`` in its body (what places a policy in the pipeline; the
+    ``Policy`` protocol only annotates it), read from the source: its name -> its module."""
+    found = {}
+    for path in sorted(TORCH_ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(target, ast.Name) and target.id == "stage"
+                for statement in node.body
+                for target in (
+                    statement.targets if isinstance(statement, ast.Assign) else
+                    [statement.target] if isinstance(statement, ast.AnnAssign) and statement.value else []
+                )
+            ):  # fmt: skip
+                found[node.name] = (
+                    f"gradkit.{path.relative_to(TORCH_ROOT).with_suffix('').as_posix().replace('/', '.')}"
+                )
+    return found
+
+
+def test_the_torch_root_exports_every_policy_under_its_callbacks_name() -> None:
+    # One import per door: `from gradkit import ZClip` for a loop, Fabric or HF, `from lightning_gradkit import ZClip`
+    # for the Trainer, the same name and arguments. `WindowScale` is ManualAccumulator's scale of one window, built by
+    # it, never by a user.
+    policies = {name: module for name, module in _torch_policies().items() if name != "WindowScale"}
+    assert len(policies) == 11, sorted(policies)
+    for name, module in policies.items():
+        assert name in gradkit.__all__, f"`from gradkit import {name}` fails"
+        assert getattr(gradkit, name) is getattr(importlib.import_module(module), name)
+        assert issubclass(getattr(lightning_gradkit, name), getattr(gradkit, name)), name
 
 
 def test_importing_the_package_before_lightning_registers_the_strategy_names() -> None:

@@ -22,11 +22,15 @@ from __future__ import annotations
 from gradkit.agc import AdaptiveGradClip
 from gradkit.clipping import ClipGradNorm, ClipGradValue
 from gradkit.early_warning import EarlyWarning
+from gradkit.guards import NonFiniteGuard
 from gradkit.history_clipping import AutoClip, ZClip
 from gradkit.loop import GradKit
+from gradkit.monitor import GradNormMonitor
 from gradkit.norms import GradStats
 from gradkit.pipeline import StepPlan
 from gradkit.protocol import Policy, Stage, StepContext
+from gradkit.rollback import SpikeRollback
+from gradkit.spike_guard import SpikeGuard
 from gradkit.steps_to_skip import StepsToSkip
 
 __all__ = [
@@ -36,8 +40,12 @@ __all__ = [
     "ClipGradValue",
     "EarlyWarning",
     "GradKit",
+    "GradNormMonitor",
     "GradStats",
+    "NonFiniteGuard",
     "Policy",
+    "SpikeGuard",
+    "SpikeRollback",
     "Stage",
     "StepContext",
     "StepPlan",

@@ -103,7 +103,7 @@ class AdaptiveGradClip:
     step it joins.
 
     Logs the keys of :class:`~gradkit.clipping.ClipGradNorm` (2-norms; ``grad_clip/coef`` is post / pre), a step
-    counting as clipped when any unit (on rank 0, under sharding) was rescaled.
+    counting as clipped when any unit (on rank 0, under sharding) was rescaled; writes no events.
 
     Args:
         clip_factor: the ``lambda`` of the paper, > 0.
@@ -121,6 +121,7 @@ class AdaptiveGradClip:
 
     Example::
 
+        >>> from gradkit import AdaptiveGradClip
         >>> clipper = AdaptiveGradClip(clip_factor=0.01, exclude=["re:head"])
     """
 

@@ -227,7 +227,7 @@ class ClipGradNorm:
     Logged on logging steps: ``grad_clip/pre_clip_norm``, ``grad_clip/post_clip_norm``, ``grad_clip/coef`` and
     ``grad_clip/clipped_fraction`` (steps clipped since the previous log); ``/opt{i}`` is appended with several
     optimizers. No ``grad_clip/threshold``: it would be ``max_norm`` at every step (the adaptive clippers log
-    theirs).
+    theirs). No clipper writes events: a clipped step is routine, not an incident.
 
     Args:
         max_norm: the largest total norm, > 0.
@@ -238,7 +238,8 @@ class ClipGradNorm:
 
     Example::
 
-        >>> from gradkit.loop import GradKit
+        >>> import torch
+        >>> from gradkit import ClipGradNorm, GradKit
         >>> model = torch.nn.Linear(4, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> kit = GradKit(model, optimizer, ClipGradNorm(max_norm=1.0))
@@ -296,7 +297,7 @@ class ClipGradValue:
     unscale; while the gradients still carry the loss scale (a fused optimizer under 16-mixed AMP) the bound is
     scaled by it, so it means the same. The logged norms are inf-norms (the largest absolute element), the quantity
     value clipping bounds: the post-clip value is ``min(pre, clip_value)``, derived without reading the gradients
-    again. Logs the keys of :class:`ClipGradNorm`.
+    again. Logs the keys of :class:`ClipGradNorm`; writes no events.
 
     Args:
         clip_value: the bound, > 0.
@@ -306,7 +307,8 @@ class ClipGradValue:
 
     Example::
 
-        >>> from gradkit.loop import GradKit
+        >>> import torch
+        >>> from gradkit import ClipGradValue, GradKit
         >>> model = torch.nn.Linear(4, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> kit = GradKit(model, optimizer, ClipGradValue(clip_value=0.5))

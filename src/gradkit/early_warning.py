@@ -77,7 +77,8 @@ class EarlyWarning:
     by ``escalate_lr_factor`` and ramps back to the schedule over ``escalate_rewarmup_steps`` applied optimizer
     steps (compounding when it fires again during a ramp), and the optimizer moments of the modules concerned
     (``escalate_reset_moments="spiking"``: the attention module, the module row, the output module, the module with
-    the largest update ratio), or of ``"all"`` parameters, are reset; an ``escalation`` event records it.
+    the largest update ratio), or of ``"all"`` parameters, are reset; an ``escalation`` event records it. At the end
+    of training the logged series are one ``signals`` event (what the report draws, whatever the logger).
 
     Args:
         attention: the attention modules: ``"auto"`` (the outermost modules whose class name ends in
@@ -96,8 +97,11 @@ class EarlyWarning:
         growth: the growth factor of the growth rule and of a series firing again (> 1).
         growth_steps: the optimizer steps the growth is measured over (>= 1).
         action: ``"warn"`` or ``"escalate"``.
-        escalate_lr_factor, escalate_rewarmup_steps, escalate_reset_moments: the escalation, as ``SpikeRollback``'s
-            arguments of the same names.
+        escalate_lr_factor: with ``action="escalate"``, multiply the learning rate by this factor in ``(0, 1)``,
+            ramping back to the schedule (``None``: no cut).
+        escalate_rewarmup_steps: applied optimizer steps over which the cut ramps back to 1 (>= 1).
+        escalate_reset_moments: with ``action="escalate"``, reset the optimizer state of the ``"spiking"`` modules
+            (those the findings name), of ``"all"`` parameters, or ``"none"``.
         log_every_n_steps: how often to measure and log, in optimizer steps; defaults to the loop's period.
 
     Raises:
@@ -107,7 +111,8 @@ class EarlyWarning:
 
     Example::
 
-        >>> from gradkit.loop import GradKit
+        >>> import torch
+        >>> from gradkit import EarlyWarning, GradKit
         >>> from lightning_gradkit.demos import GPTConfig, TinyGPT
         >>> model = TinyGPT(GPTConfig(n_layer=1, n_embd=32))
         >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -115,6 +115,10 @@ class NonFiniteGuard:
     ``"gradients"``). ``action="warn"`` never replays (the update was applied, so the step's parameters are gone):
     its culprit comes from the loss or the gradients, and the message says to use ``"skip"`` or ``"raise"``.
 
+    The events' ``what``: ``"nonfinite_loss"``, ``"nonfinite_grads"``, ``"nonfinite_loss_and_grads"``,
+    ``"fp16_overflow"`` and ``"nonfinite_val_loss"`` (both below). Skipped steps are logged as
+    ``gradkit/skipped_steps`` on logging steps.
+
     With the fp16 ``GradScaler``, non-finite gradients under a finite loss are the scaler's routine overflow (its
     first steps at the default scale 65536 overflow often): the scaler skips the step itself and lowers its scale.
     That is the scaler's skip, not the guard's: it is not counted in ``gradkit/skipped_steps`` (nor in
@@ -160,7 +164,7 @@ class NonFiniteGuard:
     Example::
 
         >>> import torch, warnings
-        >>> from gradkit.loop import GradKit
+        >>> from gradkit import GradKit, NonFiniteGuard
         >>> model = torch.nn.Linear(2, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> kit = GradKit(model, optimizer, NonFiniteGuard(action="skip"), log_dir=False)
@@ -169,6 +173,7 @@ class NonFiniteGuard:
         >>> loss.backward()
         >>> kit.note_loss(loss, replay=lambda: model(x).sum())
         >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")  # record the warning whatever the filters outside
         ...     kit.step(optimizer)
         False
         >>> "culprit `<batch>`" in str(caught[0].message)

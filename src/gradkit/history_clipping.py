@@ -83,7 +83,8 @@ class AutoClip:
     ``history_size`` finite norms, kept on the gradients' device (no host sync), one per optimizer; non-finite norms
     never enter it. It is saved in checkpoints.
 
-    Logs, besides the keys of :class:`~gradkit.clipping.ClipGradNorm`, ``grad_clip/threshold`` (the percentile).
+    Logs, besides the keys of :class:`~gradkit.clipping.ClipGradNorm`, ``grad_clip/threshold`` (the percentile);
+    writes no events.
 
     Args:
         percentile: in ``(0, 100]``; 10.0 by default.
@@ -95,6 +96,7 @@ class AutoClip:
 
     Example::
 
+        >>> from gradkit import AutoClip
         >>> clipper = AutoClip(percentile=10.0)
     """
 
@@ -220,7 +222,7 @@ class ZClip:
 
     Logs, besides the keys of :class:`~gradkit.clipping.ClipGradNorm`, ``grad_clip/threshold``: the norm above
     which the step is clipped, ``mu + z_threshold * (sigma + 1e-6)`` from the statistics before the step (capped by
-    ``max_norm``; ``max_norm``, or ``inf`` without one, during warm-up).
+    ``max_norm``; ``max_norm``, or ``inf`` without one, during warm-up). It writes no events.
 
     Args:
         alpha: EMA smoothing factor in ``(0, 1)``.
@@ -235,6 +237,7 @@ class ZClip:
 
     Example::
 
+        >>> from gradkit import ZClip
         >>> clipper = ZClip(alpha=0.97, z_threshold=2.5)
     """
 

@@ -208,13 +208,14 @@ class GradKit:
     optimizer state and module buffers exactly as they were. No host synchronization off logging steps, except the
     one read of the skip flag with an ordinary optimizer when a policy may skip (none with a fused optimizer).
 
-    Policies that work here: ``GradNormMonitor`` (``prog_bar`` needs a Trainer, ``report`` a ``log_dir``),
-    ``ClipGradNorm``, ``ClipGradValue``, ``AutoClip``, ``ZClip``, ``AdaptiveGradClip``,
-    ``NonFiniteGuard`` (``skip``/``warn``/``raise``; its culprit replay runs the closures given to
-    :meth:`note_loss`), ``SpikeGuard`` and ``SpikeRollback`` (its snapshots hold the model's
-    parameters and buffers, the optimizer state, the ``schedulers`` given here, RNG and the other policies' state).
-    Callbacks that drive the Trainer's loop (``AccumulationGuard``, ``ActivationCheckpointing``, ...) are refused
-    with the reason.
+    Policies that work here, each imported from ``gradkit``: ``GradNormMonitor`` (``prog_bar`` needs a Trainer,
+    ``report`` an events directory: not ``log_dir=False``), ``ClipGradNorm``, ``ClipGradValue``, ``AutoClip``,
+    ``ZClip``, ``AdaptiveGradClip``, ``NonFiniteGuard`` (``skip``/``warn``/``raise``; its culprit replay runs the
+    closures given to :meth:`note_loss`), ``SpikeGuard``, ``SpikeRollback`` (its snapshots hold the model's
+    parameters and buffers, the optimizer state, the ``schedulers`` given here, RNG and the other policies' state),
+    ``EarlyWarning`` (its SpikeScore reads the losses given to :meth:`note_loss`) and ``StepsToSkip`` (ask
+    :attr:`drops_batch` before the forward). Callbacks that drive the Trainer's loop (``AccumulationGuard``,
+    ``ActivationCheckpointing``, ...) are refused with the reason.
 
     Each LR scheduler given as ``schedulers`` belongs to the optimizer it was built on (``scheduler.optimizer``):
     :meth:`step` steps it after that optimizer's applied steps and holds it on a skipped one (as the Trainer's
@@ -254,8 +255,7 @@ class GradKit:
     Example::
 
         >>> import torch
-        >>> from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard
-        >>> from gradkit.loop import GradKit
+        >>> from gradkit import ClipGradNorm, GradKit, GradNormMonitor, NonFiniteGuard
         >>> model = torch.nn.Linear(4, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> logged = []

@@ -90,6 +90,9 @@ class GradNormMonitor:
     - ``update_ratio/total`` and ``update_ratio/module/<name>``: with ``update_ratio=True``, the update-to-weight
       ratio ``||w_after - w_before|| / ||w_before||`` (2-norms, whatever ``norm_type``) of this optimizer step.
 
+    It writes no events (the report reads the guards'); beside them, in the log directory, it keeps
+    ``gradkit_run.json`` (the model order of the per-module rows, which a logger such as ``CSVLogger`` sorts by name).
+
     **Update-to-weight ratio.** The ratio of the size of a step's update to the size of the weights is the usual
     learning-rate health signal: about ``1e-3`` per step is healthy (Karpathy, CS231n "ratio of weights:updates");
     far below, the learning rate is too low or the module does not train; far above, it is too high. On a logging
@@ -135,12 +138,13 @@ class GradNormMonitor:
     Raises:
         ValueError: if ``norm_type`` < 1, ``depth`` is neither ``"auto"`` nor an integer >= 0,
             ``log_every_n_steps`` or ``report_every_n_logs`` is not a positive integer, ``report_every_n_logs``
-            comes without ``report=True``; behind a loop door, ``report=True`` without a ``log_dir`` or
+            comes without ``report=True``; behind a loop door, ``report=True`` with ``log_dir=False`` or
             ``prog_bar=True``.
 
     Example::
 
-        >>> from gradkit.loop import GradKit
+        >>> import torch
+        >>> from gradkit import GradKit, GradNormMonitor
         >>> model = torch.nn.Linear(4, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> logged = []

@@ -139,7 +139,8 @@ class SpikeRollback:
 
     Example::
 
-        >>> from gradkit.loop import GradKit
+        >>> import torch
+        >>> from gradkit import GradKit, SpikeRollback
         >>> model = torch.nn.Linear(4, 1)
         >>> optimizer = torch.optim.AdamW(model.parameters())
         >>> rollback = SpikeRollback("loss", patience=3, snapshot_every_n_steps=100, skip_batches=200)

@@ -52,6 +52,12 @@ class SpikeGuard:
     - ``"skip"`` (behind a Trainer, needs a GradKit strategy): the step is skipped as ``NonFiniteGuard`` skips it.
     - ``"raise"``: one host read per step; raises before the optimizer steps.
 
+    Events: each report is one event in ``gradkit_events.jsonl`` (``what="loss_spike"`` or ``"grad_norm_spike"``,
+    with ``value``, ``z``, ``mean``, ``std``, ``z_threshold``, ``relative_floor``, ``spikes`` and ``last_step``) and
+    a warning: with ``"warn"`` (and ``"skip"`` with a fused optimizer) the spikes since the previous logging step,
+    by the first one's values; otherwise each spike at its step, a gradient-norm spike naming the parameter with the
+    largest gradient as ``culprit``. Skipped steps are logged as ``gradkit/skipped_steps`` on logging steps.
+
     Unlike Lightning's ``SpikeDetection`` (loss only, a barrier and a collective every batch, raise only, no
     working ``load_state_dict``), the state round-trips through checkpoints: a resumed run takes the same
     decisions as an uninterrupted one.
@@ -77,7 +83,7 @@ class SpikeGuard:
     Example::
 
         >>> import torch
-        >>> from gradkit.loop import GradKit
+        >>> from gradkit import GradKit, SpikeGuard
         >>> model = torch.nn.Linear(2, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> kit = GradKit(model, optimizer, SpikeGuard("loss", action="skip"), log_dir=False)

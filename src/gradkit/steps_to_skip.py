@@ -109,7 +109,7 @@ class StepsToSkip:
     given again are merged in; added at a restart from a checkpoint saved without it, it starts fresh (a warning
     says so), behind every door. Each range is an ``steps_skipped`` event with ``steps_to_skip=[[start, stop]]`` when
     its first step is dropped; ``SpikeRollback``'s ``rollback`` events list the steps they left out in the same
-    form, and :func:`steps_from_events` collects both from an events file.
+    form, and :func:`~gradkit.steps_to_skip.steps_from_events` collects both from an events file.
 
     Args:
         steps: the ``[start, stop)`` ranges (pairs of integers), in any order; overlapping ranges are merged.
@@ -121,7 +121,7 @@ class StepsToSkip:
     Example::
 
         >>> import torch
-        >>> from gradkit.loop import GradKit
+        >>> from gradkit import GradKit, StepsToSkip
         >>> model = torch.nn.Linear(4, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> kit = GradKit(model, optimizer, StepsToSkip(steps=[[1, 3]]), log_dir=False)

@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from gradkit import agc, clipping, history_clipping
 from gradkit.protocol import Policy, Stage, is_policy, unwrapped
 from lightning_gradkit._deepspeed import clipping_instead, refuse_under_deepspeed
+from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
 
 __all__ = ["AdaptiveGradClip", "AutoClip", "ClipGradNorm", "ClipGradValue", "ZClip", "clip_gradients"]
@@ -53,16 +54,15 @@ def _set_up(trainer: pl.Trainer, stage: str, setting: str, max_norm: float | Non
         )
 
 
+@with_policy_docstring
 class ClipGradNorm(clipping.ClipGradNorm, GradKitCallback):
-    r"""Clip gradients by their total p-norm: the same result as ``torch.nn.utils.clip_grad_norm_``.
+    r"""The Trainer callback of :class:`gradkit.clipping.ClipGradNorm`: its docstring, then what follows.
 
-    The Trainer callback of :class:`gradkit.clipping.ClipGradNorm`, which documents the algorithm, its arguments and
-    the values it logs. Unlike ``Trainer(gradient_clip_val=...)``, it also clips with fused optimizers under 16-mixed
-    AMP, logs the norms, and runs with manual optimization too (see :func:`clip_gradients`).
+    Unlike ``Trainer(gradient_clip_val=...)``, it also clips with fused optimizers under 16-mixed AMP, logs the norms,
+    and runs with manual optimization too (see :func:`clip_gradients`).
 
     Raises:
-        ValueError: at construction, if ``max_norm`` <= 0 or ``norm_type`` < 1; at setup, if another clipping
-            callback or ``Trainer(gradient_clip_val=...)`` is also present.
+        ValueError: at setup, if another clipping callback or ``Trainer(gradient_clip_val=...)`` is also present.
         RuntimeError: at setup, under ``DeepSpeedStrategy`` (its config's ``gradient_clipping`` does this there).
 
     Example::
@@ -77,15 +77,12 @@ class ClipGradNorm(clipping.ClipGradNorm, GradKitCallback):
         _set_up(trainer, stage, repr(self), self.max_norm if self.norm_type == 2.0 else None)
 
 
+@with_policy_docstring
 class ClipGradValue(clipping.ClipGradValue, GradKitCallback):
-    r"""Clip every gradient element to ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``.
-
-    The Trainer callback of :class:`gradkit.clipping.ClipGradValue`, which documents the algorithm, its argument and
-    the values it logs.
+    r"""The Trainer callback of :class:`gradkit.clipping.ClipGradValue`: its docstring, then what follows.
 
     Raises:
-        ValueError: at construction, if ``clip_value`` <= 0; at setup, if another clipping callback or
-            ``Trainer(gradient_clip_val=...)`` is also present.
+        ValueError: at setup, if another clipping callback or ``Trainer(gradient_clip_val=...)`` is also present.
         RuntimeError: at setup, under ``DeepSpeedStrategy``.
 
     Example::
@@ -100,16 +97,14 @@ class ClipGradValue(clipping.ClipGradValue, GradKitCallback):
         _set_up(trainer, stage, repr(self), None)
 
 
+@with_policy_docstring
 class AutoClip(history_clipping.AutoClip, GradKitCallback):
-    r"""Clip to a percentile of the history of total gradient norms (AutoClip).
+    r"""The Trainer callback of :class:`gradkit.history_clipping.AutoClip`: its docstring, then what follows.
 
-    The Trainer callback of :class:`gradkit.history_clipping.AutoClip`, which documents the algorithm, its arguments
-    and the values it logs. Its history is saved in checkpoints under the key ``"AutoClip"``.
+    Its history is saved in checkpoints under the key ``"AutoClip"``.
 
     Raises:
-        ValueError: at construction, if ``percentile`` is outside ``(0, 100]`` or ``history_size`` is not an
-            integer in ``[1, 10_000_000]``; at setup, if another clipping callback or
-            ``Trainer(gradient_clip_val=...)`` is also present.
+        ValueError: at setup, if another clipping callback or ``Trainer(gradient_clip_val=...)`` is also present.
         RuntimeError: at setup, under ``DeepSpeedStrategy``.
 
     Example::
@@ -124,16 +119,14 @@ class AutoClip(history_clipping.AutoClip, GradKitCallback):
         _set_up(trainer, stage, "AutoClip(...)", None)
 
 
+@with_policy_docstring
 class ZClip(history_clipping.ZClip, GradKitCallback):
-    r"""Clip gradient-norm spikes detected by a z-score against an EMA of the total norm (ZClip).
+    r"""The Trainer callback of :class:`gradkit.history_clipping.ZClip`: its docstring, then what follows.
 
-    The Trainer callback of :class:`gradkit.history_clipping.ZClip`, which documents the algorithm, its arguments
-    and the values it logs. Its statistics are saved in checkpoints under the key ``"ZClip"``.
+    Its statistics are saved in checkpoints under the key ``"ZClip"``.
 
     Raises:
-        ValueError: at construction, for ``alpha`` outside ``(0, 1)``, ``z_threshold`` or ``max_norm`` <= 0, or
-            ``warmup_steps`` < 1; at setup, if another clipping callback or ``Trainer(gradient_clip_val=...)`` is
-            also present.
+        ValueError: at setup, if another clipping callback or ``Trainer(gradient_clip_val=...)`` is also present.
         RuntimeError: at setup, under ``DeepSpeedStrategy``.
 
     Example::
@@ -148,17 +141,15 @@ class ZClip(history_clipping.ZClip, GradKitCallback):
         _set_up(trainer, stage, "ZClip(...)", None)
 
 
+@with_policy_docstring
 class AdaptiveGradClip(agc.AdaptiveGradClip, GradKitCallback):
-    r"""Unit-wise adaptive gradient clipping (AGC).
+    r"""The Trainer callback of :class:`gradkit.agc.AdaptiveGradClip`: its docstring, then what follows.
 
-    The Trainer callback of :class:`gradkit.agc.AdaptiveGradClip`, which documents the algorithm, its arguments and
-    the values it logs. The parameters are selected at ``fit`` start, from the configured (sharded, wrapped) model.
+    The parameters are selected at ``fit`` start, from the configured (sharded, wrapped) model.
 
     Raises:
-        ValueError: at construction, for non-positive ``clip_factor`` or ``eps`` or an invalid regex; at setup, for an
-            ``exclude`` pattern that matches no parameter, or another clipping callback or
-            ``Trainer(gradient_clip_val=...)`` also present.
-        RuntimeError: at setup, under FSDP1, DeepSpeed or for a parameter sharded along a dimension other than 0.
+        ValueError: at setup, if another clipping callback or ``Trainer(gradient_clip_val=...)`` is also present.
+        RuntimeError: at setup, under DeepSpeed.
 
     Example::
 

@@ -22,6 +22,7 @@ import gradkit.spike_guard
 from gradkit.culprit import MicroBatch, sample_ids
 from gradkit.replay import capture_rng
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, deepspeed_step, refuse_under_deepspeed, uses_deepspeed
+from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
 from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline, is_logging_step
 
@@ -85,12 +86,12 @@ def training_step_batch(
     return MicroBatch(batch_idx, compute_loss, capture_rng(full=False), ids)
 
 
+@with_policy_docstring
 class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
-    r"""Catch NaN/Inf in the loss or the gradients: skip the step, raise, or warn; and name where it began.
+    r"""The Trainer callback of :class:`gradkit.guards.NonFiniteGuard`: its docstring, then what follows.
 
-    The Trainer callback of :class:`gradkit.guards.NonFiniteGuard` (its docstring describes the algorithm, the
-    arguments and the events). Behind the Trainer it replays ``training_step``, checks the validation losses
-    (``check_validation``) and works under Lightning's ``DeepSpeedStrategy`` (``"warn"`` and ``"raise"``).
+    Behind the Trainer it replays ``training_step``, checks the validation losses (``check_validation``) and works
+    under Lightning's ``DeepSpeedStrategy`` (``"warn"`` and ``"raise"``).
 
     Example::
 
@@ -289,12 +290,15 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
         TrainerPipeline.of(trainer).context(trainer, pl_module).warn(f"{message}{self._reporter.note}")
 
 
+@with_policy_docstring
 class SpikeGuard(gradkit.spike_guard.SpikeGuard, GradKitCallback):
-    r"""Detect loss or gradient-norm spikes with a running z-score: warn, skip the step, or raise.
+    r"""The Trainer callback of :class:`gradkit.spike_guard.SpikeGuard`: its docstring, then what follows.
 
-    The Trainer callback of :class:`gradkit.spike_guard.SpikeGuard` (its docstring describes the algorithm and the
-    arguments); ``action="skip"`` needs a GradKit strategy. Under Lightning's ``DeepSpeedStrategy`` it is refused at
-    setup: it decides from the gradients in ``.grad``, which DeepSpeed keeps in its own buffers.
+    ``action="skip"`` needs a GradKit strategy. Under Lightning's ``DeepSpeedStrategy`` it is refused at setup: it
+    decides from the gradients in ``.grad``, which DeepSpeed keeps in its own buffers.
+
+    Raises:
+        RuntimeError: at setup, under ``DeepSpeedStrategy``.
 
     Example::
 

@@ -13,18 +13,19 @@ from torch.optim import Optimizer
 
 import gradkit.monitor
 from lightning_gradkit._deepspeed import deepspeed_step, refuse_under_deepspeed, uses_deepspeed
+from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
 
 __all__ = ["GradNormMonitor"]
 
 
+@with_policy_docstring
 class GradNormMonitor(gradkit.monitor.GradNormMonitor, GradKitCallback):
-    r"""Log gradient norms (total, per module, per param group) and optionally weight norms.
+    r"""The Trainer callback of :class:`gradkit.monitor.GradNormMonitor`: its docstring, then what follows.
 
-    :class:`gradkit.monitor.GradNormMonitor` (the keys, the costs and the arguments) as a ``Trainer`` callback: the
-    values go to ``trainer.loggers`` in one host transfer per logging step (not ``self.log``: it would re-send stale
-    values off its period), a run shorter than the period gets a warning at train start, a second GradNormMonitor a
-    ``ValueError`` at setup, and the report is drawn after every callback's ``on_train_end`` (the guards' events).
+    Behind the Trainer the values go to ``trainer.loggers`` in one host transfer per logging step (not ``self.log``:
+    it would re-send stale values off its period), a run shorter than the period gets a warning at train start, and
+    the report is drawn after every callback's ``on_train_end`` (the guards' events).
 
     **Under Lightning's** ``DeepSpeedStrategy`` the DeepSpeed engine owns the step (see
     :mod:`lightning_gradkit._deepspeed`): after each DeepSpeed optimizer step (``engine.global_steps``) on logging
@@ -34,6 +35,10 @@ class GradNormMonitor(gradkit.monitor.GradNormMonitor, GradKitCallback):
     step reads two Python ints of the engine and nothing from the device. ``depth`` is not used; options other than
     their defaults (``norm_type=2``, ``param_groups``, ``weight_norms``, ``update_ratio``, ``report``, ``prog_bar``)
     are refused at setup.
+
+    Raises:
+        ValueError: at setup, for a second ``GradNormMonitor`` in the Trainer.
+        RuntimeError: at setup, under ``DeepSpeedStrategy``, for an option other than its default (see above).
 
     Example::
 

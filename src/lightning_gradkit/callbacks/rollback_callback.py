@@ -7,15 +7,16 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from gradkit import rollback
+from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.strategy import require_gradkit_step
 from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
 
 __all__ = ["SpikeRollback"]
 
 
+@with_policy_docstring
 class SpikeRollback(rollback.SpikeRollback, GradKitCallback):
-    """When a loss or gradient-norm spike persists, restore the newest good snapshot and step over the bad data: the
-    Trainer callback of :class:`gradkit.rollback.SpikeRollback` (its arguments, its algorithm, its state).
+    """The Trainer callback of :class:`gradkit.rollback.SpikeRollback`: its docstring, then what follows.
 
     Under a Trainer it needs a GradKit strategy (which skips the step that fires and puts back the buffers of every
     skipped step) and automatic optimization. The first snapshot is taken at ``on_train_start``.
@@ -25,11 +26,10 @@ class SpikeRollback(rollback.SpikeRollback, GradKitCallback):
     when skipping did not cure the run, with its own ``patience``, thresholds and budget.
 
     Raises:
-        ValueError: as :class:`gradkit.rollback.SpikeRollback`; at setup, for ``save_snapshots=True`` under
-            FSDP/FSDP2 with several ranks (each rank's snapshots hold its own shards, and Lightning saves callback
-            states from rank 0 only).
-        RuntimeError: as :class:`gradkit.rollback.SpikeRollback`; at setup, on a strategy that cannot skip an
-            optimizer step (the message names the GradKit strategy to use), under manual optimization or DeepSpeed.
+        ValueError: at setup, for ``save_snapshots=True`` under FSDP/FSDP2 with several ranks (each rank's
+            snapshots hold its own shards, and Lightning saves callback states from rank 0 only).
+        RuntimeError: at setup, on a strategy that cannot skip an optimizer step (the message names the GradKit
+            strategy to use), under manual optimization or DeepSpeed.
 
     Example::
 

@@ -12,20 +12,24 @@ from torch import Tensor
 import gradkit.early_warning
 import gradkit.steps_to_skip
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
+from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.strategy import require_gradkit_step
 from lightning_gradkit.trainer_door import GradKitCallback
 
 __all__ = ["EarlyWarning", "StepsToSkip"]
 
 
+@with_policy_docstring
 class EarlyWarning(gradkit.early_warning.EarlyWarning, GradKitCallback):
-    r"""Log early-warning signals of an instability, watch them, and warn (or act) before the loss spikes: the
-    Trainer callback of :class:`gradkit.early_warning.EarlyWarning` (its signals, rules, arguments and state).
+    r"""The Trainer callback of :class:`gradkit.early_warning.EarlyWarning`: its docstring, then what follows.
 
     Under a Trainer the SpikeScore takes each batch's loss from Lightning's own detached copy (the ``loss`` of
     ``training_step``'s output, at the batch end), so a step that does not log costs no device operation at all.
     ``action="escalate"`` works with any strategy (the learning-rate cut acts inside ``optimizer.step``). Not under
     DeepSpeed, whose engine owns the optimizer state.
+
+    Raises:
+        RuntimeError: at setup, under ``DeepSpeedStrategy``.
 
     Example::
 
@@ -61,9 +65,9 @@ class EarlyWarning(gradkit.early_warning.EarlyWarning, GradKitCallback):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
+@with_policy_docstring
 class StepsToSkip(gradkit.steps_to_skip.StepsToSkip, GradKitCallback):
-    r"""Drop the batches of declared optimizer-step ranges: the Trainer callback of
-    :class:`gradkit.steps_to_skip.StepsToSkip` (its ranges, events and state).
+    r"""The Trainer callback of :class:`gradkit.steps_to_skip.StepsToSkip`: its docstring, then what follows.
 
     Under a Trainer the GradKit strategy drops a declared step: its ``training_step`` returns without a forward, the
     backward and the optimizer step are left out, the step-interval LR schedulers hold, and ``trainer.global_step``
@@ -71,7 +75,6 @@ class StepsToSkip(gradkit.steps_to_skip.StepsToSkip, GradKitCallback):
     automatic optimization.
 
     Raises:
-        ValueError: as :class:`gradkit.steps_to_skip.StepsToSkip`.
         RuntimeError: at setup, on a strategy that is not a GradKit strategy (the message names the one to use),
             under manual optimization or DeepSpeed.
 
