@@ -135,7 +135,7 @@ class EarlyWarning:
 
     stage = Stage.GUARD  # its `finish` writes the series before GradNormMonitor's report reads the events
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a public constructor: one argument per documented option)
         self,
         attention: list[str] | Literal["auto"] | None = "auto",
         output: str | None = None,

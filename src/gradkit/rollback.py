@@ -154,7 +154,7 @@ class SpikeRollback:
 
     stage = Stage.GUARD
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a public constructor: one argument per documented option)
         self,
         monitor: Literal["loss", "grad_norm"] = "loss",
         z_threshold: float = 6.0,
