@@ -245,8 +245,9 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path: Path) -> None:
     assert state_equal(straight.snapshots[3], resumed.snapshots[3])  # batch 3 of epoch 2 (step 11): the spike
     sa, sb = g_straight.state_dict(), g_resumed.state_dict()
     assert sa["skipped_steps"] == sb["skipped_steps"] == 1.0 and sa["spikes"] == sb["spikes"] == 1
-    for key in sa["stats"]:
-        assert torch.equal(sa["stats"][key], sb["stats"][key]), key
+    assert sa["stats"].keys() == sb["stats"].keys() == {0}  # one optimizer: its statistics
+    for key in sa["stats"][0]:
+        assert torch.equal(sa["stats"][0][key], sb["stats"][0][key]), key
 
 
 def test_resume_without_restored_statistics_would_differ(tmp_path: Path) -> None:
@@ -331,7 +332,7 @@ def test_loss_monitor_records_the_mean_of_each_window_including_the_short_last_o
     accumulate = 1 if manual else 4
     trainer = make_trainer(tmp_path, callbacks=[guard], accumulate_grad_batches=accumulate, plugins=plugins)
     trainer.fit(model, loader(n=80))  # 10 batches: windows of 4, 4 and 2
-    recorded = guard.state_dict()["stats"]["values"][:3].tolist()
+    recorded = guard.state_dict()["stats"][0]["values"][:3].tolist()
     assert len(model.losses) == 10
     assert recorded == pytest.approx(window_means(model.losses, 4), rel=1e-6)
 
