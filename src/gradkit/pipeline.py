@@ -488,7 +488,7 @@ class Pipeline:
         lag = self._skip_lags.get(key)
         if lag is None:
             lag = self._skip_lags[key] = HostLag()
-        lag.push(skip.reshape(1))
+        lag.push(skip)
         plan._skip_lag = lag
 
 
