@@ -41,10 +41,12 @@ def _statistics(policies: list[Any]) -> list[Any]:
     return [p.state_dict()[kept[type(p)]] for p in policies if type(p) in kept]
 
 
-def _loop_run(clipper: str, fault: str, optimizer: str, bad: bool) -> tuple[nn.Module, list[Any], list[bool | None]]:
+def _loop_run(
+    clipper: str, fault: str, optimizer: str, bad: bool, device: str = "cpu"
+) -> tuple[nn.Module, list[Any], list[bool | None]]:
     """The loop door over the STEPS batches (``bad``: batch BAD spoiled) or over all but batch BAD."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(device)
     if optimizer == "adamw_fused":
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     else:
@@ -56,7 +58,7 @@ def _loop_run(clipper: str, fault: str, optimizer: str, bad: bool) -> tuple[nn.M
     for step in range(STEPS):
         if step == BAD and not bad:
             continue
-        x, y = data[step * BATCH : (step + 1) * BATCH]
+        x, y = (t.to(device) for t in data[step * BATCH : (step + 1) * BATCH])
         loss = nn.functional.mse_loss(model(x), y)
         spoiled = step == BAD
         if spoiled and fault == "loss_spike":
@@ -89,6 +91,20 @@ def test_loop_door_skipped_batch_leaves_the_run_of_the_data_without_it(
     if optimizer == "sgd":  # a fused optimizer's skip is never read at the step (`kit.step` returns None)
         assert skipped == [BAD] and all(reference_applied)
     assert_same_state(_statistics(policies), _statistics(reference_policies))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.gpu
+def test_cuda_fused_skip_reaches_the_statistics_one_step_late() -> None:
+    """On CUDA the fused optimizer's skip flag reaches the host through a pinned copy, never read at the step."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, policies, applied = _loop_run("zclip", "loss_spike", "adamw_fused", bad=True, device="cuda")
+        reference, reference_policies, _ = _loop_run("zclip", "loss_spike", "adamw_fused", bad=False, device="cuda")
+    assert applied[BAD] is None  # not read at the step (only a logging step's report reads its own step's flag)
+    assert_same_state(_statistics(policies), _statistics(reference_policies))
+    assert policies[1].state_dict()["skipped_steps"] == 1.0
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q), name
 
