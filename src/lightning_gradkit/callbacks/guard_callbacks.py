@@ -292,8 +292,9 @@ class SpikeGuard(gradkit.spike_guard.SpikeGuard, GradKitCallback):
     r"""Detect loss or gradient-norm spikes with a running z-score: warn, skip the step, or raise.
 
     The Trainer callback of :class:`gradkit.spike_guard.SpikeGuard` (its docstring describes the algorithm and the
-    arguments); ``action="skip"`` needs a GradKit strategy. Under Lightning's ``DeepSpeedStrategy`` it is refused at
-    setup: it decides from the gradients in ``.grad``, which DeepSpeed keeps in its own buffers.
+    arguments); ``action="skip"`` needs a GradKit strategy. The statistics are per optimizer (manual optimization with
+    several optimizers: each its own) and leave out every skipped step. Under Lightning's ``DeepSpeedStrategy`` it is
+    refused at setup: it decides from the gradients in ``.grad``, which DeepSpeed keeps in its own buffers.
 
     Example::
 
