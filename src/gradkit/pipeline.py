@@ -15,7 +15,9 @@ protocol of :mod:`gradkit.protocol`. :meth:`Pipeline.run` is the list of the pha
    the plan and writes its decision into it; none reads the gradients.
 4. **apply** (:meth:`StepPlan.apply`): one ``torch._foreach_mul_`` per (device, dtype) group with the product of all
    factors in fp32, or none at all when a fused optimizer takes the factor as its ``grad_scale``.
-5. **observe** (:meth:`Pipeline.observe`): the skip count, and each policy's ``observe`` (logging steps only).
+5. **observe** (:meth:`Pipeline.observe`): the skip count (a fused optimizer's skip flag starts its way to the host,
+   for the policies that ask at the next step whether the step was skipped, :meth:`StepPlan.was_skipped`), and each
+   policy's ``observe`` (logging steps only).
 
 A phase with nothing to do costs nothing: no unit norms unless asked, no collective in a single process (nor without
 sharded gradients and per-rank scalars), no write when no policy scales or clips.
@@ -187,7 +189,8 @@ class StepPlan:
 
         The door's read of the decision when it made one (an ordinary optimizer's gate reads it at the step), else the
         copy of the flag the pipeline started at the step (a fused optimizer skips on device, through ``found_inf``),
-        arrived by then: no sync. Asked before the step is over (a logging step's report), it waits for that copy.
+        arrived by then: no sync. Asked before the step is over (a logging step's report), it reads the flag then:
+        it waits for that copy, or makes the read the gate makes anyway.
         """
         if self._skip_host is None and self._skip_lag is not None:
             values, self._skip_lag = self._skip_lag.pop(), None
