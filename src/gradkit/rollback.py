@@ -54,10 +54,9 @@ class SpikeRollback:
     after ``warmup_steps`` finite values is a spike, and the statistics are fed the value clamped to
     ``mean + z_threshold * std``; the value of a step that was skipped (by this policy or another: ``SpikeGuard``,
     ``NonFiniteGuard``) is not fed at all, as if its batch never came (the step still counts as flagged, below).
-    A step is *flagged* when it spikes or when the loss or the gradients are
-    non-finite. A rollback fires after ``patience`` consecutive
-    flagged steps, or after ``nonfinite_patience`` consecutive non-finite ones. The default 2 lets
-    ``NonFiniteGuard(action="skip")`` cure a single bad batch by skipping it, and rolls back when skipping did
+    A step is *flagged* when it spikes or when the loss or the gradients are non-finite. A rollback fires after
+    ``patience`` consecutive flagged steps, or after ``nonfinite_patience`` consecutive non-finite ones. The default 2
+    lets ``NonFiniteGuard(action="skip")`` cure a single bad batch by skipping it, and rolls back when skipping did
     not cure it (the next step is non-finite too). The values travel in the engine's single collective, so every
     rank takes the same decision.
 

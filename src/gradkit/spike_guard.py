@@ -53,8 +53,8 @@ class SpikeGuard:
     this guard or any other policy, is not fed at all: the statistics are the run's without that batch (with
     ``action="skip"``, a lasting rise above the threshold is therefore skipped step after step; ``SpikeRollback``
     handles a spike that persists). Non-finite values are ignored (masked, they never poison the statistics):
-    catching them is :class:`~gradkit.guards.NonFiniteGuard`'s job. The loss is each
-    micro-batch's, handed over by ``note_loss`` (behind the Trainer, ``on_before_backward``; in a loop of your own,
+    catching them is :class:`~gradkit.guards.NonFiniteGuard`'s job. The loss is each micro-batch's, handed over by
+    ``note_loss`` (behind the Trainer, ``on_before_backward``; in a loop of your own,
     :meth:`GradKit.note_loss <gradkit.loop.GradKit.note_loss>`).
 
     A spike must also rise above the running mean by ``relative_floor`` times its magnitude: near convergence a
