@@ -743,7 +743,7 @@ def test_checkpoint_inside_a_window_resumes_exactly_with_the_guard(tmp_path: Pat
     uninterrupted, resumed, ckpt = fit_interrupted(tmp_path, normalize, callbacks)
     assert max_diff(resumed, uninterrupted) < 1e-6
     # SpikeGuard saved the window's first losses too: the resumed run monitors the same window means.
-    recorded = [guard.state_dict()["stats"]["values"] for guard in spike_guards]
+    recorded = [guard.state_dict()["stats"][0]["values"] for guard in spike_guards]
     assert torch.allclose(recorded[0], recorded[1], rtol=1e-6, atol=0, equal_nan=True)
     # The checkpoint holds the window: a CPU copy of the gradients of its 2 micro-batches, and the token count.
     window = torch.load(ckpt, weights_only=False)["gradkit_accumulation_window"]

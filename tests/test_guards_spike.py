@@ -245,8 +245,9 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path: Path) -> None:
     assert state_equal(straight.snapshots[3], resumed.snapshots[3])  # batch 3 of epoch 2 (step 11): the spike
     sa, sb = g_straight.state_dict(), g_resumed.state_dict()
     assert sa["skipped_steps"] == sb["skipped_steps"] == 1.0 and sa["spikes"] == sb["spikes"] == 1
-    for key in sa["stats"]:
-        assert torch.equal(sa["stats"][key], sb["stats"][key]), key
+    assert sa["stats"].keys() == sb["stats"].keys() == {0}  # one optimizer: its statistics
+    for key in sa["stats"][0]:
+        assert torch.equal(sa["stats"][0][key], sb["stats"][0][key]), key
 
 
 def test_resume_without_restored_statistics_would_differ(tmp_path: Path) -> None:
@@ -331,7 +332,7 @@ def test_loss_monitor_records_the_mean_of_each_window_including_the_short_last_o
     accumulate = 1 if manual else 4
     trainer = make_trainer(tmp_path, callbacks=[guard], accumulate_grad_batches=accumulate, plugins=plugins)
     trainer.fit(model, loader(n=80))  # 10 batches: windows of 4, 4 and 2
-    recorded = guard.state_dict()["stats"]["values"][:3].tolist()
+    recorded = guard.state_dict()["stats"][0]["values"][:3].tolist()
     assert len(model.losses) == 10
     assert recorded == pytest.approx(window_means(model.losses, 4), rel=1e-6)
 
@@ -367,3 +368,62 @@ def test_a_flat_near_converged_loss_does_not_alarm_and_a_real_spike_still_does()
     assert flat_loss_run(values, relative_floor=0.0)[:1] == [noise]
     assert reference_spikes(values, 6.0, 0.97, 25) == [spike]
     assert flat_loss_run(values) == [spike]  # the default floor (1.0): the noise passes, the spike is skipped
+
+
+# -- several optimizers (issue 39) ------------------------------------------------------------------------------------
+def reference_skipping(values: list[float], z: float, alpha: float, warmup: int) -> tuple[list[int], float, float]:
+    """The documented rule with ``action="skip"``, by hand in float64: as :func:`reference_spikes`, but a skipped
+    spike is not recorded at all (the statistics are the run's without that batch). The spikes, the mean and the
+    variance at the end."""
+    mean = var = 0.0
+    n = 0
+    spikes = []
+    for step, x in enumerate(values):
+        std = max(math.sqrt(max(var, 0.0)), abs(mean) * 1e-6 + 1e-12)
+        if n >= warmup and (x - mean) / std > z and x - mean > abs(mean):
+            spikes.append(step)
+            continue
+        n += 1
+        w = max(1.0 / n, 1 - alpha)
+        delta = x - mean
+        mean, var = mean + w * delta, (1 - w) * (var + w * delta * delta)
+    return spikes, mean, var
+
+
+def test_each_optimizer_is_compared_with_its_own_statistics() -> None:
+    """The issue's case: two optimizers whose losses are about 1 and about 40, the first's 8 times as large at step
+    40. The per-optimizer rule by hand on each stream skips that step; one statistic for both streams (the values
+    interleaved, as the guard kept them before) sees nothing. The guard skips what the per-optimizer rule skips, and
+    saves each optimizer's statistics as the rule computes them."""
+    from gradkit.loop import GradKit
+
+    gen = torch.Generator().manual_seed(0)
+    first = 1.0 + 0.05 * torch.randn(60, generator=gen)  # float32, as the losses handed over
+    second = 40.0 + 2.0 * torch.randn(60, generator=gen)
+    first[40] *= 8.0
+    first, second = first.tolist(), second.tolist()
+    interleaved = [v for pair in zip(first, second, strict=True) for v in pair]
+    assert reference_spikes(interleaved, 6.0, 0.97, 25) == []  # one statistic for both: the spike goes unseen
+    expected = [reference_skipping(values, 6.0, 0.97, 25) for values in (first, second)]
+    assert [spikes for spikes, _, _ in expected] == [[40], []]
+
+    models = torch.nn.ModuleList([torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in models]
+    guard = SpikeGuard("loss", action="skip")
+    kit = GradKit(models, optimizers, guard, log_dir=False)
+    skipped: list[list[int]] = [[], []]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the spike's warning: the skipped steps say it
+        for step in range(60):
+            for i, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+                model(torch.ones(1, 2)).sum().backward()
+                kit.note_loss(torch.tensor((first, second)[i][step]))
+                if not kit.step(optimizer):
+                    skipped[i].append(step)
+                optimizer.zero_grad(set_to_none=True)
+    assert skipped == [[40], []]
+    saved = guard.state_dict()["stats"]
+    assert sorted(saved) == [0, 1]
+    for i, (_, mean, var) in enumerate(expected):
+        # The same float64 operations on the same float32 values: equal to the last bit.
+        assert (float(saved[i]["mean"]), float(saved[i]["var"]), int(saved[i]["count"])) == (mean, var, 59 + i)

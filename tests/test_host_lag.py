@@ -24,6 +24,13 @@ def test_pop_returns_the_last_pushed_values_once() -> None:
     assert lag.pop() is None and not lag.pending
 
 
+def test_a_zero_dim_flag_pops_as_a_one_element_list() -> None:
+    """A step's skip flag (a 0-dim bool) travels as it is, without a view op to make it 1-D."""
+    lag = HostLag()
+    lag.push(torch.tensor(True))
+    assert lag.pop() == [True]
+
+
 def test_clear_forgets_the_pending_values() -> None:
     lag = HostLag()
     lag.push(torch.tensor([1.0]))
@@ -71,12 +78,13 @@ def test_zclip_statistics_fold_each_norm_in_at_the_next_step_or_when_read() -> N
 
 @pytest.mark.gpu
 def test_a_cuda_push_does_not_synchronize_and_lands_in_pinned_memory() -> None:
-    lag = HostLag()
+    lag, flag = HostLag(), HostLag()
     x = torch.arange(3, device="cuda", dtype=torch.float32)
     torch.cuda.set_sync_debug_mode("error")
     try:
         lag.push(x * 2)
+        flag.push(x.sum() > 0)  # a fused optimizer's skip flag, 0-dim
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert lag.pop() == [0.0, 2.0, 4.0]
-    assert lag._host is not None and lag._host.is_pinned()
+    assert lag.pop() == [0.0, 2.0, 4.0] and flag.pop() == [True]
+    assert lag._host is not None and lag._host.is_pinned() and flag._host is not None and flag._host.is_pinned()

@@ -193,7 +193,7 @@ def test_closure_re_evaluations_feed_adaptive_policies_once_per_step(tmp_path: P
     trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[zclip, spike, NonFiniteGuard()])
     quiet_fit(trainer, model, loader())
     assert model.calls == 16 and len(norms) == 16
-    assert int(zclip.state_dict()["policies"][0]["count"]) == 8 and int(spike.state_dict()["stats"]["count"]) == 8
+    assert int(zclip.state_dict()["policies"][0]["count"]) == 8 and int(spike.state_dict()["stats"][0]["count"]) == 8
     for first, second in zip(norms[0::2], norms[1::2], strict=True):
         assert second[1] == first[1]  # the same threshold for both evaluations of a step
         assert second[0] <= second[1] * (1 + 1e-6)  # and the second evaluation is clipped to it

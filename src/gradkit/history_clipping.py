@@ -81,7 +81,8 @@ class AutoClip:
     ``clip_grad_norm_``) to the ``percentile``-th percentile of all norms seen so far, the current one included.
     The paper recommends ``percentile=10``. The paper keeps the whole history; here it is a ring buffer of the last
     ``history_size`` finite norms, kept on the gradients' device (no host sync), one per optimizer; non-finite norms
-    never enter it. It is saved in checkpoints.
+    never enter it, nor the norm of a step a policy skipped (``NonFiniteGuard``, ``SpikeGuard``, ...): the history
+    is the run's without that batch. It is saved in checkpoints.
 
     Logs, besides the keys of :class:`~gradkit.clipping.ClipGradNorm`, ``grad_clip/threshold`` (the percentile);
     writes no events.
@@ -134,11 +135,15 @@ class AutoClip:
         pre = plan.pre_clip_total(2.0)
         norm = pre.to(torch.float32)
         history = self._history(plan.optimizer_idx, norm.device)
-        finite = finite_mask(norm)
+        joins = finite_mask(norm)
+        if plan.skip is not None:
+            # Every skip is decided by now (the guards' stage runs before the clippers'): a skipped step's norm stays
+            # out of the history, as if its batch never came (it is not clipped: the step is not applied).
+            joins = joins & ~plan.skip
         slot = (history.count % self.history_size).reshape(1)
         kept = history.norms.gather(0, slot)
-        history.norms.scatter_(0, slot, torch.where(finite, norm.reshape(1), kept))
-        history.count.add_(finite.to(history.count.dtype))
+        history.norms.scatter_(0, slot, torch.where(joins, norm.reshape(1), kept))
+        history.count.add_(joins.to(history.count.dtype))
         threshold = nan_percentile(history.norms, self.percentile)
         # No finite norm seen yet: nothing to clip against.
         coef = torch.where(torch.isnan(threshold), torch.ones_like(norm), clip_coefficient(norm, threshold))
@@ -185,14 +190,16 @@ class AutoClip:
 @dataclass
 class _ZStatistics:
     """One optimizer's ZClip statistics, host floats, and its last step: the norm on its way to the host
-    (:class:`~gradkit.host_lag.HostLag`), the spike threshold it was compared with, and the norm it was clipped to
-    (the reciprocal rule's ``g*``, or ``max_norm``; ``None``: not clipped), which a later evaluation of the same step's
-    closure is clipped to too."""
+    (:class:`~gradkit.host_lag.HostLag`), the step's plan (asked whether the step was skipped before its norm is
+    folded in), the spike threshold it was compared with, and the norm it was clipped to (the reciprocal rule's
+    ``g*``, or ``max_norm``; ``None``: not clipped), which a later evaluation of the same step's closure is clipped to
+    too."""
 
     mean: float = 0.0
     var: float = 0.0
     count: int = 0
     lag: HostLag = field(default_factory=HostLag)
+    plan: StepPlan | None = None
     spike_above: float = math.inf
     target: Tensor | float | None = None
 
@@ -213,10 +220,12 @@ class ZClip:
       new ``mu``: the clipped norm, so a spike does not inflate them.
 
     Unlike the reference code, no step reads a value to the host (no ``.item()``), a non-finite norm never enters
-    the statistics (one Inf would poison the mean forever), each optimizer has its own, and they are saved in
-    checkpoints. The statistics are Python floats, updated with each norm one step later: a step's decision needs
-    the statistics of the steps before it only, so its norm reaches the host through a non-blocking copy
-    (:class:`~gradkit.host_lag.HostLag`) and is folded in at the next step, or when the state is read. On the
+    the statistics (one Inf would poison the mean forever), nor the norm of a step a policy skipped
+    (``NonFiniteGuard``, ``SpikeGuard``, ...: the statistics are the run's without that batch), each optimizer has its
+    own, and they are saved in checkpoints. The statistics are Python floats, updated with each norm one step later:
+    a step's decision needs the statistics of the steps before it only, so its norm reaches the host through a
+    non-blocking copy (:class:`~gradkit.host_lag.HostLag`) and is folded in at the next step, or when the state is
+    read, once the step's fate is known (a fused optimizer's skip flag travels the same way). On the
     device a step costs a comparison with a Python number and, past warm-up, the reciprocal rule: about 10
     operations instead of 35 for the same decision on device statistics.
 
@@ -263,9 +272,11 @@ class ZClip:
         request.norm_types.add(self.norm_type)
 
     def _fold(self, stats: _ZStatistics) -> None:
-        """Update the statistics with the norm still on its way to the host (the previous step's)."""
+        """Update the statistics with the norm still on its way to the host (the previous step's), unless a policy
+        skipped that step: the statistics stay as if its batch never came."""
         values = stats.lag.pop()
-        if values is None or not math.isfinite(g := values[0]):
+        plan, stats.plan = stats.plan, None
+        if values is None or not math.isfinite(g := values[0]) or (plan is not None and plan.was_skipped()):
             return
         if stats.count < self.warmup_steps:  # Welford: the population mean and variance of the first norms
             stats.count += 1
@@ -281,13 +292,16 @@ class ZClip:
         stats.mean = self.alpha * stats.mean + (1 - self.alpha) * g
         stats.var = self.alpha * stats.var + (1 - self.alpha) * (g - stats.mean) ** 2
 
-    def _clip(self, stats: _ZStatistics, total_norm: Tensor) -> tuple[Tensor | None, Tensor | None, float]:
-        """One step, with as few device operations as the rule allows: ``(coef, clipped, threshold)``, the
-        coefficient (``None``: nothing to clip, in warm-up without ``max_norm``), the clipped flag (``None``: the norm
-        exceeded ``threshold``, compared when counted) and the threshold."""
+    def _clip(
+        self, stats: _ZStatistics, total_norm: Tensor, plan: StepPlan
+    ) -> tuple[Tensor | None, Tensor | None, float]:
+        """One step (``plan``'s), with as few device operations as the rule allows: ``(coef, clipped, threshold)``,
+        the coefficient (``None``: nothing to clip, in warm-up without ``max_norm``), the clipped flag (``None``: the
+        norm exceeded ``threshold``, compared when counted) and the threshold."""
         self._fold(stats)
         g = total_norm if total_norm.dtype == torch.float32 else total_norm.to(torch.float32)
         stats.lag.push(g.reshape(1))
+        stats.plan = plan
         ceiling = math.inf if self.max_norm is None else self.max_norm
         if stats.count < self.warmup_steps:  # only `max_norm` clips
             stats.spike_above = math.inf
@@ -316,7 +330,7 @@ class ZClip:
         if stats is None:
             stats = self._statistics[plan.optimizer_idx] = _ZStatistics()
         pre = plan.pre_clip_total(2.0)
-        coef, clipped, above = self._clip(stats, pre)
+        coef, clipped, above = self._clip(stats, pre, plan)
         plan.clip_coef = coef
         decision = ClipDecision(
             pre=pre,

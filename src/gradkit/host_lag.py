@@ -49,7 +49,7 @@ class HostLag:
         return self._pending
 
     def push(self, values: Tensor) -> None:
-        """Start the copy of ``values`` (a 1-D device tensor) to the host. Replaces values not popped yet."""
+        """Start the copy of ``values`` (a 0-dim or 1-D device tensor) to the host. Replaces values not popped yet."""
         if values.device.type == "cpu":
             self._host = values
         elif values.device.type == "cuda":
@@ -75,7 +75,8 @@ class HostLag:
             self._event.synchronize()
         # A host tensor read on the host: no device synchronization, so no sync detector should count it.
         with torch._C.DisableTorchFunction():
-            return self._host.tolist()
+            values = self._host.tolist()
+        return values if isinstance(values, list) else [values]  # a 0-dim tensor: pushed without a view op
 
     def clear(self) -> None:
         """Forget the pending values (a state loaded from a checkpoint replaces what they would have updated)."""

@@ -15,7 +15,9 @@ protocol of :mod:`gradkit.protocol`. :meth:`Pipeline.run` is the list of the pha
    the plan and writes its decision into it; none reads the gradients.
 4. **apply** (:meth:`StepPlan.apply`): one ``torch._foreach_mul_`` per (device, dtype) group with the product of all
    factors in fp32, or none at all when a fused optimizer takes the factor as its ``grad_scale``.
-5. **observe** (:meth:`Pipeline.observe`): the skip count, and each policy's ``observe`` (logging steps only).
+5. **observe** (:meth:`Pipeline.observe`): the skip count (a fused optimizer's skip flag starts its way to the host,
+   for the policies that ask at the next step whether the step was skipped, :meth:`StepPlan.was_skipped`), and each
+   policy's ``observe`` (logging steps only).
 
 A phase with nothing to do costs nothing: no unit norms unless asked, no collective in a single process (nor without
 sharded gradients and per-rank scalars), no write when no policy scales or clips.
@@ -42,6 +44,8 @@ from torch.optim import Optimizer
 
 from gradkit._arguments import name_list
 from gradkit._closure import decide_again
+from gradkit._torch_compat import handles_found_inf
+from gradkit.host_lag import HostLag
 from gradkit.norms import (
     GradStats,
     ParamIndex,
@@ -131,6 +135,8 @@ class StepPlan:
     folded: Tensor | None = None
     _post_clip_total: Tensor | None = None
     _skip_host: bool | None = None
+    #: The copy of a skip flag only the device knows on its way to the host (:meth:`was_skipped`).
+    _skip_lag: HostLag | None = None
     #: Whether the step's gradients were dropped from the plan (:meth:`release_gradients`).
     released: bool = False
 
@@ -176,6 +182,21 @@ class StepPlan:
         if self.skip is None:
             return False
         return self._skip_host
+
+    def was_skipped(self) -> bool:
+        """Whether the step was skipped, asked once it is over: by a policy that folds the step's values into its
+        statistics one step late (:mod:`gradkit.host_lag`) and leaves out a skipped step's, as if its batch never came.
+
+        The door's read of the decision when it made one (an ordinary optimizer's gate reads it at the step), else the
+        copy of the flag the pipeline started at the step (a fused optimizer skips on device, through ``found_inf``),
+        arrived by then: no sync. Asked before the step is over (a logging step's report), it reads the flag then:
+        it waits for that copy, or makes the read the gate makes anyway.
+        """
+        if self._skip_host is None and self._skip_lag is not None:
+            values, self._skip_lag = self._skip_lag.pop(), None
+            if values is not None:
+                self._skip_host = values[0] > 0
+        return self.skip_on_host()
 
     def post_clip_total(self) -> Tensor:
         """Total norm (primary norm type) of the gradients after scaling and clipping.
@@ -264,6 +285,8 @@ class Pipeline:
         self._pending_scales: list[tuple[Policy, Optimizer | None]] = []
         self._warned_frozen: set[str] = set()
         self._cached_roster: tuple[list[Policy], Roster] | None = None
+        #: Per optimizer (``id``): the pinned buffer its skip flags travel to the host in (fused optimizers only).
+        self._skip_lags: dict[int, HostLag] = {}
 
     def reset(self) -> None:
         """Forget the parameter indexes (parameters may be replaced between fits, e.g. by sharding)."""
@@ -273,6 +296,7 @@ class Pipeline:
         self.skipped_steps = None
         self._pending_scales.clear()
         self._warned_frozen.clear()
+        self._skip_lags.clear()
 
     def add_pending_scale(self, policy: Policy, optimizer: Optimizer | None) -> None:
         """Fold ``policy`` (a ``Stage.SCALE`` policy outside the loop's policies) into the next run for ``optimizer``
@@ -448,11 +472,27 @@ class Pipeline:
         if plan.skip is not None:
             count = plan.skip.to(torch.float32)
             self.skipped_steps = count if self.skipped_steps is None else self.skipped_steps + count
+            if handles_found_inf(plan.optimizer):  # skipped on device: no door reads the flag at the step
+                self._send_skip(plan, plan.skip)
         self.last_plans[id(plan.optimizer)] = plan
         for observe in roster.observe:
             observe(plan, ctx)
         if self.skipped_steps is not None and plan.logging_step:
             ctx.log({"gradkit/skipped_steps": self.skipped_steps})
+
+    def _send_skip(self, plan: StepPlan, skip: Tensor) -> None:
+        """Start the non-blocking copy of ``plan``'s ``skip`` flag to the host, for the policies that ask at the next
+        step whether it was skipped (:meth:`StepPlan.was_skipped`). The optimizer's previous plan takes its own copy
+        first: the pinned buffer is the optimizer's, reused every step."""
+        key = id(plan.optimizer)
+        previous = self.last_plans.get(key)
+        if previous is not None and previous._skip_lag is not None:
+            previous.was_skipped()
+        lag = self._skip_lags.get(key)
+        if lag is None:
+            lag = self._skip_lags[key] = HostLag()
+        lag.push(skip)
+        plan._skip_lag = lag
 
 
 @dataclass(frozen=True)

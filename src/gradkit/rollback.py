@@ -52,10 +52,11 @@ class SpikeRollback:
     ranks, or the total gradient 2-norm) gets a z-score against NaN-masked running statistics, as in
     :class:`~lightning_gradkit.SpikeGuard` with ``relative_floor=0`` (no floor on the rise): ``z > z_threshold``
     after ``warmup_steps`` finite values is a spike, and the statistics are fed the value clamped to
-    ``mean + z_threshold * std``. A step is *flagged* when it spikes or when the loss or the gradients are
-    non-finite. A rollback fires after ``patience`` consecutive
-    flagged steps, or after ``nonfinite_patience`` consecutive non-finite ones. The default 2 lets
-    ``NonFiniteGuard(action="skip")`` cure a single bad batch by skipping it, and rolls back when skipping did
+    ``mean + z_threshold * std``; the value of a step that was skipped (by this policy or another: ``SpikeGuard``,
+    ``NonFiniteGuard``) is not fed at all, as if its batch never came (the step still counts as flagged, below).
+    A step is *flagged* when it spikes or when the loss or the gradients are non-finite. A rollback fires after
+    ``patience`` consecutive flagged steps, or after ``nonfinite_patience`` consecutive non-finite ones. The default 2
+    lets ``NonFiniteGuard(action="skip")`` cure a single bad batch by skipping it, and rolls back when skipping did
     not cure it (the next step is non-finite too). The values travel in the engine's single collective, so every
     rank takes the same decision.
 
@@ -214,6 +215,8 @@ class SpikeRollback:
         # What the step found, on device (read to the host only when the step is skipped): whether it fires, whether it
         # is flagged, and the run lengths, value, z-score, mean and std.
         self._trigger: tuple[Tensor, Tensor, list[Tensor]] | None = None
+        # The statistics before the step's value entered them (references: no copy), put back if the step is skipped.
+        self._before_step: tuple[tuple[Tensor, ...], RunningMoments, tuple[Tensor, ...]] | None = None
         self._pending: dict[str, Any] | None = None
         # Bookkeeping saved in checkpoints.
         self._run: Tensor | float = 0.0
@@ -338,6 +341,8 @@ class SpikeRollback:
             self._trigger = None
             return
         x = self._watch.value(plan)
+        modules = self._escalation.module_stats
+        self._before_step = (self._stats.moments(), modules, modules.moments())
         spike, z, mean, std = self._stats.spike_step(x, self.z_threshold, self.warmup_steps)
         # No loss handed over this window (no `note_loss` behind the loop door): the NaN stands for "no value", not
         # a non-finite loss; the statistics mask it either way.
@@ -362,6 +367,14 @@ class SpikeRollback:
         if not plan.skip_on_host():
             # An applied step: it takes the ramp's multiplier (set on the optimizer by the step pre-hook).
             self._escalation.step_applied()
+        elif self._before_step is not None:
+            # A skipped step (this policy's or another's) leaves the statistics as if its batch never came; it stays
+            # in the run of flagged steps (a spike that other guards skip step after step still rolls back).
+            (mean, var, count), modules, (m_mean, m_var, m_count) = self._before_step
+            self._stats.mean, self._stats.var, self._stats.count = mean, var, count
+            self._escalation.module_stats = modules
+            modules.mean, modules.var, modules.count = m_mean, m_var, m_count
+        self._before_step = None
         fire, flagged, read = t
         if plan.skip_on_host() and bool(fire):
             run, nonfinite_run, value, z, mean, std = torch.stack(read).tolist()

@@ -8,6 +8,7 @@ at the step or one step later (:mod:`gradkit.guard_reporting`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,19 +26,35 @@ from gradkit.watch import WatchedValue
 __all__ = ["SpikeGuard"]
 
 
+@dataclass
+class _SpikeStatistics:
+    """One optimizer's SpikeGuard statistics (host floats) and its step whose value is on its way to them: the value
+    (:class:`~gradkit.host_lag.HostLag`), then ``(step, threshold, plan)``: the step, the threshold its value was
+    compared with, and its plan (asked whether the step was skipped before the value is folded in)."""
+
+    moments: HostMoments
+    lag: HostLag = field(default_factory=HostLag)
+    pending: tuple[int, float, StepPlan] | None = None
+
+
 class SpikeGuard:
     r"""Detect loss or gradient-norm spikes with a running z-score: warn, skip the step, or raise.
 
     Each optimizer step, the monitored value ``x`` (the loss averaged over the accumulation window and over ranks,
     or the total 2-norm of the gradients) is compared with NaN-masked running statistics: ``z = (x - mean) / std``;
-    ``z > z_threshold`` after ``warmup_steps`` finite values is a spike. The statistics are Python floats fed with
-    each value one step late (a non-blocking copy to the host: the decision of a step needs the statistics of the
-    steps before it only), so deciding is one comparison on device and never a host sync. The statistics
-    are an exponential moving average (``alpha``) or, with ``window``, the last ``window`` finite values; they are
-    fed with ``x`` clamped to ``mean + z_threshold * std`` (as ZClip, Kumar et al. 2025, does), so a spike does not
-    inflate them and a lasting level shift is absorbed gradually. Non-finite values are ignored (masked, they never
-    poison the statistics): catching them is :class:`~gradkit.guards.NonFiniteGuard`'s job. The loss is each
-    micro-batch's, handed over by ``note_loss`` (behind the Trainer, ``on_before_backward``; in a loop of your own,
+    ``z > z_threshold`` after ``warmup_steps`` finite values is a spike. Each optimizer has its own statistics (as
+    ZClip's): two optimizers whose values differ in scale (a GAN's two losses, the gradient norms of two models) are
+    each compared with their own history. The statistics are Python floats fed with each value one step late (a
+    non-blocking copy to the host: the decision of a step needs the statistics of the steps before it only), so
+    deciding is one comparison on device and never a host sync. The statistics are an exponential moving average
+    (``alpha``) or, with ``window``, the last ``window`` finite values; they are fed with ``x`` clamped to
+    ``mean + z_threshold * std`` (as ZClip, Kumar et al. 2025, does), so a spike that is applied (``action="warn"``)
+    does not inflate them and a lasting level shift is absorbed gradually. The value of a step that was skipped, by
+    this guard or any other policy, is not fed at all: the statistics are the run's without that batch (with
+    ``action="skip"``, a lasting rise above the threshold is therefore skipped step after step; ``SpikeRollback``
+    handles a spike that persists). Non-finite values are ignored (masked, they never poison the statistics):
+    catching them is :class:`~gradkit.guards.NonFiniteGuard`'s job. The loss is each micro-batch's, handed over by
+    ``note_loss`` (behind the Trainer, ``on_before_backward``; in a loop of your own,
     :meth:`GradKit.note_loss <gradkit.loop.GradKit.note_loss>`).
 
     A spike must also rise above the running mean by ``relative_floor`` times its magnitude: near convergence a
@@ -122,11 +139,9 @@ class SpikeGuard:
         self.relative_floor = check_float(
             "relative_floor", relative_floor, minimum=0.0, hint="Use 0 for the z-score alone."
         )
-        # Host statistics, fed each step's value one step late (see `gradkit.host_lag`): a step's decision is one
-        # comparison on device with the threshold of the steps before it.
-        self._stats = HostMoments(self.alpha, window)
-        self._lag = HostLag()
-        self._pending: tuple[int, float] | None = None  # the step whose value is on its way, and its threshold
+        # Host statistics per optimizer (index), fed each step's value one step late (see `gradkit.host_lag`): a step's
+        # decision is one comparison on device with the threshold of the steps before it.
+        self._statistics: dict[int, _SpikeStatistics] = {}
         self._flagged: list[tuple[int, float, float, float, float]] = []  # (step, value, z, mean, std) to report
         self._step: tuple[Tensor, Tensor] | None = None
         self._spikes = 0
@@ -167,38 +182,48 @@ class SpikeGuard:
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
         x = self._watched.value(plan)
-        self._fold()
-        threshold = self._threshold()
+        stats = self._statistics.get(plan.optimizer_idx)
+        if stats is None:
+            stats = self._statistics[plan.optimizer_idx] = _SpikeStatistics(HostMoments(self.alpha, self.window))
+        self._fold(stats)
+        threshold = self._threshold(stats.moments)
         # A finite value above the threshold; NaN and Inf never are (they are NonFiniteGuard's).
         spike = torch.nan_to_num(x, nan=-math.inf, posinf=-math.inf) > threshold
-        self._lag.push(x.reshape(1))
-        self._pending = (ctx.global_step, threshold)
+        stats.lag.push(x.reshape(1))
+        stats.pending = (ctx.global_step, threshold, plan)
         self._step = (spike, x)
         if self.action == "skip":
             plan.add_skip(spike)
 
-    def _threshold(self) -> float:
+    def _threshold(self, moments: HostMoments) -> float:
         """``mean + max(z_threshold * std, relative_floor * |mean|)``; ``inf`` during warm-up."""
-        threshold = self._stats.threshold(self.z_threshold, self.warmup_steps)
+        threshold = moments.threshold(self.z_threshold, self.warmup_steps)
         if math.isinf(threshold):
             return threshold
-        mean = self._stats.moments()[0]
+        mean = moments.moments()[0]
         return max(threshold, mean + self.relative_floor * abs(mean))
 
-    def _fold(self) -> None:
-        """Feed the statistics with the value of the step on its way to the host; keep it to report if it was a
-        spike and this guard reports later (``action="warn"``, a fused optimizer's skip)."""
-        values = self._lag.pop()
-        if values is None or self._pending is None:
+    def _fold(self, stats: _SpikeStatistics) -> None:
+        """Feed an optimizer's statistics with the value of its step on its way to the host, unless a policy skipped
+        that step; keep the value to report if it was a spike and this guard reports later (``action="warn"``, a
+        fused optimizer's skip)."""
+        values = stats.lag.pop()
+        if values is None or stats.pending is None:
             return
-        (x,), (step, threshold) = values, self._pending
-        self._pending = None
+        (x,), (step, threshold, plan) = values, stats.pending
+        stats.pending = None
         # The device compared the fp32 value with the fp32 rounding of the threshold: the same test here.
         spike = math.isfinite(x) and x > as_float32(threshold)
+        moments = stats.moments
         if spike and not self._reporter.reads_on_host():
-            mean, std = self._stats.moments()[0], self._stats.std()
+            mean, std = moments.moments()[0], moments.std()
             self._flagged.append((step, x, (x - mean) / std, mean, std))
-        self._stats.record(x, spike, self.z_threshold)
+        if not plan.was_skipped():  # a skipped step leaves the statistics as if its batch never came
+            moments.record(x, spike, self.z_threshold)
+
+    def _fold_all(self) -> None:
+        for stats in self._statistics.values():
+            self._fold(stats)
 
     def observe(self, plan: StepPlan, ctx: StepContext) -> None:
         assert self._step is not None
@@ -208,7 +233,8 @@ class SpikeGuard:
                 return
             self._spikes += 1
             value = float(x)  # a flagged step: the host reads its decision anyway
-            mean, std = self._stats.moments()[0], self._stats.std()
+            moments = self._statistics[plan.optimizer_idx].moments
+            mean, std = moments.moments()[0], moments.std()
             culprit = None
             if self.monitor == "grad_norm":
                 norms = plan.stats[2.0].param_norms
@@ -220,10 +246,10 @@ class SpikeGuard:
     def _report_ledger(self, ctx: StepContext) -> None:
         """Report the spikes found since the last report, this step's included (a logging step or the end of
         training: the wait for this step's value is allowed there)."""
-        self._fold()
+        self._fold_all()
         if not self._flagged:
             return
-        flagged, self._flagged = self._flagged, []
+        flagged, self._flagged = sorted(self._flagged), []  # several optimizers: in step order
         self._spikes += len(flagged)
         self._report(ctx, flagged, None)
 
@@ -257,10 +283,12 @@ class SpikeGuard:
 
     # -- state -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        self._fold()
+        """``stats``: per optimizer index, the statistics (:meth:`HostMoments.state_dict`), every step's value so far
+        included (empty before the first step)."""
+        self._fold_all()
         state = {
             "statistic": "window" if self.window else "ema",
-            "stats": self._stats.state_dict(),
+            "stats": {idx: stats.moments.state_dict() for idx, stats in self._statistics.items()},
             "spikes": self._spikes,
             **self._reporter.skipped_state(),
         }
@@ -278,9 +306,15 @@ class SpikeGuard:
                 f"SpikeGuard: the checkpoint holds {state_dict['statistic']!r} statistics but this SpikeGuard uses "
                 f"{expected!r} (window={self.window!r}). Resume with the same arguments."
             )
-        self._stats.load_state_dict(state_dict["stats"])
-        self._lag.clear()
-        self._pending = None
+        saved = state_dict["stats"]
+        if "mean" in saved or "values" in saved:
+            # A checkpoint from before the statistics were per optimizer holds one for all: a one-optimizer run's,
+            # resumed as optimizer 0's (other optimizers, whose values it mixed, warm up afresh).
+            saved = {0: saved}
+        self._statistics = {}
+        for idx, moments in saved.items():
+            stats = self._statistics[int(idx)] = _SpikeStatistics(HostMoments(self.alpha, self.window))
+            stats.moments.load_state_dict(moments)
         self._spikes = int(state_dict.get("spikes", 0))
         if "window_loss" in state_dict:
             self._watched.window.sum, self._watched.window.count = state_dict["window_loss"]
