@@ -326,40 +326,72 @@ def test_nonfinite_loss_that_skipping_does_not_cure_triggers_a_rollback(tmp_path
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_a_spike_that_comes_back_at_once_after_a_rollback_takes_the_older_snapshot(tmp_path: Path) -> None:
-    # Batches 9-12 spike: the first rollback fires at step 10 (to the snapshot of step 8, one step before the spike
-    # began); batches 11 and 12, the first ones trained after it, spike again, sooner: the state of step 8 may carry
-    # the fault, so the second rollback (step 12) takes the older snapshot, step 4.
-    bad = {9: 50.0, 10: 50.0, 11: 50.0, 12: 50.0}
-    model, trainer, warned = fit(tmp_path, make_rollback(), 16, bad)
-    first, second = rollback_events(trainer)
-    assert (first["step"], first["to_step"], second["step"], second["to_step"]) == (10, 8, 12, 4)
-    assert_bitwise(model.states[13]["params"], model.states[4]["params"])
-    assert len(warned) == 2
-
-
-@pytest.mark.parametrize(
-    ("again", "to_step", "kept"),
-    [((28, 29), 16, [*range(16), *range(30, 40)]), ((24, 25), 0, [*range(26, 40)])],
-    ids=["later_restores_it_again", "sooner_takes_the_older"],
-)
-def test_a_recurring_spike_restores_the_same_snapshot_again_when_the_run_from_it_got_further(
-    tmp_path: Path, again: tuple[int, int], to_step: int, kept: list[int]
+@pytest.mark.parametrize("escalate", [None, 0.5], ids=["plain", "escalating"])
+@pytest.mark.parametrize("again", [9, 10], ids=["first_step_after_the_resume", "second_step_after_the_resume"])
+def test_a_spike_that_comes_back_at_once_after_a_rollback_takes_the_older_snapshot(
+    tmp_path: Path, again: int, escalate: float | None
 ) -> None:
-    # Snapshots at steps 0 and 16 (the next is due at 32). Batches 20-21 spike (4 steps after the snapshot): rollback
-    # at step 21 to the snapshot of step 16, training resumes at step 22. The fault recurs at batches 28-29, 6 steps
-    # after the resume: a new occurrence, so the snapshot of step 16, still the newest before it, is restored again
-    # and the run is not thrown back to 0. At batches 24-25, 2 steps after the resume, it came back sooner than the
-    # first time: the state of step 16 may carry it, so the older snapshot is taken.
-    n, bad = 40, {20: 50.0, 21: 50.0, again[0]: 50.0, again[1]: 50.0}
-    model, trainer, warned = fit(tmp_path, make_rollback(snapshot_every_n_steps=16), n, bad)
+    # Snapshots every 3 steps, keep 2: steps 3 and 6 when batches 7-8 spike. The first rollback fires at step 8 and
+    # restores the snapshot of step 6; the run resumes from it at step 9 (the next snapshot is due at 12). The spike
+    # comes back at batches `again`, `again + 1`: within 2 steps of the resume (the restored state's own loss, or its
+    # first update, spikes), so that state may carry the fault and the second rollback takes the older snapshot, 3,
+    # also when it escalates (a cut learning rate does not repair a state).
+    bad = {7: 50.0, 8: 50.0, again: 50.0, again + 1: 50.0}
+    rollback = make_rollback(snapshot_every_n_steps=3, escalate_lr_factor=escalate)
+    model, trainer, warned = fit(tmp_path, rollback, 16, bad)
     first, second = rollback_events(trainer)
-    assert (first["step"], first["to_step"], second["step"], second["to_step"]) == (21, 16, again[1], to_step)
-    assert len(warned) == 2
-    # The reference: a plain loop on the batches the model holds (each rollback restores the RNG too).
-    expected = reference_run(n, bad, kept)
+    assert (first["step"], first["to_step"], second["step"], second["to_step"]) == (8, 6, again + 1, 3)
+    assert_bitwise(model.states[again + 2]["params"], model.states[3]["params"])
+    assert len(warned) == (2 if escalate is None else 3)  # the escalation warns too
+
+
+# A fault that recurs every 6 steps (batches 20-21, 26-27, 32-33) while snapshots are taken every 16 (steps 0, 16, 32),
+# keep=2, patience 2. The documented rule, by hand: each rollback restores the newest snapshot taken at or before the
+# spike's first flagged step, and a restored state counts as the snapshot of the step the run resumed from it (the end
+# of the stepped-over batches), unless the spike came back within 2 steps of that resume. Per `skip_batches`:
+# (step that fired, to_step, rewound_steps) of each rollback, and the batches the model holds.
+RECURRING = {20: 50.0, 21: 50.0, 26: 50.0, 27: 50.0, 32: 50.0, 33: 50.0}
+RECURRING_RULE = {
+    # 21 -> the snapshot of 16 (6 steps: 16-21), resume at 22; 27 -> that state again, as of step 22 (26 is 4 steps
+    # after the resume; 6 rewound: 22-27); the snapshot due at 32 is taken after batches 28-31; 33 -> it (2 rewound).
+    0: ([(21, 16, 6), (27, 22, 6), (33, 32, 2)], [*range(16), *range(28, 32), *range(34, 40)]),
+    # The same with 2 batches stepped over after each: resumes at 24, 30, 36; 26 is 2 steps after the resume at 24.
+    2: ([(21, 16, 6), (27, 24, 4), (33, 32, 2)], [*range(16), 30, 31, *range(36, 40)]),
+}
+
+
+@pytest.mark.parametrize("skip_batches", sorted(RECURRING_RULE))
+def test_a_recurring_fault_is_met_from_the_newest_snapshot_before_each_spike_never_from_step_0(
+    tmp_path: Path, skip_batches: int
+) -> None:
+    expected_rollbacks, kept = RECURRING_RULE[skip_batches]
+    n = 40
+    rollback = make_rollback(snapshot_every_n_steps=16, skip_batches=skip_batches)
+    model, trainer, warned = fit(tmp_path, rollback, n, RECURRING)
+    got = [(e["step"], e["to_step"], e["rewound_steps"]) for e in rollback_events(trainer)]
+    assert got == expected_rollbacks
+    # The failure this rule replaced: the second spike began no later after the resume than the first after its
+    # snapshot, so the state of step 16 was taken for faulty and the run went back to step 0 (27 steps rewound).
+    assert all(to_step > 0 and rewound <= 16 + 2 for _, to_step, rewound in got)
+    assert len(warned) == 3
+    # The reference: a plain loop on the batches the model holds (each rollback and stepped-over batch restores the
+    # RNG too), and Adam's step count is what `global_step - skipped_steps` says.
+    expected = reference_run(n, RECURRING, kept)
     for (name, p), ref in zip(model.net.named_parameters(), expected.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=1e-6, msg=name)
+    adam_steps = trainer.optimizers[0].state_dict()["state"][0]["step"]
+    skipped = column(read_metrics(trainer), "gradkit/skipped_steps")[-1]
+    assert adam_steps == len(kept) == trainer.global_step - skipped
+
+
+def test_an_escalating_rollback_of_a_recurring_fault_takes_the_same_snapshots(tmp_path: Path) -> None:
+    """The escalation cuts the learning rate of the second and third rollbacks (each within 1000 steps of the previous
+    one); the snapshots they restore follow the same rule: the run from them differs, the choice does not."""
+    rollback = make_rollback(snapshot_every_n_steps=16, escalate_lr_factor=0.5)
+    _, trainer, _ = fit(tmp_path, rollback, 40, RECURRING)
+    got = [(e["step"], e["to_step"], e["rewound_steps"]) for e in rollback_events(trainer)]
+    assert got == RECURRING_RULE[0][0]
+    assert [(e["step"], e["to_step"]) for e in events(trainer) if e["what"] == "escalation"] == [(27, 22), (33, 32)]
 
 
 def test_with_one_snapshot_kept_a_second_rollback_to_it_stops_with_a_clear_error(tmp_path: Path) -> None:

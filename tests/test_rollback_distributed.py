@@ -92,7 +92,7 @@ def test_escalation_is_identical_on_every_rank_under_ddp_and_fsdp2_and_follows_t
     ranks = [r[case] for r in escalation_ranks]
     first, second, escalation = ranks[0]["events"]
     assert [e["what"] for e in (first, second, escalation)] == ["rollback", "rollback", "escalation"]
-    assert (first["step"], second["step"], second["to_step"], escalation["step"]) == (27, 31, 24, 31)
+    assert (first["step"], second["step"], second["to_step"], escalation["step"]) == (27, 31, 28, 31)
     assert escalation["lr_factor"] == 0.02 and escalation["reset_modules"] == ["net.blocks", "net.head"]
     assert escalation["reset_params"] == len(single_escalated)
     assert ranks[0]["ramp"] == ranks[1]["ramp"] == [0.02, 64 - 32, 1]

@@ -144,7 +144,8 @@ def rollback_events(trainer: pl.Trainer, what: str) -> list[dict[str, Any]]:
 def test_spike_that_comes_back_after_a_rollback_is_cured_only_by_escalation(tmp_path: Path) -> None:
     # The fault begins at the scheduler's step 26: the rollback at step 27 restores the snapshot of step 24, and the
     # restored scheduler walks into the fault again. Plain rollbacks meet it again and again until the budget is
-    # spent; the escalated one (step 31) restores step 24 once more and goes through the fault at 2% of the rate.
+    # spent; the escalated one (step 31) restores that state once more (as of step 28, where the run resumed from it)
+    # and goes through the fault at 2% of the rate.
     with pytest.raises(RuntimeError, match="budget of `max_rollbacks=4` is spent"):
         fit(tmp_path / "plain", make_rollback())
     plain = [e["what"] for e in events(tmp_path / "plain" / "logs" / "version_0")]
@@ -152,7 +153,7 @@ def test_spike_that_comes_back_after_a_rollback_is_cured_only_by_escalation(tmp_
     model, trainer = fit(tmp_path / "escalated", escalating())
     first, second = rollback_events(trainer, "rollback")
     (escalation,) = rollback_events(trainer, "escalation")
-    assert (first["step"], first["to_step"], second["step"], second["to_step"]) == (27, 24, 31, 24)
+    assert (first["step"], first["to_step"], second["step"], second["to_step"]) == (27, 24, 31, 28)
     assert escalation["step"] == 31 and escalation["lr_factor"] == 0.02 and escalation["rewarmup_steps"] == 100
     assert escalation["steps_since_previous"] == 31 - 28 and escalation["reset_moments"] == "none"
     before = sum(model.losses[16:24]) / 8

@@ -33,6 +33,10 @@ __all__ = ["SpikeRollback"]
 # checkpoint that held no snapshots (a state the uninterrupted run did not keep).
 _Origin = Literal["start", "schedule", "resume"]
 _NO_EVENTS = " (No events file: pass GradKit(log_dir=...) to save the events.)"
+# A spike that begins within this many steps trained from a restored state comes back "at once": the state's own loss
+# (its first step) or its first update (the second step's loss) spikes, so the state may carry the fault. Later, the
+# state trained cleanly first: the spike is a new occurrence of the fault, met from the newest snapshot before it.
+_AT_ONCE = 2
 
 
 class SpikeRollback:
@@ -67,14 +71,16 @@ class SpikeRollback:
     saw them (an LR scheduler with a ``frequency`` too). After ``max_rollbacks`` rollbacks the next trigger stops
     training with a ``RuntimeError``.
 
-    **The same snapshot twice.** A rollback restores the snapshot the previous rollback restored only when the run
-    from it got further than the time before (its spike began later after the resume than the previous spike began
-    after that snapshot): a spike that comes back as soon or sooner suggests that the state itself carries the fault,
-    so the older snapshot is taken instead, or the run stops when none is left (an escalating rollback may restore
-    the same one: its run from it differs). A fault that recurs later (a bad stretch of data, a periodic learning-rate
-    burst) is met from the newest snapshot before it instead of throwing the run back one snapshot per occurrence.
-    The trade-off: a state whose damage shows later after each restore is restored until ``max_rollbacks`` stops the
-    run; ``escalate_lr_factor`` damps a recurring fault.
+    **A recurring fault.** The run resumes from the restored state when the stepped-over batches end: that state
+    counts from then on as the snapshot of that step (``to_step`` of a later rollback to it), so a later rollback
+    rewinds only the steps trained since. A spike that comes back *at once* (it begins in the first two steps trained
+    from the restored state: its loss, or its first update, spikes) says the state itself may carry the fault: the next
+    rollback takes the snapshot before it, or the run stops when none is left. A spike that begins later met a state
+    that trained cleanly: a fault that recurs (a bad stretch of data, a periodic learning-rate burst) is met from the
+    newest snapshot before it, so such a rollback rewinds fewer than ``snapshot_every_n_steps + patience`` steps (more
+    only while a due snapshot waits for a step that is not flagged), whatever the period of the fault. The trade-off:
+    a state whose damage shows later than that is restored until ``max_rollbacks`` stops the run, unless an escalation
+    changes the run from it.
 
     ``skip_batches`` counts optimizer steps *beyond* the rewound ones: a rollback leaves out ``rewound_steps +
     skip_batches`` steps' batches in all (the event's ``batches_skipped``). PaLM's "skipped roughly 200-500 data
@@ -93,7 +99,10 @@ class SpikeRollback:
     as a marker in the gradient report, and a warning.
 
     **Escalation** (off by default): a rollback that fires soon after the previous one also cuts the learning rate
-    and/or resets optimizer moments, as PaLM, OPT, BLOOM and SPAM did; :mod:`gradkit.escalation` says how.
+    and/or resets optimizer moments, as PaLM, OPT, BLOOM and SPAM did; :mod:`gradkit.escalation` says how. It cures a
+    fault the restored state carries (a learning-rate schedule that the rollback rewinds into the fault again); on a
+    fault that recurs on its own schedule a cut learning rate measured worse than none (``benchmarks/RESULTS.md``,
+    issue 39), hence off.
 
     **Resume.** The ``state_dict`` holds the statistics, counters, the count of skipped steps and the batches left to
     step over, so a run checkpointed after a rollback resumes exactly. With ``save_snapshots=True`` it holds the
@@ -225,8 +234,6 @@ class SpikeRollback:
         self._rollbacks = 0
         self._next_id = 0
         self._last_restored_id = -1
-        # Steps from the last restored snapshot (or the resume from it) to the start of the spike that restored it.
-        self._reach: int | None = None
         self._next_snapshot_at: int | None = None
         self._history: list[dict[str, Any]] = []
         # The end of the previous rollback (global step of its first trained step): when a spike comes back soon after.
@@ -312,8 +319,11 @@ class SpikeRollback:
         elif pending["kind"] == "skip":
             # A stepped-over batch: back to the snapshot the rollback restored (the newest: those after it were
             # dropped, and none is taken while stepping over).
-            max(self._ring, key=lambda s: s.id).restore(ctx, full=False)
+            restored = max(self._ring, key=lambda s: s.id)
+            restored.restore(ctx, full=False)
             self._skip_left -= 1
+            if self._skip_left == 0:
+                self._resume_from(restored, ctx)
         else:
             self._roll_back(ctx, pending)
 
@@ -392,7 +402,7 @@ class SpikeRollback:
                 "nonfinite_consecutive": int(nonfinite_run),
             }
             escalate = self._escalation.escalates(step, self._resumed_at)
-            entry = self._choose(ctx, step, start, values, allow_last=escalate)
+            entry = self._choose(ctx, step, start, values)
             # Read now: the rollback starts a new run of flagged steps.
             spiking = escalate and self.escalate_reset_moments == "spiking"
             self._pending = {
@@ -423,11 +433,9 @@ class SpikeRollback:
         self._next_id += 1
         self._next_snapshot_at = self._next_multiple(ctx.global_step)
 
-    def _choose(
-        self, ctx: StepContext, step: int, start: int, values: dict[str, Any], allow_last: bool = False
-    ) -> StepSnapshot:
-        """The newest snapshot taken before the spike began, else a resume's inside the run of flagged steps; the one
-        the previous rollback restored only as the class docstring's **The same snapshot twice** says."""
+    def _choose(self, ctx: StepContext, step: int, start: int, values: dict[str, Any]) -> StepSnapshot:
+        """The newest snapshot taken before the spike began (else a resume's inside the run of flagged steps), or the
+        one before it when the spike came back at once from it (the class docstring's **A recurring fault**)."""
         if self._rollbacks >= self.max_rollbacks:
             self._stop(
                 ctx,
@@ -436,22 +444,23 @@ class SpikeRollback:
                 f"the budget of `max_rollbacks={self.max_rollbacks}` is spent. Look for the cause in the events "
                 "(a learning rate too high, bad data), or raise `max_rollbacks`.",
             )
-        further = self._reach is not None and self._resumed_at is not None and start - self._resumed_at > self._reach
-        again = allow_last or further
-        usable = [s for s in self._ring if s.valid and (again or s.id != self._last_restored_id)]
+        usable = [s for s in self._ring if s.valid]
         candidates = [s for s in usable if s.step <= start] or [s for s in usable if s.origin == "resume"]
-        if not candidates:
-            kept = sorted(s.step for s in self._ring if s.valid)
+        newest = max(candidates, key=lambda s: s.id, default=None)
+        if newest is not None and newest.id == self._last_restored_id and start - newest.step < _AT_ONCE:
+            # The previous rollback restored it and the run from it spiked at once: it may carry the fault.
+            newest = max((s for s in candidates if s is not newest), key=lambda s: s.id, default=None)
+        if newest is None:
+            kept = sorted(s.step for s in usable)
             self._stop(
                 ctx,
                 step,
                 values,
-                f"no snapshot is left to restore (snapshots at steps {kept}; the last rollback restored the newest "
-                "good one already, and the spike came back as soon after it as the time before: that state may carry "
-                "the fault, so it is not restored again). Raise `keep` or `snapshot_every_n_steps`, set "
-                "`escalate_lr_factor`, or look for the cause in the events.",
+                f"no snapshot is left to restore (snapshots at steps {kept}; the spike came back within {_AT_ONCE} "
+                "steps after the last rollback resumed from the newest: that state may carry the fault, so it is not "
+                "restored again). Raise `keep`, or look for the cause in the events.",
             )
-        return max(candidates, key=lambda s: s.id)
+        return newest
 
     def _stop(self, ctx: StepContext, step: int, values: dict[str, Any], why: str) -> None:
         self._event(ctx, "rollback_stopped", values, step=step, rollbacks=self._rollbacks)
@@ -473,10 +482,6 @@ class SpikeRollback:
         self._nonfinite_run = torch.zeros((), device=device)
         self._escalation.module_zmax = None
         self._rollbacks += 1
-        # How far the run from this snapshot got before the spike began: from the previous resume when that one
-        # restored the same snapshot, else from the snapshot itself.
-        resumed_from = self._resumed_at if slot.id == self._last_restored_id else None
-        self._reach = pending["start"] - (resumed_from if resumed_from is not None else slot.step)
         self._last_restored_id = slot.id
         self._skip_left = self.skip_batches
         self._next_snapshot_at = self._next_multiple(ctx.global_step + self.skip_batches)
@@ -519,6 +524,15 @@ class SpikeRollback:
             f"batch(es). Rollback {self._rollbacks} of at most {self.max_rollbacks}.{_resume_note(slot, pending)} "
             f"{self._events_note}"
         )
+        if self.skip_batches == 0:
+            self._resume_from(slot, ctx)
+
+    def _resume_from(self, slot: StepSnapshot, ctx: StepContext) -> None:
+        """The stepped-over batches are done: the run resumes from the restored state, which is the snapshot's, so the
+        snapshot counts as taken here (a later rollback to it rewinds only the steps trained from now on)."""
+        slot.step = ctx.global_step
+        skipped = ctx.pipeline.skipped_steps
+        slot.skipped = None if skipped is None else skipped.clone()
 
     def _event(self, ctx: StepContext, what: str, values: dict[str, Any], culprit: Any = None, **fields: Any) -> None:
         """One event in the event file (when there is one), from rank 0."""
@@ -551,7 +565,6 @@ class SpikeRollback:
             "rollbacks": self._rollbacks,
             "next_id": self._next_id,
             "last_restored_id": self._last_restored_id,
-            "reach": self._reach,
             "next_snapshot_at": self._next_snapshot_at,
             "history": copy.deepcopy(self._history),
             "skipped_steps": float(skipped) if skipped is not None else 0.0,
@@ -572,8 +585,6 @@ class SpikeRollback:
         self._rollbacks = int(state_dict["rollbacks"])
         self._next_id = int(state_dict["next_id"])
         self._last_restored_id = int(state_dict["last_restored_id"])
-        # Absent from older checkpoints: the last restored snapshot is not restored again (the earlier rule).
-        self._reach = state_dict.get("reach")
         self._next_snapshot_at = state_dict["next_snapshot_at"]
         self._history = copy.deepcopy(state_dict["history"])
         skipped = state_dict.get("skipped_steps")  # absent from older checkpoints: the guards' count stands
