@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -270,11 +272,14 @@ def test_spike_rollback_rewinds_hfs_lr_scheduler_with_the_model(tmp_path: Path) 
     assert trainer.lr_scheduler.get_last_lr() == pytest.approx([0.05 * (1 - (steps - 4) / steps)], rel=1e-12)
 
 
-def test_the_door_takes_over_hfs_max_grad_norm_and_says_so(tmp_path: Path) -> None:
+def test_the_door_takes_over_hfs_max_grad_norm_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # HF's default clipping (max_grad_norm=1.0; 0.5 here) runs as ClipGradNorm in the pipeline: the same training as
-    # max_grad_norm=0 with ClipGradNorm(0.5) given to the door, and HF's grad_norm stays the pre-clip norm.
-    with pytest.warns(UserWarning, match=r"max_grad_norm=0.5\) runs as ClipGradNorm\(max_norm=0.5\)"):
+    # max_grad_norm=0 with ClipGradNorm(0.5) given to the door, and HF's grad_norm stays the pre-clip norm. Said once,
+    # at info level (nothing is wrong).
+    with caplog.at_level(logging.INFO, logger="gradkit.huggingface"):
         trainer, door = _hf_run("gpt2", tmp_path / "hf", [GradNormMonitor(), NonFiniteGuard()], max_grad_norm=0.5)
+    notes = [r.getMessage() for r in caplog.records if "runs as ClipGradNorm" in r.getMessage()]
+    assert len(notes) == 1 and "max_grad_norm=0.5) runs as ClipGradNorm(max_norm=0.5)" in notes[0], notes
     assert [type(p).__name__ for p in door.policies] == ["GradNormMonitor", "NonFiniteGuard", "ClipGradNorm"]
     model, _, kit, rows = _loop_run("gpt2", _policies())
     assert_same_model(trainer.model, model)
@@ -315,18 +320,26 @@ def test_logged_values_reach_hfs_reporters_at_hfs_steps(tmp_path: Path) -> None:
     assert hf == {2, 4}
 
 
-def test_the_example_skips_the_injected_nan_and_resumes_with_the_policies_state(tmp_path: Path) -> None:
+def test_the_example_skips_the_injected_nan_and_resumes_with_the_policies_state(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     spec = importlib.util.spec_from_file_location("hf_finetune", Path(__file__).parents[1] / "examples/hf_finetune.py")
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     common = ["--out-dir", str(tmp_path), "--n-layer", "1", "--n-embd", "32", "--max-bytes", "20000", "--cpu"]
     common += ["--logging-steps", "1", "--save-steps", "2", "--batch-size", "2", "--accumulate", "1"]
-    with pytest.warns(UserWarning, match="HFGradKit clips for HF"):
+    with caplog.at_level(logging.INFO, logger="gradkit.huggingface"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer = example.main([*common, "--max-steps", "4", "--inject-nan-at", "1"])
+    # HF's default max_grad_norm=1.0 runs as ClipGradNorm: nothing is wrong, so a note at info level, no warning.
+    assert [r.getMessage() for r in caplog.records if "HFGradKit clips for HF" in r.getMessage()]
+    assert not [w for w in caught if "clips for HF" in str(w.message)]
+    # The one warning (the NaN skip) names the user's line (the example's `trainer.train()`), not HF's trainer.py.
+    (skip,) = [w for w in caught if "NonFiniteGuard" in str(w.message)]
+    assert Path(skip.filename).name == "hf_finetune.py", skip.filename
     assert next(row["step"] for row in trainer.state.log_history if row.get("gradkit/skipped_steps") == 1.0) == 2
-    with pytest.warns(UserWarning, match="HFGradKit clips for HF"):
-        resumed = example.main([*common, "--max-steps", "6", "--resume"])
+    resumed = example.main([*common, "--max-steps", "6", "--resume"])
     assert resumed.state.global_step == 6
     assert [
         r["gradkit/skipped_steps"] for r in resumed.state.log_history if r["step"] == 6 and "gradkit/skipped_steps" in r

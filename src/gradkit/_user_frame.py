@@ -1,4 +1,4 @@
-"""Warnings that point at the user's line: the first frame outside gradkit, Lightning and torch.
+"""Warnings that point at the user's line: the first frame outside gradkit, Lightning, torch and HF's Trainer.
 
 ``warnings.warn(message, stacklevel=3)`` from inside a policy names a gradkit file (``.../engine.py:198:``), which
 tells a user nothing: the policy runs three to twenty frames below the user's ``trainer.fit(...)``,
@@ -18,9 +18,19 @@ from pathlib import Path
 __all__ = ["user_stacklevel", "warn_user"]
 
 # The packages whose frames sit between the user's line and a gradkit warning: gradkit and its Lightning adapters,
-# Lightning (the Trainer's loops, Fabric's wrappers, LightningCLI), and torch (an optimizer step hook, a module hook).
+# Lightning (the Trainer's loops, Fabric's wrappers, LightningCLI), torch (an optimizer step hook, a module hook), and
+# Hugging Face's Trainer and accelerate (the HF door's steps run inside `Trainer.train`): a warning names the user's
+# `trainer.train()` line, or a method of the user's own Trainer subclass when the warning comes from inside it.
 _GRADKIT_ROOT = Path(__file__).resolve().parent
-_INTERNAL_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "torch")
+_INTERNAL_PACKAGES = (
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "lightning_utilities",
+    "torch",
+    "transformers",
+    "accelerate",
+)
 
 
 def _internal_prefixes() -> tuple[str, ...]:

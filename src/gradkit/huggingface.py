@@ -54,6 +54,7 @@ HF and torch internals the door relies on, read in transformers 5.23.0, accelera
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -83,6 +84,8 @@ except ImportError as error:  # pragma: no cover - the message is the point
     ) from error
 
 __all__ = ["STATE_FILENAME", "HFGradKit", "install"]
+
+_log = logging.getLogger(__name__)
 
 #: The policies' state in an HF checkpoint folder (``checkpoint-<step>/``), beside ``optimizer.pt``.
 STATE_FILENAME = "gradkit_state.pt"
@@ -464,12 +467,12 @@ def _clipping(trainer: Trainer, policies: list[Policy]) -> list[Policy]:
             "inside its loop, before gradkit's policies see the gradients, and the door cannot take that over. Set "
             f"`max_grad_norm=0` and give the door `ClipGradNorm(max_norm={max_norm})` for the same clipping."
         )
-    warnings.warn(
-        f"HFGradKit clips for HF: TrainingArguments(max_grad_norm={max_norm}) runs as ClipGradNorm(max_norm="
-        f"{max_norm}) in the door's pipeline, after the guards' measurement (the same coefficient as HF's). Set "
-        "`max_grad_norm=0` to train without clipping, or give the door a clipper of your choice.",
-        UserWarning,
-        stacklevel=4,
+    # Nothing is wrong (HF's default clipping, done as HF does it): a note at info level, not a warning every run.
+    _log.info(
+        "HFGradKit clips for HF: TrainingArguments(max_grad_norm=%s) runs as ClipGradNorm(max_norm=%s) in the door's "
+        "pipeline, after the guards' measurement (the same coefficient as HF's).",
+        max_norm,
+        max_norm,
     )
     return [*policies, ClipGradNorm(max_norm=max_norm)]
 
