@@ -336,7 +336,7 @@ def test_warn_applies_the_update_and_reports_on_logging_steps(tmp_path: Path) ->
         trainer.fit(model, loader())
     assert not math.isfinite(model.head.bias.detach().sum().item())
     first = events(trainer)[0]
-    assert first["step"] == 3 and first["first_step"] == 2 and first["culprit"] == "head.bias"
+    assert first["step"] == first["first_step"] == 2 and first["culprit"] == "head.bias"  # one number per event
 
 
 class AlwaysNaN(FaultModule):

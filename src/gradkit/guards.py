@@ -548,6 +548,7 @@ class NonFiniteGuard:
             }
         self._reporter.write(
             ctx,
+            step=first,  # the flagged step, also when reported one step late (a fused skip): one number per event
             rank=bad_ranks or None,
             what=what,
             culprit=culprit.name,
