@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import warnings
 from collections.abc import Callable
@@ -737,6 +738,47 @@ def test_event_says_whether_the_replay_reproduced_the_nan_and_names_the_sample_i
     else:
         assert "made it again on rank(s) [0]" in event["reproducible_reason"]
         assert "reproduced it on rank(s) [0]: a reproducible fault points at the data or the model" in line
+
+
+class _SampleFault(nn.Module):
+    """Makes sample 3 of its input NaN while ``active``."""
+
+    active = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.index_fill(0, torch.tensor([3]), math.nan) if self.active else x
+
+
+class DictRowNaN(MLPModule):
+    """Dict batches; with ``poison``, at batch 2 the module ``fault`` (before the encoder) makes sample 3 NaN: a fault
+    in one sample's rows, made again by the replay of the batch."""
+
+    def __init__(self, poison: bool) -> None:
+        super().__init__()
+        self.poison = poison
+        self.fault = _SampleFault()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(self.fault(x))
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.fault.active = self.poison and batch_idx == 2
+        return super().training_step((batch["x"], batch["y"]), batch_idx)
+
+
+@pytest.mark.parametrize("where", ["input", "module"])
+def test_a_nan_in_one_sample_of_a_dict_batch_names_that_sample_alone(tmp_path: Path, where: str) -> None:
+    # Reference: the sample the test poisons (position 3 of batch 2, id 1019), in the batch itself or in the rows a
+    # module makes from it; the other 7 ids of the batch are not named.
+    batches = list(dict_batches())
+    if where == "input":
+        batches[2]["x"][3, 0] = math.nan
+    trainer = make_trainer(tmp_path, strategy="gradkit", callbacks=[NonFiniteGuard(action="skip")], max_steps=4)
+    with pytest.warns(UserWarning, match=r"Sample ids of batch 2: rank 0: \[1019\]"):
+        trainer.fit(DictRowNaN(poison=where == "module"), DataLoader(batches, batch_size=None))
+    (event,) = events(trainer)
+    assert event["batch_idx"] == 2 and event["sample_ids"] == {"0": [1019]}
+    assert event["culprit"] == ("<batch>" if where == "input" else "fault")
 
 
 def test_without_a_replay_the_event_says_reproducible_is_unknown(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "Culprit",
     "MicroBatch",
     "Reproducibility",
+    "bad_sample_ids",
     "culprit_text",
     "first_bad_batch",
     "gather_ranks",
@@ -254,6 +255,27 @@ def sample_ids(batch: Any) -> Any | None:
         return None
     key = next((k for k in SAMPLE_ID_KEYS if k in batch), None)
     return None if key is None else batch[key]
+
+
+def bad_sample_ids(ids: list[Any] | None, finding: Mapping[str, Any] | None) -> list[Any] | None:
+    """The ids of the samples that made the first non-finite value: those at the replay finding's non-finite
+    ``rows`` when its first non-finite tensor is as long as the batch (dim 0 the batch's), else all of ``ids``.
+
+    Example::
+
+        >>> bad_sample_ids([10, 11, 12, 13], {"rows": [2], "rows_of": 4})
+        [12]
+        >>> bad_sample_ids([10, 11, 12, 13], {"rows": [0, 1, 2, 3], "rows_of": 4})  # every row: not one sample's
+        [10, 11, 12, 13]
+        >>> bad_sample_ids([10, 11], {"rows": [0], "rows_of": 8})  # another dim 0 (tokens, heads)
+        [10, 11]
+    """
+    if not ids or not finding:
+        return ids
+    rows, rows_of = finding.get("rows"), finding.get("rows_of")
+    if not rows or rows_of != len(ids) or len(rows) == len(ids):
+        return ids
+    return [ids[r] for r in rows]
 
 
 def id_list(ids: Any) -> list[Any] | None:

@@ -82,7 +82,9 @@ class Finding:
             ``pass`` (``"forward"`` or ``"backward"``), ``source`` (``"file.py:12 in forward: x = x / s"``),
             ``node`` and ``forward_op`` (a backward origin's autograd node and the forward operator it
             differentiates), ``module_type``, ``became_nan`` (where an infinity became NaN), ``input_of``,
-            ``nonfinite_param_grads``, ``replay_error``, the anomaly trace.
+            ``nonfinite_param_grads``, ``replay_error``, the anomaly trace; ``rows`` and ``rows_of``: the positions
+            along dim 0 of the first non-finite tensor that hold a non-finite value, and its length (the samples of
+            the batch, where dim 0 is the batch's).
     """
 
     culprit: str | None
@@ -188,6 +190,19 @@ def _state(t: Tensor) -> int:
     if math.isnan(low) or math.isnan(high):
         return 2
     return 0 if math.isfinite(low) and math.isfinite(high) else 1
+
+
+def _bad_rows(t: Tensor) -> dict[str, Any]:
+    """``{"rows": [...], "rows_of": n}``: the positions along dim 0 of ``t`` (``n`` of them) that hold a non-finite
+    value, for naming the samples of a batch that made it (:func:`~gradkit.culprit.bad_sample_ids`); empty for a
+    scalar or a sparse tensor. A host read: the replay runs on a flagged step only."""
+    if t.ndim == 0 or t.layout != torch.strided or t.shape[0] == 0:
+        return {}
+    values = t.detach()
+    if values.is_complex():
+        values = torch.view_as_real(values)
+    bad = ~torch.isfinite(values.reshape(values.shape[0], -1)).all(dim=1)
+    return {"rows": bad.nonzero().flatten().tolist(), "rows_of": int(t.shape[0])}
 
 
 def _name(func: Any) -> str:
@@ -330,7 +345,9 @@ class _Recorder(TorchDispatchMode):
             if made_nan and not nan:
                 self.origins[index].detail.setdefault("became_nan", f"`{func}` in {self._place(node)}")
         else:
-            index = self._add(self._made_by(func, node))
+            finding = self._made_by(func, node)
+            finding.detail.update(_bad_rows(next(t for t, s in zip(made, states, strict=True) if s)))
+            index = self._add(finding)
         for t, s in zip(made, states, strict=True):
             if s:
                 self.holds[_key(t)] = index
@@ -347,6 +364,7 @@ class _Recorder(TorchDispatchMode):
             detail = {"op": str(func), "input_of": self._place(node)}
             name = self.tensors.get(key)
             finding = Finding(name, "parameter", detail) if name is not None else Finding("<batch>", "batch", detail)
+            finding.detail.update(_bad_rows(t))
             self.holds[key] = self._add(finding)
         return self.holds[key]
 

@@ -21,6 +21,7 @@ from torch import Tensor
 from gradkit._arguments import check_bool, check_choice, check_int
 from gradkit.culprit import (
     MicroBatch,
+    bad_sample_ids,
     culprit_text,
     first_bad_batch,
     gather_ranks,
@@ -401,7 +402,7 @@ class NonFiniteGuard:
         replay = reproducibility(per_rank)
         position = window.index(batch) if batch in window else -1
         ids = {
-            str(r["rank"]): r["ids"][position]
+            str(r["rank"]): bad_sample_ids(r["ids"][position], r["finding"])
             for r in per_rank
             if -len(r["ids"]) <= position < len(r["ids"]) and r["ids"][position] is not None
         }
@@ -540,7 +541,9 @@ class NonFiniteGuard:
         where: dict[str, Any] = {}
         if culprit.batch in kept.window:  # the replayed micro-batch that made it: its step's micro-batches, its ids
             position = kept.window.index(culprit.batch)
-            ids = {str(r["rank"]): r["ids"][position] for r in per_rank if r["ids"][position]}
+            ids = {
+                str(r["rank"]): bad_sample_ids(r["ids"][position], r["finding"]) for r in per_rank if r["ids"][position]
+            }
             where = {
                 "batch_idx": culprit.batch,
                 "batches": [kept.window[0], kept.window[-1]],
