@@ -208,6 +208,17 @@ for p in (2.0, 1.0, math.inf):
     n = _kernel_norms([t, u], p)
     assert math.isnan(n[0].item()) and n[1].item() == math.inf, (p, n)
 
+# With check, the same launches mark each tensor holding a NaN or an infinity (torch.isfinite, by hand); a finite
+# element whose square passes fp32 (an inf 2-norm) is not marked; the norms are the unchecked ones, bit for bit.
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    tensors = [torch.randn(s).to(dtype) for s in [(3,), (block + 1,), (0,), (5,), (2 * block + 3,), (7,)]]
+    tensors[1][block] = 6e4 if dtype == torch.float16 else 3e19
+    tensors[3][2], tensors[4][5], tensors[5][0] = float("inf"), -float("inf"), float("nan")
+    for p in (2.0, 1.0, math.inf):
+        out, n = _kernel_norms(tensors, p, check=True), len(tensors)
+        torch.testing.assert_close(out[:n], _kernel_norms(tensors, p), rtol=0, atol=0, equal_nan=True)
+        assert out[n:].tolist() == [0.0 if torch.isfinite(t).all() else 1.0 for t in tensors], (dtype, p, out)
+
 # More partials than one step of the segment fold (1024): a smaller block keeps the interpreter quick.
 _multi_norm._BLOCK = 2048
 _multi_norm._tables_cache.clear()
@@ -271,6 +282,23 @@ def test_cuda_kernel_on_unaligned_views_and_without_host_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(first, again)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernel_marks_nonfinite_elements_in_the_same_read(dtype: torch.dtype) -> None:
+    """Reference: ``torch.isfinite`` by hand. A finite 1e20 (its square past fp32: an inf 2-norm) is not marked."""
+    assert norm_implementation(torch.device("cuda"), dtype, 2.0) == "triton"
+    for bad in (None, float("inf"), -float("inf"), float("nan")):
+        grads = [torch.randn(s, device="cuda", dtype=dtype) for s in [(768, 2304), (768,), (0,), (50257, 7)]]
+        grads[0][5, 7] = 1e20
+        if bad is not None:
+            grads[3][-1, -1] = bad
+        for p in NORMS:
+            found: list[torch.Tensor] = []
+            norms = multi_tensor_norms(grads, p, found)
+            torch.testing.assert_close(norms, multi_tensor_norms(grads, p), rtol=0, atol=0, equal_nan=True)
+            assert found[0].item() == (0.0 if all(torch.isfinite(g).all() for g in grads) else 1.0), (bad, p)
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["fallback_reason", "multi_tensor_norms", "norm_implementation"]
+__all__ = ["fallback_reason", "found_nonfinite", "multi_tensor_norms", "norm_implementation"]
 
 _ENV_VAR = "GRADKIT_NORM_KERNEL"
 _ENV_VALUES = ("auto", "foreach")
@@ -175,26 +175,27 @@ def _tables(tensors: Sequence[Tensor]) -> _Tables | None:
     return tables
 
 
-def _kernel_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor | None:
+def _kernel_norms(tensors: Sequence[Tensor], norm_type: float, check: bool = False) -> Tensor | None:
     """The Triton path without the dispatch checks (CPU tensors work under ``TRITON_INTERPRET=1``); ``None`` when the
-    tensors cannot be read as flat arrays."""
+    tensors cannot be read as flat arrays. With ``check``, the norms then each tensor's non-finite mark (1.0 or 0.0)
+    in one vector of twice the length."""
     tables = _tables(tensors)
     if tables is None:
         return None
     device = tensors[0].device
-    if tables.num_blocks == 0:
-        return torch.zeros(len(tensors), dtype=torch.float32, device=device)
+    if tables.num_blocks == 0:  # every tensor empty: norms 0, nothing non-finite
+        return torch.zeros(len(tensors) * (2 if check else 1), dtype=torch.float32, device=device)
     from gradkit._triton_norm_kernels import _launch
 
     t = tables
-    args = (t.ptrs, t.numels, t.starts, t.owner, t.num_blocks, t.aligned, _BLOCK, tensors[0].dtype, norm_type)
+    args = (t.ptrs, t.numels, t.starts, t.owner, t.num_blocks, t.aligned, _BLOCK, tensors[0].dtype, norm_type, check)
     if device.type != "cuda":
         return _launch(*args)
     with torch.cuda.device(device):  # triton launches on the current device
         return _launch(*args)
 
 
-def multi_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
+def multi_tensor_norms(tensors: Sequence[Tensor], norm_type: float, found: list[Tensor] | None = None) -> Tensor:
     """The ``norm_type``-norm of each tensor, as one fp32 vector on their device (the tensors share device and dtype).
 
     On CUDA with triton importable, for float32/bfloat16/float16 and p in {1, 2, inf}, two Triton launches whatever
@@ -214,6 +215,12 @@ def multi_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
     2-norms of gradient-sized tensors), not bitwise. An atomic add into each tensor's slot would save the second
     launch but make the sum order, and so the bits, vary run to run; the project promises bitwise reproducibility.
 
+    Both paths accumulate in fp32, as torch does: a 2-norm (1-norm) whose sum of squares (magnitudes) passes fp32's
+    range is inf although every element is finite (one element of 3e19 is enough for p=2). ``found``, when given,
+    receives whether some element is NaN or infinite (an fp32 scalar, 1.0 or 0.0: ``torch.isfinite`` exactly): on the
+    Triton path from the same read (each block's largest magnitude, which cannot overflow), on the ``_foreach_norm``
+    path from the inf-norm itself, or for p in {1, 2} from :func:`found_nonfinite`, a second read.
+
     The result does not track gradients (the kernel reads raw memory); an empty tensor's norm is 0.
 
     Example::
@@ -222,11 +229,13 @@ def multi_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
         tensor([2.0000, 3.4641])
     """
     if len(tensors) == 0:
+        if found is not None:
+            found.append(torch.zeros(()))
         return torch.zeros(0)
     first = tensors[0]
     if fallback_reason(first.device, first.dtype, norm_type) is None:
         try:
-            norms = _kernel_norms(tensors, norm_type)
+            norms = _kernel_norms(tensors, norm_type, check=found is not None)
         except Exception as error:  # a compile or launch error on this GPU / triton: never the run's end
             _KERNEL_FAILED.append(f"the kernel failed here ({type(error).__name__}: {error})")
             warnings.warn(
@@ -237,8 +246,52 @@ def multi_tensor_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
             )
             norms = None
         if norms is not None:
-            return norms
+            if found is None:
+                return norms
+            found.append(norms[len(tensors) :].amax())  # after the norms: each tensor's mark
+            return norms[: len(tensors)]
     if math.isinf(norm_type):
         # _foreach_norm has no inf-norm of an empty tensor (no maximum of nothing); it is 0, as under the kernel.
         tensors = [t if t.numel() else t.new_zeros(1) for t in tensors]
-    return _foreach_norms(tensors, norm_type)
+    norms = _foreach_norms(tensors, norm_type)
+    if found is not None:
+        # A maximum of magnitudes cannot overflow: finite exactly when every element is. A sum can.
+        found.append(_nonfinite_mark(norms) if math.isinf(norm_type) else found_nonfinite(tensors))
+    return norms
+
+
+@functools.cache
+def _one(device: torch.device) -> Tensor:
+    """A device scalar 1.0: the inverse scale under which :func:`found_nonfinite`'s GradScaler check scales nothing."""
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def _nonfinite_mark(values: Tensor) -> Tensor:
+    """1.0 if some of ``values`` is NaN or infinite, else 0.0 (an fp32 scalar)."""
+    return ((values - values) != 0).any().to(torch.float32)
+
+
+def found_nonfinite(tensors: Sequence[Tensor]) -> Tensor:
+    """1.0 if some element of ``tensors`` (one device, one dtype) is NaN or infinite, else 0.0: ``torch.isfinite``
+    over every element, as an fp32 device scalar, in one multi-tensor pass and no host sync.
+
+    A second read of the tensors: the check of the ``_foreach_norm`` path, whose fp32 norms cannot tell an infinite
+    element from an overflowing sum (the Triton path needs no second read). On CPU and CUDA it is the GradScaler's
+    own fused check, ``torch._amp_foreach_non_finite_check_and_unscale_`` with an inverse scale of 1.0, which stores
+    every element back unchanged (the same bits; the tensors' version counters move) and reads no more than a norm:
+    on CPU ``_foreach_norm``'s inf-norm costs about 15x as much. That check writes, so tensors that overlap in memory
+    (an ``expand``) and other devices take the inf-norm, which a NaN keeps NaN and which cannot overflow.
+
+    Example::
+
+        >>> found_nonfinite([torch.tensor([3e19, 1.0]), torch.tensor([-float("inf")])])
+        tensor(1.)
+    """
+    first = tensors[0]
+    writable = all(map(Tensor.is_contiguous, tensors)) or all(map(_dense, tensors))
+    if first.device.type in ("cpu", "cuda") and writable:
+        found = torch.zeros((), dtype=torch.float32, device=first.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found, _one(first.device))
+        return found
+    tensors = [t if t.numel() else t.new_zeros(1) for t in tensors]
+    return _nonfinite_mark(torch.stack(torch._foreach_norm(tensors, math.inf)))

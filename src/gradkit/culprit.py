@@ -48,6 +48,7 @@ _WHAT_TEXT = {
     "nonfinite_loss": "non-finite loss",
     "nonfinite_grads": "non-finite gradients",
     "nonfinite_loss_and_grads": "non-finite loss and gradients",
+    "norm_overflow": "gradient norm overflow (every element finite)",
 }
 # Finding phases of a replay that did not see the non-finite value, or did not run to the end.
 _NOT_SEEN = ("not_reproduced", "failed", "unavailable")

@@ -23,6 +23,7 @@ steps).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,10 +35,11 @@ from gradkit._torch_compat import handles_found_inf
 from gradkit.culprit import MicroBatch
 from gradkit.events import EventLog
 from gradkit.host_lag import HostLag
+from gradkit.norms import GradStats
 from gradkit.pipeline import Pipeline, StepPlan
 from gradkit.protocol import StepContext, unwrapped
 
-__all__ = ["Flagged", "Kept", "Ledger", "Period", "Reporter"]
+__all__ = ["Flagged", "Kept", "Ledger", "Period", "Reporter", "overflow_summary", "write_norm_overflow"]
 
 
 class Ledger:
@@ -226,3 +228,38 @@ class Reporter:
         """The door's count of skipped steps, saved by every guard (all hold the same value)."""
         count = self._pipeline.skipped_steps if self._pipeline is not None else None
         return {"skipped_steps": float(count) if count is not None else 0.0}
+
+
+def overflow_summary(step: int, culprit: str | None, overflowed: list[str]) -> str:
+    """The console line of a step flagged for a gradient norm overflow (every element finite, the norm inf).
+
+    Example::
+
+        >>> overflow_summary(5, None, [])
+        "gradient norm overflow at step 5: every gradient element is finite, the norm past float32's range (inf)."
+    """
+    where = f"; largest in `{culprit}`" if culprit is not None else ""
+    own = f", whose own norm overflowed ({len(overflowed)} parameter(s))" if overflowed else ""
+    return (
+        f"gradient norm overflow at step {step}: every gradient element is finite, the norm past float32's range "
+        f"(inf){where}{own}."
+    )
+
+
+def write_norm_overflow(reporter: Reporter, ctx: StepContext, stats: GradStats, consecutive: int) -> str:
+    """Write the event of a step flagged for a gradient norm overflow and return its console line: the culprit is the
+    parameter with the largest norm, the event lists those whose own norm is inf (no replay: nothing non-finite)."""
+    norms = stats.param_norms.cpu()
+    overflowed = [stats.names[i] for i in (norms == math.inf).nonzero().flatten().tolist()]
+    culprit = stats.names[int(norms.argmax())] if stats.names else None
+    reporter.write(
+        ctx,
+        rank=None,  # no rank's loss or elements were non-finite
+        what="norm_overflow",
+        culprit=culprit,
+        culprit_source="gradients" if culprit is not None else None,
+        reproducible=None,
+        reproducible_reason="no replay: every gradient element was finite",
+        values={"grad_norm": float(stats.total), "overflow_param_grads": overflowed[:50], "consecutive": consecutive},
+    )
+    return overflow_summary(ctx.global_step, culprit, overflowed)

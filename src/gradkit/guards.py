@@ -34,7 +34,7 @@ from gradkit.culprit import (
     what_text,
 )
 from gradkit.forensics import Finding
-from gradkit.guard_reporting import Flagged, Kept, Ledger, Reporter
+from gradkit.guard_reporting import Flagged, Kept, Ledger, Reporter, overflow_summary, write_norm_overflow
 from gradkit.norms import loss_scale, nonfinite_mask, world_size
 from gradkit.pipeline import StepPlan
 from gradkit.protocol import Stage, StatsRequest, StepContext, state_key
@@ -127,6 +127,15 @@ class NonFiniteGuard:
     guard. The guard records it as an ``"fp16_overflow"`` event and counts it toward ``max_consecutive``, without a
     warning or a replay. A non-finite loss is the guard's skip, counted as usual.
 
+    Norm overflow: the gradients are non-finite exactly where ``torch.isfinite`` says so (measured in the gradient
+    read, not inferred from the norm). A step whose gradient norm is nevertheless inf, every element finite (the fp32
+    sum of squares passes 3.4e38: one element of 3e19 does it), is a ``"norm_overflow"`` event, not a non-finite
+    one: ``action`` applies to it as to a non-finite step (skipped, raised, warned; counted toward
+    ``max_consecutive``), because no norm-based policy can use that step (a clip coefficient ``max_norm / inf`` is
+    0, statistics fed inf), and the event names the parameters whose own norm overflowed, without a replay (there is
+    nothing non-finite to trace). ``torch.nn.utils.clip_grad_norm_(error_if_nonfinite=True)`` calls the same step
+    non-finite.
+
     Behind the Trainer only, under Lightning's ``DeepSpeedStrategy`` (see :mod:`lightning_gradkit._deepspeed`):
     ``"warn"`` and ``"raise"`` only (``"skip"`` is refused at setup: the DeepSpeed engine steps inside
     ``engine.step()``). The loss of each micro-batch is checked before DeepSpeed steps (``"raise"`` stops with the
@@ -142,7 +151,8 @@ class NonFiniteGuard:
     Args:
         action: ``"skip"``, ``"raise"`` or ``"warn"``.
         check_loss: check each micro-batch loss.
-        check_grads: check the gradients (one finite flag from the step's shared norms: no extra pass).
+        check_grads: check the gradients: the step's shared norms, and whether an element is NaN or Inf (from the
+            same read on CUDA; one more read of the gradients on CPU and where the Triton kernel does not run).
         max_consecutive: stop after this many flagged steps in a row (``>= 1``).
         forensics: replay a bad step's micro-batches to name the culprit module (``training_step`` runs
             again: see "Forensics" above).
@@ -277,7 +287,7 @@ class NonFiniteGuard:
             if batch is not None and self.replay_allowed(ctx.global_step):
                 self._micro_batches.append(batch)
         if self.check_loss:
-            loss = loss.detach().float()
+            loss = loss.detach()  # in its own dtype: a float64 loss of -1.4e39 is finite, its fp32 cast is not
             bad = nonfinite_mask(loss)
             bad = bad if bad.dim() == 0 else bad.any()
             self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
@@ -293,6 +303,7 @@ class NonFiniteGuard:
     def request_stats(self, request: StatsRequest) -> None:
         if self.check_grads:
             request.rank_flags = True
+            request.finite_check = True
 
     def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         if not self.check_loss or world_size() <= 1:  # one process: its own flag is the decision
@@ -310,24 +321,28 @@ class NonFiniteGuard:
             loss_bad = loss_ranks.sum() > 0
         elif self.check_loss and self._loss_bad is not None:
             loss_bad = self._loss_bad.to(plan.primary.total.device)
-        grads_bad = ~plan.primary.finite if self.check_grads else None
+        # The step's norms NaN or Inf: a non-finite element, or a norm overflow (every element finite); both flag
+        # the step, `found_nonfinite` (torch.isfinite, exactly) tells them apart for the report.
+        grads_bad = plan.primary.norms_nonfinite if self.check_grads else None
+        found = plan.primary.found_nonfinite if self.check_grads else None
         if loss_bad is not None and grads_bad is not None:
             bad = loss_bad | grads_bad
         else:
             bad = next((t for t in (loss_bad, grads_bad) if t is not None), None)
             if bad is None:  # only the loss is checked, and no loss was handed over this step
                 bad = torch.zeros((), dtype=torch.bool, device=plan.primary.total.device)
-        self._flags = (bad, loss_ranks, loss_bad, grads_bad)
+        self._flags = (bad, loss_ranks, loss_bad, grads_bad, found)
         if self.action == "skip":
             # Non-finite gradients under a finite loss with a GradScaler are its routine overflow: the scaler skips
             # that step itself. It is the scaler's skip, not the guard's: not counted, buffers and schedulers as
             # without the guard. The guard still records it (an "fp16_overflow" event).
-            overflow = self._overflow(loss_bad, grads_bad)
+            overflow = self._overflow(loss_bad, found)
             plan.add_skip(bad if overflow is None else bad & ~overflow)
         if not self._reporter.reads_on_host():
-            # [flag, loss non-finite, gradients non-finite] in one op; the per-rank losses when there are ranks. The
-            # per-parameter norms are kept (a reference) to name the culprit if the step turns out flagged.
-            flags = torch.stack([bad, bad if loss_bad is None else loss_bad, bad if grads_bad is None else grads_bad])
+            # [flag, loss non-finite, gradient elements non-finite] in one op; the per-rank losses when there are
+            # ranks. The per-parameter norms are kept (a reference) to name the culprit if the step turns out flagged.
+            grads = grads_bad if found is None else found
+            flags = torch.stack([bad, bad if loss_bad is None else loss_bad, bad if grads is None else grads])
             if loss_ranks is not None:
                 flags = torch.cat([flags.to(loss_ranks.dtype), loss_ranks])
             self._param_names = plan.primary.names
@@ -335,11 +350,12 @@ class NonFiniteGuard:
             kept = Kept(plan.primary.param_norms, self._micro_batches, self._window, self._ids)
             self._late = self._ledger.record(ctx.global_step, flags, kept)
 
-    def _overflow(self, loss_bad: Tensor | None, grads_bad: Tensor | None) -> Tensor | None:
-        """Under a GradScaler: non-finite gradients and a finite loss on every rank (a device flag, no sync); ``None``
-        without a scaler or without the gradient check."""
-        if not self._scaler or grads_bad is None:
+    def _overflow(self, loss_bad: Tensor | None, found: Tensor | None) -> Tensor | None:
+        """Under a GradScaler: a non-finite gradient element and a finite loss on every rank (a device flag, no sync);
+        ``None`` without a scaler or without the gradient check. A norm overflow is not: the scaler would step it."""
+        if not self._scaler or found is None:
             return None
+        grads_bad = found > 0
         return grads_bad if loss_bad is None else grads_bad & ~loss_bad
 
     def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
@@ -362,7 +378,7 @@ class NonFiniteGuard:
     # -- acting at the step (host knows) -----------------------------------------------------------------------
     def _act_at_step(self, plan: StepPlan, ctx: StepContext) -> None:
         assert self._flags is not None
-        bad, loss_ranks, loss_bad, grads_bad = self._flags
+        bad, loss_ranks, loss_bad, grads_bad, found = self._flags
         # Under a GradScaler the skip leaves the overflow out (see `decide`): the flag is read with it.
         if not self._reporter.flagged_on_host(plan, bad, within_skip=not (self._scaler and self.check_grads)):
             self._consecutive = []
@@ -373,7 +389,10 @@ class NonFiniteGuard:
             bad_ranks = [r for r, v in enumerate(loss_ranks.tolist()) if v > 0]
         else:
             bad_ranks = [ctx.global_rank] if loss_bad is not None and bool(loss_bad) else []
-        grads_nonfinite = bool(grads_bad) if grads_bad is not None else False
+        grads_nonfinite = bool(found > 0) if found is not None else grads_bad is not None and bool(grads_bad)
+        if grads_bad is not None and not grads_nonfinite and not bad_ranks:
+            self._norm_overflow(plan, ctx)
+            return
         stats = plan.primary
         nonfinite = (~torch.isfinite(stats.param_norms)).cpu()
         overflow = self._scaler and grads_nonfinite and not bad_ranks
@@ -435,10 +454,7 @@ class NonFiniteGuard:
         summary = step_summary(step, batch, window, what, bad_ranks, grad_ranks, params, culprit, replay, ids)
         if finding is not None and self._first_finding is None:
             self._first_finding = {"step": step, "culprit": culprit.name, "described": culprit.text}
-        if self.action == "raise":
-            raise RuntimeError(f"NonFiniteGuard: {summary}{self._reporter.note}")
-        if len(self._consecutive) >= self.max_consecutive:
-            self._stop(ctx, len(self._consecutive), self._consecutive[0], step, summary)
+        self._conclude(ctx, summary)
         if not overflow:
             # A short first line; the details below it, the parameters' names only in the event.
             verb = "skipped" if self.action == "skip" else "applied"
@@ -449,6 +465,20 @@ class NonFiniteGuard:
                 details += f" Non-finite gradients in {len(params)} parameter(s) on rank(s) {grad_ranks}"
                 details += f" (first `{params[0]}`)." if len(params) > 1 else f": `{params[0]}`."
             ctx.warn(f"{first}\n  {details}{self._reporter.note}")
+
+    def _conclude(self, ctx: StepContext, summary: str) -> None:
+        """Raise for ``action="raise"``, stop after ``max_consecutive`` flagged steps in a row."""
+        if self.action == "raise":
+            raise RuntimeError(f"NonFiniteGuard: {summary}{self._reporter.note}")
+        if len(self._consecutive) >= self.max_consecutive:
+            self._stop(ctx, len(self._consecutive), self._consecutive[0], ctx.global_step, summary)
+
+    def _norm_overflow(self, plan: StepPlan, ctx: StepContext) -> None:
+        """A flagged step whose gradient norm is inf, every element finite: its event, then as a non-finite step."""
+        summary = write_norm_overflow(self._reporter, ctx, plan.primary, len(self._consecutive))
+        self._conclude(ctx, summary)
+        verb = "skipped" if self.action == "skip" else "applied"
+        ctx.warn(f"NonFiniteGuard: {summary} The optimizer step was {verb}.{self._reporter.note}")
 
     def _no_replay_reason(self) -> str:
         """Why no replay ran at a flagged step, and how to get one."""
@@ -525,11 +555,16 @@ class NonFiniteGuard:
             return
         first, last, count = record.first, record.last, record.count
         bad_ranks, grads = self._late_flags(record.flags, ctx)
+        norm_overflow = self.check_grads and not grads and not bad_ranks  # flagged by its norm alone
         kept: Kept = record.keep
         params: list[str] = []
         if grads and self._param_names:  # the first parameter with a non-finite gradient (a logging step: may read)
             params = [self._param_names[int(nonfinite_mask(kept.param_norms).to(torch.float32).argmax())]]
-        what = "fp16_overflow" if self._scaler and grads and not bad_ranks else nonfinite_kind(bool(bad_ranks), grads)
+        elif norm_overflow and self._param_names:  # the largest norm
+            params = [self._param_names[int(kept.param_norms.argmax())]]
+        what = "norm_overflow" if norm_overflow else nonfinite_kind(bool(bad_ranks), grads)
+        if self._scaler and grads and not bad_ranks:
+            what = "fp16_overflow"
         per_rank = kept.per_rank or []
         culprit = locate_culprit(per_rank, bad_ranks, params, self._no_replay_reason())
         replay = reproducibility(per_rank)
@@ -565,11 +600,14 @@ class NonFiniteGuard:
         if findings and self._first_finding is None:
             self._first_finding = {"step": first, "culprit": culprit.name, "described": culprit.text}
         detail = [f"loss non-finite on rank(s) {bad_ranks}"] if bad_ranks else []
-        if culprit.name is not None:
+        if norm_overflow:
+            detail.append(overflow_summary(first, params[0] if params else None, []).rstrip("."))
+        elif culprit.name is not None:
             detail.append(f"culprit `{culprit.name}`: {culprit.text}")
         verb = "skipped" if self.action == "skip" else "applied"
+        kind = "flagged" if norm_overflow else "with non-finite values"  # the period's first flagged step says
         summary = (
-            f"{count} optimizer step(s) with non-finite values between steps {first} and {last} (updates {verb}); "
+            f"{count} optimizer step(s) {kind} between steps {first} and {last} (updates {verb}); "
             f"at step {first}: {'; '.join(detail) or 'non-finite values'}."
         )
         if run >= self.max_consecutive:

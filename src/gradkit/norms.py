@@ -2,9 +2,12 @@
 
 Every optimizer step the gradients are read once: one ``torch._foreach_norm`` per (device, dtype) group gives
 the norm of every parameter's gradient as one fp32 vector. Everything else (per-module, per-param-group and
-total norms, the finite flag) is derived from that vector with small device ops, so no consumer ever reads the
-gradients again. When gradients are sharded (DTensor under FSDP2, flat shards under FSDP1) the local p-th powers
-of all parameters travel in a single all-reduce (:func:`reduce_sharded`; the inf-norm, a maximum, takes a second one).
+total norms) is derived from that vector with small device ops, so no consumer ever reads the gradients again. The
+exact finite flag is not: an fp32 sum of squares overflows on finite elements (one of 3e19), so when a policy asks,
+the read also says whether an element is NaN or infinite (:func:`checked_norms`: from the same read on the Triton
+path, from a second one elsewhere). When gradients are sharded (DTensor under FSDP2, flat shards under FSDP1) the
+local p-th powers of all parameters travel in a single all-reduce (:func:`reduce_sharded`; the inf-norm, a maximum,
+takes a second one).
 
 Gradients (and losses) that still carry the AMP loss scale are expressed without it through :func:`loss_scale`, the
 one reader of a ``GradScaler``'s scale tensor (defined with the other torch private reads in
@@ -22,12 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradkit._multi_norm import multi_tensor_norms
+from gradkit._multi_norm import found_nonfinite, multi_tensor_norms
 from gradkit._torch_compat import loss_scale as loss_scale  # re-exported: callers import it here
 
 __all__ = [
     "GradStats",
     "ParamIndex",
+    "checked_norms",
     "combine_sharded",
     "derive_stats",
     "fill_present",
@@ -133,16 +137,20 @@ def sparse_values(t: Tensor) -> Tensor:
     return t.coalesce()._values()
 
 
-def _run_norms(run: list[Tensor], norm_type: float) -> Tensor:
-    """Norms of tensors that share device and dtype, stacked (:func:`~gradkit._multi_norm.multi_tensor_norms`).
+def _run_norms(run: list[Tensor], norm_type: float, found: list[Tensor] | None) -> Tensor:
+    """Norms of tensors that share device and dtype, stacked (:func:`~gradkit._multi_norm.multi_tensor_norms`, which
+    appends the run's non-finite mark to ``found`` when given).
 
     On CPU the inf-norm comes from one ``aminmax`` per tensor (``max(max, -min)``): ``_foreach_norm`` has no fused
     CPU kernel and its inf-norm there costs about 7x as much. NaN propagates either way.
     """
     if math.isinf(norm_type) and run[0].device.type == "cpu":
         pairs = [torch.aminmax(t) for t in run]
-        return torch.maximum(torch.stack([p.max for p in pairs]), torch.stack([p.min for p in pairs]).neg())
-    return multi_tensor_norms(run, norm_type)
+        norms = torch.maximum(torch.stack([p.max for p in pairs]), torch.stack([p.min for p in pairs]).neg())
+        if found is not None:  # a maximum of magnitudes cannot overflow: finite exactly when every element is
+            found.append(nonfinite_mask(norms).any().to(torch.float32))
+        return norms
+    return multi_tensor_norms(run, norm_type, found)
 
 
 def run_bounds(run_ids: Sequence[object]) -> list[tuple[int, int]]:
@@ -163,14 +171,18 @@ def run_bounds(run_ids: Sequence[object]) -> list[tuple[int, int]]:
 
 
 def per_tensor_norms(
-    tensors: Sequence[Tensor], norm_type: float, bounds: Sequence[tuple[int, int]] | None = None
+    tensors: Sequence[Tensor],
+    norm_type: float,
+    bounds: Sequence[tuple[int, int]] | None = None,
+    found: list[Tensor] | None = None,
 ) -> Tensor:
     """The p-norm of each tensor, as one fp32 vector on the first tensor's device.
 
     One multi-tensor call per run of consecutive tensors that share device and dtype (callers keep parameters
     ordered by group): two Triton launches on CUDA, one ``torch._foreach_norm`` elsewhere. Low-precision tensors are
     reduced in fp32; a sparse COO tensor's norm is that of its coalesced values (:func:`sparse_values`). ``bounds``
-    (:attr:`ParamIndex.run_bounds`), when the caller knows them, spare inspecting the tensors one by one.
+    (:attr:`ParamIndex.run_bounds`), when the caller knows them, spare inspecting the tensors one by one. ``found``,
+    when given, receives each run's non-finite mark (see :func:`checked_norms`).
 
     Example::
 
@@ -193,10 +205,34 @@ def per_tensor_norms(
             # `multi_tensor_norms`' own path off CUDA, without its dispatch: one `_foreach_norm`.
             low_precision = run[0].dtype in (torch.float16, torch.bfloat16)
             norms = torch.stack(torch._foreach_norm(run, norm_type, dtype=torch.float32 if low_precision else None))
+            if found is not None:  # fp32 sums cannot tell an infinite element from an overflow: a second read
+                found.append(found_nonfinite(run))
         else:
-            norms = _run_norms(run, norm_type)
+            norms = _run_norms(run, norm_type, found)
         pieces.append(norms.to(out_device, torch.float32, non_blocking=True))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def checked_norms(
+    tensors: Sequence[Tensor], norm_type: float, bounds: Sequence[tuple[int, int]] | None = None
+) -> tuple[Tensor, Tensor]:
+    """:func:`per_tensor_norms` (the same values) and whether some element of the tensors is NaN or infinite: an fp32
+    scalar on the first tensor's device, 1.0 or 0.0, ``torch.isfinite`` over every element exactly.
+
+    The norms cannot say it: they accumulate in fp32, so one finite element of 3e19 makes a 2-norm inf. The Triton
+    path marks non-finite elements in the same read; the ``_foreach_norm`` path (CPU, other devices, the kernel
+    turned off) reads the tensors once more (:func:`~gradkit._multi_norm.found_nonfinite`).
+
+    Example::
+
+        >>> checked_norms([torch.tensor([3e19, 1.0]), torch.ones(2)], 2.0)
+        (tensor([   inf, 1.4142]), tensor(0.))
+    """
+    marks: list[Tensor] = []
+    norms = per_tensor_norms(tensors, norm_type, bounds, marks)
+    if len(marks) <= 1:
+        return norms, marks[0] if marks else torch.zeros((), device=norms.device)
+    return norms, torch.stack([m.to(norms.device, non_blocking=True) for m in marks]).amax()
 
 
 def row_norms(t: Tensor) -> Tensor:
@@ -371,9 +407,16 @@ class GradStats:
         module_norms: ``[M]`` norms per module at the chosen depth (``None`` when depth is 0).
         module_names: ``[M]`` the module names.
         group_norms: ``[G]`` norms per optimizer param group (derived when first read: few steps need it).
-        total: scalar total norm, equal to ``torch.nn.utils.get_total_norm`` over all gradients.
-        finite: scalar bool, False when any gradient element is NaN or Inf (derived from ``total`` when first read:
-            only the guards need it every step).
+        total: scalar total norm, equal to ``torch.nn.utils.get_total_norm`` over all gradients. Accumulated in fp32
+            as torch does: inf when the sum of squares passes fp32's range, even with every element finite.
+        found_nonfinite: fp32 scalar, 0.0 when every gradient element is finite (``torch.isfinite``, exactly), else
+            the number of ranks holding a NaN or an infinity (1.0 in one process); measured only when a policy asks
+            (``StatsRequest.finite_check``: ``NonFiniteGuard`` does), else ``None``.
+        finite: scalar bool, False when any gradient element is NaN or Inf: ``found_nonfinite == 0`` when measured,
+            else derived from ``total`` (then an overflowing norm reads as non-finite). Derived when first read.
+        norms_nonfinite: scalar bool, True when ``total`` (or, in several processes, a rank's own norm) is NaN or
+            Inf: a non-finite element, or a norm overflow (``finite`` and ``norms_nonfinite`` both true: every
+            element finite, the norm past fp32's range). Derived when first read.
         missing: names of trainable parameters that had no gradient at this step.
     """
 
@@ -386,18 +429,31 @@ class GradStats:
     missing: list[str] = field(default_factory=list)
     group_index: Tensor | None = field(default=None, repr=False)
     num_groups: int = 0
+    found_nonfinite: Tensor | None = None
     _group_norms: Tensor | None = field(default=None, repr=False)
     _finite: Tensor | None = field(default=None, repr=False)
+    _norms_nonfinite: Tensor | None = field(default=None, repr=False)
 
     @property
     def finite(self) -> Tensor:
         if self._finite is None:
-            self._finite = finite_mask(self.total)
+            found = self.found_nonfinite
+            self._finite = finite_mask(self.total) if found is None else found == 0
         return self._finite
 
     @finite.setter
     def finite(self, value: Tensor) -> None:
         self._finite = value
+
+    @property
+    def norms_nonfinite(self) -> Tensor:
+        if self._norms_nonfinite is None:
+            self._norms_nonfinite = nonfinite_mask(self.total)
+        return self._norms_nonfinite
+
+    @norms_nonfinite.setter
+    def norms_nonfinite(self, value: Tensor) -> None:
+        self._norms_nonfinite = value
 
     @property
     def group_norms(self) -> Tensor:
@@ -407,8 +463,11 @@ class GradStats:
         return self._group_norms
 
 
-def derive_stats(index: ParamIndex, param_norms: Tensor, norm_type: float, missing: list[str]) -> GradStats:
-    """Build a :class:`GradStats` from global per-parameter norms (no gradient is read here)."""
+def derive_stats(
+    index: ParamIndex, param_norms: Tensor, norm_type: float, missing: list[str], found: Tensor | None = None
+) -> GradStats:
+    """Build a :class:`GradStats` from global per-parameter norms (no gradient is read here); ``found`` is the
+    read's ``found_nonfinite``, when it measured one."""
     total = total_norm(param_norms, norm_type)
     module_norms = None
     if index.module_index is not None:
@@ -423,4 +482,5 @@ def derive_stats(index: ParamIndex, param_norms: Tensor, norm_type: float, missi
         missing=missing,
         group_index=index.group_index,
         num_groups=index.num_groups,
+        found_nonfinite=found,
     )

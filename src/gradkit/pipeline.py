@@ -33,6 +33,7 @@ The gate that steps an optimizer, or does not, as the plan decided is :mod:`grad
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from gradkit.host_lag import HostLag
 from gradkit.norms import (
     GradStats,
     ParamIndex,
+    checked_norms,
     derive_stats,
     fill_present,
     local_tensor,
@@ -65,7 +67,8 @@ from gradkit.write import measure_grads, write
 
 __all__ = ["Pipeline", "StepPlan", "UnitNorms"]
 
-# Key in `StepPlan.reduced` of the per-rank flags: `[world_size]`, 1.0 where a rank's own gradients were non-finite.
+# Key in `StepPlan.reduced` of the per-rank flags, `[2, world_size]`: row 0 is 1.0 where a rank's own norms were NaN or
+# Inf, row 1 where its gradients held a NaN or an infinity (measured on request: `StatsRequest.finite_check`).
 _NONFINITE_GRAD_RANKS = "gradkit/nonfinite_grad_ranks"
 
 
@@ -421,12 +424,20 @@ class Pipeline:
             missing = [index.names[i] for i in absent]
         scale = ctx.loss_scale(optimizer)
         units = _measure_units(index, grads, present, request.unit_norm_names) if request.unit_norm_names else None
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        # Exact finiteness (`GradStats.found_nonfinite`) when a policy asks; under several processes only when it
+        # travels in the collective too: a rank's own answer alone could split the ranks' decisions.
+        check = request.finite_check and (request.rank_flags or not distributed)
+        found: Tensor | None = None
         local: dict[float, Tensor] = {}
         for p in request.norm_types:
+            want = check and found is None  # one norm type's read is enough
             if units is None:
-                norms = per_tensor_norms(grads, p, bounds)
+                norms, mark = checked_norms(grads, p, bounds) if want else (per_tensor_norms(grads, p, bounds), None)
             else:  # the unit norms already read the gradients AGC names: their 2-norms derive from them
-                norms = _param_norms(grads, p, units if p == 2.0 else None).to(index.shard_weight.device)
+                norms, mark = _param_norms(grads, p, units if p == 2.0 else None, want)
+                norms = norms.to(index.shard_weight.device)
+            found = found if mark is None else mark
             if scale is not None:
                 norms = norms / scale
             local[p] = norms if bounds is not None else fill_present(norms, present, len(index.params))
@@ -436,19 +447,16 @@ class Pipeline:
         extras: dict[str, Tensor] = {}
         for reduce_request in roster.reduce_request:
             extras.update(reduce_request(ctx))
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if request.rank_flags and distributed:
             # A rank's gradients can turn non-finite after the DDP all-reduce (a hook, `on_after_backward`, a faulty
             # kernel): its flags then differ from the others'. Summed in the one collective, every rank sees them all.
-            extras[_NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(local, index.shard_weight.device)
+            extras[_NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(local, found, index.shard_weight.device)
         reduced = extras
         if distributed:
             local, reduced = reduce_sharded(index, local, extras)
-        stats = {p: derive_stats(index, norms, p, missing) for p, norms in local.items()}
+        stats = {p: derive_stats(index, norms, p, missing, found) for p, norms in local.items()}
         if _NONFINITE_GRAD_RANKS in reduced:
-            anywhere = reduced[_NONFINITE_GRAD_RANKS].sum() > 0
-            for grad_stats in stats.values():
-                grad_stats.finite = grad_stats.finite & ~anywhere
+            _merge_rank_flags(stats, reduced[_NONFINITE_GRAD_RANKS], found is not None)
         plan = StepPlan(
             optimizer=optimizer,
             optimizer_idx=cached.optimizer_idx,
@@ -470,8 +478,10 @@ class Pipeline:
         """Observe (a step's first evaluation only): keep the decision for the gate, count a skip, let the policies
         log. Off logging steps nothing here reads a value to the host."""
         if plan.skip is not None:
-            count = plan.skip.to(torch.float32)
-            self.skipped_steps = count if self.skipped_steps is None else self.skipped_steps + count
+            if self.skipped_steps is None:
+                self.skipped_steps = plan.skip.to(torch.float32)
+            else:  # a bool adds as 0.0 or 1.0: no cast of its own (one launch fewer a step)
+                self.skipped_steps = self.skipped_steps + plan.skip
             if handles_found_inf(plan.optimizer):  # skipped on device: no door reads the flag at the step
                 self._send_skip(plan, plan.skip)
         self.last_plans[id(plan.optimizer)] = plan
@@ -518,12 +528,37 @@ def _grad_versions(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
 
 
 # -- the gradient read ---------------------------------------------------------------------------------------------
-def _local_nonfinite_flags(local: dict[float, Tensor], device: torch.device) -> Tensor:
-    """``[world_size]`` zeros, with this rank's entry 1.0 when any of its local per-parameter norms is NaN or Inf."""
+def _grad_norms(
+    grads: list[Tensor], norm_type: float, bounds: list[tuple[int, int]] | None, check: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Per-gradient norms of the step's read and, with ``check``, whether some element is NaN or infinite (from the
+    same read on the Triton path: :func:`~gradkit.norms.checked_norms`)."""
+    if check:
+        return checked_norms(grads, norm_type, bounds)
+    return per_tensor_norms(grads, norm_type, bounds), None
+
+
+def _local_nonfinite_flags(local: dict[float, Tensor], found: Tensor | None, device: torch.device) -> Tensor:
+    """``[2, world_size]`` zeros, with this rank's entries: row 0 1.0 when any of its local per-parameter norms is NaN
+    or Inf, row 1 its ``found`` (1.0 when one of its gradient elements is, measured on request)."""
     bad = torch.stack([nonfinite_mask(norms).any() for norms in local.values()]).any()
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.float32, device=device)
-    flags[dist.get_rank()] = bad.to(torch.float32)
+    flags = torch.zeros(2, dist.get_world_size(), dtype=torch.float32, device=device)
+    flags[0, dist.get_rank()] = bad.to(torch.float32)
+    if found is not None:
+        flags[1, dist.get_rank()] = found.to(device)
     return flags
+
+
+def _merge_rank_flags(stats: dict[float, GradStats], flags: Tensor, measured: bool) -> None:
+    """Make every rank's statistics say what any rank's own gradients said (``flags``: the summed
+    :func:`_local_nonfinite_flags`)."""
+    anywhere = flags[0].sum() > 0
+    for grad_stats in stats.values():
+        grad_stats.norms_nonfinite = grad_stats.norms_nonfinite | anywhere
+        if measured:
+            grad_stats.found_nonfinite = flags[1].sum()  # the ranks holding a non-finite element
+        else:
+            grad_stats.finite = grad_stats.finite & ~anywhere
 
 
 def _measure_units(index: ParamIndex, grads: list[Tensor], present: list[int], names: set[str]) -> UnitNorms | None:
@@ -570,10 +605,13 @@ def _read_grads(index: ParamIndex) -> tuple[list[Tensor], list[int], list[int], 
     return grads, present, run_ids, None
 
 
-def _param_norms(grads: list[Tensor], norm_type: float, units: UnitNorms | None) -> Tensor:
-    """Per-gradient norms; the 2-norms of gradients measured unit-wise are derived from their unit norms."""
+def _param_norms(
+    grads: list[Tensor], norm_type: float, units: UnitNorms | None, check: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Per-gradient norms, and the check of :func:`_grad_norms`; the 2-norms of gradients measured unit-wise are
+    derived from their unit norms."""
     if units is None:
-        return per_tensor_norms(grads, norm_type)
+        return _grad_norms(grads, norm_type, None, check)
     slots = set(units.positions)
     rest = [j for j in range(len(grads)) if j not in slots]
     device = units.flat.device
@@ -581,6 +619,13 @@ def _param_norms(grads: list[Tensor], norm_type: float, units: UnitNorms | None)
     out[positions_tensor(tuple(units.positions), device)] = torch.stack(
         torch._foreach_norm(list(units.flat.split(units.sizes)), 2.0)
     )
+    found = None
     if rest:
-        out[positions_tensor(tuple(rest), device)] = per_tensor_norms([grads[j] for j in rest], norm_type).to(device)
-    return out
+        norms, found = _grad_norms([grads[j] for j in rest], norm_type, None, check)
+        out[positions_tensor(tuple(rest), device)] = norms.to(device)
+    if check:
+        # Unit norms are fp32 sums of squares too: the gradients measured unit-wise are checked by their inf-norm (a
+        # maximum cannot overflow), one more read of those gradients, only under AGC and a policy that asks.
+        unit_found = checked_norms([grads[j] for j in units.positions], math.inf)[1].to(device)
+        found = unit_found if found is None else torch.maximum(found.to(device), unit_found)
+    return out, found

@@ -68,12 +68,15 @@ class StatsRequest:
         depth: module depth of the per-module norms (``ParamIndex`` groups).
         unit_norm_names: parameters whose unit-wise 2-norms are measured (AGC), see :class:`UnitNorms`.
         rank_flags: make the finite flag global: every rank's local flag travels in the step's collective.
+        finite_check: measure ``GradStats.found_nonfinite`` in the gradient read: ``torch.isfinite`` over every
+            element, exactly, which the fp32 norms cannot tell (one more read of the gradients off the Triton path).
     """
 
     norm_types: set[float] = field(default_factory=set)
     depth: int = 0
     unit_norm_names: set[str] = field(default_factory=set)
     rank_flags: bool = False
+    finite_check: bool = False
 
 
 def values_to_host(metrics: dict[str, Tensor]) -> dict[str, float]:

@@ -416,7 +416,8 @@ def unscaled_loss(trainer: pl.Trainer, loss: Tensor) -> Tensor:
     """The loss as ``training_step`` returned it, divided as Lightning divides it under accumulation
     (``on_before_backward`` sees it multiplied by the fp16 scale too; the scale is removed, no host sync)."""
     scale = loss_scale(getattr(trainer.precision_plugin, "scaler", None))
-    loss = loss.detach().float()
+    # At least fp32, never narrower than the loss: a float64 loss of -1.4e39 is finite, its fp32 cast is not.
+    loss = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
     return loss if scale is None else loss / scale.to(loss.device)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from helpers import distributed_trainer, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import GradKitModelParallelStrategy, NonFiniteGuard, SpikeGuard
-from test_guards import FaultModule, events, make_fault, plain, state_equal
+from test_guards import Fault, FaultModule, events, make_fault, plain, state_equal
 from test_guards_spike import SpikyModule
 
 NAN, INF = float("nan"), float("inf")
@@ -85,6 +85,11 @@ def main() -> None:
             trainer, model = fit(args.out, name, FaultModule(fault), NonFiniteGuard(action="skip"))
             rank = trainer.global_rank
             results[name] = {**record(trainer, model, fault.batch_idx), "target": fault.target}
+    # Finite, and so is the all-reduced mean (3e19): its square passes fp32, a norm overflow on every rank.
+    torch.manual_seed(0)
+    fault = Fault("grad", 6e19, rank=1, target="encoder.0.weight")
+    trainer, model = fit(args.out, "grad-overflow", FaultModule(fault), NonFiniteGuard(action="skip"))
+    results["grad-overflow"] = {**record(trainer, model, fault.batch_idx), "target": fault.target}
     torch.manual_seed(0)
     trainer, model = fit(
         args.out, "spike", OneRankSpike(), SpikeGuard("loss", z_threshold=4.0, warmup_steps=3, action="skip")
