@@ -5,6 +5,7 @@ printed by ``benchmarks/bench_call_depth.py``; this file only checks that its tr
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import shutil
 import subprocess
@@ -60,3 +61,16 @@ def test_the_call_depth_tracer_counts_gradkit_functions_only() -> None:
 
     functions, files = module.traced(lambda: total_norm(torch.ones(3), 2.0) + torch.ones(1))
     assert functions == ["norms.py:total_norm"] and files == ["norms.py"]
+
+
+def test_the_skip_count_has_one_writer() -> None:
+    """Issue 40: the count of skipped steps had 7 writers in 5 files. Only ``gradkit/accounting.py`` assigns it now;
+    everyone else calls its methods (a door's drop, the pipeline's skip, a rollback's rewind, a resume)."""
+    writers = []
+    for path in (ROOT / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr in ("skipped_steps", "_skipped"):
+                    writers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert writers and all(w.startswith("src/gradkit/accounting.py:") for w in writers), writers

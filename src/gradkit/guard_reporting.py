@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor
 
 from gradkit._torch_compat import handles_found_inf
@@ -175,7 +174,7 @@ class Reporter:
         """Put back the count of skipped steps a checkpoint held: at ``attach``, and again before the first forward
         (a Trainer whose strategy restores checkpoints after setup, FSDP or DeepSpeed, loads the state later)."""
         if self.restored_skips is not None:
-            ctx.pipeline.skipped_steps = torch.tensor(self.restored_skips, device=ctx.device)
+            ctx.pipeline.steps.restore(self.restored_skips, ctx.device)
             self.restored_skips = None
 
     @property

@@ -436,8 +436,7 @@ class GradKit:
     def _drop(self, optimizer: Optimizer) -> bool:
         """A dropped step counts as skipped; a forward run regardless leaves no gradient nor buffer write behind."""
         optimizer.zero_grad(set_to_none=True)
-        count, one = self.pipeline.skipped_steps, torch.ones((), device=self.ctx.device)
-        self.pipeline.skipped_steps = one if count is None else count + one
+        self.pipeline.steps.add_drop(self.ctx.device)
         if self._buffers is not None:
             self._buffers.close(True)
         return True
@@ -521,7 +520,7 @@ class GradKit:
             step, skipped, states = state_dict["step"], state_dict["skipped_steps"], state_dict["policies"]
         self.ctx.step = int(step)
         if skipped is not None:
-            self.pipeline.skipped_steps = torch.tensor(float(skipped), device=self.ctx.device)
+            self.pipeline.steps.restore(float(skipped), self.ctx.device)
         if isinstance(states, Mapping):
             pairs, notes = matched_states(self.policies, states, report_gone=not trainer)
             for note in notes:

@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 from gradkit._arguments import name_list
 from gradkit._closure import decide_again
 from gradkit._torch_compat import handles_found_inf
+from gradkit.accounting import StepAccounting
 from gradkit.host_lag import HostLag
 from gradkit.norms import (
     GradStats,
@@ -274,7 +275,8 @@ class Pipeline:
 
     Attributes:
         last_plans: per optimizer (``id``), the plan of its last step's first evaluation (what the gate reads).
-        skipped_steps: the steps a policy skipped (a device scalar), ``None`` before the first skip decision.
+        steps: the loop's step accounting (:class:`~gradkit.accounting.StepAccounting`), the one owner of the count of
+            attempted steps the model does not hold; :attr:`skipped_steps` reads it.
         generation: backward passes so far (the doors count them): tells a closure's later evaluation from the first.
     """
 
@@ -283,7 +285,7 @@ class Pipeline:
         #: Per optimizer: (step key, generation, gradient versions or None) of its last run.
         self._runs: dict[int, tuple[tuple[int, ...], int, tuple[tuple[int, int], ...] | None]] = {}
         self.last_plans: dict[int, StepPlan] = {}
-        self.skipped_steps: Tensor | None = None
+        self.steps = StepAccounting()
         self.generation = 0
         self._pending_scales: list[tuple[Policy, Optimizer | None]] = []
         self._warned_frozen: set[str] = set()
@@ -291,12 +293,17 @@ class Pipeline:
         #: Per optimizer (``id``): the pinned buffer its skip flags travel to the host in (fused optimizers only).
         self._skip_lags: dict[int, HostLag] = {}
 
+    @property
+    def skipped_steps(self) -> Tensor | None:
+        """The attempted steps the model does not hold (a device scalar; ``None`` before any could be skipped)."""
+        return self.steps.skipped
+
     def reset(self) -> None:
         """Forget the parameter indexes (parameters may be replaced between fits, e.g. by sharding)."""
         self._indexes.clear()
         self._runs.clear()
         self.last_plans.clear()
-        self.skipped_steps = None
+        self.steps.reset()
         self._pending_scales.clear()
         self._warned_frozen.clear()
         self._skip_lags.clear()
@@ -478,10 +485,7 @@ class Pipeline:
         """Observe (a step's first evaluation only): keep the decision for the gate, count a skip, let the policies
         log. Off logging steps nothing here reads a value to the host."""
         if plan.skip is not None:
-            if self.skipped_steps is None:
-                self.skipped_steps = plan.skip.to(torch.float32)
-            else:  # a bool adds as 0.0 or 1.0: no cast of its own (one launch fewer a step)
-                self.skipped_steps = self.skipped_steps + plan.skip
+            self.steps.add_skip(plan.skip)
             if handles_found_inf(plan.optimizer):  # skipped on device: no door reads the flag at the step
                 self._send_skip(plan, plan.skip)
         self.last_plans[id(plan.optimizer)] = plan

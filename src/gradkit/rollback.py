@@ -289,7 +289,7 @@ class SpikeRollback:
         self._run = torch.tensor(float(self._run), device=device)
         self._nonfinite_run = torch.tensor(float(self._nonfinite_run), device=device)
         if self._restored_skips is not None:
-            ctx.pipeline.skipped_steps = torch.tensor(self._restored_skips, device=device)
+            ctx.pipeline.steps.restore(self._restored_skips, device)
             self._restored_skips = None
         self._ring = [StepSnapshot(Snapshot(ctx.model, host=True)) for _ in range(self.keep)]
         self._pending = None
@@ -488,8 +488,7 @@ class SpikeRollback:
         from_step = ctx.global_step
         previous_end, self._resumed_at = self._resumed_at, from_step + self.skip_batches
         # The rewound steps join the skipped ones: `global_step - skipped_steps` stays the optimizer's step count.
-        rewound = torch.tensor(float(from_step - slot.step), device=device)
-        ctx.pipeline.skipped_steps = rewound if slot.skipped is None else slot.skipped + rewound
+        ctx.pipeline.steps.rewind(slot.skipped, from_step - slot.step, device)
         record = {
             "step": pending["step"],
             "from_step": from_step,

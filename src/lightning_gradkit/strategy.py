@@ -346,8 +346,7 @@ class GradKitStrategyMixin:
             # precision plugin and the optimizer do not, and the step counts as skipped.
             output = closure()
             optimizer.zero_grad(set_to_none=True)
-            one = torch.ones((), device=self.root_device)  # type: ignore[attr-defined]
-            engine.skipped_steps = one if engine.skipped_steps is None else engine.skipped_steps + one
+            engine.steps.add_drop(self.root_device)  # type: ignore[attr-defined]
             self._gradkit_record(optimizer, None, dropped=True)
             return output
         with shadowed(optimizer, step=self._gradkit_gate(optimizer, optimizer.step, engine)):
