@@ -25,6 +25,9 @@ says where releases differ.
 - ``Callback._generate_state_key`` (``ActivationCheckpointing``, ``SyncAudit``, ``GraphLeakGuard``): the way
   Lightning's documentation tells a callback to build its ``state_key``; the torch policies rebuild its format with
   :func:`gradkit.protocol.state_key`, so a key is the same behind every door.
+- ``Callback._legacy_state_key`` (``trainer_door.py``, the note on callbacks added at a restart): the key Lightning
+  itself still accepts when it loads a callback's state (``Trainer._checkpoint_connector``), so a callback whose state
+  a checkpoint holds under it is not reported as new.
 - torch and torchmetrics, in :mod:`gradkit._torch_compat` (the Lightning-free pipeline needs them too):
   torchmetrics' ``Metric._defaults`` (``metric_state_names``), ``GradScaler._scale``
   (:func:`~gradkit._torch_compat.loss_scale`), ``GradScaler._per_optimizer_states`` (``gradients_still_scaled``),
@@ -37,7 +40,9 @@ the same way: ``torch._foreach_*`` (``torch.nn.utils.clip_grad``), sparse ``_val
 (``torch.sparse``), ``Tensor._version`` and ``Tensor._base`` (views), ``Module._buffers``/``_parameters``/``_modules``
 (``nn.Module`` state), a DTensor's ``_local_tensor`` (``to_local()`` without its autograd node), a compiled module's
 ``_orig_mod`` (``torch.compile``'s wrapper), ``torch.utils._python_dispatch``/``_pytree``, an ``OpOverload``'s
-``_schema``, ``torch._C._current_autograd_node`` and the autograd node's ``_sequence_nr()`` /
+``_schema``, ``torch._amp_foreach_non_finite_check_and_unscale_`` (``GradScaler.unscale_``'s own multi-tensor check, with a scale
+of 1: the exact NaN/Inf flag off the Triton kernel, :mod:`gradkit._multi_norm`), ``torch._C._current_autograd_node``
+and the autograd node's ``_sequence_nr()`` /
 ``torch.autograd.graph``'s ``_get_sequence_nr`` (forensics, the planner, the graph audit), ``torch._C`` for the CUDA
 event and pinned-memory calls of :mod:`gradkit.host_lag`, and the FSDP2/composable-checkpoint lookups that fall back
 to private paths on torch < 2.6 (``callbacks/validation.py``, ``activation_checkpointing/injection.py``). From the
