@@ -91,6 +91,7 @@ nitpick_ignore = [
     ("py:class", "gradkit.loop.LoopContext"),
     ("py:class", "lightning_gradkit.trainer_door.TrainerContext"),
     ("py:class", "MicroBatch"),
+    ("py:class", "Snapshot"),
     ("py:class", "Roster"),
     ("py:func", "is_policy"),
     ("py:func", "selective_policy"),
