@@ -185,8 +185,10 @@ def _doors(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage])
 def _scale(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:
     from lightning.pytorch import LightningModule
 
-    # The block defines the hook (a mesh needs 4 processes: tests/test_hsdp_distributed.py runs one).
+    # The blocks define the hooks (a mesh needs 4 processes: tests/test_hsdp_distributed.py and
+    # tests/test_expert_parallel_distributed.py run one each).
     assert ns["HSDPModule"].configure_model is not LightningModule.configure_model
+    assert ns["MoEModule"].configure_model is not LightningModule.configure_model
 
 
 def _hf_door(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:

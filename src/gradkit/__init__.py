@@ -29,6 +29,7 @@ from gradkit.monitor import GradNormMonitor
 from gradkit.norms import GradStats
 from gradkit.pipeline import StepPlan
 from gradkit.protocol import Policy, Stage, StepContext
+from gradkit.replicas import expert_parallel
 from gradkit.rollback import SpikeRollback
 from gradkit.spike_guard import SpikeGuard
 from gradkit.steps_to_skip import StepsToSkip
@@ -51,4 +52,5 @@ __all__ = [
     "StepPlan",
     "StepsToSkip",
     "ZClip",
+    "expert_parallel",
 ]

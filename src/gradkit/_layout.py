@@ -7,6 +7,10 @@ shapes of the module's parameters, but not the optimizer's order (``configure_op
 silently, or a collective of mismatched sizes that hangs. So at the start of a fit each rank hashes a description of
 its parameters and the hashes are gathered once; only when they differ are the full descriptions gathered, to name
 the first parameter that differs and the ranks that disagree.
+
+Same names, shapes and placements do not make plain parameters copies: the local experts of expert parallelism pass
+this check and hold other values on every rank. That is checked at the first step, from the gradients
+(:class:`~gradkit.replicas.ReplicaCheck`), and declared with :func:`~gradkit.replicas.expert_parallel`.
 """
 
 from __future__ import annotations

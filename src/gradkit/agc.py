@@ -269,11 +269,35 @@ class AdaptiveGradClip:
 
         pre = plan.pre_clip_total(2.0)
         post = _Lazy(
-            _post_clip_total, index, plan.scale, stats.param_norms, grad_units, coefs, pos_nd, sizes, pos_1d_tensor
+            _post_clip_total,
+            index,
+            plan.scale,
+            stats.param_norms,
+            grad_units,
+            coefs,
+            pos_nd,
+            sizes,
+            pos_1d_tensor,
+            self._sharded_nd(plan),
         )
         if plan.primary_norm_type == 2.0:
             plan.post_clip_total_fn = post
         return ClipDecision(pre, post, functools.partial(norm_ratio, post, pre), clipped=(coefs < 1).any())
+
+    def _sharded_nd(self, plan: StepPlan) -> Tensor | None:
+        """Positions of the selected parameters of several dims that are sharded or declared expert-parallel
+        (cached per index): their post-clip units count through the ranks that hold their gradients, so a rank
+        without one (its experts got no token) leaves them out of its own sum too."""
+        cached = self._cached(plan, ("sharded_nd",))
+        if cached is None:
+            assert self._selected is not None
+            index = plan.index
+            positions = [
+                i for i in index.sharded_positions if index.params[i].ndim > 1 and index.names[i] in self._selected
+            ]
+            tensor = host_to_device(positions, torch.long, index.shard_weight.device) if positions else None
+            cached = self._cache[("sharded_nd",)] = (tensor,)
+        return cached[0]
 
     def _coef_shapes(self, plan: StepPlan, pos_nd: list[int], pos_1d: list[int]) -> list[tuple[int, tuple[int, ...]]]:
         """``(k, shape)`` for the coefficient pieces that need a view to broadcast over their gradient: unit-wise ones
@@ -306,12 +330,16 @@ def _post_clip_total(
     pos_nd: list[int],
     sizes: list[int],
     pos_1d: Tensor | None,
+    sharded_nd: Tensor | None = None,
 ) -> Tensor:
     """Total 2-norm after the clip, from the unit norms: no read of the gradients (logging steps only).
 
-    Unit norms of multi-dimensional parameters are local to a rank under FSDP2: their squares are summed across
-    ranks (one scalar all-reduce); all other norms here are already global. ``scale`` is the step's accumulation
-    scale (``StepPlan.scale``), which ``grad_units`` already carry and the per-parameter ``param_norms`` do not.
+    Unit norms of multi-dimensional parameters are local to a rank under FSDP2 and expert parallelism: their squares
+    are summed across ranks (one scalar all-reduce, which every rank joins, also one without such a gradient); all
+    other norms here are already global. ``sharded_nd`` are the positions of such parameters that AGC clips, present
+    here or not (a rank whose experts got no token has no gradient for them, which the others count). ``scale`` is
+    the step's accumulation scale (``StepPlan.scale``), which ``grad_units`` already carry and the per-parameter
+    ``param_norms`` do not.
     """
     post_units = grad_units * coefs
     device = post_units.device
@@ -319,16 +347,18 @@ def _post_clip_total(
     sq_nd = post_units[:n_nd].square()
     sq_global = post_units[n_nd:].square().sum()
     clipped_mask = torch.zeros(index.num_params, dtype=torch.bool, device=device)
+    sharded = torch.zeros((), dtype=post_units.dtype, device=device)
     if pos_nd:
         per_param = torch.stack([s.sum() for s in sq_nd.split(sizes[: len(pos_nd)])])
         nd_tensor = host_to_device(pos_nd, torch.long, device)
         weight = index.shard_weight[nd_tensor]
         sq_global = sq_global + (per_param * (weight == 0)).sum()
         sharded = (per_param * weight).sum()
-        if index.any_sharded:
-            sharded = reduce_sharded(index, {}, {"sharded": sharded})[1]["sharded"]
-        sq_global = sq_global + sharded
         clipped_mask[nd_tensor] = True
+    if sharded_nd is not None:  # the same on every rank: each joins the all-reduce, with or without gradients
+        sharded = reduce_sharded(index, {}, {"sharded": sharded})[1]["sharded"]
+        clipped_mask[sharded_nd] = True
+    sq_global = sq_global + sharded
     if pos_1d is not None:
         clipped_mask[pos_1d] = True
     others = (param_norms if scale is None else param_norms * scale).square() * ~clipped_mask

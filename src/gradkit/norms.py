@@ -20,6 +20,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,9 @@ from torch import Tensor
 
 from gradkit._multi_norm import found_nonfinite, multi_tensor_norms
 from gradkit._torch_compat import loss_scale as loss_scale  # re-exported: callers import it here
+
+if TYPE_CHECKING:
+    from gradkit.replicas import ReplicaCheck
 
 __all__ = [
     "GradStats",
@@ -312,7 +316,10 @@ class ParamIndex:
 
     Parameters are ordered so that gradients of the same (device, dtype) are adjacent; ``run_of[i]`` numbers the
     (device, dtype) group of parameter ``i``. Compared and hashed by identity: caches derived from an index key on
-    the object itself (an ``id`` may be reused once the index is garbage collected).
+    the object itself (an ``id`` may be reused once the index is garbage collected). ``shard_weight`` is 0 for a
+    parameter the same on every rank and ``1 / (ranks holding its piece)`` for a sharded or declared one
+    (:func:`~gradkit.replicas.expert_parallel`); ``replica_check``, with several processes, checks at the first
+    reduction that the copies it assumes are copies.
     """
 
     params: list[torch.nn.Parameter]
@@ -327,6 +334,8 @@ class ParamIndex:
     replicated_dtensors: list[int] = field(default_factory=list)
     run_of: list[int] = field(default_factory=list)
     any_dtensor: bool = False
+    replica_check: ReplicaCheck | None = None
+    sharded_positions: list[int] = field(default_factory=list)  # where ``shard_weight > 0``, known on the host
 
     @functools.cached_property
     def run_bounds(self) -> list[tuple[int, int]]:
@@ -356,25 +365,34 @@ def reduce_sharded(
     The one place where sharded norms are reduced. For every finite p each rank contributes
     ``powered(local[p], p) * index.shard_weight`` (:func:`combine_sharded`); all finite norm types and the extras
     (flattened, in fp32) travel in ONE all-reduce (SUM). The inf-norm is a maximum: with sharded gradients it takes a
-    second all-reduce (MAX). Nothing is reduced in a single process, nor without sharded gradients and extras. Under
-    sharding every rank must call it, with the same norm types and extras of the same shapes.
+    second all-reduce (MAX). Nothing is reduced in a single process, nor without sharded gradients and extras, except
+    at the first reduction of norms of an index whose ``replica_check`` is pending: its block rides in the same
+    all-reduce and is verified (:class:`~gradkit.replicas.ReplicaCheck`). Under sharding every rank must call it, with
+    the same norm types and extras of the same shapes.
 
     Args:
-        index: the parameters the norms belong to (``shard_weight``, ``any_sharded``).
+        index: the parameters the norms belong to (``shard_weight``, ``any_sharded``, ``replica_check``).
         local: per norm type, this rank's ``[P]`` per-parameter norms (of local shards for sharded parameters).
         extras: per-rank tensors to be summed over ranks in the same collective.
 
     Returns:
         ``(norms, reduced)``: per norm type the global per-parameter norms, and per extra its sum over all ranks
         (fp32, on the device of ``index.shard_weight``, in the extra's shape).
+
+    Raises:
+        RuntimeError: on every rank, at the first reduction, if copies that gradkit assumes differ (the fix named).
     """
     extras = {} if extras is None else extras
-    if world_size() == 1 or (not index.any_sharded and not extras):
+    check = index.replica_check
+    check = check if check is not None and not check.done and local else None
+    if world_size() == 1 or (not index.any_sharded and not extras and check is None):
         return dict(local), dict(extras)
     device = index.shard_weight.device
     finite_ps = [p for p in local if not math.isinf(p)] if index.any_sharded else []
     pieces = [powered(local[p], p) * index.shard_weight for p in finite_ps]
     pieces += [t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in extras.values()]
+    if check is not None:
+        pieces.append(check.contribution(next(iter(local.values()))))
     norms = dict(local)
     reduced: dict[str, Tensor] = {}
     if pieces:
@@ -389,6 +407,8 @@ def reduce_sharded(
             n = t.numel()
             reduced[name] = flat[offset : offset + n].reshape(t.shape)
             offset += n
+        if check is not None:
+            check.verify(flat[offset:])
     if index.any_sharded and math.inf in local:
         contrib = local[math.inf] * (index.shard_weight > 0)
         dist.all_reduce(contrib, op=dist.ReduceOp.MAX)

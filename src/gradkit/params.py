@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradkit.norms import ParamIndex, host_to_device
+from gradkit.norms import ParamIndex, host_to_device, world_size
+from gradkit.replicas import declared_groups, declared_replication, mesh_pieces, replica_check
 
 __all__ = [
     "build_param_index",
@@ -93,8 +94,10 @@ def replication(param: Tensor, world: int | None = None) -> int:
     The engine sums every rank's contribution over the WORLD group, so each distinct piece must be counted once over
     the world, not over the parameter's own mesh (a ``fully_shard``-ed parameter of a 2-D data x tensor mesh lives on
     a data-parallel sub-mesh; its tensor-parallel copies are on the others). The distinct pieces are the product of
-    the mesh sizes along which the placement does not replicate, each held by ``world / pieces`` ranks; under HSDP
-    a shard held by every rank of a replicate group counts once (the over-count of VeOmni #184 / #862).
+    the mesh sizes along which the placement does not replicate (:func:`~gradkit.replicas.mesh_pieces`), each held
+    by ``world / pieces`` ranks; under HSDP a shard held by every rank of a replicate group counts once (the
+    over-count of VeOmni #184 / #862). That the ranks of the other sub-meshes hold copies is checked at the first
+    step (:class:`~gradkit.replicas.ReplicaCheck`).
 
     Args:
         param: a parameter; plain tensors count as held once per rank (1).
@@ -108,12 +111,7 @@ def replication(param: Tensor, world: int | None = None) -> int:
     mesh = getattr(param, "device_mesh", None)
     if placements is None or mesh is None:
         return 1
-    pieces = 1
-    for dim, placement in enumerate(placements):
-        # Not `is_shard()`: FSDP2 over TP places `_StridedShard`, for which it is False (torch 2.13). A parameter is
-        # never Partial, so every placement that does not replicate splits the tensor.
-        if not placement.is_replicate():
-            pieces *= mesh.size(dim)
+    pieces = mesh_pieces(param)[0]
     if world is None:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else mesh.size()
     if world % mesh.size():
@@ -151,6 +149,7 @@ def build_param_index(
     depth: int,
     device: torch.device,
     flat_sharded: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> ParamIndex:
     """Order the parameters an optimizer steps (:func:`steps_in_optimizer`) by (device, dtype) and precompute the
     grouping indices.
@@ -161,6 +160,8 @@ def build_param_index(
         depth: module-tree depth of the per-module grouping; 0 disables it.
         device: where the index tensors live (the device of the gradients).
         flat_sharded: every gradient is a local shard (FSDP1); DTensor parameters are detected on their own.
+        model: the model, whose :func:`~gradkit.replicas.expert_parallel` declarations are read (several processes
+            only).
     """
     entries: list[tuple[str, str, int, str, torch.nn.Parameter]] = []
     for g, group in enumerate(param_groups):
@@ -184,12 +185,9 @@ def build_param_index(
         lookup = {k: i for i, k in enumerate(module_names)}
         module_index = host_to_device([lookup[k] for k in keys], torch.long, device)
 
-    weights = []
-    any_sharded = False
-    for p in params:
-        sharded = flat_sharded or hasattr(p, "placements")
-        any_sharded |= sharded
-        weights.append(1.0 / replication(p) if sharded else 0.0)
+    world = world_size()
+    declared = declared_groups(model) if model is not None and world > 1 else {}
+    weights = _shard_weights(params, names, declared, flat_sharded, world)
     return ParamIndex(
         params=params,
         names=names,
@@ -198,12 +196,35 @@ def build_param_index(
         group_index=host_to_device(groups, torch.long, device),
         num_groups=len(param_groups),
         shard_weight=host_to_device(weights, torch.float32, device),
-        any_sharded=any_sharded,
+        any_sharded=any(w > 0 for w in weights),
+        sharded_positions=[i for i, w in enumerate(weights) if w > 0],
         depth=depth,
         replicated_dtensors=[i for i, p in enumerate(params) if _replicated_dtensor(p)],
         run_of=run_of,
         any_dtensor=any(hasattr(p, "_local_tensor") for p in params),
+        # FSDP1's flat shards are all distinct: nothing is assumed of them.
+        replica_check=replica_check(params, names, declared, weights, device)
+        if world > 1 and not flat_sharded
+        else None,
     )
+
+
+def _shard_weights(
+    params: Sequence[Tensor], names: Sequence[str], groups: dict[int, dist.ProcessGroup], flat: bool, world: int
+) -> list[float]:
+    """Per parameter, the weight of its local p-th power in the world sum: ``1 / ranks holding its piece`` for a
+    sharded or declared one (:attr:`ParamIndex.shard_weight`), 0 for a plain one (the same on every rank: its local
+    norm is its norm, nothing is reduced)."""
+    weights = []
+    for param, name in zip(params, names, strict=True):
+        group = groups.get(id(param))
+        if group is not None:
+            weights.append(1.0 / declared_replication(param, group, world, name))
+        elif flat or hasattr(param, "placements"):
+            weights.append(1.0 / replication(param))
+        else:
+            weights.append(0.0)
+    return weights
 
 
 def _replicated_dtensor(param: Tensor) -> bool:

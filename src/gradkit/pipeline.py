@@ -391,7 +391,9 @@ class Pipeline:
             return cached
         first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         device = first.device if first is not None else ctx.device
-        index = build_param_index(optimizer.param_groups, ctx.param_names(), depth, device, ctx.flat_sharded())
+        index = build_param_index(
+            optimizer.param_groups, ctx.param_names(), depth, device, ctx.flat_sharded(), ctx.model
+        )
         outside = [p for g in optimizer.param_groups for p in g["params"] if not steps_in_optimizer(p)]
         cached = self._indexes[key] = _CachedIndex(
             groups, outside, index, ctx.optimizer_index(optimizer), len(ctx.optimizers) > 1, ctx.folds_into(optimizer)

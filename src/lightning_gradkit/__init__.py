@@ -18,6 +18,7 @@ from gradkit.loop import GradKit
 from gradkit.norms import GradStats
 from gradkit.pipeline import StepPlan
 from gradkit.protocol import Policy, Stage, StepContext
+from gradkit.replicas import expert_parallel
 from lightning_gradkit._compat import register_strategy_names
 from lightning_gradkit.activation_checkpointing.callback import ActivationCheckpointing
 from lightning_gradkit.activation_checkpointing.injection import inject_activation_checkpointing
@@ -83,6 +84,7 @@ __all__ = [
     "SyncAudit",
     "ZClip",
     "clip_gradients",
+    "expert_parallel",
     "inject_activation_checkpointing",
 ]
 
