@@ -35,19 +35,19 @@ says where releases differ.
 
 Public-named loop properties are read directly where needed (``fit_loop.total_batch_idx``,
 ``fit_loop.epoch_loop.batch_idx``, ``fit_loop.epoch_loop.batch_progress``): public by name, and the same in every
-release above. So are torch's underscore APIs that torch's own public code builds on and that the package uses in
-the same way: ``torch._foreach_*`` (``torch.nn.utils.clip_grad``), sparse ``_values()``/``_indices()``
-(``torch.sparse``), ``Tensor._version`` and ``Tensor._base`` (views), ``Module._buffers``/``_parameters``/``_modules``
-(``nn.Module`` state), a DTensor's ``_local_tensor`` (``to_local()`` without its autograd node), a compiled module's
-``_orig_mod`` (``torch.compile``'s wrapper), ``torch.utils._python_dispatch``/``_pytree``, an ``OpOverload``'s
-``_schema``, ``torch._amp_foreach_non_finite_check_and_unscale_`` (``GradScaler.unscale_``'s own multi-tensor check, with a scale
-of 1: the exact NaN/Inf flag off the Triton kernel, :mod:`gradkit._multi_norm`), ``torch._C._current_autograd_node``
-and the autograd node's ``_sequence_nr()`` /
-``torch.autograd.graph``'s ``_get_sequence_nr`` (forensics, the planner, the graph audit), ``torch._C`` for the CUDA
-event and pinned-memory calls of :mod:`gradkit.host_lag`, and the FSDP2/composable-checkpoint lookups that fall back
-to private paths on torch < 2.6 (``callbacks/validation.py``, ``activation_checkpointing/injection.py``). From the
-standard library: ``sys._getframe`` (the source line of a sync or a culprit), ``functools._lru_cache_wrapper`` (the
-type of an ``lru_cache``, whose cache the inference-tensor search reads) and a namedtuple's ``_fields`` (public API).
+release above. So are torch's underscore APIs that torch's own public code builds on and that the package uses in the
+same way: ``torch._foreach_*`` (``torch.nn.utils.clip_grad``), sparse ``_values()``/``_indices()`` (``torch.sparse``),
+``Tensor._version`` and ``Tensor._base`` (views), ``Module._buffers``/``_parameters``/``_modules`` (``nn.Module``
+state), a DTensor's ``_local_tensor`` (``to_local()`` without its autograd node), a compiled module's ``_orig_mod``
+(``torch.compile``'s wrapper), ``torch.utils._python_dispatch``/``_pytree``, an ``OpOverload``'s ``_schema``,
+``torch._amp_foreach_non_finite_check_and_unscale_`` (``GradScaler.unscale_``'s own multi-tensor check, with a scale of
+1: the exact NaN/Inf flag off the Triton kernel, :mod:`gradkit._multi_norm`), ``torch._C._current_autograd_node`` and
+the autograd node's ``_sequence_nr()`` / ``torch.autograd.graph``'s ``_get_sequence_nr`` (forensics, the planner, the
+graph audit), ``torch._C`` for the CUDA event and pinned-memory calls of :mod:`gradkit.host_lag`, and the
+FSDP2/composable-checkpoint lookups that fall back to private paths on torch < 2.6 (``callbacks/validation.py``,
+``activation_checkpointing/injection.py``). From the standard library: ``sys._getframe`` (the source line of a sync or a
+culprit), ``functools._lru_cache_wrapper`` (the type of an ``lru_cache``, whose cache the inference-tensor search reads)
+and a namedtuple's ``_fields`` (public API).
 
 **Runtime patches**. Each shadows an INSTANCE attribute (never a class attribute) and puts back what was there;
 the short-lived ones go through :func:`~gradkit.gate.shadowed` (Lightning-free, so the Fabric and
