@@ -108,7 +108,9 @@ def test_what_needs_the_step_is_refused_at_setup_naming_the_deepspeed_key(
 
 
 @pytest.mark.parametrize(
-    "callback", [GradNormMonitor(), NonFiniteGuard(action="warn"), NonFiniteGuard(action="raise")], ids=repr
+    "callback",
+    [GradNormMonitor(), NonFiniteGuard(action="warn"), NonFiniteGuard(action="raise")],
+    ids=["GradNormMonitor()", "NonFiniteGuard(warn)", "NonFiniteGuard(raise)"],  # stable across processes (xdist)
 )
 def test_monitor_and_warn_or_raise_guard_pass_setup_under_deepspeed(tmp_path: Path, callback: Callback) -> None:
     with pytest.raises(SetupReached):
