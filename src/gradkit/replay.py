@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from gradkit._torch_compat import metric_state_names
@@ -85,6 +86,20 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _eager() -> AbstractContextManager[Any]:
+    """``torch.compile`` off for the replay (``torch.compiler.set_stance("force_eager")``, torch >= 2.6): compiled
+    code runs eagerly inside, and dynamo is not called at all.
+
+    Why: the culprit replay's dispatch mode must see every aten operator, which a compiled graph hides; and a frame
+    that dynamo meets while a dispatch mode is active (a cache miss: the replay's forward hooks, its grad mode) is
+    marked to run eagerly for good: the model would stay uncompiled for the rest of the process (every later step
+    then computes eagerly, numerically apart from the compiled run). Under ``force_eager`` nothing of dynamo's state
+    changes: the steps after a replay run the same compiled graphs as before it.
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else nullcontext()
+
+
 @contextmanager
 def replay(module: nn.Module, rng: RNGState | None = None) -> Iterator[None]:
     """The replay context: run ``training_step`` again and leave no trace on ``module`` (see the module docstring),
@@ -109,11 +124,12 @@ def replay(module: nn.Module, rng: RNGState | None = None) -> Iterator[None]:
     metrics = _metric_states(module)
     _depth += 1
     try:
-        if rng is not None:
-            restore_rng(rng)
-        # `self.log` / `self.log_dict` of a LightningModule do nothing inside (instance attributes shadow them).
-        with shadowed(module, log=_no_log, log_dict=_no_log):
-            yield
+        with _eager():
+            if rng is not None:
+                restore_rng(rng)
+            # `self.log` / `self.log_dict` of a LightningModule do nothing inside (instance attributes shadow them).
+            with shadowed(module, log=_no_log, log_dict=_no_log):
+                yield
     finally:
         _depth -= 1
         restore_rng(saved_rng)
