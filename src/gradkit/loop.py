@@ -223,6 +223,12 @@ class GradKit:
     iteration, with its own optimizer. A ``ReduceLROnPlateau`` is refused: it needs a metric, so step it yourself,
     e.g. after validation, or only when :meth:`step` returned ``True``.
 
+    Under ``torch.compile`` give the door the module you compiled or its compiled wrapper (``torch.compile(model)``,
+    ``model.compile()``, ``fabric.setup(torch.compile(model))``, ``torch.compile(fabric.setup(model))``): the
+    policies add no frame, graph or graph break to what dynamo compiles (``docs/compile.md``). A compiled function
+    that calls the model (``torch.compile(train_step)``) traces the door's first-forward hook (put there when a
+    policy may skip) and breaks its graph there: compile the module.
+
     Under Fabric with FSDP2 (``ModelParallelStrategy``), build the optimizer after ``fabric.setup_module(model)``
     (and pass it to ``fabric.setup_optimizers``): one built before sharding holds the unsharded parameters.
 

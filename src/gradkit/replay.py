@@ -14,6 +14,9 @@ The first two are *replays*: the training never sees them. :func:`replay` runs t
 - every module buffer (BatchNorm running statistics), every ``.grad``, the train/eval mode of every submodule and
   the state of every ``torchmetrics`` metric among the submodules restored;
 - ``self.log`` / ``self.log_dict`` doing nothing;
+- ``torch.compile`` off (``torch.compiler.set_stance("force_eager")``, torch >= 2.6): a compiled model runs its eager
+  code, whose every operator the culprit replay's dispatch mode sees, and dynamo's caches are not touched, so the
+  steps after a replay run the same compiled graphs as before it (``docs/compile.md``);
 - :func:`replaying` true, so the gradkit pieces that see ``training_step`` itself ignore them: the token count
   of ``AccumulationGuard(normalize="tokens")`` (read from its output) and the window-start buffer capture of the
   GradKit strategies (in ``Strategy.training_step``). The statistics fed by Lightning's backward hooks (the window

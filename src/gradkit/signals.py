@@ -31,6 +31,11 @@ kernel, no allocation); the Trainer hands over its own detached copy. A logging 
 one all-reduce of the sums and one of the maxima under ``torch.distributed`` (so every rank reads the same values),
 and reads them to the host once. ``benchmarks/bench_signals.py`` measures it.
 
+Under ``torch.compile`` the forward hooks of modules inside a compiled region are traced as nothing (they return at
+once while dynamo traces them): the graph gets no operator of theirs and no guard on the step, so nothing recompiles,
+and the attention and log Z signals of those modules are not measured (a warning says so, once; the other signals
+read the gradients and the optimizer outside the graph and are measured as usual).
+
 Pure PyTorch; no Lightning here.
 """
 
