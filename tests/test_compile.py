@@ -402,6 +402,7 @@ class FaultyModule(pl.LightningModule):
 
     def __init__(self, compile_inner: bool) -> None:
         super().__init__()
+        self.inference_mode: list[bool] = []  # whether each validation step ran under inference mode
         self.model = initial_model()
         if compile_inner:
             self.model = torch.compile(self.model)
@@ -410,6 +411,7 @@ class FaultyModule(pl.LightningModule):
         return self.model(batch)
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        self.inference_mode.append(torch.is_inference_mode_enabled())
         self.log("val_loss", self.model(batch))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -428,7 +430,7 @@ def trainer_stack() -> list[pl.Callback]:
     ]
 
 
-def trainer_run(tmp_path: Path, with_stack: bool, compile_inner: bool) -> tuple[Tensor, Counts]:
+def trainer_run(tmp_path: Path, with_stack: bool, compile_inner: bool) -> tuple[Tensor, Counts, list[bool]]:
     """``Trainer.fit`` on the faulty data with the stack, or plain Lightning (``gradient_clip_val``) on the data
     without the bad steps; validation twice."""
     fresh_dynamo()
@@ -450,16 +452,17 @@ def trainer_run(tmp_path: Path, with_stack: bool, compile_inner: bool) -> tuple[
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="(NonFiniteGuard|SpikeGuard|EarlyWarning)")
         trainer.fit(model, DataLoader(data, batch_size=None), DataLoader(clean_batches(2, seed=2), batch_size=None))
-    return flat(module), counted()
+    return flat(module), counted(), module.inference_mode
 
 
 @pytest.mark.parametrize("compile_inner", [True, False], ids=["compiled-model", "compiled-lightning-module"])
 def test_compiled_trainer_run_skips_exactly_names_the_culprit_and_compiles_nothing_more(
     tmp_path: Path, compile_inner: bool
 ) -> None:
-    reference, plain = trainer_run(tmp_path / "plain", with_stack=False, compile_inner=compile_inner)
-    got, counts = trainer_run(tmp_path / "stack", with_stack=True, compile_inner=compile_inner)
+    reference, plain, no_grad_validation = trainer_run(tmp_path / "plain", False, compile_inner)
+    got, counts, validation = trainer_run(tmp_path / "stack", True, compile_inner)
     assert counts == plain
+    assert validation == [True] * 4 and no_grad_validation == [False] * 4  # twice 2 batches, under inference_mode
     if compile_inner:  # the compiled LightningModule: Lightning's `self.log` in validation_step breaks its graph
         assert plain == Counts(frames=2, graphs=2, breaks=0)
     assert relative(got, reference) == 0.0
