@@ -223,6 +223,12 @@ class GradKit:
     iteration, with its own optimizer. A ``ReduceLROnPlateau`` is refused: it needs a metric, so step it yourself,
     e.g. after validation, or only when :meth:`step` returned ``True``.
 
+    Under ``torch.compile`` give the door the module you compiled or its compiled wrapper (``torch.compile(model)``,
+    ``model.compile()``, ``fabric.setup(torch.compile(model))``, ``torch.compile(fabric.setup(model))``): the
+    policies add no frame, graph or graph break to what dynamo compiles (``docs/compile.md``). A compiled function
+    that calls the model (``torch.compile(train_step)``) traces the door's first-forward hook (put there when a
+    policy may skip) and breaks its graph there: compile the module.
+
     Under Fabric with FSDP2 (``ModelParallelStrategy``), build the optimizer after ``fabric.setup_module(model)``
     (and pass it to ``fabric.setup_optimizers``): one built before sharding holds the unsharded parameters.
 
@@ -325,6 +331,9 @@ class GradKit:
         self._loss_watchers = [f"{type(p).__name__}(monitor='loss')" for p in self.policies if watches_loss(p)]
         self._buffers: Snapshot | None = None
         self._first_forward: list[Any] = []
+        # The module the loop calls (a `torch.compile` or Fabric wrapper included): its forward pre-hook runs eagerly,
+        # before dynamo traces what it wraps.
+        self._called = model
         # The torch RNG state where the next micro-batch's forward starts, kept while the loop hands over replays.
         self._rng: RNGState | None = None
         if any((may_skip := hook(p, "may_skip")) is not None and may_skip() for p in self.policies):
@@ -341,7 +350,8 @@ class GradKit:
         self._buffers.drop()
         handles: list[Any] = []
         hook = functools.partial(_open_first_window, weakref.ref(self), handles)
-        handles.extend(m.register_forward_pre_hook(hook) for m in self.ctx.model.modules())
+        modules = {id(m): m for m in (*self._called.modules(), *self.ctx.model.modules())}
+        handles.extend(m.register_forward_pre_hook(hook) for m in modules.values())
         self._first_forward = handles
 
     def _opened(self) -> None:
@@ -581,9 +591,14 @@ class GradKit:
         )
 
 
+# Never traced: called from a module that `torch.compile` wraps (whose `_call_impl` runs before dynamo traces the
+# forward), it runs eagerly and removes every hook before the trace starts, so the compiled graph holds none of it.
+@torch.compiler.disable
 def _open_first_window(kit: weakref.ref[GradKit], handles: list[Any], module: nn.Module, args: Any) -> None:
     """The forward pre-hook that opens a :class:`GradKit`'s first window, then removes itself from every module (a
-    weak reference to the door: the hooks keep no door alive, and a door gone leaves no hook behind)."""
+    weak reference to the door: the hooks keep no door alive, and a door gone leaves no hook behind). The module the
+    loop calls gets it too (``torch.compile``'s or Fabric's wrapper): its hook runs first, outside any compiled
+    region."""
     door = kit()
     if door is not None:
         door._opened()

@@ -14,6 +14,9 @@ The first two are *replays*: the training never sees them. :func:`replay` runs t
 - every module buffer (BatchNorm running statistics), every ``.grad``, the train/eval mode of every submodule and
   the state of every ``torchmetrics`` metric among the submodules restored;
 - ``self.log`` / ``self.log_dict`` doing nothing;
+- ``torch.compile`` off (``torch.compiler.set_stance("force_eager")``, torch >= 2.6): a compiled model runs its eager
+  code, whose every operator the culprit replay's dispatch mode sees, and dynamo's caches are not touched, so the
+  steps after a replay run the same compiled graphs as before it (``docs/compile.md``);
 - :func:`replaying` true, so the gradkit pieces that see ``training_step`` itself ignore them: the token count
   of ``AccumulationGuard(normalize="tokens")`` (read from its output) and the window-start buffer capture of the
   GradKit strategies (in ``Strategy.training_step``). The statistics fed by Lightning's backward hooks (the window
@@ -31,9 +34,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from gradkit._torch_compat import metric_state_names
@@ -85,6 +89,20 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _eager() -> AbstractContextManager[Any]:
+    """``torch.compile`` off for the replay (``torch.compiler.set_stance("force_eager")``, torch >= 2.6): compiled
+    code runs eagerly inside, and dynamo is not called at all.
+
+    Why: the culprit replay's dispatch mode must see every aten operator, which a compiled graph hides; and a frame
+    that dynamo meets while a dispatch mode is active (a cache miss: the replay's forward hooks, its grad mode) is
+    marked to run eagerly for good: the model would stay uncompiled for the rest of the process (every later step
+    then computes eagerly, numerically apart from the compiled run). Under ``force_eager`` nothing of dynamo's state
+    changes: the steps after a replay run the same compiled graphs as before it.
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else nullcontext()
+
+
 @contextmanager
 def replay(module: nn.Module, rng: RNGState | None = None) -> Iterator[None]:
     """The replay context: run ``training_step`` again and leave no trace on ``module`` (see the module docstring),
@@ -109,11 +127,12 @@ def replay(module: nn.Module, rng: RNGState | None = None) -> Iterator[None]:
     metrics = _metric_states(module)
     _depth += 1
     try:
-        if rng is not None:
-            restore_rng(rng)
-        # `self.log` / `self.log_dict` of a LightningModule do nothing inside (instance attributes shadow them).
-        with shadowed(module, log=_no_log, log_dict=_no_log):
-            yield
+        with _eager():
+            if rng is not None:
+                restore_rng(rng)
+            # `self.log` / `self.log_dict` of a LightningModule do nothing inside (instance attributes shadow them).
+            with shadowed(module, log=_no_log, log_dict=_no_log):
+                yield
     finally:
         _depth -= 1
         restore_rng(saved_rng)

@@ -31,6 +31,11 @@ kernel, no allocation); the Trainer hands over its own detached copy. A logging 
 one all-reduce of the sums and one of the maxima under ``torch.distributed`` (so every rank reads the same values),
 and reads them to the host once. ``benchmarks/bench_signals.py`` measures it.
 
+Under ``torch.compile`` the forward hooks of modules inside a compiled region are traced as nothing (they return at
+once while dynamo traces them): the graph gets no operator of theirs and no guard on the step, so nothing recompiles,
+and the attention and log Z signals of those modules are not measured (a warning says so, once; the other signals
+read the gradients and the optimizer outside the graph and are measured as usual).
+
 Pure PyTorch; no Lightning here.
 """
 
@@ -50,6 +55,7 @@ from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from gradkit._arguments import name_list
 from gradkit.accumulate import mean_window_scale
 from gradkit.norms import ParamIndex, host_to_device, local_tensor, per_tensor_norms, world_size
 from gradkit.params import clean_name
@@ -138,6 +144,7 @@ class StabilitySignals:
         self.attention_names: list[str] = []
         self._ctx: StepContext | None = None
         self._hooks: list[RemovableHandle] = []
+        self._hooked: nn.Module | None = None  # the model the hooks are on
         self._modes: dict[str, _AttentionMode] = {}
         self._active_for: tuple[tuple[int, ...], bool] | None = None
         self._blocks: list[str] = []
@@ -150,6 +157,10 @@ class StabilitySignals:
         self._ratios: dict[int, tuple[list[str], Tensor]] = {}
         self._before: dict[int, tuple[ParamIndex, list[Tensor], Tensor, tuple[list[str], Tensor]]] = {}
         self._step_hooks: list[RemovableHandle] = []
+        # Forwards of the hooked modules on this logging step that ran outside torch.compile, and whether the missing
+        # signals of compiled modules were warned about (once).
+        self._hooked_forwards = 0
+        self._warned_compiled = False
         self._observed = False
         self._logging = False
         self._step = 0
@@ -166,8 +177,14 @@ class StabilitySignals:
         Raises:
             ValueError: an ``attention`` pattern or the ``output`` name that selects no module.
         """
+        if self._hooks and self._hooked is model:
+            # Attached again (a door's `load_state_dict`): the hooks stay. A compiled graph that traced them guards on
+            # their ids, and new ones would recompile it.
+            self._ctx = ctx
+            return
         self.detach()
         self._ctx = ctx
+        self._hooked = model
         named = [(clean_name(n), m) for n, m in model.named_modules()]
         self.modules = dict(named)
         self._model_order = [clean_name(n) for n, _ in model.named_parameters()]
@@ -231,10 +248,15 @@ class StabilitySignals:
         return self._active_for[1] and torch.is_grad_enabled() and not replaying()
 
     def _enter(self, name: str, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced into a compiled graph as nothing: no guard on the step, no recompilation, no graph break
         if module.training and self._active():
+            self._hooked_forwards += 1
             self._modes[name].start()
 
     def _exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         mode = self._modes.get(name)
         if mode is not None:
             mode.stop()
@@ -245,8 +267,9 @@ class StabilitySignals:
         self.sampled.setdefault(name, what)
 
     def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not (module.training and self._active() and isinstance(output, Tensor)):
+        if torch.compiler.is_compiling() or not (module.training and self._active() and isinstance(output, Tensor)):
             return
+        self._hooked_forwards += 1
         with torch.no_grad():
             lse = torch.logsumexp(output.detach().float(), dim=-1)
             total, peak = lse.sum(), lse.amax()
@@ -327,9 +350,26 @@ class StabilitySignals:
             return None
         self._logging = False
         self._before.clear()
+        self._warn_if_compiled(ctx)
         reading = self._reading(self._reduced(ctx.device))
         self._attn, self._logz, self._adam, self._ratios = {}, None, [], {}
         return reading
+
+    def _warn_if_compiled(self, ctx: StepContext) -> None:
+        """Once: the hooked modules (attention, output) ran no forward of this logging step outside ``torch.compile``,
+        so the signals their hooks measure are missing (the hooks are traced as nothing: see :meth:`_enter`)."""
+        hooked, self._hooked_forwards = self._hooked_forwards, 0
+        if hooked or self._warned_compiled or not (self.attention_names or self.output is not None):
+            return
+        self._warned_compiled = True
+        ctx.warn(
+            f"EarlyWarning: the modules it hooks ({name_list([*self.attention_names, *filter(None, [self.output])])}) "
+            f"ran no forward outside torch.compile on a logging step, so `signals/attn_logit_max/*`, "
+            "`signals/logz_mean` and `signals/logz_max` are not measured for them: gradkit's forward hooks are traced "
+            "into a compiled graph as nothing (no recompilation, no graph break in your compiled region). The other "
+            "signals (Adam g^2/v, update-ratio spread, SpikeScore) are measured as usual. To measure them too, leave "
+            "the attention and output modules out of the compiled region (e.g. compile the blocks' MLPs only)."
+        )
 
     def _close_window(self, ctx: StepContext) -> None:
         """The step's window of micro-batch losses is complete: hand it to the step's pending entry, and remove the

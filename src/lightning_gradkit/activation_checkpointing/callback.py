@@ -300,11 +300,9 @@ class ActivationCheckpointing(Callback):
     ) -> ActivationProfile:
         strategy = trainer.strategy
         with contextlib.ExitStack() as stack:
-            stack.enter_context(replay(pl_module))
+            stack.enter_context(replay(pl_module))  # compiled code runs eagerly inside: the planner sees every op
             if isinstance(strategy.model, DistributedDataParallel):
                 stack.enter_context(strategy.model.no_sync())
-            if hasattr(torch.compiler, "set_stance"):
-                stack.enter_context(torch.compiler.set_stance("force_eager"))
             return measure_saved_activations(
                 lambda: strategy.training_step(batch, batch_idx),
                 pl_module,
