@@ -92,6 +92,9 @@ nitpick_ignore = [
     ("py:class", "lightning_gradkit.trainer_door.TrainerContext"),
     ("py:class", "MicroBatch"),
     ("py:class", "Snapshot"),
+    ("py:class", "ReplicaCheck"),
+    # torch documents ProcessGroup without an object entry of its own to link (expert_parallel's `group` type)
+    ("py:class", "torch.distributed.distributed_c10d.ProcessGroup"),
     ("py:class", "Roster"),
     ("py:func", "is_policy"),
     ("py:func", "selective_policy"),

@@ -44,6 +44,7 @@ _LIGHTNING_API = "api/"  # Sphinx autosummary pages: api/<public name>.html
 NAMES: dict[str, Link] = {
     # Python
     "collections.abc.Callable": Link("python", "library/collections.abc.html", "collections.abc.Callable"),
+    "collections.abc.Iterable": Link("python", "library/collections.abc.html", "collections.abc.Iterable"),
     "collections.abc.Mapping": Link("python", "library/collections.abc.html", "collections.abc.Mapping"),
     "collections.abc.Sequence": Link("python", "library/collections.abc.html", "collections.abc.Sequence"),
     "datetime.timedelta": Link("python", "library/datetime.html", "datetime.timedelta"),
@@ -64,6 +65,10 @@ NAMES: dict[str, Link] = {
     ),
     "torch.utils.checkpoint.create_selective_checkpoint_contexts": Link(
         "torch", "checkpoint.html", "torch.utils.checkpoint.create_selective_checkpoint_contexts", role="function"
+    ),
+    # gradkit.expert_parallel's group (the same page and anchor as the short name below)
+    "torch.distributed.device_mesh.DeviceMesh": Link(
+        "torch", "distributed.html", "torch.distributed.device_mesh.DeviceMesh"
     ),
     # the string annotations of Lightning's FSDPStrategy signature
     "DeviceMesh": Link(
