@@ -256,19 +256,22 @@ def unwrapped(optimizer: Optimizer) -> Optimizer:
 
 
 class Policy(Protocol):
-    """What a policy is to the pipeline: a plain object with a ``stage`` and any of the hooks below.
+    """What a policy is to the pipeline and the doors: a plain object with a ``stage`` and any of the hooks below.
 
     A policy does not derive from this class (gradkit's own do not: one class per algorithm, no base); it is a
-    :class:`typing.Protocol`, and :func:`is_policy` tells whether an object is one (it has a ``stage``). The pipeline
-    calls only the hooks a policy defines (:class:`Roster`); each reads the loop through the :class:`StepContext`, so
-    a policy decides the same way behind every door. A class that subclasses ``Policy`` explicitly inherits the no-op
-    hooks below.
+    :class:`typing.Protocol`, and :func:`is_policy` tells whether an object is one (it has a ``stage``). Every hook a
+    door or the pipeline calls is declared here, typed, with its no-op default (what a policy that leaves it out
+    gets); the doors and the pipeline call only the hooks a policy defines, looked up by name in one place,
+    :class:`Roster` (a hook left out costs nothing: ``note_loss`` is not even prepared). Each hook reads the loop
+    through the :class:`StepContext`, so a policy decides the same way behind every door. A class that subclasses
+    ``Policy`` explicitly inherits the no-op hooks below.
 
     The protocol, in the order of a step:
 
     - ``attach(ctx, model)``: the door is set up (the Trainer's ``setup``, ``GradKit(...)``, ``load_state_dict``);
       raise ``ValueError`` if the policy, as configured, cannot work behind this door.
     - ``before_first_forward(ctx)``: the first forward after the door was built or loaded is about to run.
+    - ``drops_batch(ctx)``: whether the current optimizer step's batches are dropped (``StepsToSkip``).
     - ``note_loss(loss, ctx)``: a micro-batch loss (before any division, without the AMP scale).
     - ``request_stats(request)``, ``primary_norm_type()``, ``reduce_request(ctx)``: what the measure and reduce
       phases read for it.
@@ -315,6 +318,11 @@ class Policy(Protocol):
     def note_loss(self, loss: Tensor, ctx: StepContext) -> None:
         """A micro-batch loss as the loop computed it (before any division, without the AMP scale)."""
 
+    def drops_batch(self, ctx: StepContext) -> bool:
+        """Whether the batches of the current optimizer step are dropped: not run at all, the step counted and
+        nothing applied (the doors ask, any number of times per step)."""
+        return False
+
     def finish(self, ctx: StepContext) -> None:
         """The loop ended: report what is still pending."""
 
@@ -331,6 +339,18 @@ class Policy(Protocol):
         Raises:
             ValueError: if the policy, as configured, cannot work behind this door.
         """
+
+    def detach(self, ctx: StepContext) -> None:
+        """Remove what :meth:`attach` registered (hooks on the model or the optimizers); the door is not used again
+        (the loop door's ``close``, the Trainer's ``teardown`` and ``on_exception``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The policy's state, in one format behind every door (kept under its ``state_key``). A policy without
+        state leaves it out."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the state :meth:`state_dict` returned."""
 
 
 def state_key(policy: object, **identity: object) -> str:
@@ -376,35 +396,95 @@ def is_policy(obj: object) -> bool:
 
 
 def hook(policy: object, name: str) -> Callable[..., Any] | None:
-    """``policy``'s protocol hook ``name`` (bound), or ``None`` when it does not define it."""
+    """``policy``'s protocol hook ``name`` (bound), or ``None`` when it does not define it: the one by-name lookup of
+    a hook (:class:`Roster` makes it; doors and the pipeline read the roster's typed lists)."""
     return getattr(policy, name, None)
 
 
-class Roster:
-    """A step's policies in stage order, and each phase's hooks (bound methods of the policies that define them).
+def _bound(policies: Sequence[object], name: str) -> list[Any]:
+    return [m for p in policies if (m := hook(p, name)) is not None]
 
-    Built once per set of policies (:meth:`Pipeline._roster`): a phase calls only the policies that take part in it.
+
+class Roster:
+    """Policies and the protocol hooks each defines, looked up once: the one place that finds a hook by its name.
+
+    The pipeline's phases (``request_stats`` ... ``observe``) and ``finish`` run in stage order; the door's own hooks
+    (``attach`` ... ``detach``) in the order the loop was given the policies, as a Trainer calls its callbacks. Built
+    once per set of policies (:meth:`Pipeline._roster`, a door's construction) or per policy (:meth:`of`: a Trainer
+    callback forwarding a hook to itself): a phase calls only the policies that take part in it.
+
+    Attributes:
+        policies: the policies in stage order.
+        saves_state: the policies that keep a state (``state_dict``), in the given order.
+        loads_state: the policies that resume one (``load_state_dict``), in the given order.
     """
 
-    __slots__ = ("decide", "decide_again", "observe", "policies", "primary", "reduce_request", "request")
+    __slots__ = (
+        "_primary",
+        "_request",
+        "after_step",
+        "attach",
+        "before_first_forward",
+        "decide",
+        "decide_again",
+        "detach",
+        "drops_batch",
+        "finish",
+        "loads_state",
+        "may_skip",
+        "note_loss",
+        "observe",
+        "policies",
+        "reduce_request",
+        "saves_state",
+    )
 
     def __init__(self, policies: Sequence[object]) -> None:
-        self.policies = sorted(policies, key=lambda policy: policy.stage)  # type: ignore[attr-defined]
-        found = {
-            name: [m for p in self.policies if (m := hook(p, name)) is not None]
-            for name in ("decide", "decide_again", "observe", "reduce_request")
-        }
-        self.decide = found["decide"]
-        self.decide_again = found["decide_again"]
-        self.observe = found["observe"]
-        self.reduce_request = found["reduce_request"]
-        request = StatsRequest()
-        for p in self.policies:
-            add = hook(p, "request_stats")
-            if add is not None:
+        given = list(policies)
+        self.policies: list[Policy] = sorted(given, key=lambda policy: policy.stage)  # type: ignore[attr-defined]
+        ordered = self.policies
+        self.decide: list[Callable[[StepPlan, StepContext], None]] = _bound(ordered, "decide")
+        self.decide_again: list[Callable[[StepPlan, StepPlan, StepContext], None]] = _bound(ordered, "decide_again")
+        self.observe: list[Callable[[StepPlan, StepContext], None]] = _bound(ordered, "observe")
+        self.reduce_request: list[Callable[[StepContext], dict[str, Tensor]]] = _bound(ordered, "reduce_request")
+        self.finish: list[Callable[[StepContext], None]] = _bound(ordered, "finish")
+        self.attach: list[Callable[[StepContext, torch.nn.Module], None]] = _bound(given, "attach")
+        self.before_first_forward: list[Callable[[StepContext], None]] = _bound(given, "before_first_forward")
+        self.note_loss: list[Callable[[Tensor, StepContext], None]] = _bound(given, "note_loss")
+        self.drops_batch: list[Callable[[StepContext], bool]] = _bound(given, "drops_batch")
+        self.after_step: list[Callable[[StepContext], None]] = _bound(given, "after_step")
+        self.detach: list[Callable[[StepContext], None]] = _bound(given, "detach")
+        self.may_skip: list[Callable[[], bool]] = _bound(given, "may_skip")
+        self.saves_state: list[Policy] = [p for p in given if hook(p, "state_dict") is not None]  # type: ignore[misc]
+        self.loads_state: list[Policy] = [p for p in given if hook(p, "load_state_dict") is not None]  # type: ignore[misc]
+        self._request: StatsRequest | None = None
+        self._primary: list[float | None] = []
+
+    @classmethod
+    def of(cls, policy: object) -> Roster:
+        """The hooks of one policy."""
+        return cls((policy,))
+
+    def any_may_skip(self) -> bool:
+        """Whether any of the policies may ask for an optimizer step to be skipped."""
+        return any(may_skip() for may_skip in self.may_skip)
+
+    @property
+    def request(self) -> StatsRequest:
+        """What the measure phase reads for these policies: the union of their ``request_stats`` (read once)."""
+        if self._request is None:
+            request = StatsRequest()
+            for add in _bound(self.policies, "request_stats"):
                 add(request)
-        if not request.norm_types:
-            request.norm_types.add(2.0)
-        self.request = request
-        primaries = (hook(p, "primary_norm_type") for p in self.policies)
-        self.primary = next((v for f in primaries if f is not None and (v := f()) is not None), None)
+            if not request.norm_types:
+                request.norm_types.add(2.0)
+            self._request = request
+        return self._request
+
+    @property
+    def primary(self) -> float | None:
+        """The first ``primary_norm_type`` a policy names, in stage order (``None``: none names one)."""
+        if not self._primary:
+            found = (f() for f in _bound(self.policies, "primary_norm_type"))
+            self._primary.append(next((v for v in found if v is not None), None))
+        return self._primary[0]

@@ -21,7 +21,7 @@ from gradkit.escalation import Escalation
 from gradkit.events import EventLog
 from gradkit.norms import nonfinite_mask
 from gradkit.pipeline import Pipeline, StepPlan
-from gradkit.protocol import Stage, StatsRequest, StepContext, hook, policy_key, state_key
+from gradkit.protocol import Roster, Stage, StatsRequest, StepContext, policy_key, state_key
 from gradkit.running import RunningMoments
 from gradkit.snapshot import Snapshot, StepSnapshot
 from gradkit.watch import WatchedValue
@@ -424,7 +424,9 @@ class SpikeRollback:
 
     def _stateful(self, ctx: StepContext) -> list[Any]:
         """The loop's other policies that keep a state (``state_dict`` / ``load_state_dict``)."""
-        return [p for p in ctx.policies() if p is not self and hook(p, "state_dict") and hook(p, "load_state_dict")]
+        hooks = Roster(ctx.policies())
+        loads = set(map(id, hooks.loads_state))
+        return [p for p in hooks.saves_state if p is not self and id(p) in loads]
 
     def _capture(self, ctx: StepContext, origin: _Origin = "schedule") -> None:
         entry = min(self._ring, key=lambda s: s.id)  # an empty entry (id -1), else the oldest snapshot
