@@ -120,3 +120,14 @@ def test_every_hook_the_roster_looks_up_is_declared_on_policy() -> None:
         and isinstance(node.args[1], ast.Constant)
     }
     assert len(looked_up) >= 15 and looked_up <= _policy_hooks(), looked_up - _policy_hooks()
+
+
+def test_the_policy_facing_context_has_at_most_14_members() -> None:
+    """Issue 40: ``StepContext`` had 34 members (the model, the pipeline, ``policies()``, ``trainer``...). The
+    policies' per-step context keeps 14; the door's services are on ``Door``, which a policy gets at ``attach``."""
+    from gradkit.protocol import Door, StepContext
+
+    members = {name for name in dir(StepContext) if not name.startswith("_")}
+    assert len(members) <= 14, sorted(members)
+    assert {"model", "pipeline", "policies", "schedulers", "step_state", "trainer", "pl_module"}.isdisjoint(members)
+    assert {"model", "pipeline", "policies", "schedulers", "step_state", "flat_sharded", "folds_into"} <= set(dir(Door))

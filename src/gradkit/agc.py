@@ -35,7 +35,7 @@ from gradkit.norms import (
 )
 from gradkit.params import clean_name, replication
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import Stage, StatsRequest, StepContext
+from gradkit.protocol import Door, Stage, StatsRequest, StepContext
 from gradkit.selection import NamePattern, no_match_hint, parameters_selected, parse_patterns
 
 __all__ = ["AdaptiveGradClip", "agc_coefficients", "select_parameters"]
@@ -144,7 +144,7 @@ class AdaptiveGradClip:
     def __repr__(self) -> str:
         return describe(self, clip_factor=self.clip_factor, eps=self.eps, exclude=self.exclude)
 
-    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+    def attach(self, ctx: Door, model: torch.nn.Module) -> None:
         """Select the clipped parameters of ``model`` (configured: sharded, wrapped) and check their sharding."""
         if ctx.flat_sharded():
             raise RuntimeError(

@@ -53,7 +53,7 @@ from gradkit.loop_setup import (
     watches_loss,
 )
 from gradkit.pipeline import Pipeline, StepPlan
-from gradkit.protocol import Policy, Roster, StepContext, policy_key, unwrapped, values_to_host
+from gradkit.protocol import Door, Policy, Roster, policy_key, unwrapped, values_to_host
 from gradkit.replay import RNGState, capture_rng
 from gradkit.snapshot import Snapshot
 
@@ -63,7 +63,7 @@ __all__ = ["GradKit", "LoopContext"]
 _LogFn = Callable[[dict[str, float], int], Any]
 
 
-class LoopContext(StepContext):
+class LoopContext(Door):
     """The loop as :class:`GradKit` sees it: its own step counter, the optimizers, the scaler and a log function.
 
     Args:

@@ -63,7 +63,7 @@ from gradkit.norms import (
     total_norm,
 )
 from gradkit.params import build_param_index, resolve_partial_grads, steps_in_optimizer
-from gradkit.protocol import Policy, Roster, StepContext
+from gradkit.protocol import Door, Policy, Roster
 from gradkit.write import measure_grads, write
 
 __all__ = ["Pipeline", "StepPlan", "UnitNorms"]
@@ -322,7 +322,7 @@ class Pipeline:
         run = self._runs.get(id(optimizer))
         return self.last_plans.get(id(optimizer)) if run is not None and run[0] == step else None
 
-    def run(self, ctx: StepContext, optimizer: Optimizer, policies: Sequence[Policy]) -> StepPlan | None:
+    def run(self, ctx: Door, optimizer: Optimizer, policies: Sequence[Policy]) -> StepPlan | None:
         """Run the step's phases once per set of gradients of an optimizer step; ``None`` when they already ran.
 
         A closure evaluated again within the step (new gradients) gets a plan that only scales and clips them; the
@@ -369,7 +369,7 @@ class Pipeline:
             cached = self._cached_roster = (list(policies), Roster(policies))
         return cached[1]
 
-    def _index(self, ctx: StepContext, optimizer: Optimizer, depth: int) -> _CachedIndex:
+    def _index(self, ctx: Door, optimizer: Optimizer, depth: int) -> _CachedIndex:
         """The index of the parameters ``optimizer`` steps now (with what the loop says of the optimizer), rebuilt
         only when that set changed.
 
@@ -412,7 +412,7 @@ class Pipeline:
             )
         return cached
 
-    def _measure(self, ctx: StepContext, optimizer: Optimizer, roster: Roster) -> tuple[StepPlan, _CachedIndex]:
+    def _measure(self, ctx: Door, optimizer: Optimizer, roster: Roster) -> tuple[StepPlan, _CachedIndex]:
         """Measure and reduce: every gradient read once into per-parameter norms (unscaled), one collective at most,
         the plan's statistics."""
         request = roster.request
@@ -481,7 +481,7 @@ class Pipeline:
         )
         return plan, cached
 
-    def observe(self, plan: StepPlan, roster: Roster, ctx: StepContext) -> None:
+    def observe(self, plan: StepPlan, roster: Roster, ctx: Door) -> None:
         """Observe (a step's first evaluation only): keep the decision for the gate, count a skip, let the policies
         log. Off logging steps nothing here reads a value to the host."""
         if plan.skip is not None:

@@ -2,8 +2,10 @@
 
 - :class:`Policy`: what a policy is to the pipeline (a plain object with a ``stage`` and any of the hooks); gradkit's
   policies are plain torch classes that do not derive from it.
-- :class:`StepContext`: what the pipeline and the policies read of the loop (one subclass per front door: the
-  Trainer's in :mod:`lightning_gradkit.trainer_door`, the loop door's in :mod:`gradkit.loop`).
+- :class:`StepContext`: what the policies read of the loop at every hook (14 members); :class:`Door`: the same and
+  the services a door keeps on its side (the model, the pipeline, the schedulers, the loggers, ...), which the
+  pipeline reads and a policy receives at ``attach`` (one subclass per front door: the Trainer's in
+  :mod:`lightning_gradkit.trainer_door`, the loop door's in :mod:`gradkit.loop`).
 - :class:`Stage` (the order of decisions within a step), :class:`StatsRequest` (what the measure phase reads for the
   policies), :class:`Roster` (a step's policies and each phase's hooks).
 
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from gradkit.snapshot import Snapshot
 
 __all__ = [
+    "Door",
     "Policy",
     "Roster",
     "Stage",
@@ -44,6 +47,7 @@ __all__ = [
     "hook",
     "is_policy",
     "policy_key",
+    "served",
     "state_key",
     "unwrapped",
     "values_to_host",
@@ -91,35 +95,24 @@ def values_to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
 
 # -- what the pipeline reads of the loop and of the policies --------------------------------------------------------
 class StepContext:
-    """The loop a step runs in, as the pipeline and the policies read it: one subclass per front door.
+    """The loop a step runs in, as the policies read it at every hook: 14 members, the same behind every door.
 
-    The Lightning ``Trainer`` door answers from the Trainer
+    The door's own services (the model, the pipeline, the other policies, the LR schedulers, the AMP scaler, the
+    loggers, ...) are not here: they are on :class:`Door`, which a policy that needs one receives, typed, as the
+    ``ctx`` of :meth:`Policy.attach` (and keeps). The Lightning ``Trainer`` door answers from the Trainer
     (:class:`~lightning_gradkit.trainer_door.TrainerContext`), the Fabric and plain-PyTorch door from its own step
-    counter (:class:`~gradkit.loop.LoopContext`). A feature that only exists under a Trainer (the culprit replay of
-    ``training_step``, the LR gate) reads ``trainer``, which is ``None`` behind the other doors.
+    counter (:class:`~gradkit.loop.LoopContext`).
 
     Attributes:
-        trainer: the Lightning ``Trainer`` when the loop is one, else ``None``.
-        pl_module: its ``LightningModule``, else ``None``.
         log_dir: the directory of the guards' event file and the monitor's report (the Trainer's log directory;
             ``None``: the loop has none).
-        progress_bar: shows step values (host floats) in the loop's progress bar; ``None`` where it has none.
         micro_batch: the micro-batch whose loss the door hands to ``note_loss``, kept for the culprit replay
             (``None`` where the door keeps none): the loop door's ``note_loss(loss, replay=...)``, the Trainer's
             batch of ``training_step``.
-        loggers: the loop's Lightning loggers (``trainer.loggers``, ``fabric.loggers``; empty where it has none):
-            what the monitor's report goes to besides its PNG (:mod:`gradkit.report_loggers`).
-        window_buffers: the module buffers as the current accumulation window found them (what a skip puts back),
-            where the door holds them (while a policy may skip); ``None`` otherwise.
     """
 
-    trainer = None
-    pl_module = None
     log_dir: Path | None = None
-    progress_bar: Callable[[dict[str, float]], None] | None = None
     micro_batch: MicroBatch | None = None
-    loggers: Sequence[Any] = ()
-    window_buffers: Snapshot | None = None
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:
@@ -150,6 +143,54 @@ class StepContext:
         """The micro-batches per optimizer step whose losses the loop divides before ``backward`` (1 if none)."""
         return 1
 
+    def step_key(self) -> tuple[int, ...]:
+        """What identifies the current optimizer step: equal for all calls within it, different for the next."""
+        raise NotImplementedError
+
+    def param_names(self) -> dict[int, str]:
+        """``id(parameter) -> name`` for every parameter of the model."""
+        raise NotImplementedError
+
+    def is_logging_step(self, every_n_steps: int | None = None) -> bool:
+        """Whether the current step logs: ``every_n_steps`` or the loop's own period (each door has its rule:
+        Lightning's behind the Trainer, the step counter behind the loop door)."""
+        raise NotImplementedError
+
+    def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
+        """Send step values (device tensors) to the loop's loggers; called on logging steps only."""
+        raise NotImplementedError
+
+    def log_values(self, values: dict[str, float]) -> None:
+        """Send values already on the host to the loop's loggers at the current step (a step off the period)."""
+        raise NotImplementedError
+
+    def warn(self, message: str) -> None:
+        """A warning, from rank 0 only, at the user's line (the first frame outside gradkit, Lightning and torch)."""
+        if self.global_rank == 0:
+            warn_user(message)
+
+
+class Door(StepContext):
+    """A front door: the policy-facing :class:`StepContext` and the services the door keeps on its side.
+
+    The pipeline reads these (the AMP scale, the sharding, the fused fold); a policy that needs one (the monitor's
+    loggers and progress bar, a guard's replay of the model, a rollback's snapshots of the model, the LR schedulers,
+    the other policies and the step state) gets the door as the ``ctx`` of :meth:`Policy.attach`, typed, and keeps
+    it. One subclass per door: :class:`~lightning_gradkit.trainer_door.TrainerContext`,
+    :class:`~gradkit.loop.LoopContext`.
+
+    Attributes:
+        progress_bar: shows step values (host floats) in the loop's progress bar; ``None`` where it has none.
+        loggers: the loop's Lightning loggers (``trainer.loggers``, ``fabric.loggers``; empty where it has none):
+            what the monitor's report goes to besides its PNG (:mod:`gradkit.report_loggers`).
+        window_buffers: the module buffers as the current accumulation window found them (what a skip puts back),
+            where the door holds them (while a policy may skip); ``None`` otherwise.
+    """
+
+    progress_bar: Callable[[dict[str, float]], None] | None = None
+    loggers: Sequence[Any] = ()
+    window_buffers: Snapshot | None = None
+
     @property
     def log_every_n_steps(self) -> int:
         raise NotImplementedError
@@ -158,14 +199,6 @@ class StepContext:
     def log_step(self) -> int:
         """The step the loop's loggers file the current step's values under."""
         return self.global_step
-
-    def step_key(self) -> tuple[int, ...]:
-        """What identifies the current optimizer step: equal for all calls within it, different for the next."""
-        raise NotImplementedError
-
-    def param_names(self) -> dict[int, str]:
-        """``id(parameter) -> name`` for every parameter of the model."""
-        raise NotImplementedError
 
     def flat_sharded(self) -> bool:
         """Whether every gradient is a flat local shard (FSDP1 over several ranks)."""
@@ -189,11 +222,6 @@ class StepContext:
         write pass: the door gates the step and the optimizer is fused."""
         return self.steps_through_gate() and handles_found_inf(optimizer)
 
-    def is_logging_step(self, every_n_steps: int | None = None) -> bool:
-        """Whether the current step logs: ``every_n_steps`` or the loop's own period (each door has its rule:
-        Lightning's behind the Trainer, the step counter behind the loop door)."""
-        raise NotImplementedError
-
     def is_last_step(self) -> bool:
         """Whether the current step is known to be the loop's last one."""
         return False
@@ -201,19 +229,6 @@ class StepContext:
     def checkpoint_note(self) -> str:
         """Where to resume from, for an error that stops training (the Trainer names its last checkpoints)."""
         return "keep checkpoints of the loop to resume from"
-
-    def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
-        """Send step values (device tensors) to the loop's loggers; called on logging steps only."""
-        raise NotImplementedError
-
-    def log_values(self, values: dict[str, float]) -> None:
-        """Send values already on the host to the loop's loggers at the current step (a step off the period)."""
-        raise NotImplementedError
-
-    def warn(self, message: str) -> None:
-        """A warning, from rank 0 only, at the user's line (the first frame outside gradkit, Lightning and torch)."""
-        if self.global_rank == 0:
-            warn_user(message)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -240,12 +255,30 @@ class StepContext:
     def load_step_state(self, state: dict[str, object]) -> None:
         """Rewind :meth:`step_state` at the current batch."""
 
+    def policies_owner(self) -> str:
+        """How an error names what holds the loop's policies (a sentence's subject and verb)."""
+        return "`policies` holds"
+
     def optimizer_index(self, optimizer: Optimizer) -> int:
         """The position of ``optimizer`` (or of the optimizer a wrapper holds) in :attr:`optimizers`, 0 if absent."""
         for i, opt in enumerate(self.optimizers):
             if opt is optimizer or unwrapped(opt) is optimizer:
                 return i
         return 0
+
+
+def served(door: Door | None, policy: object) -> Door:
+    """The door ``policy`` kept at :meth:`Policy.attach` (for the services it reads later).
+
+    Raises:
+        RuntimeError: the policy was not attached to a door.
+    """
+    if door is None:
+        raise RuntimeError(
+            f"{type(policy).__name__} reads its door's services, and no door attached it: a door (the Trainer, "
+            "`GradKit(...)`, the Hugging Face door) calls `attach(ctx, model)` before the first step."
+        )
+    return door
 
 
 def unwrapped(optimizer: Optimizer) -> Optimizer:
@@ -333,8 +366,10 @@ class Policy(Protocol):
         """The first forward after the door was built or loaded is about to run (the model's weights and buffers are
         loaded by then, in whatever order the loop loaded them)."""
 
-    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
-        """The door is set up: prepare what needs the model.
+    def attach(self, ctx: Door, model: torch.nn.Module) -> None:
+        """The door is set up: prepare what needs the model. ``ctx`` is the door itself, with its services (the
+        policy-facing context of the other hooks, and the model, the pipeline, the loggers, ...): a policy that needs
+        one of them later keeps it.
 
         Raises:
             ValueError: if the policy, as configured, cannot work behind this door.
@@ -448,7 +483,7 @@ class Roster:
         self.observe: list[Callable[[StepPlan, StepContext], None]] = _bound(ordered, "observe")
         self.reduce_request: list[Callable[[StepContext], dict[str, Tensor]]] = _bound(ordered, "reduce_request")
         self.finish: list[Callable[[StepContext], None]] = _bound(ordered, "finish")
-        self.attach: list[Callable[[StepContext, torch.nn.Module], None]] = _bound(given, "attach")
+        self.attach: list[Callable[[Door, torch.nn.Module], None]] = _bound(given, "attach")
         self.before_first_forward: list[Callable[[StepContext], None]] = _bound(given, "before_first_forward")
         self.note_loss: list[Callable[[Tensor, StepContext], None]] = _bound(given, "note_loss")
         self.drops_batch: list[Callable[[StepContext], bool]] = _bound(given, "drops_batch")

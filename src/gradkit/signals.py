@@ -54,7 +54,7 @@ from gradkit.accumulate import mean_window_scale
 from gradkit.norms import ParamIndex, host_to_device, local_tensor, per_tensor_norms, world_size
 from gradkit.params import clean_name
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import StepContext
+from gradkit.protocol import Door, StepContext
 from gradkit.replay import replaying
 from gradkit.selection import NamePattern, auto_module_keys, module_rows, no_match_hint, repeated_blocks
 from gradkit.signal_math import SpikeScore, adam_ratio_sums, sdpa_logit_max
@@ -160,7 +160,7 @@ class StabilitySignals:
         self._pending_host: list[tuple[float | None, float | None]] = []
 
     # -- the model ----------------------------------------------------------------------------------------------
-    def attach(self, ctx: StepContext, model: nn.Module) -> None:
+    def attach(self, ctx: Door, model: nn.Module) -> None:
         """Find the attention and output modules and hook them.
 
         Raises:

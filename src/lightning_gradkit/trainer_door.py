@@ -52,7 +52,7 @@ from gradkit.accounting import StepAccounting
 from gradkit.events import EventLog
 from gradkit.norms import loss_scale, world_size
 from gradkit.pipeline import Pipeline, StepPlan, UnitNorms
-from gradkit.protocol import Policy, Roster, Stage, StatsRequest, StepContext, fresh_state_note, values_to_host
+from gradkit.protocol import Door, Policy, Roster, Stage, StatsRequest, fresh_state_note, values_to_host
 from gradkit.snapshot import Snapshot
 from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
@@ -136,7 +136,7 @@ def _is_last_step(trainer: pl.Trainer) -> bool:
     return epoch_ends_with_this_batch(trainer)
 
 
-class TrainerContext(StepContext):
+class TrainerContext(Door):
     """The loop as a Lightning ``Trainer`` runs it: every answer is read from the Trainer when asked.
 
     Args:
@@ -241,6 +241,10 @@ class TrainerContext(StepContext):
         return _is_last_step(self.trainer)
 
     @override
+    def policies_owner(self) -> str:
+        return "The Trainer has"
+
+    @override
     def checkpoint_note(self) -> str:
         paths = [cb.last_model_path or cb.best_model_path for cb in self.trainer.checkpoint_callbacks]
         paths = [p for p in paths if p]
@@ -343,7 +347,7 @@ class TrainerPipeline:
     :class:`~gradkit.pipeline.Pipeline` (:attr:`pipeline`) driven with the Trainer's context and callbacks.
 
     Attributes:
-        pipeline: the Lightning-free pipeline it runs (what the policies read as ``ctx.pipeline``).
+        pipeline: the Lightning-free pipeline it runs (``Door.pipeline`` behind the Trainer).
     """
 
     _by_trainer: weakref.WeakKeyDictionary[pl.Trainer, TrainerPipeline] = weakref.WeakKeyDictionary()
