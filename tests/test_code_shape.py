@@ -131,3 +131,13 @@ def test_the_policy_facing_context_has_at_most_14_members() -> None:
     assert len(members) <= 14, sorted(members)
     assert {"model", "pipeline", "policies", "schedulers", "step_state", "trainer", "pl_module"}.isdisjoint(members)
     assert {"model", "pipeline", "policies", "schedulers", "step_state", "flat_sharded", "folds_into"} <= set(dir(Door))
+
+
+def test_the_decision_has_at_most_10_fields() -> None:
+    """Issue 40: ``StepPlan`` had 36 members, measurements, decisions and lazy values together. What the policies
+    decide is a ``Decision`` of at most 10 fields, written through its methods."""
+    from gradkit.pipeline import Decision
+
+    fields = [name for name in Decision.__slots__ if not name.startswith("_")]
+    assert len(fields) <= 10, fields
+    assert {"scale", "clip_coef", "param_coefs", "clamp_value", "skip", "folded"} <= set(fields)

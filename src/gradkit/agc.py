@@ -265,14 +265,13 @@ class AdaptiveGradClip:
         pieces = list(coefs.split(sizes))
         for k, shape in self._coef_shapes(plan, pos_nd, pos_1d):
             pieces[k] = pieces[k].view(shape)
-        plan.param_coefs.update(zip([*pos_nd, *pos_1d], pieces, strict=True))
-
         pre = plan.pre_clip_total(2.0)
         post = _Lazy(
             _post_clip_total, index, plan.scale, stats.param_norms, grad_units, coefs, pos_nd, sizes, pos_1d_tensor
         )
-        if plan.primary_norm_type == 2.0:
-            plan.post_clip_total_fn = post
+        # The clipper's own post-clip total stands for the primary norm type's only.
+        per_param = dict(zip([*pos_nd, *pos_1d], pieces, strict=True))
+        plan.decision.clip_per_param(per_param, post if plan.primary_norm_type == 2.0 else None)
         return ClipDecision(pre, post, functools.partial(norm_ratio, post, pre), clipped=(coefs < 1).any())
 
     def _coef_shapes(self, plan: StepPlan, pos_nd: list[int], pos_1d: list[int]) -> list[tuple[int, tuple[int, ...]]]:

@@ -147,7 +147,7 @@ class AutoClip:
         threshold = nan_percentile(history.norms, self.percentile)
         # No finite norm seen yet: nothing to clip against.
         coef = torch.where(torch.isnan(threshold), torch.ones_like(norm), clip_coefficient(norm, threshold))
-        plan.clip_coef = coef
+        plan.decision.clip_by(coef)
         post = functools.partial(operator.mul, pre, coef)
         self._ledger.record(plan, ClipDecision(pre, post, coef, norm > threshold, threshold, target=threshold))
 
@@ -331,7 +331,8 @@ class ZClip:
             stats = self._statistics[plan.optimizer_idx] = _ZStatistics()
         pre = plan.pre_clip_total(2.0)
         coef, clipped, above = self._clip(stats, pre, plan)
-        plan.clip_coef = coef
+        if coef is not None:  # None: the warm-up, which leaves the gradients
+            plan.decision.clip_by(coef)
         decision = ClipDecision(
             pre=pre,
             post=pre if coef is None else functools.partial(operator.mul, pre, coef),
