@@ -189,12 +189,12 @@ class AdaptiveGradClip:
         return {self._REDUCE_KEY: per_tensor_norms(weights, 2.0).pow(2) * self._sharded_1d_factors}
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.grads:
+        if plan.has_gradients:
             self._ledger.record(plan, self._clip(plan))
 
     def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # Every evaluation of a re-evaluating closure is clipped unit by unit, from its own gradients.
-        if plan.grads:
+        if plan.has_gradients:
             self._clip(plan)
 
     def observe(self, plan: StepPlan, ctx: StepContext) -> None:
@@ -281,7 +281,7 @@ class AdaptiveGradClip:
         key = ("shapes", tuple(pos_nd), tuple(pos_1d))
         shapes = self._cached(plan, key)
         if shapes is None:
-            ndims = dict(zip(plan.present, (g.ndim for g in plan.grads), strict=True))
+            ndims = {i: plan.index.params[i].ndim for i in plan.present}  # a gradient has its parameter's shape
             shapes = [(k, (-1,) + (1,) * (ndims[i] - 1)) for k, i in enumerate(pos_nd)]
             shapes += [(len(pos_nd) + k, ()) for k, i in enumerate(pos_1d) if ndims[i] == 0]
             self._cache[key] = shapes

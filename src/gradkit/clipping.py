@@ -262,7 +262,7 @@ class ClipGradNorm:
         request.norm_types.add(self.norm_type)
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not plan.grads:
+        if not plan.has_gradients:
             return
         pre = plan.pre_clip_total(self.norm_type)
         coef = clip_coefficient(pre, self.max_norm)
@@ -273,7 +273,7 @@ class ClipGradNorm:
 
     def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # Every evaluation of a re-evaluating closure is clipped, as Lightning's `gradient_clip_val` clips each one.
-        if plan.grads:
+        if plan.has_gradients:
             plan.decision.clip_by(clip_coefficient(plan.pre_clip_total(self.norm_type), self.max_norm))
 
     def observe(self, plan: StepPlan, ctx: StepContext) -> None:
@@ -330,7 +330,7 @@ class ClipGradValue:
         request.norm_types.add(self.norm_type)
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not plan.grads:
+        if not plan.has_gradients:
             return
         pre = plan.pre_clip_total(math.inf)
         plan.decision.clamp(self.clip_value)
@@ -339,7 +339,7 @@ class ClipGradValue:
         self._ledger.record(plan, ClipDecision(pre, post, coef, pre > self.clip_value))
 
     def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
-        if plan.grads:
+        if plan.has_gradients:
             plan.decision.clamp(self.clip_value)
 
     def observe(self, plan: StepPlan, ctx: StepContext) -> None:

@@ -130,7 +130,7 @@ class AutoClip:
         return history
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not plan.grads:
+        if not plan.has_gradients:
             return
         pre = plan.pre_clip_total(2.0)
         norm = pre.to(torch.float32)
@@ -153,7 +153,7 @@ class AutoClip:
 
     def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # A later evaluation of the step's closure is clipped to the first one's target; the history is fed once.
-        if plan.grads:
+        if plan.has_gradients:
             self._ledger.clip_again(plan, self.norm_type)
 
     def observe(self, plan: StepPlan, ctx: StepContext) -> None:
@@ -324,7 +324,7 @@ class ZClip:
         return coef, clipped, min(stats.spike_above, ceiling)
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not plan.grads:
+        if not plan.has_gradients:
             return
         stats = self._statistics.get(plan.optimizer_idx)
         if stats is None:
@@ -346,7 +346,7 @@ class ZClip:
 
     def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # A later evaluation of the step's closure is clipped to the first one's target; the history is fed once.
-        if plan.grads:
+        if plan.has_gradients:
             self._ledger.clip_again(plan, self.norm_type)
 
     def observe(self, plan: StepPlan, ctx: StepContext) -> None:

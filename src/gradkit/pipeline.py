@@ -207,11 +207,12 @@ class StepPlan:
     ``scale``, ``clip_coef``, ``param_coefs``, ``clamp_value``, ``skip``, ``clip_decided``, ``post_clip_total_fn``
     and ``folded`` read it. The engine applies it in one pass.
 
-    ``grads`` holds the gradients of the parameters at ``present`` (positions in ``index``), and ``run_ids`` the
-    (device, dtype) group of each (``ParamIndex.run_of``), ``-1`` for a sparse one. Sparse COO gradients are
-    coalesced by the engine's read (``p.grad`` is replaced by its coalesced version), so their values are the
-    gradient. The engine empties ``grads`` once the plan is applied (:meth:`release_gradients`): a plan kept after
-    its step must not keep the step's gradients alive once the optimizer's ``zero_grad`` drops them.
+    The gradients of the parameters at ``present`` (positions in ``index``) stay private to the pipeline and its
+    write (:mod:`gradkit.write`): the policies decide from the statistics (:attr:`has_gradients` says whether the
+    step has any). ``run_ids`` gives the (device, dtype) group of each (``ParamIndex.run_of``), ``-1`` for a sparse
+    one. Sparse COO gradients are coalesced by the engine's read (``p.grad`` is replaced by its coalesced version), so
+    their values are the gradient. The engine drops them once the plan is applied (:meth:`release_gradients`): a plan
+    kept after its step must not keep the step's gradients alive once the optimizer's ``zero_grad`` drops them.
 
     ``loss_scale`` is set when the gradients are still multiplied by the AMP loss scale (fused optimizers under
     16-mixed); every norm in ``stats`` and ``unit_norms`` is already expressed without it, and ``clamp_value`` is
@@ -221,7 +222,7 @@ class StepPlan:
     optimizer: Optimizer
     optimizer_idx: int
     index: ParamIndex
-    grads: list[Tensor]
+    _grads: list[Tensor]
     present: list[int]
     stats: dict[float, GradStats]
     reduced: dict[str, Tensor]
@@ -364,12 +365,17 @@ class StepPlan:
         hold the gradients through the next backward after ``zero_grad(set_to_none=True)`` dropped them: one more set of
         gradients at the memory peak.
         """
-        self.grads = []
+        self._grads = []
         self.released = True
 
     @property
     def clipped(self) -> bool:
         return self.decision.clipped
+
+    @property
+    def has_gradients(self) -> bool:
+        """Whether the step has gradients to decide on (and, once it is over, whether the plan still holds them)."""
+        return bool(self._grads)
 
     def apply(self, fold: bool = False) -> None:
         """Write the gradients once: multiply by the product of all factors, then clamp for value clipping.
@@ -398,7 +404,7 @@ class StepPlan:
             self.decision.fold(common)
         else:
             for start, stop in self.run_bounds:
-                run = self.grads[start:stop]
+                run = self._grads[start:stop]
                 torch._foreach_mul_(run, common.to(run[0].device))
 
 
@@ -601,7 +607,7 @@ class Pipeline:
             optimizer=optimizer,
             optimizer_idx=cached.optimizer_idx,
             index=index,
-            grads=grads,
+            _grads=grads,
             present=present,
             stats=stats,
             reduced=reduced,

@@ -272,8 +272,8 @@ class StabilitySignals:
         self._step = ctx.global_step
         rows = self._module_rows(plan)
         if self.adam:
-            grads = [local_tensor(g) for g in plan.grads]
             params = [plan.index.params[i] for i in plan.present]
+            grads = [local_tensor(p.grad) for p in params]  # as the write left them (the plan's own are the pipeline's)
             factor = plan.folded
             if plan.loss_scale is not None:
                 factor = (1.0 / plan.loss_scale) if factor is None else factor / plan.loss_scale
