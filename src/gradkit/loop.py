@@ -105,7 +105,9 @@ class LoopContext(Door):
         self._log_every_n_steps = log_every_n_steps
         self.scaler = scaler
         self.max_steps = max_steps
-        self.log_dir = log_dir
+        self._log_dir = log_dir
+        self._loggers: Sequence[Any] = ()
+        self._window_buffers: Snapshot | None = None
         self._flat_sharded = flat_sharded
         self.step = 0
         self.micro_batches = 0
@@ -151,6 +153,29 @@ class LoopContext(Door):
     @override
     def model(self) -> nn.Module:
         return self._model
+
+    @property
+    @override
+    def log_dir(self) -> Path | None:
+        return self._log_dir
+
+    @property
+    @override
+    def loggers(self) -> Sequence[Any]:
+        return self._loggers
+
+    @loggers.setter
+    def loggers(self, loggers: Sequence[Any]) -> None:
+        self._loggers = loggers
+
+    @property
+    @override
+    def window_buffers(self) -> Snapshot | None:
+        return self._window_buffers
+
+    @window_buffers.setter
+    def window_buffers(self, buffers: Snapshot | None) -> None:
+        self._window_buffers = buffers
 
     @property
     @override

@@ -104,15 +104,18 @@ class StepContext:
     counter (:class:`~gradkit.loop.LoopContext`).
 
     Attributes:
-        log_dir: the directory of the guards' event file and the monitor's report (the Trainer's log directory;
-            ``None``: the loop has none).
         micro_batch: the micro-batch whose loss the door hands to ``note_loss``, kept for the culprit replay
             (``None`` where the door keeps none): the loop door's ``note_loss(loss, replay=...)``, the Trainer's
             batch of ``training_step``.
     """
 
-    log_dir: Path | None = None
     micro_batch: MicroBatch | None = None
+
+    @property
+    def log_dir(self) -> Path | None:
+        """The directory of the guards' event file and the monitor's report (the Trainer's log directory; ``None``:
+        the loop has none)."""
+        return None
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:
@@ -179,17 +182,24 @@ class Door(StepContext):
     it. One subclass per door: :class:`~lightning_gradkit.trainer_door.TrainerContext`,
     :class:`~gradkit.loop.LoopContext`.
 
-    Attributes:
-        progress_bar: shows step values (host floats) in the loop's progress bar; ``None`` where it has none.
-        loggers: the loop's Lightning loggers (``trainer.loggers``, ``fabric.loggers``; empty where it has none):
-            what the monitor's report goes to besides its PNG (:mod:`gradkit.report_loggers`).
-        window_buffers: the module buffers as the current accumulation window found them (what a skip puts back),
-            where the door holds them (while a policy may skip); ``None`` otherwise.
     """
 
-    progress_bar: Callable[[dict[str, float]], None] | None = None
-    loggers: Sequence[Any] = ()
-    window_buffers: Snapshot | None = None
+    @property
+    def progress_bar(self) -> Callable[[dict[str, float]], None] | None:
+        """Shows step values (host floats) in the loop's progress bar; ``None`` where it has none."""
+        return None
+
+    @property
+    def loggers(self) -> Sequence[Any]:
+        """The loop's Lightning loggers (``trainer.loggers``, ``fabric.loggers``; empty where it has none): what the
+        monitor's report goes to besides its PNG (:mod:`gradkit.report_loggers`)."""
+        return ()
+
+    @property
+    def window_buffers(self) -> Snapshot | None:
+        """The module buffers as the current accumulation window found them (what a skip puts back), where the door
+        holds them (while a policy may skip); ``None`` otherwise."""
+        return None
 
     @property
     def log_every_n_steps(self) -> int:

@@ -151,7 +151,7 @@ class TrainerContext(Door):
 
     @property
     @override
-    def log_dir(self) -> Path:  # type: ignore[override]
+    def log_dir(self) -> Path:
         """The event file's directory (:func:`events_dir`), read once: the first read must come on every rank (it
         broadcasts rank 0's value), as a policy's ``attach`` does."""
         if self._log_dir is None:
@@ -229,7 +229,7 @@ class TrainerContext(Door):
 
     @property
     @override
-    def window_buffers(self) -> Snapshot | None:  # type: ignore[override]
+    def window_buffers(self) -> Snapshot | None:
         return getattr(self.trainer.strategy, "_gradkit_buffers", None)  # a GradKit strategy's, while a policy may skip
 
     @override
@@ -265,11 +265,15 @@ class TrainerContext(Door):
 
     @property
     @override
-    def loggers(self) -> Sequence[Any]:  # type: ignore[override]
+    def loggers(self) -> Sequence[Any]:
         return self.trainer.loggers
 
+    @property
     @override
-    def progress_bar(self, values: dict[str, float]) -> None:  # type: ignore[override]
+    def progress_bar(self) -> Callable[[dict[str, float]], None]:
+        return self._show_progress
+
+    def _show_progress(self, values: dict[str, float]) -> None:
         # CPU tensors: the progress bar reads them every batch, which must not synchronize the device.
         tensors = {k: torch.tensor(v) for k, v in values.items()}
         self.pl_module.log_dict(tensors, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
