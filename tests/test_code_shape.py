@@ -74,3 +74,70 @@ def test_the_skip_count_has_one_writer() -> None:
                 if isinstance(target, ast.Attribute) and target.attr in ("skipped_steps", "_skipped"):
                     writers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert writers and all(w.startswith("src/gradkit/accounting.py:") for w in writers), writers
+
+
+# Duck-typed checks of objects that are not policies, which share a hook's name: an LR scheduler's `state_dict`.
+_NOT_POLICIES = {("src/gradkit/loop_setup.py", "schedulers"), ("src/gradkit/loop_setup.py", "scheduler")}
+
+
+def _policy_hooks() -> set[str]:
+    from gradkit.protocol import Policy
+
+    return {name for name, value in vars(Policy).items() if callable(value) and not name.startswith("_")}
+
+
+def test_hooks_are_looked_up_by_name_in_one_place() -> None:
+    """Issue 40: about 30 sites found a policy's hook by name (``hook(policy, "after_step")``, ``getattr(policy,
+    "note_loss", None)``). Only ``gradkit/protocol.py`` (its ``Roster``) does now; doors read the roster's lists."""
+    hooks = _policy_hooks()
+    sites = []
+    for path in (ROOT / "src").rglob("*.py"):
+        where = str(path.relative_to(ROOT))
+        if where == "src/gradkit/protocol.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func.id if isinstance(node.func, ast.Name) else None
+            if func not in ("hook", "getattr", "hasattr") or len(node.args) < 2:
+                continue  # `hook(*args)` elsewhere is a local function of that name (a wrapped torch hook)
+            name, owner = node.args[1], ast.unparse(node.args[0])
+            if isinstance(name, ast.Constant) and name.value in hooks and (where, owner) not in _NOT_POLICIES:
+                sites.append(f"{where}:{node.lineno}")
+    assert sites == [], sites
+
+
+def test_every_hook_the_roster_looks_up_is_declared_on_policy() -> None:
+    """The typed protocol: each name the one lookup passes is a method of ``Policy``, with its no-op default."""
+    tree = ast.parse((ROOT / "src" / "gradkit" / "protocol.py").read_text())
+    looked_up = {
+        node.args[1].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("hook", "_bound")
+        and len(node.args) == 2
+        and isinstance(node.args[1], ast.Constant)
+    }
+    assert len(looked_up) >= 15 and looked_up <= _policy_hooks(), looked_up - _policy_hooks()
+
+
+def test_the_policy_facing_context_has_at_most_14_members() -> None:
+    """Issue 40: ``StepContext`` had 34 members (the model, the pipeline, ``policies()``, ``trainer``...). The
+    policies' per-step context keeps 14; the door's services are on ``Door``, which a policy gets at ``attach``."""
+    from gradkit.protocol import Door, StepContext
+
+    members = {name for name in dir(StepContext) if not name.startswith("_")}
+    assert len(members) <= 14, sorted(members)
+    assert {"model", "pipeline", "policies", "schedulers", "step_state", "trainer", "pl_module"}.isdisjoint(members)
+    assert {"model", "pipeline", "policies", "schedulers", "step_state", "flat_sharded", "folds_into"} <= set(dir(Door))
+
+
+def test_the_decision_has_at_most_10_fields() -> None:
+    """Issue 40: ``StepPlan`` had 36 members, measurements, decisions and lazy values together. What the policies
+    decide is a ``Decision`` of at most 10 fields, written through its methods."""
+    from gradkit.pipeline import Decision
+
+    fields = [name for name in Decision.__slots__ if not name.startswith("_")]
+    assert len(fields) <= 10, fields
+    assert {"scale", "clip_coef", "param_coefs", "clamp_value", "skip", "folded"} <= set(fields)

@@ -284,3 +284,28 @@ def test_the_trainers_teardown_detaches_the_policies_after_an_error_too(tmp_path
     with pytest.raises(RuntimeError, match="the user's error"):
         trainer.fit(module, DataLoader(_epoch(), batch_size=None))
     assert probe.calls == ["attach", "detach"] and _hooks(module) == 0
+
+
+class _HalvingPolicy:
+    """A policy of the user's own that clips (halves every gradient) at the GUARD stage, so the door's check of "one
+    clipper" (stage CLIP) does not see it."""
+
+    stage = Stage.GUARD
+
+    def decide(self, plan: Any, ctx: Any) -> None:
+        plan.decision.clip_by(torch.tensor(0.5))
+
+
+def test_a_second_clip_in_one_step_is_refused_not_overwritten() -> None:
+    """Issue 40: a clip was a plain field of the plan, and a second clipper silently replaced the first one's. The
+    decision takes one clip form per step: ClipGradNorm after the user's halving raises, naming the rule."""
+    from gradkit.clipping import ClipGradNorm
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = _optimizer("sgd", model.parameters())
+    kit = GradKit(model, opt, [_HalvingPolicy(), ClipGradNorm(max_norm=1e-3)])
+    x, y = _batches()[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(ValueError, match=r"`Decision.clip_by` got a second clip .* already holds a coefficient"):
+        kit.step(opt)

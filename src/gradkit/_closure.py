@@ -46,7 +46,8 @@ def decide_again(
 ) -> None:
     """The decide phase of a later evaluation (``plan``): the accumulation scale of the step's first evaluation
     (``first``), then each policy's ``decide_again`` (``hooks``, in stage order)."""
-    plan.scale = first.scale
+    if first.scale is not None:
+        plan.multiply_scale(first.scale)
     for decide_again_ in hooks:
         decide_again_(plan, first, ctx)
 

@@ -35,7 +35,7 @@ from gradkit.norms import (
 )
 from gradkit.params import clean_name, replication
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import Stage, StatsRequest, StepContext
+from gradkit.protocol import Door, Stage, StatsRequest, StepContext
 from gradkit.selection import NamePattern, no_match_hint, parameters_selected, parse_patterns
 
 __all__ = ["AdaptiveGradClip", "agc_coefficients", "select_parameters"]
@@ -144,7 +144,7 @@ class AdaptiveGradClip:
     def __repr__(self) -> str:
         return describe(self, clip_factor=self.clip_factor, eps=self.eps, exclude=self.exclude)
 
-    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+    def attach(self, ctx: Door, model: torch.nn.Module) -> None:
         """Select the clipped parameters of ``model`` (configured: sharded, wrapped) and check their sharding."""
         if ctx.flat_sharded():
             raise RuntimeError(
@@ -189,12 +189,12 @@ class AdaptiveGradClip:
         return {self._REDUCE_KEY: per_tensor_norms(weights, 2.0).pow(2) * self._sharded_1d_factors}
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.grads:
+        if plan.has_gradients:
             self._ledger.record(plan, self._clip(plan))
 
     def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # Every evaluation of a re-evaluating closure is clipped unit by unit, from its own gradients.
-        if plan.grads:
+        if plan.has_gradients:
             self._clip(plan)
 
     def observe(self, plan: StepPlan, ctx: StepContext) -> None:
@@ -265,8 +265,6 @@ class AdaptiveGradClip:
         pieces = list(coefs.split(sizes))
         for k, shape in self._coef_shapes(plan, pos_nd, pos_1d):
             pieces[k] = pieces[k].view(shape)
-        plan.param_coefs.update(zip([*pos_nd, *pos_1d], pieces, strict=True))
-
         pre = plan.pre_clip_total(2.0)
         post = _Lazy(
             _post_clip_total,
@@ -280,8 +278,9 @@ class AdaptiveGradClip:
             pos_1d_tensor,
             self._sharded_nd(plan),
         )
-        if plan.primary_norm_type == 2.0:
-            plan.post_clip_total_fn = post
+        # The clipper's own post-clip total stands for the primary norm type's only.
+        per_param = dict(zip([*pos_nd, *pos_1d], pieces, strict=True))
+        plan.decision.clip_per_param(per_param, post if plan.primary_norm_type == 2.0 else None)
         return ClipDecision(pre, post, functools.partial(norm_ratio, post, pre), clipped=(coefs < 1).any())
 
     def _sharded_nd(self, plan: StepPlan) -> Tensor | None:
@@ -306,7 +305,7 @@ class AdaptiveGradClip:
         key = ("shapes", tuple(pos_nd), tuple(pos_1d))
         shapes = self._cached(plan, key)
         if shapes is None:
-            ndims = dict(zip(plan.present, (g.ndim for g in plan.grads), strict=True))
+            ndims = {i: plan.index.params[i].ndim for i in plan.present}  # a gradient has its parameter's shape
             shapes = [(k, (-1,) + (1,) * (ndims[i] - 1)) for k, i in enumerate(pos_nd)]
             shapes += [(len(pos_nd) + k, ()) for k, i in enumerate(pos_1d) if ndims[i] == 0]
             self._cache[key] = shapes

@@ -130,7 +130,7 @@ class ClipLedger:
     def record(self, plan: StepPlan, decision: ClipDecision) -> None:
         """Keep the step's decision and its clipped flag (the flags are summed every ``_COUNT_EVERY`` steps)."""
         idx = plan.optimizer_idx
-        plan.clip_decided = True
+        plan.decision.decide_clip()
         self.last[idx] = decision
         key = (idx, decision.clip_above if decision.clipped is None else None)
         pending = self._uncounted.setdefault(key, [])
@@ -153,7 +153,7 @@ class ClipLedger:
         feeding the clipper's statistics again."""
         decision = self.last.get(plan.optimizer_idx)
         if decision is not None and decision.target is not None:
-            plan.clip_coef = clip_to_threshold(plan.pre_clip_total(norm_type), decision.target)
+            plan.decision.clip_by(clip_to_threshold(plan.pre_clip_total(norm_type), decision.target))
 
     def log(self, plan: StepPlan, ctx: StepContext) -> None:
         """Log the step's values (a logging step) and start a new clipped count."""
@@ -262,18 +262,19 @@ class ClipGradNorm:
         request.norm_types.add(self.norm_type)
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not plan.grads:
+        if not plan.has_gradients:
             return
         pre = plan.pre_clip_total(self.norm_type)
-        plan.clip_coef = coef = clip_coefficient(pre, self.max_norm)
+        coef = clip_coefficient(pre, self.max_norm)
+        plan.decision.clip_by(coef)
         # The clipped flag is `pre > max_norm`, compared for many steps at once when counted. No threshold is logged.
         post = functools.partial(operator.mul, pre, coef)
         self._ledger.record(plan, ClipDecision(pre, post, coef, None, clip_above=self.max_norm))
 
     def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # Every evaluation of a re-evaluating closure is clipped, as Lightning's `gradient_clip_val` clips each one.
-        if plan.grads:
-            plan.clip_coef = clip_coefficient(plan.pre_clip_total(self.norm_type), self.max_norm)
+        if plan.has_gradients:
+            plan.decision.clip_by(clip_coefficient(plan.pre_clip_total(self.norm_type), self.max_norm))
 
     def observe(self, plan: StepPlan, ctx: StepContext) -> None:
         if plan.logging_step:
@@ -329,17 +330,17 @@ class ClipGradValue:
         request.norm_types.add(self.norm_type)
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not plan.grads:
+        if not plan.has_gradients:
             return
         pre = plan.pre_clip_total(math.inf)
-        plan.clamp_value = self.clip_value
+        plan.decision.clamp(self.clip_value)
         post = torch.clamp(pre, max=self.clip_value)
         coef = functools.partial(norm_ratio, post, pre)
         self._ledger.record(plan, ClipDecision(pre, post, coef, pre > self.clip_value))
 
     def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
-        if plan.grads:
-            plan.clamp_value = self.clip_value
+        if plan.has_gradients:
+            plan.decision.clamp(self.clip_value)
 
     def observe(self, plan: StepPlan, ctx: StepContext) -> None:
         if plan.logging_step:

@@ -17,7 +17,7 @@ from gradkit.escalation import Escalation
 from gradkit.events import EventLog, write_metadata
 from gradkit.params import clean_name
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import Stage, StepContext, state_key
+from gradkit.protocol import Door, Stage, StepContext, state_key
 from gradkit.selection import parse_patterns
 from gradkit.signals import Reading, StabilitySignals, signal_key
 from gradkit.warning_rules import DEFAULT_FLOORS, DEFAULT_THRESHOLDS, Detector, Finding, checked_rules
@@ -214,7 +214,7 @@ class EarlyWarning:
         return list(self._signals.attention_names)
 
     # -- the loop ------------------------------------------------------------------------------------------------
-    def attach(self, ctx: StepContext, model: nn.Module) -> None:
+    def attach(self, ctx: Door, model: nn.Module) -> None:
         """Hook the model and open the events file.
 
         Raises:

@@ -36,7 +36,7 @@ from gradkit.events import EventLog
 from gradkit.host_lag import HostLag
 from gradkit.norms import GradStats
 from gradkit.pipeline import Pipeline, StepPlan
-from gradkit.protocol import StepContext, unwrapped
+from gradkit.protocol import Door, StepContext, unwrapped
 
 __all__ = ["Flagged", "Kept", "Ledger", "Period", "Reporter", "overflow_summary", "write_norm_overflow"]
 
@@ -161,7 +161,7 @@ class Reporter:
         self.restored_skips: float | None = None
         self._pipeline: Pipeline | None = None
 
-    def attach(self, ctx: StepContext) -> None:
+    def attach(self, ctx: Door) -> None:
         """The door is set up: open the event file, learn whether an optimizer skips on device, put back the saved
         count of skipped steps."""
         directory = ctx.log_dir
@@ -173,8 +173,8 @@ class Reporter:
     def restore_skips(self, ctx: StepContext) -> None:
         """Put back the count of skipped steps a checkpoint held: at ``attach``, and again before the first forward
         (a Trainer whose strategy restores checkpoints after setup, FSDP or DeepSpeed, loads the state later)."""
-        if self.restored_skips is not None:
-            ctx.pipeline.steps.restore(self.restored_skips, ctx.device)
+        if self.restored_skips is not None and self._pipeline is not None:  # the door's pipeline, kept at `attach`
+            self._pipeline.steps.restore(self.restored_skips, ctx.device)
             self.restored_skips = None
 
     @property

@@ -37,7 +37,7 @@ from gradkit.forensics import Finding
 from gradkit.guard_reporting import Flagged, Kept, Ledger, Reporter, overflow_summary, write_norm_overflow
 from gradkit.norms import loss_scale, nonfinite_mask, world_size
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import Stage, StatsRequest, StepContext, state_key
+from gradkit.protocol import Door, Stage, StatsRequest, StepContext, served, state_key
 from gradkit.snapshot import Snapshot
 
 __all__ = ["NonFiniteGuard"]
@@ -225,6 +225,7 @@ class NonFiniteGuard:
         self._reporter = Reporter("NonFiniteGuard", self.action)
         self._ledger = Ledger()
         self._scaler = False
+        self._door: Door | None = None
         # The open window: whether a loss was non-finite, the losses, and (acting at the step) the micro-batches'
         # indices, sample ids and replays.
         self._loss_bad: Tensor | None = None
@@ -260,7 +261,8 @@ class NonFiniteGuard:
         every = self.replay_every_n_steps
         return every is not None and step - self._last_replay >= every
 
-    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+    def attach(self, ctx: Door, model: torch.nn.Module) -> None:
+        self._door = ctx  # the model, the scaler and the window's buffers a replay reads, where to resume from
         self._reporter.attach(ctx)
         self._scaler = ctx.loss_scale_source() is not None
         if self.forensics and self.detect_anomaly and world_size() > 1:
@@ -503,7 +505,8 @@ class NonFiniteGuard:
         self._forensics_done = True
         self._last_replay = step
         anomaly = self.detect_anomaly and world_size() == 1
-        return replay_micro_batches(ctx.model, batches, loss_scale(ctx.loss_scale_source()), anomaly, buffers)
+        door = served(self._door, self)
+        return replay_micro_batches(door.model, batches, loss_scale(door.loss_scale_source()), anomaly, buffers)
 
     def _replay_late(self, flagged: Flagged, ctx: StepContext) -> None:
         """Replay a step a fused optimizer skipped on device, now that its flag reached the host: no optimizer step has
@@ -516,7 +519,7 @@ class NonFiniteGuard:
         overflow = self._scaler and grads and not bad_ranks  # the GradScaler's routine skip: never replayed
         if not self._reporter.replays_late() or overflow or not self.replay_allowed(flagged.step):
             return
-        finding = self._replay(ctx, batches, flagged.step, ctx.window_buffers)
+        finding = self._replay(ctx, batches, flagged.step, served(self._door, self).window_buffers)
         local = {
             "rank": ctx.global_rank,
             "finding": {"culprit": finding.culprit, "phase": finding.phase, **finding.detail},
@@ -541,7 +544,7 @@ class NonFiniteGuard:
         )
         raise RuntimeError(
             f"NonFiniteGuard: {count} consecutive optimizer steps had non-finite values (steps {first}-{last}); "
-            f"giving up. Last one: {summary}{first_found}{applied} {ctx.checkpoint_note()}."
+            f"giving up. Last one: {summary}{first_found}{applied} {served(self._door, self).checkpoint_note()}."
             f"{self._reporter.note}"
         )
 

@@ -130,7 +130,7 @@ class AutoClip:
         return history
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not plan.grads:
+        if not plan.has_gradients:
             return
         pre = plan.pre_clip_total(2.0)
         norm = pre.to(torch.float32)
@@ -147,13 +147,13 @@ class AutoClip:
         threshold = nan_percentile(history.norms, self.percentile)
         # No finite norm seen yet: nothing to clip against.
         coef = torch.where(torch.isnan(threshold), torch.ones_like(norm), clip_coefficient(norm, threshold))
-        plan.clip_coef = coef
+        plan.decision.clip_by(coef)
         post = functools.partial(operator.mul, pre, coef)
         self._ledger.record(plan, ClipDecision(pre, post, coef, norm > threshold, threshold, target=threshold))
 
     def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # A later evaluation of the step's closure is clipped to the first one's target; the history is fed once.
-        if plan.grads:
+        if plan.has_gradients:
             self._ledger.clip_again(plan, self.norm_type)
 
     def observe(self, plan: StepPlan, ctx: StepContext) -> None:
@@ -324,14 +324,15 @@ class ZClip:
         return coef, clipped, min(stats.spike_above, ceiling)
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not plan.grads:
+        if not plan.has_gradients:
             return
         stats = self._statistics.get(plan.optimizer_idx)
         if stats is None:
             stats = self._statistics[plan.optimizer_idx] = _ZStatistics()
         pre = plan.pre_clip_total(2.0)
         coef, clipped, above = self._clip(stats, pre, plan)
-        plan.clip_coef = coef
+        if coef is not None:  # None: the warm-up, which leaves the gradients
+            plan.decision.clip_by(coef)
         decision = ClipDecision(
             pre=pre,
             post=pre if coef is None else functools.partial(operator.mul, pre, coef),
@@ -345,7 +346,7 @@ class ZClip:
 
     def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         # A later evaluation of the step's closure is clipped to the first one's target; the history is fed once.
-        if plan.grads:
+        if plan.has_gradients:
             self._ledger.clip_again(plan, self.norm_type)
 
     def observe(self, plan: StepPlan, ctx: StepContext) -> None:

@@ -64,6 +64,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from gradkit.clipping import ClipGradNorm
 from gradkit.gate import shadowed
@@ -302,6 +303,7 @@ class HFGradKit(TrainerCallback):
             self._grad_norm.copy_(plan.pre_clip_total(norm_type))
 
     # -- callback hooks ---------------------------------------------------------------------------------------------
+    @override
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -338,6 +340,7 @@ class HFGradKit(TrainerCallback):
         self._replaced_step = accelerated.__dict__.get("step")
         accelerated.step = step  # type: ignore[method-assign]
 
+    @override
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
@@ -348,6 +351,7 @@ class HFGradKit(TrainerCallback):
         control.should_log = self.trainer.control.should_log = should_log
         return control
 
+    @override
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.kit is None or not args.should_save:
             return
@@ -362,6 +366,7 @@ class HFGradKit(TrainerCallback):
             return
         torch.save(self.kit.state_dict(), folder / STATE_FILENAME)
 
+    @override
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:

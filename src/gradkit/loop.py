@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from gradkit._layout import verify_same_layout
 from gradkit._torch_compat import gradients_still_scaled, loss_scale
@@ -52,7 +53,7 @@ from gradkit.loop_setup import (
     watches_loss,
 )
 from gradkit.pipeline import Pipeline, StepPlan
-from gradkit.protocol import Policy, StepContext, hook, policy_key, unwrapped, values_to_host
+from gradkit.protocol import Door, Policy, Roster, policy_key, unwrapped, values_to_host
 from gradkit.replay import RNGState, capture_rng
 from gradkit.snapshot import Snapshot
 
@@ -62,7 +63,7 @@ __all__ = ["GradKit", "LoopContext"]
 _LogFn = Callable[[dict[str, float], int], Any]
 
 
-class LoopContext(StepContext):
+class LoopContext(Door):
     """The loop as :class:`GradKit` sees it: its own step counter, the optimizers, the scaler and a log function.
 
     Args:
@@ -104,7 +105,9 @@ class LoopContext(StepContext):
         self._log_every_n_steps = log_every_n_steps
         self.scaler = scaler
         self.max_steps = max_steps
-        self.log_dir = log_dir
+        self._log_dir = log_dir
+        self._loggers: Sequence[Any] = ()
+        self._window_buffers: Snapshot | None = None
         self._flat_sharded = flat_sharded
         self.step = 0
         self.micro_batches = 0
@@ -112,56 +115,94 @@ class LoopContext(StepContext):
         self._device = first.device if first is not None else torch.device("cpu")
 
     @property
+    @override
     def optimizers(self) -> Sequence[Optimizer]:
         return self._optimizers
 
     @property
+    @override
     def device(self) -> torch.device:
         return self._device
 
     @property
+    @override
     def global_step(self) -> int:
         return self.step
 
     @property
+    @override
     def log_every_n_steps(self) -> int:
         return self._log_every_n_steps
 
+    @override
     def step_key(self) -> tuple[int, ...]:
         return (self.step,)
 
+    @override
     def is_logging_step(self, every_n_steps: int | None = None) -> bool:
         n = self._log_every_n_steps if every_n_steps is None else every_n_steps
         return n != 0 and (self.step + 1) % n == 0
 
     @property
+    @override
     def batch_idx(self) -> int:
         # The current micro-batch when the loop hands its losses over (`note_loss`), else the step.
         return self.micro_batches - 1 if self.micro_batches else self.step
 
     @property
+    @override
     def model(self) -> nn.Module:
         return self._model
 
     @property
+    @override
+    def log_dir(self) -> Path | None:
+        return self._log_dir
+
+    @property
+    @override
+    def loggers(self) -> Sequence[Any]:
+        return self._loggers
+
+    @loggers.setter
+    def loggers(self, loggers: Sequence[Any]) -> None:
+        self._loggers = loggers
+
+    @property
+    @override
+    def window_buffers(self) -> Snapshot | None:
+        return self._window_buffers
+
+    @window_buffers.setter
+    def window_buffers(self, buffers: Snapshot | None) -> None:
+        self._window_buffers = buffers
+
+    @property
+    @override
     def pipeline(self) -> Pipeline:
         return self._pipeline
 
+    @override
     def policies(self) -> list[Policy]:
         return self._policies
 
+    @override
     def schedulers(self) -> list[object]:
         return self._schedulers
 
+    @override
     def param_names(self) -> dict[int, str]:
         return {id(p): n for n, p in self._model.named_parameters()}
 
+    @override
     def flat_sharded(self) -> bool:
         return self._flat_sharded
 
+    @override
     def steps_through_gate(self) -> bool:
         return True  # `GradKit.step` gates every optimizer step
 
+    @override
     def loss_scale(self, optimizer: Optimizer) -> Tensor | None:
         if self.scaler is None:
             return None
@@ -170,16 +211,20 @@ class LoopContext(StepContext):
             return None
         return scale
 
+    @override
     def loss_scale_source(self) -> object | None:
         return self.scaler
 
+    @override
     def is_last_step(self) -> bool:
         return self.max_steps is not None and self.step + 1 >= self.max_steps
 
+    @override
     def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
         if self._log is not None:
             self._logged.update(metrics)
 
+    @override
     def log_values(self, values: dict[str, float]) -> None:
         if self._log is not None:
             self._logged_host.update(values)
@@ -322,9 +367,9 @@ class GradKit:
             self._schedulers_of.setdefault(id(owner), []).append(scheduler)
         verify_same_layout(inner, self.ctx.param_names())
         self._inner = {id(opt): unwrapped(opt) for opt in optimizers}
-        self._call("attach", self.ctx, root)
-        self._after_step = [m for p in self.policies if (m := hook(p, "after_step")) is not None]
-        self._drops = [m for p in self.policies if (m := hook(p, "drops_batch")) is not None]
+        self._hooks = Roster(self.policies)  # every hook this door calls, looked up once
+        for attach in self._hooks.attach:
+            attach(self.ctx, root)
         # What a loop that bypasses the door would not notice: no `kit.step` at all, no `note_loss` for a loss watcher.
         self._steps_through_kit = 0
         self._finished = False
@@ -336,7 +381,7 @@ class GradKit:
         self._called = model
         # The torch RNG state where the next micro-batch's forward starts, kept while the loop hands over replays.
         self._rng: RNGState | None = None
-        if any((may_skip := hook(p, "may_skip")) is not None and may_skip() for p in self.policies):
+        if self._hooks.any_may_skip():
             # What a skipped step's forwards wrote into the buffers (BatchNorm statistics) is put back: a window
             # opens when the previous step ends (`step`), the first one (and the first after `load_state_dict`) at
             # the first forward of any submodule, whatever calls it (a `no_grad` pass, a `model.loss(...)` method).
@@ -356,7 +401,8 @@ class GradKit:
 
     def _opened(self) -> None:
         self._first_forward = []
-        self._call("before_first_forward", self.ctx)
+        for before_first_forward in self._hooks.before_first_forward:
+            before_first_forward(self.ctx)
         if self._buffers is not None and not self._buffers.captured:
             self._buffers.capture()
 
@@ -380,7 +426,8 @@ class GradKit:
         ctx = self.ctx
         ctx.micro_batches += 1  # the policies that keep the loss detach it (none may keep it)
         ctx.micro_batch = None if replay is None else MicroBatch(ctx.batch_idx, replay, self._rng)
-        self._call("note_loss", loss, ctx)
+        for note_loss in self._hooks.note_loss:
+            note_loss(loss, ctx)
         ctx.micro_batch = None
         self._rng = capture_rng(full=False) if replay is not None else None
 
@@ -404,7 +451,7 @@ class GradKit:
             optimizer = self._optimizer(optimizer)
             inner = self._inner[id(optimizer)]
         self._steps_through_kit += 1
-        dropped = bool(self._drops) and self.drops_batch  # a dropped step: nothing to measure, nothing applied
+        dropped = bool(self._hooks.drops_batch) and self.drops_batch  # nothing to measure, nothing applied
         if self._loss_watchers and not ctx.micro_batches and not dropped:
             self._warn_no_loss()
         plan = None if dropped else self.pipeline.run(ctx, inner, self.policies)
@@ -425,7 +472,7 @@ class GradKit:
             self._step_schedulers(inner, plan)
         step = ctx.step
         ctx.step += 1  # the step is done: what follows sees it counted, as `on_train_batch_end` does
-        for after_step in self._after_step:
+        for after_step in self._hooks.after_step:
             after_step(ctx)
         if ctx.pending_log():
             ctx.flush_log(step)
@@ -441,7 +488,7 @@ class GradKit:
     def drops_batch(self) -> bool:
         """Whether a policy (``StepsToSkip``) drops the current optimizer step's batches: draw them, skip the forward
         and the backward, and call :meth:`step` as for any step (it counts the step and applies nothing)."""
-        return any(drops(self.ctx) for drops in self._drops)
+        return any(drops(self.ctx) for drops in self._hooks.drops_batch)
 
     def _drop(self, optimizer: Optimizer) -> bool:
         """A dropped step counts as skipped; a forward run regardless leaves no gradient nor buffer write behind."""
@@ -470,10 +517,8 @@ class GradKit:
         Warns when no optimizer step went through :meth:`step` (the policies then measured and guarded nothing) or
         a policy that watches the loss was never given one (:meth:`note_loss`)."""
         self._finished = True
-        for policy in sorted(self.policies, key=lambda policy: policy.stage):
-            finish = hook(policy, "finish")
-            if finish is not None:
-                finish(self.ctx)
+        for finish in self._hooks.finish:
+            finish(self.ctx)
         self.ctx.flush_log(self.ctx.step)
         if self._steps_through_kit == 0:
             self.ctx.warn(
@@ -509,7 +554,7 @@ class GradKit:
         return {
             "step": self.ctx.step,
             "skipped_steps": self.skipped_steps,
-            "policies": {policy_key(p): p.state_dict() for p in self.policies if hook(p, "state_dict") is not None},
+            "policies": {policy_key(p): p.state_dict() for p in self._hooks.saves_state},
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -538,10 +583,12 @@ class GradKit:
             for policy, state in pairs:
                 policy.load_state_dict(state)
         else:
+            loads = set(map(id, self._hooks.loads_state))
             for policy, state in zip(self.policies, states, strict=True):  # a stateless policy saved {} there
-                if (load := hook(policy, "load_state_dict")) is not None:
-                    load(state)
-        self._call("attach", self.ctx, self.ctx.model)
+                if id(policy) in loads:
+                    policy.load_state_dict(state)
+        for attach in self._hooks.attach:
+            attach(self.ctx, self.ctx.model)
         # The model's weights and buffers may be loaded after this call as well as before: the next window's
         # buffers are taken at its first forward, after both.
         self._arm_first_forward()
@@ -554,7 +601,8 @@ class GradKit:
         for handle in self._first_forward:
             handle.remove()
         self._first_forward = []
-        self._call("detach", self.ctx)
+        for detach in self._hooks.detach:
+            detach(self.ctx)
         if self._buffers is not None:
             self._buffers.drop()
             self._buffers = self.ctx.window_buffers = None
@@ -568,13 +616,6 @@ class GradKit:
                 self.finish()
         finally:
             self.close()
-
-    def _call(self, name: str, *args: Any) -> None:
-        """Call the protocol hook ``name`` of every policy that defines it."""
-        for policy in self.policies:
-            method = hook(policy, name)
-            if method is not None:
-                method(*args)
 
     def _optimizer(self, optimizer: Optimizer | None) -> Optimizer:
         optimizers = self.ctx.optimizers

@@ -16,10 +16,10 @@ from torch.optim import Optimizer
 from gradkit._arguments import check_int, check_type, shown
 from gradkit.protocol import (
     Policy,
+    Roster,
     Stage,
     fresh_state_note,
     gone_state_note,
-    hook,
     is_policy,
     policy_key,
     unwrapped,
@@ -150,7 +150,7 @@ def matched_states(
     warnings of the mismatches: a policy with no saved state starts fresh (added at a restart, or built with other
     arguments); a saved state whose policy is gone is not loaded (said only with ``report_gone``: a Trainer
     checkpoint holds every callback's state, gradkit's or not)."""
-    stateful = {policy_key(p): p for p in policies if hook(p, "load_state_dict") is not None}
+    stateful = {policy_key(p): p for p in Roster(policies).loads_state}
     notes = []
     fresh = [key for key in stateful if key not in states]
     if fresh:
@@ -246,7 +246,7 @@ def checked_policies(policies: Policy | Sequence[Policy]) -> list[Policy]:
                 f"{type(policy).__name__} works only as a Lightning Trainer callback: {reason}. In a Fabric or "
                 "plain-PyTorch loop, remove it from `GradKit(policies=[...])`."
             )
-    keys = [policy_key(p) for p in out if hook(p, "state_dict") is not None]
+    keys = [policy_key(p) for p in Roster(out).saves_state]
     twice = sorted({k for k in keys if keys.count(k) > 1})
     if twice:
         raise ValueError(

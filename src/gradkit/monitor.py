@@ -29,7 +29,7 @@ from gradkit.norms import (
 )
 from gradkit.params import clean_name, module_key
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import Stage, StatsRequest, StepContext, state_key, values_to_host
+from gradkit.protocol import Door, Stage, StatsRequest, StepContext, served, state_key, values_to_host
 from gradkit.report_data import INSTALL_HINT, Record, RunData
 from gradkit.report_loggers import has_matplotlib, publish_report
 from gradkit.selection import auto_module_keys, module_rows, repeated_blocks
@@ -216,6 +216,7 @@ class GradNormMonitor:
         # Update ratio: the parameters before the step of a logging step, per optimizer, and the step hooks.
         self._before: dict[int, _Before] = {}
         self._step_hooks: dict[int, RemovableHandle] = {}
+        self._door: Door | None = None
 
     @property
     def state_key(self) -> str:
@@ -228,13 +229,14 @@ class GradNormMonitor:
             return None
         return self._record.run_data(RunData.read_events(self._report_dir / EVENTS_FILENAME))
 
-    def attach(self, ctx: StepContext, model: nn.Module) -> None:
+    def attach(self, ctx: Door, model: nn.Module) -> None:
         """What a run starts from: the model's parameter order and blocks, the log directory, nothing logged yet.
 
         Raises:
             ValueError: ``report=True`` where the loop has no log directory, ``prog_bar=True`` where it has no
                 progress bar.
         """
+        self._door = ctx  # the loggers, the progress bar, the logging period and the skip count, read per step
         directory = ctx.log_dir  # the Trainer's broadcasts rank 0's directory: every rank asks here
         if self.report and directory is None:
             raise ValueError(
@@ -291,7 +293,8 @@ class GradNormMonitor:
         if final and self._published is not None and self._published[0] == shown:
             return self._published[1]
         warn_empty = ctx.warn if final else None  # a periodic report before the first logged step: nothing to say
-        path = publish_report(data, self._report_dir, ctx.loggers, ctx.log_step, ctx.warn, self._can_draw, warn_empty)
+        door = served(self._door, self)
+        path = publish_report(data, self._report_dir, door.loggers, door.log_step, ctx.warn, self._can_draw, warn_empty)
         self._published = (shown, path)
         return path
 
@@ -321,8 +324,9 @@ class GradNormMonitor:
         if self._record is not None or self.prog_bar:
             self._count_clipped(plan)
         on_period = ctx.is_logging_step(self.log_every_n_steps)
-        period = ctx.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
-        extra = not on_period and period != 0 and (self._first_pending or ctx.is_last_step())
+        door = served(self._door, self)
+        period = door.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
+        extra = not on_period and period != 0 and (self._first_pending or door.is_last_step())
         if not (on_period or extra):
             return
         self._first_pending = False
@@ -350,7 +354,8 @@ class GradNormMonitor:
         before = [local_tensor(p.detach()).clone() for p in index.params]
         weight_norms = per_tensor_norms(before, 2.0, index.run_bounds).to(index.shard_weight.device)
         idx, rows = plan.optimizer_idx, self._module_rows(plan)
-        self._before[idx] = _Before(index, before, weight_norms, rows, suffix, on_period, ctx.log_step)
+        step = served(self._door, self).log_step
+        self._before[idx] = _Before(index, before, weight_norms, rows, suffix, on_period, step)
         if idx not in self._step_hooks:
             self._step_hooks[idx] = plan.optimizer.register_step_post_hook(functools.partial(self._after_step, idx))
 
@@ -433,12 +438,13 @@ class GradNormMonitor:
         clipped = self._clipped.pop(idx, None)
         if clipped is not None:
             extra["grad_clip/clipped_fraction" + suffix] = clipped / self._steps_since_log.pop(idx)
-        skipped = ctx.pipeline.skipped_steps
+        door = served(self._door, self)
+        skipped = door.pipeline.skipped_steps
         if skipped is not None:
             extra["gradkit/skipped_steps"] = skipped
         values = {**(host or values_to_host(metrics)), **(values_to_host(extra) if extra else {})}
         if self._record is not None:
-            self._record.add(ctx.log_step, values, self._rows[idx][1] if idx in self._rows else [], suffix)
+            self._record.add(door.log_step, values, self._rows[idx][1] if idx in self._rows else [], suffix)
             if self.report_every_n_logs is not None and idx == 0:
                 self._logs_since_report += 1
                 if self._logs_since_report >= self.report_every_n_logs:
@@ -446,7 +452,7 @@ class GradNormMonitor:
         if self.prog_bar:
             keys = ("grad_norm/total" + suffix, "grad_clip/clipped_fraction" + suffix, "gradkit/skipped_steps")
             shown = zip(PROG_BAR_KEYS, keys, strict=True)
-            ctx.progress_bar({name + suffix: values[key] for name, key in shown if key in values})
+            door.progress_bar({name + suffix: values[key] for name, key in shown if key in values})
 
     def metrics(self, plan: StepPlan) -> dict[str, Tensor]:
         """The gradient-norm metrics of one step, as device tensors (no host sync)."""

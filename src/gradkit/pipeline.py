@@ -63,10 +63,10 @@ from gradkit.norms import (
     total_norm,
 )
 from gradkit.params import build_param_index, resolve_partial_grads, steps_in_optimizer
-from gradkit.protocol import Policy, Roster, StepContext
+from gradkit.protocol import Door, Policy, Roster
 from gradkit.write import measure_grads, write
 
-__all__ = ["Pipeline", "StepPlan", "UnitNorms"]
+__all__ = ["Decision", "Pipeline", "StepPlan", "UnitNorms"]
 
 # Key in `StepPlan.reduced` of the per-rank flags, `[2, world_size]`: row 0 is 1.0 where a rank's own norms were NaN or
 # Inf, row 1 where its gradients held a NaN or an infinity (measured on request: `StatsRequest.finite_check`).
@@ -95,18 +95,124 @@ class UnitNorms:
     flat: Tensor
 
 
+class Decision:
+    """What the policies decided for one optimizer step: written only through its methods, one clip form at most.
+
+    The accumulation scale multiplies in (:meth:`multiply_scale`), the skip flags OR in (:meth:`add_skip`); the clip is
+    ONE of a coefficient for every gradient (:meth:`clip_by`), a coefficient per parameter (:meth:`clip_per_param`,
+    AGC) or a value clamp (:meth:`clamp`), and a second clip is refused: each would rescale the gradients the other
+    already clipped. The pipeline keeps the common factor a fused optimizer applies (:meth:`fold`).
+
+    Attributes:
+        scale: the product of the policies' factors for every gradient (``None``: 1).
+        clip_coef: the clip coefficient for every gradient, or ``None``.
+        param_coefs: per parameter position (``ParamIndex``), its clip coefficient(s) (AGC; empty: none).
+        clamp_value: the value clip (in the units without the AMP loss scale), or ``None``.
+        skip: a bool device scalar, true when the optimizer step must not apply (``None``: no policy may skip).
+        clip_decided: whether a clipping policy decided this step, even to leave the gradients alone (ZClip's warm-up).
+        post_clip_total_fn: the clipper's own total norm after the clip (primary norm type), without a read of the
+            gradients, or ``None``.
+        folded: the common factor left for a fused optimizer's ``grad_scale`` (``None``: the gradients were written).
+    """
+
+    __slots__ = (
+        "clamp_value",
+        "clip_coef",
+        "clip_decided",
+        "folded",
+        "param_coefs",
+        "post_clip_total_fn",
+        "scale",
+        "skip",
+    )
+
+    def __init__(self) -> None:
+        self.scale: Tensor | None = None
+        self.clip_coef: Tensor | None = None
+        self.param_coefs: dict[int, Tensor] = {}
+        self.clamp_value: float | None = None
+        self.skip: Tensor | None = None
+        self.clip_decided = False
+        self.post_clip_total_fn: Callable[[], Tensor] | None = None
+        self.folded: Tensor | None = None
+
+    @property
+    def clipped(self) -> bool:
+        """Whether a clip form was written (a coefficient, per-parameter coefficients or a value clamp)."""
+        return self.clip_coef is not None or bool(self.param_coefs) or self.clamp_value is not None
+
+    def multiply_scale(self, factor: Tensor) -> None:
+        """Fold a factor for every gradient (e.g. accumulation normalization) into the single multiply."""
+        self.scale = factor if self.scale is None else self.scale * factor
+
+    def add_skip(self, flag: Tensor) -> None:
+        """Ask the door not to step the optimizer when ``flag`` (a bool device scalar) is true."""
+        self.skip = flag if self.skip is None else self.skip | flag
+
+    def decide_clip(self) -> None:
+        """A clipping policy decided this step (with or without a clip: ZClip's warm-up leaves the gradients)."""
+        self.clip_decided = True
+
+    def clip_by(self, coef: Tensor) -> None:
+        """Clip every gradient by ``coef`` (a device scalar, at most 1).
+
+        Raises:
+            ValueError: a clip was already written this step (a second clipper).
+        """
+        self._refuse_second_clip("clip_by")
+        self.clip_coef = coef
+        self.clip_decided = True
+
+    def clip_per_param(self, coefs: dict[int, Tensor], post_total: Callable[[], Tensor] | None = None) -> None:
+        """Clip each parameter's gradient by its coefficient(s) (``coefs``: position in the index -> a tensor that
+        broadcasts against its gradient); ``post_total`` gives the total norm after the clip without a read.
+
+        Raises:
+            ValueError: a clip was already written this step (a second clipper).
+        """
+        self._refuse_second_clip("clip_per_param")
+        self.param_coefs = dict(coefs)
+        self.post_clip_total_fn = post_total
+        self.clip_decided = True
+
+    def clamp(self, value: float) -> None:
+        """Clamp every gradient element to ``[-value, value]`` (units without the AMP loss scale).
+
+        Raises:
+            ValueError: a clip was already written this step (a second clipper).
+        """
+        self._refuse_second_clip("clamp")
+        self.clamp_value = value
+        self.clip_decided = True
+
+    def fold(self, factor: Tensor) -> None:
+        """Leave the common ``factor`` to a fused optimizer's ``grad_scale`` (the pipeline's apply phase)."""
+        self.folded = factor
+
+    def _refuse_second_clip(self, method: str) -> None:
+        if self.clipped:
+            form = "a coefficient" if self.clip_coef is not None else "per-parameter coefficients"
+            form = "a value clamp" if self.clamp_value is not None else form
+            raise ValueError(
+                f"`Decision.{method}` got a second clip for this step, which already holds {form}: each clipper would "
+                "rescale the gradients the other already clipped. Keep exactly one clipping policy."
+            )
+
+
 @dataclass
 class StepPlan:
     """Everything measured and decided for one optimizer step. All values are device tensors.
 
-    Policies write ``scale`` (via :meth:`multiply_scale`), ``clip_coef``, ``param_coefs``, ``clamp_value`` and
-    skip flags (via :meth:`add_skip`); the engine applies them in one pass.
+    What was decided is :attr:`decision` (a :class:`Decision`, written through its methods: one clip form at most);
+    ``scale``, ``clip_coef``, ``param_coefs``, ``clamp_value``, ``skip``, ``clip_decided``, ``post_clip_total_fn``
+    and ``folded`` read it. The engine applies it in one pass.
 
-    ``grads`` holds the gradients of the parameters at ``present`` (positions in ``index``), and ``run_ids`` the
-    (device, dtype) group of each (``ParamIndex.run_of``), ``-1`` for a sparse one. Sparse COO gradients are
-    coalesced by the engine's read (``p.grad`` is replaced by its coalesced version), so their values are the
-    gradient. The engine empties ``grads`` once the plan is applied (:meth:`release_gradients`): a plan kept after
-    its step must not keep the step's gradients alive once the optimizer's ``zero_grad`` drops them.
+    The gradients of the parameters at ``present`` (positions in ``index``) stay private to the pipeline and its
+    write (:mod:`gradkit.write`): the policies decide from the statistics (:attr:`has_gradients` says whether the
+    step has any). ``run_ids`` gives the (device, dtype) group of each (``ParamIndex.run_of``), ``-1`` for a sparse
+    one. Sparse COO gradients are coalesced by the engine's read (``p.grad`` is replaced by its coalesced version), so
+    their values are the gradient. The engine drops them once the plan is applied (:meth:`release_gradients`): a plan
+    kept after its step must not keep the step's gradients alive once the optimizer's ``zero_grad`` drops them.
 
     ``loss_scale`` is set when the gradients are still multiplied by the AMP loss scale (fused optimizers under
     16-mixed); every norm in ``stats`` and ``unit_norms`` is already expressed without it, and ``clamp_value`` is
@@ -116,33 +222,59 @@ class StepPlan:
     optimizer: Optimizer
     optimizer_idx: int
     index: ParamIndex
-    grads: list[Tensor]
+    _grads: list[Tensor]
     present: list[int]
     stats: dict[float, GradStats]
     reduced: dict[str, Tensor]
     primary_norm_type: float
     logging_step: bool
-    scale: Tensor | None = None
-    clip_coef: Tensor | None = None
-    param_coefs: dict[int, Tensor] = field(default_factory=dict)
-    clamp_value: float | None = None
-    skip: Tensor | None = None
-    post_clip_total_fn: Callable[[], Tensor] | None = None
     loss_scale: Tensor | None = None
     unit_norms: UnitNorms | None = None
     run_ids: list[int] = field(default_factory=list)
     run_bounds: list[tuple[int, int]] | None = None
-    #: Whether a clipping policy decided this step, even to leave the gradients alone (ZClip in its warm-up).
-    clip_decided: bool = False
-    #: The common factor (accumulation scale times clip coefficient) left for a fused optimizer to apply through its
-    #: ``grad_scale`` (see :meth:`apply`); ``None`` when the gradients were written.
-    folded: Tensor | None = None
+    #: What the policies decided (:class:`Decision`).
+    decision: Decision = field(default_factory=Decision)
     _post_clip_total: Tensor | None = None
     _skip_host: bool | None = None
     #: The copy of a skip flag only the device knows on its way to the host (:meth:`was_skipped`).
     _skip_lag: HostLag | None = None
     #: Whether the step's gradients were dropped from the plan (:meth:`release_gradients`).
     released: bool = False
+
+    # -- the decision, read ------------------------------------------------------------------------------------------
+    @property
+    def scale(self) -> Tensor | None:
+        return self.decision.scale
+
+    @property
+    def clip_coef(self) -> Tensor | None:
+        return self.decision.clip_coef
+
+    @property
+    def param_coefs(self) -> dict[int, Tensor]:
+        return self.decision.param_coefs
+
+    @property
+    def clamp_value(self) -> float | None:
+        return self.decision.clamp_value
+
+    @property
+    def skip(self) -> Tensor | None:
+        return self.decision.skip
+
+    @property
+    def clip_decided(self) -> bool:
+        return self.decision.clip_decided
+
+    @property
+    def post_clip_total_fn(self) -> Callable[[], Tensor] | None:
+        return self.decision.post_clip_total_fn
+
+    @property
+    def folded(self) -> Tensor | None:
+        """The common factor (accumulation scale times clip coefficient) left for a fused optimizer to apply through
+        its ``grad_scale`` (see :meth:`apply`); ``None`` when the gradients were written."""
+        return self.decision.folded
 
     @property
     def primary(self) -> GradStats:
@@ -159,12 +291,14 @@ class StepPlan:
         return total if self.scale is None else total * self.scale  # `scaled`, inlined: every clipper's step calls it
 
     def multiply_scale(self, factor: Tensor) -> None:
-        """Fold a factor for every gradient (e.g. accumulation normalization) into the single multiply."""
-        self.scale = factor if self.scale is None else self.scale * factor
+        """Fold a factor for every gradient (e.g. accumulation normalization) into the single multiply
+        (:meth:`Decision.multiply_scale`)."""
+        self.decision.multiply_scale(factor)
 
     def add_skip(self, flag: Tensor) -> None:
-        """Ask the strategy not to step the optimizer when ``flag`` (a bool device scalar) is true."""
-        self.skip = flag if self.skip is None else self.skip | flag
+        """Ask the strategy not to step the optimizer when ``flag`` (a bool device scalar) is true
+        (:meth:`Decision.add_skip`)."""
+        self.decision.add_skip(flag)
 
     def skip_on_host(self) -> bool:
         """The skip decision as a Python bool: one host read per step, shared by everyone who asks."""
@@ -231,12 +365,17 @@ class StepPlan:
         hold the gradients through the next backward after ``zero_grad(set_to_none=True)`` dropped them: one more set of
         gradients at the memory peak.
         """
-        self.grads = []
+        self._grads = []
         self.released = True
 
     @property
     def clipped(self) -> bool:
-        return self.clip_coef is not None or bool(self.param_coefs) or self.clamp_value is not None
+        return self.decision.clipped
+
+    @property
+    def has_gradients(self) -> bool:
+        """Whether the step has gradients to decide on (and, once it is over, whether the plan still holds them)."""
+        return bool(self._grads)
 
     def apply(self, fold: bool = False) -> None:
         """Write the gradients once: multiply by the product of all factors, then clamp for value clipping.
@@ -262,10 +401,10 @@ class StepPlan:
         if self.clamp_value is not None or self.param_coefs or self.run_bounds is None:
             write(self, common)
         elif fold:
-            self.folded = common
+            self.decision.fold(common)
         else:
             for start, stop in self.run_bounds:
-                run = self.grads[start:stop]
+                run = self._grads[start:stop]
                 torch._foreach_mul_(run, common.to(run[0].device))
 
 
@@ -322,7 +461,7 @@ class Pipeline:
         run = self._runs.get(id(optimizer))
         return self.last_plans.get(id(optimizer)) if run is not None and run[0] == step else None
 
-    def run(self, ctx: StepContext, optimizer: Optimizer, policies: Sequence[Policy]) -> StepPlan | None:
+    def run(self, ctx: Door, optimizer: Optimizer, policies: Sequence[Policy]) -> StepPlan | None:
         """Run the step's phases once per set of gradients of an optimizer step; ``None`` when they already ran.
 
         A closure evaluated again within the step (new gradients) gets a plan that only scales and clips them; the
@@ -369,7 +508,7 @@ class Pipeline:
             cached = self._cached_roster = (list(policies), Roster(policies))
         return cached[1]
 
-    def _index(self, ctx: StepContext, optimizer: Optimizer, depth: int) -> _CachedIndex:
+    def _index(self, ctx: Door, optimizer: Optimizer, depth: int) -> _CachedIndex:
         """The index of the parameters ``optimizer`` steps now (with what the loop says of the optimizer), rebuilt
         only when that set changed.
 
@@ -414,7 +553,7 @@ class Pipeline:
             )
         return cached
 
-    def _measure(self, ctx: StepContext, optimizer: Optimizer, roster: Roster) -> tuple[StepPlan, _CachedIndex]:
+    def _measure(self, ctx: Door, optimizer: Optimizer, roster: Roster) -> tuple[StepPlan, _CachedIndex]:
         """Measure and reduce: every gradient read once into per-parameter norms (unscaled), one collective at most,
         the plan's statistics."""
         request = roster.request
@@ -470,7 +609,7 @@ class Pipeline:
             optimizer=optimizer,
             optimizer_idx=cached.optimizer_idx,
             index=index,
-            grads=grads,
+            _grads=grads,
             present=present,
             stats=stats,
             reduced=reduced,
@@ -483,7 +622,7 @@ class Pipeline:
         )
         return plan, cached
 
-    def observe(self, plan: StepPlan, roster: Roster, ctx: StepContext) -> None:
+    def observe(self, plan: StepPlan, roster: Roster, ctx: Door) -> None:
         """Observe (a step's first evaluation only): keep the decision for the gate, count a skip, let the policies
         log. Off logging steps nothing here reads a value to the host."""
         if plan.skip is not None:

@@ -2,8 +2,10 @@
 
 - :class:`Policy`: what a policy is to the pipeline (a plain object with a ``stage`` and any of the hooks); gradkit's
   policies are plain torch classes that do not derive from it.
-- :class:`StepContext`: what the pipeline and the policies read of the loop (one subclass per front door: the
-  Trainer's in :mod:`lightning_gradkit.trainer_door`, the loop door's in :mod:`gradkit.loop`).
+- :class:`StepContext`: what the policies read of the loop at every hook (14 members); :class:`Door`: the same and
+  the services a door keeps on its side (the model, the pipeline, the schedulers, the loggers, ...), which the
+  pipeline reads and a policy receives at ``attach`` (one subclass per front door: the Trainer's in
+  :mod:`lightning_gradkit.trainer_door`, the loop door's in :mod:`gradkit.loop`).
 - :class:`Stage` (the order of decisions within a step), :class:`StatsRequest` (what the measure phase reads for the
   policies), :class:`Roster` (a step's policies and each phase's hooks).
 
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from gradkit.snapshot import Snapshot
 
 __all__ = [
+    "Door",
     "Policy",
     "Roster",
     "Stage",
@@ -44,6 +47,7 @@ __all__ = [
     "hook",
     "is_policy",
     "policy_key",
+    "served",
     "state_key",
     "unwrapped",
     "values_to_host",
@@ -91,35 +95,27 @@ def values_to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
 
 # -- what the pipeline reads of the loop and of the policies --------------------------------------------------------
 class StepContext:
-    """The loop a step runs in, as the pipeline and the policies read it: one subclass per front door.
+    """The loop a step runs in, as the policies read it at every hook: 14 members, the same behind every door.
 
-    The Lightning ``Trainer`` door answers from the Trainer
+    The door's own services (the model, the pipeline, the other policies, the LR schedulers, the AMP scaler, the
+    loggers, ...) are not here: they are on :class:`Door`, which a policy that needs one receives, typed, as the
+    ``ctx`` of :meth:`Policy.attach` (and keeps). The Lightning ``Trainer`` door answers from the Trainer
     (:class:`~lightning_gradkit.trainer_door.TrainerContext`), the Fabric and plain-PyTorch door from its own step
-    counter (:class:`~gradkit.loop.LoopContext`). A feature that only exists under a Trainer (the culprit replay of
-    ``training_step``, the LR gate) reads ``trainer``, which is ``None`` behind the other doors.
+    counter (:class:`~gradkit.loop.LoopContext`).
 
     Attributes:
-        trainer: the Lightning ``Trainer`` when the loop is one, else ``None``.
-        pl_module: its ``LightningModule``, else ``None``.
-        log_dir: the directory of the guards' event file and the monitor's report (the Trainer's log directory;
-            ``None``: the loop has none).
-        progress_bar: shows step values (host floats) in the loop's progress bar; ``None`` where it has none.
         micro_batch: the micro-batch whose loss the door hands to ``note_loss``, kept for the culprit replay
             (``None`` where the door keeps none): the loop door's ``note_loss(loss, replay=...)``, the Trainer's
             batch of ``training_step``.
-        loggers: the loop's Lightning loggers (``trainer.loggers``, ``fabric.loggers``; empty where it has none):
-            what the monitor's report goes to besides its PNG (:mod:`gradkit.report_loggers`).
-        window_buffers: the module buffers as the current accumulation window found them (what a skip puts back),
-            where the door holds them (while a policy may skip); ``None`` otherwise.
     """
 
-    trainer = None
-    pl_module = None
-    log_dir: Path | None = None
-    progress_bar: Callable[[dict[str, float]], None] | None = None
     micro_batch: MicroBatch | None = None
-    loggers: Sequence[Any] = ()
-    window_buffers: Snapshot | None = None
+
+    @property
+    def log_dir(self) -> Path | None:
+        """The directory of the guards' event file and the monitor's report (the Trainer's log directory; ``None``:
+        the loop has none)."""
+        return None
 
     @property
     def optimizers(self) -> Sequence[Optimizer]:
@@ -150,6 +146,61 @@ class StepContext:
         """The micro-batches per optimizer step whose losses the loop divides before ``backward`` (1 if none)."""
         return 1
 
+    def step_key(self) -> tuple[int, ...]:
+        """What identifies the current optimizer step: equal for all calls within it, different for the next."""
+        raise NotImplementedError
+
+    def param_names(self) -> dict[int, str]:
+        """``id(parameter) -> name`` for every parameter of the model."""
+        raise NotImplementedError
+
+    def is_logging_step(self, every_n_steps: int | None = None) -> bool:
+        """Whether the current step logs: ``every_n_steps`` or the loop's own period (each door has its rule:
+        Lightning's behind the Trainer, the step counter behind the loop door)."""
+        raise NotImplementedError
+
+    def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
+        """Send step values (device tensors) to the loop's loggers; called on logging steps only."""
+        raise NotImplementedError
+
+    def log_values(self, values: dict[str, float]) -> None:
+        """Send values already on the host to the loop's loggers at the current step (a step off the period)."""
+        raise NotImplementedError
+
+    def warn(self, message: str) -> None:
+        """A warning, from rank 0 only, at the user's line (the first frame outside gradkit, Lightning and torch)."""
+        if self.global_rank == 0:
+            warn_user(message)
+
+
+class Door(StepContext):
+    """A front door: the policy-facing :class:`StepContext` and the services the door keeps on its side.
+
+    The pipeline reads these (the AMP scale, the sharding, the fused fold); a policy that needs one (the monitor's
+    loggers and progress bar, a guard's replay of the model, a rollback's snapshots of the model, the LR schedulers,
+    the other policies and the step state) gets the door as the ``ctx`` of :meth:`Policy.attach`, typed, and keeps
+    it. One subclass per door: :class:`~lightning_gradkit.trainer_door.TrainerContext`,
+    :class:`~gradkit.loop.LoopContext`.
+
+    """
+
+    @property
+    def progress_bar(self) -> Callable[[dict[str, float]], None] | None:
+        """Shows step values (host floats) in the loop's progress bar; ``None`` where it has none."""
+        return None
+
+    @property
+    def loggers(self) -> Sequence[Any]:
+        """The loop's Lightning loggers (``trainer.loggers``, ``fabric.loggers``; empty where it has none): what the
+        monitor's report goes to besides its PNG (:mod:`gradkit.report_loggers`)."""
+        return ()
+
+    @property
+    def window_buffers(self) -> Snapshot | None:
+        """The module buffers as the current accumulation window found them (what a skip puts back), where the door
+        holds them (while a policy may skip); ``None`` otherwise."""
+        return None
+
     @property
     def log_every_n_steps(self) -> int:
         raise NotImplementedError
@@ -158,14 +209,6 @@ class StepContext:
     def log_step(self) -> int:
         """The step the loop's loggers file the current step's values under."""
         return self.global_step
-
-    def step_key(self) -> tuple[int, ...]:
-        """What identifies the current optimizer step: equal for all calls within it, different for the next."""
-        raise NotImplementedError
-
-    def param_names(self) -> dict[int, str]:
-        """``id(parameter) -> name`` for every parameter of the model."""
-        raise NotImplementedError
 
     def flat_sharded(self) -> bool:
         """Whether every gradient is a flat local shard (FSDP1 over several ranks)."""
@@ -189,11 +232,6 @@ class StepContext:
         write pass: the door gates the step and the optimizer is fused."""
         return self.steps_through_gate() and handles_found_inf(optimizer)
 
-    def is_logging_step(self, every_n_steps: int | None = None) -> bool:
-        """Whether the current step logs: ``every_n_steps`` or the loop's own period (each door has its rule:
-        Lightning's behind the Trainer, the step counter behind the loop door)."""
-        raise NotImplementedError
-
     def is_last_step(self) -> bool:
         """Whether the current step is known to be the loop's last one."""
         return False
@@ -201,19 +239,6 @@ class StepContext:
     def checkpoint_note(self) -> str:
         """Where to resume from, for an error that stops training (the Trainer names its last checkpoints)."""
         return "keep checkpoints of the loop to resume from"
-
-    def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
-        """Send step values (device tensors) to the loop's loggers; called on logging steps only."""
-        raise NotImplementedError
-
-    def log_values(self, values: dict[str, float]) -> None:
-        """Send values already on the host to the loop's loggers at the current step (a step off the period)."""
-        raise NotImplementedError
-
-    def warn(self, message: str) -> None:
-        """A warning, from rank 0 only, at the user's line (the first frame outside gradkit, Lightning and torch)."""
-        if self.global_rank == 0:
-            warn_user(message)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -240,12 +265,30 @@ class StepContext:
     def load_step_state(self, state: dict[str, object]) -> None:
         """Rewind :meth:`step_state` at the current batch."""
 
+    def policies_owner(self) -> str:
+        """How an error names what holds the loop's policies (a sentence's subject and verb)."""
+        return "`policies` holds"
+
     def optimizer_index(self, optimizer: Optimizer) -> int:
         """The position of ``optimizer`` (or of the optimizer a wrapper holds) in :attr:`optimizers`, 0 if absent."""
         for i, opt in enumerate(self.optimizers):
             if opt is optimizer or unwrapped(opt) is optimizer:
                 return i
         return 0
+
+
+def served(door: Door | None, policy: object) -> Door:
+    """The door ``policy`` kept at :meth:`Policy.attach` (for the services it reads later).
+
+    Raises:
+        RuntimeError: the policy was not attached to a door.
+    """
+    if door is None:
+        raise RuntimeError(
+            f"{type(policy).__name__} reads its door's services, and no door attached it: a door (the Trainer, "
+            "`GradKit(...)`, the Hugging Face door) calls `attach(ctx, model)` before the first step."
+        )
+    return door
 
 
 def unwrapped(optimizer: Optimizer) -> Optimizer:
@@ -256,19 +299,22 @@ def unwrapped(optimizer: Optimizer) -> Optimizer:
 
 
 class Policy(Protocol):
-    """What a policy is to the pipeline: a plain object with a ``stage`` and any of the hooks below.
+    """What a policy is to the pipeline and the doors: a plain object with a ``stage`` and any of the hooks below.
 
     A policy does not derive from this class (gradkit's own do not: one class per algorithm, no base); it is a
-    :class:`typing.Protocol`, and :func:`is_policy` tells whether an object is one (it has a ``stage``). The pipeline
-    calls only the hooks a policy defines (:class:`Roster`); each reads the loop through the :class:`StepContext`, so
-    a policy decides the same way behind every door. A class that subclasses ``Policy`` explicitly inherits the no-op
-    hooks below.
+    :class:`typing.Protocol`, and :func:`is_policy` tells whether an object is one (it has a ``stage``). Every hook a
+    door or the pipeline calls is declared here, typed, with its no-op default (what a policy that leaves it out
+    gets); the doors and the pipeline call only the hooks a policy defines, looked up by name in one place,
+    :class:`Roster` (a hook left out costs nothing: ``note_loss`` is not even prepared). Each hook reads the loop
+    through the :class:`StepContext`, so a policy decides the same way behind every door. A class that subclasses
+    ``Policy`` explicitly inherits the no-op hooks below.
 
     The protocol, in the order of a step:
 
     - ``attach(ctx, model)``: the door is set up (the Trainer's ``setup``, ``GradKit(...)``, ``load_state_dict``);
       raise ``ValueError`` if the policy, as configured, cannot work behind this door.
     - ``before_first_forward(ctx)``: the first forward after the door was built or loaded is about to run.
+    - ``drops_batch(ctx)``: whether the current optimizer step's batches are dropped (``StepsToSkip``).
     - ``note_loss(loss, ctx)``: a micro-batch loss (before any division, without the AMP scale).
     - ``request_stats(request)``, ``primary_norm_type()``, ``reduce_request(ctx)``: what the measure and reduce
       phases read for it.
@@ -315,6 +361,11 @@ class Policy(Protocol):
     def note_loss(self, loss: Tensor, ctx: StepContext) -> None:
         """A micro-batch loss as the loop computed it (before any division, without the AMP scale)."""
 
+    def drops_batch(self, ctx: StepContext) -> bool:
+        """Whether the batches of the current optimizer step are dropped: not run at all, the step counted and
+        nothing applied (the doors ask, any number of times per step)."""
+        return False
+
     def finish(self, ctx: StepContext) -> None:
         """The loop ended: report what is still pending."""
 
@@ -325,12 +376,26 @@ class Policy(Protocol):
         """The first forward after the door was built or loaded is about to run (the model's weights and buffers are
         loaded by then, in whatever order the loop loaded them)."""
 
-    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
-        """The door is set up: prepare what needs the model.
+    def attach(self, ctx: Door, model: torch.nn.Module) -> None:
+        """The door is set up: prepare what needs the model. ``ctx`` is the door itself, with its services (the
+        policy-facing context of the other hooks, and the model, the pipeline, the loggers, ...): a policy that needs
+        one of them later keeps it.
 
         Raises:
             ValueError: if the policy, as configured, cannot work behind this door.
         """
+
+    def detach(self, ctx: StepContext) -> None:
+        """Remove what :meth:`attach` registered (hooks on the model or the optimizers); the door is not used again
+        (the loop door's ``close``, the Trainer's ``teardown`` and ``on_exception``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The policy's state, in one format behind every door (kept under its ``state_key``). A policy without
+        state leaves it out."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the state :meth:`state_dict` returned."""
 
 
 def state_key(policy: object, **identity: object) -> str:
@@ -376,35 +441,95 @@ def is_policy(obj: object) -> bool:
 
 
 def hook(policy: object, name: str) -> Callable[..., Any] | None:
-    """``policy``'s protocol hook ``name`` (bound), or ``None`` when it does not define it."""
+    """``policy``'s protocol hook ``name`` (bound), or ``None`` when it does not define it: the one by-name lookup of
+    a hook (:class:`Roster` makes it; doors and the pipeline read the roster's typed lists)."""
     return getattr(policy, name, None)
 
 
-class Roster:
-    """A step's policies in stage order, and each phase's hooks (bound methods of the policies that define them).
+def _bound(policies: Sequence[object], name: str) -> list[Any]:
+    return [m for p in policies if (m := hook(p, name)) is not None]
 
-    Built once per set of policies (:meth:`Pipeline._roster`): a phase calls only the policies that take part in it.
+
+class Roster:
+    """Policies and the protocol hooks each defines, looked up once: the one place that finds a hook by its name.
+
+    The pipeline's phases (``request_stats`` ... ``observe``) and ``finish`` run in stage order; the door's own hooks
+    (``attach`` ... ``detach``) in the order the loop was given the policies, as a Trainer calls its callbacks. Built
+    once per set of policies (:meth:`Pipeline._roster`, a door's construction) or per policy (:meth:`of`: a Trainer
+    callback forwarding a hook to itself): a phase calls only the policies that take part in it.
+
+    Attributes:
+        policies: the policies in stage order.
+        saves_state: the policies that keep a state (``state_dict``), in the given order.
+        loads_state: the policies that resume one (``load_state_dict``), in the given order.
     """
 
-    __slots__ = ("decide", "decide_again", "observe", "policies", "primary", "reduce_request", "request")
+    __slots__ = (
+        "_primary",
+        "_request",
+        "after_step",
+        "attach",
+        "before_first_forward",
+        "decide",
+        "decide_again",
+        "detach",
+        "drops_batch",
+        "finish",
+        "loads_state",
+        "may_skip",
+        "note_loss",
+        "observe",
+        "policies",
+        "reduce_request",
+        "saves_state",
+    )
 
     def __init__(self, policies: Sequence[object]) -> None:
-        self.policies = sorted(policies, key=lambda policy: policy.stage)  # type: ignore[attr-defined]
-        found = {
-            name: [m for p in self.policies if (m := hook(p, name)) is not None]
-            for name in ("decide", "decide_again", "observe", "reduce_request")
-        }
-        self.decide = found["decide"]
-        self.decide_again = found["decide_again"]
-        self.observe = found["observe"]
-        self.reduce_request = found["reduce_request"]
-        request = StatsRequest()
-        for p in self.policies:
-            add = hook(p, "request_stats")
-            if add is not None:
+        given = list(policies)
+        self.policies: list[Policy] = sorted(given, key=lambda policy: policy.stage)  # type: ignore[attr-defined]
+        ordered = self.policies
+        self.decide: list[Callable[[StepPlan, StepContext], None]] = _bound(ordered, "decide")
+        self.decide_again: list[Callable[[StepPlan, StepPlan, StepContext], None]] = _bound(ordered, "decide_again")
+        self.observe: list[Callable[[StepPlan, StepContext], None]] = _bound(ordered, "observe")
+        self.reduce_request: list[Callable[[StepContext], dict[str, Tensor]]] = _bound(ordered, "reduce_request")
+        self.finish: list[Callable[[StepContext], None]] = _bound(ordered, "finish")
+        self.attach: list[Callable[[Door, torch.nn.Module], None]] = _bound(given, "attach")
+        self.before_first_forward: list[Callable[[StepContext], None]] = _bound(given, "before_first_forward")
+        self.note_loss: list[Callable[[Tensor, StepContext], None]] = _bound(given, "note_loss")
+        self.drops_batch: list[Callable[[StepContext], bool]] = _bound(given, "drops_batch")
+        self.after_step: list[Callable[[StepContext], None]] = _bound(given, "after_step")
+        self.detach: list[Callable[[StepContext], None]] = _bound(given, "detach")
+        self.may_skip: list[Callable[[], bool]] = _bound(given, "may_skip")
+        self.saves_state: list[Policy] = [p for p in given if hook(p, "state_dict") is not None]  # type: ignore[misc]
+        self.loads_state: list[Policy] = [p for p in given if hook(p, "load_state_dict") is not None]  # type: ignore[misc]
+        self._request: StatsRequest | None = None
+        self._primary: list[float | None] = []
+
+    @classmethod
+    def of(cls, policy: object) -> Roster:
+        """The hooks of one policy."""
+        return cls((policy,))
+
+    def any_may_skip(self) -> bool:
+        """Whether any of the policies may ask for an optimizer step to be skipped."""
+        return any(may_skip() for may_skip in self.may_skip)
+
+    @property
+    def request(self) -> StatsRequest:
+        """What the measure phase reads for these policies: the union of their ``request_stats`` (read once)."""
+        if self._request is None:
+            request = StatsRequest()
+            for add in _bound(self.policies, "request_stats"):
                 add(request)
-        if not request.norm_types:
-            request.norm_types.add(2.0)
-        self.request = request
-        primaries = (hook(p, "primary_norm_type") for p in self.policies)
-        self.primary = next((v for f in primaries if f is not None and (v := f()) is not None), None)
+            if not request.norm_types:
+                request.norm_types.add(2.0)
+            self._request = request
+        return self._request
+
+    @property
+    def primary(self) -> float | None:
+        """The first ``primary_norm_type`` a policy names, in stage order (``None``: none names one)."""
+        if not self._primary:
+            found = (f() for f in _bound(self.policies, "primary_norm_type"))
+            self._primary.append(next((v for v in found if v is not None), None))
+        return self._primary[0]

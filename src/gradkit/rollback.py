@@ -21,7 +21,7 @@ from gradkit.escalation import Escalation
 from gradkit.events import EventLog
 from gradkit.norms import nonfinite_mask
 from gradkit.pipeline import Pipeline, StepPlan
-from gradkit.protocol import Stage, StatsRequest, StepContext, hook, policy_key, state_key
+from gradkit.protocol import Door, Roster, Stage, StatsRequest, StepContext, policy_key, served, state_key
 from gradkit.running import RunningMoments
 from gradkit.snapshot import Snapshot, StepSnapshot
 from gradkit.watch import WatchedValue
@@ -220,6 +220,7 @@ class SpikeRollback:
         self._events: EventLog | None = None
         self._events_note = ""
         self._pipeline: Pipeline | None = None  # the loop's pipeline, whose count of skipped steps the state saves
+        self._door: Door | None = None
         self._starting = False
         # What the step found, on device (read to the host only when the step is skipped): whether it fires, whether it
         # is flagged, and the run lengths, value, z-score, mean and std.
@@ -263,15 +264,16 @@ class SpikeRollback:
         return self._events.path if self._events is not None else None
 
     # -- the loop ----------------------------------------------------------------------------------------------
-    def attach(self, ctx: StepContext, model: nn.Module) -> None:
+    def attach(self, ctx: Door, model: nn.Module) -> None:
         """The door is set up: the event file and the model's modules; the first snapshot waits for the start of
         training (``before_first_forward``): the weights may be loaded after the door is built or loaded."""
         if sum(isinstance(p, SpikeRollback) for p in ctx.policies()) > 1:
-            where = "The Trainer has" if ctx.trainer is not None else "`policies` holds"
+            where = ctx.policies_owner()
             raise ValueError(f"{where} more than one SpikeRollback; each would restore its own snapshots. Keep one.")
         self._events = EventLog(ctx.log_dir, rank=ctx.global_rank) if ctx.log_dir is not None else None
         self._events_note = f" Events: {self._events.path}." if self._events is not None else _NO_EVENTS
         self._pipeline = ctx.pipeline
+        self._door = ctx  # the model, the LR schedulers, the other policies and the step state a snapshot holds
         self._escalation.read_model(model)
         self._starting = True
 
@@ -289,15 +291,15 @@ class SpikeRollback:
         self._run = torch.tensor(float(self._run), device=device)
         self._nonfinite_run = torch.tensor(float(self._nonfinite_run), device=device)
         if self._restored_skips is not None:
-            ctx.pipeline.steps.restore(self._restored_skips, device)
+            served(self._door, self).pipeline.steps.restore(self._restored_skips, device)
             self._restored_skips = None
-        self._ring = [StepSnapshot(Snapshot(ctx.model, host=True)) for _ in range(self.keep)]
+        self._ring = [StepSnapshot(Snapshot(served(self._door, self).model, host=True)) for _ in range(self.keep)]
         self._pending = None
         saved, self._saved_ring = self._saved_ring, None
         resumed, self._resumed = self._resumed, False
         if saved:
             # The newest `keep` snapshots of the checkpoint: the ring of the uninterrupted run.
-            policies = {policy_key(p): p for p in self._stateful(ctx)}
+            policies = {policy_key(p): p for p in self._stateful()}
             newest = sorted(saved, key=lambda state: int(state["id"]), reverse=True)[: self.keep]
             for entry, state in zip(self._ring, newest, strict=False):
                 entry.load_state_dict(state, policies, device)
@@ -320,7 +322,7 @@ class SpikeRollback:
             # A stepped-over batch: back to the snapshot the rollback restored (the newest: those after it were
             # dropped, and none is taken while stepping over).
             restored = max(self._ring, key=lambda s: s.id)
-            restored.restore(ctx, full=False)
+            restored.restore(served(self._door, self), full=False)
             self._skip_left -= 1
             if self._skip_left == 0:
                 self._resume_from(restored, ctx)
@@ -422,13 +424,15 @@ class SpikeRollback:
         n = self.snapshot_every_n_steps
         return (step // n + 1) * n
 
-    def _stateful(self, ctx: StepContext) -> list[Any]:
+    def _stateful(self) -> list[Any]:
         """The loop's other policies that keep a state (``state_dict`` / ``load_state_dict``)."""
-        return [p for p in ctx.policies() if p is not self and hook(p, "state_dict") and hook(p, "load_state_dict")]
+        hooks = Roster(served(self._door, self).policies())
+        loads = set(map(id, hooks.loads_state))
+        return [p for p in hooks.saves_state if p is not self and id(p) in loads]
 
     def _capture(self, ctx: StepContext, origin: _Origin = "schedule") -> None:
         entry = min(self._ring, key=lambda s: s.id)  # an empty entry (id -1), else the oldest snapshot
-        entry.capture(ctx, self._stateful(ctx), self._stats_state())
+        entry.capture(served(self._door, self), self._stateful(), self._stats_state())
         entry.id, entry.origin = self._next_id, origin
         self._next_id += 1
         self._next_snapshot_at = self._next_multiple(ctx.global_step)
@@ -472,7 +476,7 @@ class SpikeRollback:
 
     def _roll_back(self, ctx: StepContext, pending: dict[str, Any]) -> None:
         slot: StepSnapshot = pending["slot"]
-        slot.restore(ctx, full=True)
+        slot.restore(served(self._door, self), full=True)
         self._load_stats(copy.deepcopy(slot.stats))
         for other in self._ring:
             if other.id > slot.id:  # states of the abandoned stretch
@@ -488,7 +492,7 @@ class SpikeRollback:
         from_step = ctx.global_step
         previous_end, self._resumed_at = self._resumed_at, from_step + self.skip_batches
         # The rewound steps join the skipped ones: `global_step - skipped_steps` stays the optimizer's step count.
-        ctx.pipeline.steps.rewind(slot.skipped, from_step - slot.step, device)
+        served(self._door, self).pipeline.steps.rewind(slot.skipped, from_step - slot.step, device)
         record = {
             "step": pending["step"],
             "from_step": from_step,
@@ -530,7 +534,7 @@ class SpikeRollback:
         """The stepped-over batches are done: the run resumes from the restored state, which is the snapshot's, so the
         snapshot counts as taken here (a later rollback to it rewinds only the steps trained from now on)."""
         slot.step = ctx.global_step
-        skipped = ctx.pipeline.skipped_steps
+        skipped = served(self._door, self).pipeline.skipped_steps
         slot.skipped = None if skipped is None else skipped.clone()
 
     def _event(self, ctx: StepContext, what: str, values: dict[str, Any], culprit: Any = None, **fields: Any) -> None:

@@ -60,7 +60,7 @@ from gradkit.accumulate import mean_window_scale
 from gradkit.norms import ParamIndex, host_to_device, local_tensor, per_tensor_norms, world_size
 from gradkit.params import clean_name
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import StepContext
+from gradkit.protocol import Door, StepContext
 from gradkit.replay import replaying
 from gradkit.selection import NamePattern, auto_module_keys, module_rows, no_match_hint, repeated_blocks
 from gradkit.signal_math import SpikeScore, adam_ratio_sums, sdpa_logit_max
@@ -171,7 +171,7 @@ class StabilitySignals:
         self._pending_host: list[tuple[float | None, float | None]] = []
 
     # -- the model ----------------------------------------------------------------------------------------------
-    def attach(self, ctx: StepContext, model: nn.Module) -> None:
+    def attach(self, ctx: Door, model: nn.Module) -> None:
         """Find the attention and output modules and hook them.
 
         Raises:
@@ -295,8 +295,8 @@ class StabilitySignals:
         self._step = ctx.global_step
         rows = self._module_rows(plan)
         if self.adam:
-            grads = [local_tensor(g) for g in plan.grads]
             params = [plan.index.params[i] for i in plan.present]
+            grads = [local_tensor(p.grad) for p in params]  # as the write left them (the plan's own are the pipeline's)
             factor = plan.folded
             if plan.loss_scale is not None:
                 factor = (1.0 / plan.loss_scale) if factor is None else factor / plan.loss_scale

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from gradkit.norms import local_tensor
-from gradkit.protocol import StepContext, policy_key, unwrapped
+from gradkit.protocol import Door, policy_key, unwrapped
 
 __all__ = ["RNGState", "Snapshot", "StepSnapshot", "capture_rng", "restore_rng", "trained_parameters"]
 
@@ -471,7 +471,7 @@ def restore_rng(state: RNGState) -> None:
 # -- a step's whole state ------------------------------------------------------------------------------------------
 @dataclass
 class StepSnapshot:
-    """Everything a training step may change, as the loop (a :class:`~gradkit.pipeline.StepContext`) holds it.
+    """Everything a training step may change, as the loop (a :class:`~gradkit.protocol.Door`) holds it.
 
     The model's buffers and the optimizers' parameters and states (``tensors``, in host memory), the LR schedulers,
     the door's own step state (``strategy``: the GradKit strategy's schedule counts), the RNG states, the other
@@ -494,7 +494,7 @@ class StepSnapshot:
     def valid(self) -> bool:
         return self.id >= 0
 
-    def capture(self, ctx: StepContext, policies: Sequence[Any], stats: dict[str, Tensor]) -> None:
+    def capture(self, ctx: Door, policies: Sequence[Any], stats: dict[str, Tensor]) -> None:
         """Take the step's state: ``policies`` are the other stateful policies (one whose state is empty has nothing
         to rewind), ``stats`` the owner's (copied)."""
         # The host-side states first: their `state_dict` calls read device values (a synchronization), which then
@@ -510,7 +510,7 @@ class StepSnapshot:
         self.tensors.capture([unwrapped(opt) for opt in ctx.optimizers])
         self.step = ctx.global_step
 
-    def restore(self, ctx: StepContext, full: bool) -> None:
+    def restore(self, ctx: Door, full: bool) -> None:
         """Put the state back: everything but ``stats`` and ``skipped`` (``full``), or what a stepped-over batch may
         have touched besides the module buffers, which the door puts back for every skipped step: the RNG states and
         the other policies' states."""

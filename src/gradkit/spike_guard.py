@@ -19,7 +19,7 @@ from gradkit._arguments import check_choice, check_float, check_int
 from gradkit.guard_reporting import Reporter
 from gradkit.host_lag import HostLag, as_float32
 from gradkit.pipeline import StepPlan
-from gradkit.protocol import Stage, StatsRequest, StepContext, state_key
+from gradkit.protocol import Door, Stage, StatsRequest, StepContext, state_key
 from gradkit.running import HostMoments
 from gradkit.watch import WatchedValue
 
@@ -160,7 +160,7 @@ class SpikeGuard:
     def may_skip(self) -> bool:
         return self.action == "skip"
 
-    def attach(self, ctx: StepContext, model: torch.nn.Module) -> None:
+    def attach(self, ctx: Door, model: torch.nn.Module) -> None:
         self._reporter.attach(ctx)
 
     def before_first_forward(self, ctx: StepContext) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 
 from gradkit._arguments import shown
 from gradkit.events import EVENTS_FILENAME, EventLog
-from gradkit.protocol import Stage, StepContext, state_key
+from gradkit.protocol import Door, Stage, StepContext, state_key
 
 __all__ = ["SKIPPED_EVENT", "StepsToSkip", "merge_ranges", "steps_from_events"]
 
@@ -148,7 +148,7 @@ class StepsToSkip:
     def state_key(self) -> str:
         return state_key(self)
 
-    def attach(self, ctx: StepContext, model: nn.Module) -> None:
+    def attach(self, ctx: Door, model: nn.Module) -> None:
         self._events = EventLog(ctx.log_dir, rank=ctx.global_rank) if ctx.log_dir is not None else None
 
     def may_skip(self) -> bool:

@@ -46,13 +46,13 @@ def write(plan: StepPlan, common: Tensor | None) -> None:
     if plan.param_coefs:
         runs, sparse_grads = _write_param_coefs(plan, common)
     else:
-        runs, sparse_grads = split_runs(plan.grads, plan.run_ids)
+        runs, sparse_grads = split_runs(plan._grads, plan.run_ids)
     if common is not None:
         for run in runs:
             torch._foreach_mul_(run, common.to(run[0].device))
         for g in sparse_grads:
             _scale_sparse_(g, common)
-    if plan.clamp_value is not None and plan.grads:
+    if plan.clamp_value is not None and plan._grads:
         _clamp(plan, plan.clamp_value)
 
 
@@ -62,7 +62,7 @@ def _write_param_coefs(plan: StepPlan, common: Tensor | None) -> tuple[list[list
     uniform: list[Tensor] = []
     uniform_ids: list[int] = []
     own: list[tuple[Tensor, Tensor, bool]] = []
-    for i, g, run in zip(plan.present, plan.grads, plan.run_ids, strict=True):
+    for i, g, run in zip(plan.present, plan._grads, plan.run_ids, strict=True):
         coef = plan.param_coefs.get(i)
         if coef is None:
             uniform.append(g)
@@ -84,7 +84,7 @@ def _write_param_coefs(plan: StepPlan, common: Tensor | None) -> tuple[list[list
 
 def _clamp(plan: StepPlan, clamp_value: float) -> None:
     """Value clipping: clamp every gradient element (the values of a sparse gradient) to the bound."""
-    runs, sparse = split_runs(plan.grads, plan.run_ids)
+    runs, sparse = split_runs(plan._grads, plan.run_ids)
     runs += [[sparse_values(g)] for g in sparse]
     if plan.loss_scale is None:
         for run in runs:
@@ -133,7 +133,7 @@ def measure_grads(plan: StepPlan, norm_type: float) -> Tensor:
     Raises:
         RuntimeError: if the plan's gradients are gone (the optimizer's ``zero_grad`` ran since the step).
     """
-    grads, present = plan.grads, plan.present
+    grads, present = plan._grads, plan.present
     if plan.released:
         params = plan.index.params
         present = [i for i, p in enumerate(params) if p.grad is not None]

@@ -74,7 +74,7 @@ from torch.optim import Optimizer
 from gradkit._closure import first_evaluation
 from gradkit._torch_compat import handles_found_inf
 from gradkit.gate import close_step, shadowed, step_as_decided
-from gradkit.protocol import hook
+from gradkit.protocol import Roster
 from gradkit.replay import replaying
 from gradkit.snapshot import Snapshot
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device
@@ -108,11 +108,7 @@ _WINDOW_BUFFERS_KEY = "gradkit_window_buffers"
 
 def _any_policy_may_skip(trainer: pl.Trainer) -> bool:
     """Whether any gradkit callback of ``trainer`` may ask for an optimizer step to be skipped."""
-    return any(
-        (may_skip := hook(cb, "may_skip")) is not None and may_skip()
-        for cb in trainer.callbacks
-        if isinstance(cb, GradKitCallback)
-    )
+    return Roster([cb for cb in trainer.callbacks if isinstance(cb, GradKitCallback)]).any_may_skip()
 
 
 def gradkit_strategy_hint(strategy: object) -> str:
@@ -269,7 +265,7 @@ class GradKitStrategyMixin:
         self._gradkit_gate_active = _any_policy_may_skip(trainer) and trainer.state.fn == TrainerFn.FITTING
         # A callback that drops the batches of declared steps (`StepsToSkip`, which may skip): `_gradkit_drops`.
         callbacks = [cb for cb in trainer.callbacks if isinstance(cb, GradKitCallback)]
-        self._gradkit_drop_hooks = [d for cb in callbacks if (d := hook(cb, "drops_batch")) is not None]
+        self._gradkit_drop_hooks = Roster(callbacks).drops_batch
         if not self._gradkit_gate_active:
             self._gradkit_drop_hooks = []
             return

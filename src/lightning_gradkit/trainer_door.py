@@ -44,13 +44,15 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from gradkit._layout import verify_same_layout
 from gradkit._torch_compat import gradients_still_scaled
+from gradkit.accounting import StepAccounting
 from gradkit.events import EventLog
 from gradkit.norms import loss_scale, world_size
 from gradkit.pipeline import Pipeline, StepPlan, UnitNorms
-from gradkit.protocol import Policy, Stage, StatsRequest, StepContext, fresh_state_note, hook, values_to_host
+from gradkit.protocol import Door, Policy, Roster, Stage, StatsRequest, fresh_state_note, values_to_host
 from gradkit.snapshot import Snapshot
 from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
@@ -134,7 +136,7 @@ def _is_last_step(trainer: pl.Trainer) -> bool:
     return epoch_ends_with_this_batch(trainer)
 
 
-class TrainerContext(StepContext):
+class TrainerContext(Door):
     """The loop as a Lightning ``Trainer`` runs it: every answer is read from the Trainer when asked.
 
     Args:
@@ -148,7 +150,8 @@ class TrainerContext(StepContext):
         self._log_dir: Path | None = None
 
     @property
-    def log_dir(self) -> Path:  # type: ignore[override]
+    @override
+    def log_dir(self) -> Path:
         """The event file's directory (:func:`events_dir`), read once: the first read must come on every rank (it
         broadcasts rank 0's value), as a policy's ``attach`` does."""
         if self._log_dir is None:
@@ -156,70 +159,92 @@ class TrainerContext(StepContext):
         return self._log_dir
 
     @property
+    @override
     def optimizers(self) -> Sequence[Optimizer]:
         return self.trainer.optimizers
 
     @property
+    @override
     def device(self) -> torch.device:
         return self.pl_module.device
 
     @property
+    @override
     def global_step(self) -> int:
         return self.trainer.global_step
 
     @property
+    @override
     def global_rank(self) -> int:
         return self.trainer.global_rank
 
     @property
+    @override
     def batch_idx(self) -> int:
         return self.trainer.fit_loop.epoch_loop.batch_idx
 
     @property
+    @override
     def accumulate_grad_batches(self) -> int:
         # Lightning divides each loss by it before `backward` in automatic optimization only.
         return self.trainer.accumulate_grad_batches if self.pl_module.automatic_optimization else 1
 
     @property
+    @override
     def log_every_n_steps(self) -> int:
         return self.trainer.log_every_n_steps
 
     @property
+    @override
     def log_step(self) -> int:
         return batches_that_stepped(self.trainer)
 
+    @override
     def step_key(self) -> tuple[int, ...]:
         # `global_step` counts every attempted step (manual optimization too); the batch tells two fits apart.
         return self.trainer.global_step, self.trainer.fit_loop.total_batch_idx
 
+    @override
     def param_names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.pl_module.named_parameters()}
 
+    @override
     def flat_sharded(self) -> bool:
         return flat_sharded(self.trainer)
 
+    @override
     def steps_through_gate(self) -> bool:
         # A GradKit strategy gates `optimizer.step` while a policy may skip (`GradKitStrategyMixin.setup`).
         return bool(getattr(self.trainer.strategy, "_gradkit_gate_active", False))
 
+    @override
     def loss_scale(self, optimizer: Optimizer) -> Tensor | None:
         if getattr(self.trainer.precision_plugin, "scaler", None) is None:
             return None
         return _pending_loss_scale(self.trainer, optimizer)
 
+    @override
     def loss_scale_source(self) -> object | None:
         return getattr(self.trainer.precision_plugin, "scaler", None)
 
     @property
-    def window_buffers(self) -> Snapshot | None:  # type: ignore[override]
+    @override
+    def window_buffers(self) -> Snapshot | None:
         return getattr(self.trainer.strategy, "_gradkit_buffers", None)  # a GradKit strategy's, while a policy may skip
 
+    @override
     def is_logging_step(self, every_n_steps: int | None = None) -> bool:
         return is_logging_step(self.trainer, every_n_steps)
 
+    @override
     def is_last_step(self) -> bool:
         return _is_last_step(self.trainer)
 
+    @override
+    def policies_owner(self) -> str:
+        return "The Trainer has"
+
+    @override
     def checkpoint_note(self) -> str:
         paths = [cb.last_model_path or cb.best_model_path for cb in self.trainer.checkpoint_callbacks]
         paths = [p for p in paths if p]
@@ -227,9 +252,11 @@ class TrainerContext(StepContext):
             return "no checkpoint was saved (add a `ModelCheckpoint` callback to keep one)"
         return "last checkpoint saved: " + ", ".join(paths)
 
+    @override
     def log(self, metrics: dict[str, Tensor], every_n_steps: int | None = None) -> None:
         log_metrics(self.trainer, self.pl_module, metrics, every_n_steps)
 
+    @override
     def log_values(self, values: dict[str, float]) -> None:
         # Straight to the loggers, as Lightning's `LearningRateMonitor` does: `self.log` would keep them for the epoch.
         step = batches_that_stepped(self.trainer)
@@ -237,32 +264,44 @@ class TrainerContext(StepContext):
             logger.log_metrics(values, step=step)
 
     @property
-    def loggers(self) -> Sequence[Any]:  # type: ignore[override]
+    @override
+    def loggers(self) -> Sequence[Any]:
         return self.trainer.loggers
 
-    def progress_bar(self, values: dict[str, float]) -> None:  # type: ignore[override]
+    @property
+    @override
+    def progress_bar(self) -> Callable[[dict[str, float]], None]:
+        return self._show_progress
+
+    def _show_progress(self, values: dict[str, float]) -> None:
         # CPU tensors: the progress bar reads them every batch, which must not synchronize the device.
         tensors = {k: torch.tensor(v) for k, v in values.items()}
         self.pl_module.log_dict(tensors, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
 
     @property
+    @override
     def model(self) -> torch.nn.Module:
         return self.pl_module
 
     @property
-    def pipeline(self) -> TrainerPipeline:
-        return TrainerPipeline.of(self.trainer)
+    @override
+    def pipeline(self) -> Pipeline:
+        return TrainerPipeline.of(self.trainer).pipeline
 
+    @override
     def policies(self) -> list[Policy]:
         return [cb for cb in self.trainer.callbacks if isinstance(cb, GradKitCallback)]
 
+    @override
     def schedulers(self) -> list[object]:
         return [config.scheduler for config in self.trainer.lr_scheduler_configs]
 
+    @override
     def step_state(self) -> dict[str, object]:
         state = getattr(self.trainer.strategy, "gradkit_state_dict", None)
         return state() if state is not None else {}
 
+    @override
     def load_step_state(self, state: dict[str, object]) -> None:
         load = getattr(self.trainer.strategy, "gradkit_load_state_dict", None)
         if load is not None:
@@ -307,13 +346,18 @@ def write_rank_event(directory: str | Path, trainer: pl.Trainer, what: str, batc
 
 
 # -- the Trainer's pipeline --------------------------------------------------------------------------------------
-class TrainerPipeline(Pipeline):
-    """The pipeline of one Trainer; shared by all gradkit callbacks of that Trainer."""
+class TrainerPipeline:
+    """The pipeline of one Trainer, shared by all gradkit callbacks of that Trainer: a
+    :class:`~gradkit.pipeline.Pipeline` (:attr:`pipeline`) driven with the Trainer's context and callbacks.
+
+    Attributes:
+        pipeline: the Lightning-free pipeline it runs (``Door.pipeline`` behind the Trainer).
+    """
 
     _by_trainer: weakref.WeakKeyDictionary[pl.Trainer, TrainerPipeline] = weakref.WeakKeyDictionary()
 
     def __init__(self) -> None:
-        super().__init__()
+        self.pipeline = Pipeline()
         self._layout_verified = False
         self._ctx: TrainerContext | None = None
         self._policies: list[Policy] | None = None  # the Trainer's gradkit callbacks, taken once per fit
@@ -325,9 +369,41 @@ class TrainerPipeline(Pipeline):
             engine = cls._by_trainer[trainer] = cls()
         return engine
 
+    @property
+    def last_plans(self) -> dict[int, StepPlan]:
+        """Per optimizer (``id``), the plan of its last step's first evaluation (:attr:`Pipeline.last_plans`)."""
+        return self.pipeline.last_plans
+
+    @property
+    def steps(self) -> StepAccounting:
+        """The Trainer's step accounting (:attr:`Pipeline.steps`)."""
+        return self.pipeline.steps
+
+    @property
+    def skipped_steps(self) -> Tensor | None:
+        """The attempted steps the model does not hold (:attr:`Pipeline.skipped_steps`)."""
+        return self.pipeline.skipped_steps
+
+    @property
+    def generation(self) -> int:
+        """Backward passes so far (:attr:`Pipeline.generation`; the callbacks count them in ``on_after_backward``)."""
+        return self.pipeline.generation
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self.pipeline.generation = value
+
+    def add_pending_scale(self, policy: Policy, optimizer: Optimizer | None) -> None:
+        """:meth:`Pipeline.add_pending_scale`."""
+        self.pipeline.add_pending_scale(policy, optimizer)
+
+    def discard_pending_scale(self, policy: Policy) -> None:
+        """:meth:`Pipeline.discard_pending_scale`."""
+        self.pipeline.discard_pending_scale(policy)
+
     def reset(self) -> None:
         """Forget the parameter indexes (parameters may be replaced between fits, e.g. by sharding)."""
-        super().reset()
+        self.pipeline.reset()
         self._layout_verified = False
         self._ctx = None
         self._policies = None
@@ -350,11 +426,11 @@ class TrainerPipeline(Pipeline):
         """The Trainer's gradkit callbacks and ``extra``; the pipeline puts them in stage order."""
         return [*(cb for cb in trainer.callbacks if isinstance(cb, GradKitCallback)), *extra]
 
-    def step_plan(self, trainer: pl.Trainer, optimizer: Optimizer) -> StepPlan | None:  # type: ignore[override]
+    def step_plan(self, trainer: pl.Trainer, optimizer: Optimizer) -> StepPlan | None:
         """The plan decided for ``optimizer``'s current step (its first evaluation), ``None`` if none ran yet."""
-        return super().step_plan(self.context(trainer, trainer.lightning_module).step_key(), optimizer)
+        return self.pipeline.step_plan(self.context(trainer, trainer.lightning_module).step_key(), optimizer)
 
-    def run(  # type: ignore[override]
+    def run(
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
@@ -368,10 +444,10 @@ class TrainerPipeline(Pipeline):
         if ctx is None or ctx.trainer is not trainer or ctx.pl_module is not pl_module:
             ctx = self.context(trainer, pl_module)
         if extra:
-            return super().run(ctx, optimizer, self.callbacks(trainer, extra))
+            return self.pipeline.run(ctx, optimizer, self.callbacks(trainer, extra))
         if self._policies is None:
             self._policies = self.callbacks(trainer)
-        return super().run(ctx, optimizer, self._policies)
+        return self.pipeline.run(ctx, optimizer, self._policies)
 
 
 # -- the policies' base class --------------------------------------------------------------------------------------
@@ -495,64 +571,78 @@ class GradKitCallback(Callback):
         check_callback_instances(trainer)
         TrainerPipeline.of(trainer).reset()
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = TrainerPipeline.of(trainer)
         engine.verify_layout(trainer, pl_module)
-        attach = hook(self, "attach")
-        if attach is not None:
+        for attach in Roster.of(self).attach:
             attach(engine.context(trainer, pl_module), pl_module)
         self._first_forward_done = False
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if not self._first_forward_done:
             self._first_forward_done = True
-            self._forward("before_first_forward", trainer, pl_module)
+            for before_first_forward in Roster.of(self).before_first_forward:
+                before_first_forward(self._context(trainer, pl_module))
 
+    @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        note_loss = getattr(self, "note_loss", None)  # `hook`, inline: this runs every micro-batch
-        if note_loss is not None:  # the unscaled loss costs a `detach` per micro-batch: only for a policy that reads it
+        # The unscaled loss costs a `detach` per micro-batch: only for a policy that reads it.
+        for note_loss in Roster.of(self).note_loss:
             note_loss(unscaled_loss(trainer, loss), TrainerPipeline.of(trainer).context(trainer, pl_module))
 
+    @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning calls it after every backward (`manual_backward` and closure re-evaluations included).
         TrainerPipeline.of(trainer).generation += 1
 
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         TrainerPipeline.of(trainer).run(trainer, pl_module, optimizer)
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._forward("after_step", trainer, pl_module)
+        for after_step in Roster.of(self).after_step:
+            after_step(self._context(trainer, pl_module))
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._forward("finish", trainer, pl_module)
+        for finish in Roster.of(self).finish:
+            finish(self._context(trainer, pl_module))
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # The hooks a policy put on the model and the optimizers leave them, as `GradKit.close()` removes them behind
         # the loop door.
-        self._forward("detach", trainer, pl_module)
+        for detach in Roster.of(self).detach:
+            detach(self._context(trainer, pl_module))
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # After an error Lightning calls neither `on_train_end` nor `teardown`: the hooks leave here.
-        self._forward("detach", trainer, pl_module)
+        for detach in Roster.of(self).detach:
+            detach(self._context(trainer, pl_module))
 
-    def _forward(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        method = hook(self, name)
-        if method is not None:
-            method(*args, TrainerPipeline.of(trainer).context(trainer, pl_module))
+    @staticmethod
+    def _context(trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainerContext:
+        return TrainerPipeline.of(trainer).context(trainer, pl_module)
 
     # -- checkpoints inside an accumulation window -----------------------------------------------------------------
+    @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         if _first_gradkit_callback(trainer) is self:
             note_window_on_save(trainer, checkpoint)
 
+    @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:

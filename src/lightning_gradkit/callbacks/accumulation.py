@@ -35,7 +35,14 @@ from gradkit.replay import replaying
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
 from lightning_gradkit._window import WindowPosition
 from lightning_gradkit.callbacks.manual_accumulation import ManualAccumulator
-from lightning_gradkit.trainer_door import GradKitCallback, Stage, StepPlan, is_logging_step, world_size
+from lightning_gradkit.trainer_door import (
+    GradKitCallback,
+    Stage,
+    StepPlan,
+    TrainerContext,
+    is_logging_step,
+    world_size,
+)
 
 __all__ = ["AccumulationGuard", "OnDirty"]
 
@@ -53,6 +60,14 @@ def _describe(output: object) -> str:
     if isinstance(output, Mapping):
         return f"a dict with keys {sorted(map(str, output))}"
     return f"a {type(output).__name__}"
+
+
+def _trainer_door(ctx: StepContext) -> TrainerContext:
+    """The Trainer door ``ctx`` is: this callback works only under a Trainer (:attr:`AccumulationGuard.trainer_only`),
+    and reads the module's optimization mode and the Trainer's accumulation."""
+    if not isinstance(ctx, TrainerContext):
+        raise TypeError(f"AccumulationGuard works behind the Lightning Trainer only, got a {type(ctx).__name__}.")
+    return ctx
 
 
 class AccumulationGuard(GradKitCallback):
@@ -431,14 +446,15 @@ class AccumulationGuard(GradKitCallback):
 
     # -- engine steps -------------------------------------------------------------------------------------------
     def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
-        if self.normalize != "tokens" or not ctx.pl_module.automatic_optimization:
+        if self.normalize != "tokens" or not _trainer_door(ctx).pl_module.automatic_optimization:
             return {}
         return {_TOKENS_REDUCE_KEY: self._tokens.total(ctx.device)}
 
     def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not ctx.pl_module.automatic_optimization:
+        door = _trainer_door(ctx)
+        if not door.pl_module.automatic_optimization:
             return
-        window = ctx.trainer.accumulate_grad_batches
+        window = door.trainer.accumulate_grad_batches
         device = plan.index.shard_weight.device
         if self.normalize == "tokens":
             tokens = plan.reduced[_TOKENS_REDUCE_KEY].to(device)

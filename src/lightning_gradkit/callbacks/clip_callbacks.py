@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from gradkit import agc, clipping, history_clipping
-from gradkit.protocol import Policy, Stage, is_policy, unwrapped
+from gradkit.protocol import Policy, Roster, Stage, is_policy, unwrapped
 from lightning_gradkit._deepspeed import clipping_instead, refuse_under_deepspeed
 from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
@@ -232,11 +232,11 @@ def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, clipper: Po
         )
     raw = unwrapped(optimizer)
     engine = TrainerPipeline.of(trainer)
-    attach = getattr(clipper, "attach", None)
-    if not attached and attach is not None:
+    attach = Roster.of(clipper).attach
+    if not attached and attach:
         attached_for = _ATTACHED_FOR.get(clipper)
         if attached_for is None or attached_for() is not trainer:
-            attach(engine.context(trainer, module), module)
+            attach[0](engine.context(trainer, module), module)
             _ATTACHED_FOR[clipper] = weakref.ref(trainer)
     plan = engine.run(trainer, module, raw, extra=() if attached else (clipper,))
     if plan is None:
