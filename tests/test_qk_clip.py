@@ -1,7 +1,7 @@
 """QKClip rescales the query and key weights of the heads whose largest logit went over the threshold, by the MuonClip
 rule: checked against the logits and the rule computed by hand (plain torch, from the module's own weights), on a
-user-written attention (eager softmax and SDPA, grouped-query), ``nn.MultiheadAttention``, Hugging Face GPT-2 and
-Llama (eager and SDPA; rotary embeddings), behind the loop door and the Trainer."""
+user-written attention (eager softmax and SDPA, grouped-query), ``nn.MultiheadAttention``, Hugging Face GPT-2, BERT
+and Llama (eager and SDPA; rotary embeddings), behind the loop door and the Trainer."""
 
 from __future__ import annotations
 
@@ -23,11 +23,13 @@ transformers = pytest.importorskip("transformers")
 
 
 # -- the references: logits by hand, the rule by hand ----------------------------------------------------------------
-def causal_logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
+def causal_logits(q: Tensor, k: Tensor, scale: float, causal: bool = True) -> Tensor:
     """``(B, H, L, L)`` logits of per-head ``q``, ``k`` (key heads repeated per query group), future keys at -inf."""
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     logits = (q.double() @ k.double().transpose(-1, -2)) * scale
     length = q.shape[-2]
+    if not causal:
+        return logits
     return logits.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), -math.inf)
 
 
@@ -223,6 +225,46 @@ def test_gpt2_fused_c_attn_heads_are_rescaled_by_the_muonclip_rule(implementatio
 
     torch.testing.assert_close(attention.c_attn.weight, expected_weight, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(attention.c_attn.bias, expected_bias, rtol=1e-6, atol=1e-7)
+    check_logits(before, logits(), gamma, tau)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_bert_query_and_key_heads_are_rescaled_by_the_muonclip_rule(implementation: str) -> None:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        vocab_size=50,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    config._attn_implementation = implementation
+    model = transformers.BertForMaskedLM(config)
+    ids = torch.randint(50, (2, 8))
+    attention = model.bert.encoder.layer[0].attention.self
+
+    def logits() -> Tensor:
+        with torch.no_grad():
+            hidden = model.bert.embeddings(ids)
+            q, k = (proj(hidden).view(2, 8, 4, 4).transpose(1, 2) for proj in (attention.query, attention.key))
+            return causal_logits(q, k, 0.5, causal=False)
+
+    with torch.no_grad():
+        attention.query.weight *= 10
+    before = logits()
+    tau = threshold_between(head_max(before))
+    gamma, query, key = hand_factors(head_max(before), tau, kv_heads=4)
+    expected_q = scaled_rows(attention.query.weight, query, 4)
+    expected_k = scaled_rows(attention.key.bias, key, 4)
+    clip = QKClip(threshold=tau)
+    one_step(model, clip, lambda: model(ids, labels=ids).loss)
+
+    assert clip.attention_modules == ["bert.encoder.layer.0.attention"]
+    torch.testing.assert_close(attention.query.weight, expected_q, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(attention.key.bias, expected_k, rtol=1e-6, atol=1e-7)
     check_logits(before, logits(), gamma, tau)
 
 

@@ -283,6 +283,12 @@ class QKClip:
 
     def note(self, name: str, value: Tensor) -> None:
         """A forward's per-head maxima of module ``name``: kept as their maximum over the step (on the device)."""
+        heads = self._heads[name].heads
+        if value.shape != (heads,):  # a shape, on the host: scores whose dimension 1 is not the heads
+            raise RuntimeError(
+                f"QKClip read the logits of {value.numel()} heads in `{name}`, whose projections hold {heads}: its "
+                "scores are not laid out (batch, heads, queries, keys). Leave it out of `attention`."
+            )
         previous = self._maxima.get(name)
         value = value.float()
         self._maxima[name] = value if previous is None else torch.maximum(previous, value)
