@@ -99,9 +99,10 @@ class QKClip:
     ``num_heads``/``n_head``/``num_attention_heads``, ``num_key_value_heads``/``n_query_groups`` and
     ``head_dim``/``head_size``. A module where they cannot be found, or that normalizes its queries and keys
     (qk-layernorm), is refused at ``attach`` with the reason; one whose forward computes its logits in a kernel gradkit
-    cannot read (FlexAttention, flash-attn, Transformer Engine) is refused at its first step. Multi-latent attention,
-    interleaved fused layouts (GPT-NeoX's ``query_key_value``) and sharded weights (FSDP2, tensor parallelism) are
-    refused for now.
+    cannot read (FlexAttention, flash-attn, Transformer Engine) is refused at the end of the step that ran it.
+    Multi-latent attention, interleaved fused layouts (GPT-NeoX's ``query_key_value``) and sharded weights (FSDP,
+    FSDP2, tensor parallelism) are refused for now; ``torch.compile`` of the attention modules is untested (the
+    maxima are read in Python, inside their forward).
 
     **Logged** on logging steps only (read there, in the loop's one transfer): ``qk_clip/max_logit``, the largest
     logit over every head of the step, and ``qk_clip/clipped_heads``, how many heads it rescaled.
@@ -114,9 +115,10 @@ class QKClip:
             every step).
 
     Raises:
-        ValueError: at construction, naming the argument; at ``attach``, a pattern that selects no module or a
-            module whose query and key weights cannot be found (the message names it, the reason and what to do).
-        RuntimeError: at the first step, a selected module whose logits the forward never exposed.
+        ValueError: at construction, naming the argument; at ``attach``, a pattern that selects no module, a
+            module whose query and key weights cannot be found (the message names it, the reason and what to do), or
+            weights sharded by FSDP.
+        RuntimeError: after a step, a selected module whose training forward ran without exposing its logits.
 
     Example::
 
