@@ -31,6 +31,7 @@ from lightning_gradkit import (
     InferenceModeValidation,
     ManualAccumulator,
     NonFiniteGuard,
+    QKClip,
     SpikeGuard,
     StepsToSkip,
     SyncAudit,
@@ -81,6 +82,9 @@ BAD = [
     (lambda: StepsToSkip(steps=True), "steps", "True"),  # type: ignore[arg-type]
     # not a dict of signals (used to raise AttributeError: 'str' object has no attribute 'items')
     (lambda: EarlyWarning(thresholds="attn_logit_max"), "thresholds", "'attn_logit_max'"),  # type: ignore[arg-type]
+    (lambda: QKClip(threshold=None), "threshold", "None"),  # type: ignore[arg-type]
+    (lambda: QKClip(threshold=-1.0), "threshold", "-1.0"),
+    (lambda: QKClip(attention=3), "attention", "3"),  # type: ignore[arg-type]
     (lambda: EarlyWarning(thresholds=1000.0), "thresholds", "1000.0"),  # type: ignore[arg-type]
     (lambda: EarlyWarning(floors="150"), "floors", "'150'"),  # type: ignore[arg-type]
     (lambda: EarlyWarning(floors=150), "floors", "150"),  # type: ignore[arg-type]

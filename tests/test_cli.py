@@ -110,6 +110,7 @@ CALLBACK_ARGS: dict[str, dict[str, object]] = {
     "SpikeRollback": {"skip_batches": 10, "keep": 3},
     "EarlyWarning": {"growth_steps": 10, "action": "escalate"},
     "StepsToSkip": {"steps": [[5, 7]]},
+    "QKClip": {"threshold": 50.0, "attention": ["CausalSelfAttention"]},
     "ActivationCheckpointing": {"targets": ["Block"], "mode": "selective"},
     "InferenceModeValidation": {"fallback": "raise"},
     "AccumulationGuard": {"normalize": "tokens", "tokens_key": "n"},

@@ -1,11 +1,14 @@
 """Under ``torch.distributed`` (2 CPU processes, gloo): EarlyWarning decides on reduced values, so every rank logs
-and warns the same; StepsToSkip drops the same steps on every rank of a ``gradkit_ddp`` Trainer, without a hang."""
+and warns the same; StepsToSkip drops the same steps on every rank of a ``gradkit_ddp`` Trainer, without a hang; QKClip
+rescales by the maxima of every rank's batches (one all-reduce), as one process on the global batch does."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from helpers import run_processes
 
@@ -36,3 +39,25 @@ def test_steps_to_skip_drops_the_same_steps_on_every_rank_of_a_ddp_trainer(ranks
     assert first["global_step"] == second["global_step"] == 6
     assert first["trained"] == second["trained"] == [0, 3, 4, 5]
     assert first["params"] == second["params"]
+
+
+def test_qk_clip_rescales_every_rank_by_the_maxima_of_the_global_batch(ranks: list[dict[str, Any]]) -> None:
+    # Reference: one process, the same model and steps on the concatenation of the ranks' batches (DDP's mean of the
+    # ranks' mean losses is the global mean; the largest logit of the global batch is the largest of the ranks').
+    from gradkit import GradKit, QKClip
+    from lightning_gradkit.demos import GPTConfig, TinyGPT
+
+    first, second = (r["qk_clip"] for r in ranks)
+    assert first == second
+    assert all(row["qk_clip/clipped_heads"] > 0 for row in first["logged"])
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=32))  # the script's
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    with GradKit(model, optimizer, QKClip(threshold=0.2), log_dir=False) as kit:
+        for step in range(3):  # the script's `qk_clip_batches(step)`, every rank's
+            x = torch.randint(256, (2, 4, 16), generator=torch.Generator().manual_seed(200 + step)).flatten(0, 1)
+            F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+            kit.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(torch.tensor(first["params"][name]), param.detach().flatten(), msg=name)

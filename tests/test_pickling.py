@@ -45,6 +45,7 @@ from lightning_gradkit import (
     InferenceModeValidation,
     ManualAccumulator,
     NonFiniteGuard,
+    QKClip,
     SpikeGuard,
     SpikeRollback,
     StepsToSkip,
@@ -69,6 +70,7 @@ CASES: dict[str, tuple[Callable[[], Callback], dict[str, Any]]] = {
     "SpikeGuard": (lambda: SpikeGuard(warmup_steps=2, action="skip"), {}),
     "SpikeRollback": (lambda: SpikeRollback(warmup_steps=2, snapshot_every_n_steps=2), {}),
     "StepsToSkip": (lambda: StepsToSkip(steps=[[1, 2]]), {}),
+    "QKClip": (lambda: QKClip(threshold=50.0), {}),
     "SyncAudit": (lambda: SyncAudit(every_n_steps=2), {}),
     "ZClip": (lambda: ZClip(warmup_steps=2, max_norm=1.0), {}),
 }
@@ -128,6 +130,7 @@ def test_plain_lightning_trainer_pickles_and_deep_copies_after_fit(tmp_path: Pat
     assert isinstance(copy.deepcopy(trainer), pl.Trainer)
 
 
+@pytest.mark.filterwarnings("ignore:QKClip found no attention module:UserWarning")  # the models have none
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_callback_and_its_trainer_pickle_and_deep_copy_before_and_after_fit(tmp_path: Path, name: str) -> None:
     make, trainer_kwargs = CASES[name]
@@ -221,6 +224,7 @@ class NaNAtBatch(MLPModule):
         return loss * float("nan") if batch_idx == self.nan_batch else loss
 
 
+@pytest.mark.filterwarnings("ignore:QKClip found no attention module:UserWarning")  # the models have none
 @pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning")  # the NaN step is planted
 @pytest.mark.parametrize("clipper", CLIPPERS)
 def test_fitted_trainer_with_a_clipper_and_every_other_callback_survives_torch_save_and_load(
@@ -265,6 +269,7 @@ TORCH_CASES: dict[str, Callable[[], Policy]] = {
     "SpikeGuard": lambda: TorchSpikeGuard(warmup_steps=2, action="skip"),
     "SpikeRollback": lambda: TorchSpikeRollback(warmup_steps=2, snapshot_every_n_steps=2),
     "StepsToSkip": lambda: gradkit.StepsToSkip(steps=[[1, 2]]),
+    "QKClip": lambda: gradkit.QKClip(threshold=50.0),
     "ZClip": lambda: gradkit.ZClip(warmup_steps=2, max_norm=1.0),
 }
 NOT_GIVEN_TO_A_LOOP = {"WindowScale"}
@@ -312,6 +317,7 @@ def test_every_torch_policy_is_covered() -> None:
     assert _gradkit_policies() == set(TORCH_CASES) | NOT_GIVEN_TO_A_LOOP
 
 
+@pytest.mark.filterwarnings("ignore:QKClip found no attention module:UserWarning")  # the models have none
 @pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning")  # the NaN step is planted
 @pytest.mark.parametrize("clipper", CLIPPERS)
 def test_torch_policies_pickle_and_deep_copy_before_and_after_a_loop_door_run(tmp_path: Path, clipper: str) -> None:

@@ -29,6 +29,7 @@ from gradkit.monitor import GradNormMonitor
 from gradkit.norms import GradStats
 from gradkit.pipeline import StepPlan
 from gradkit.protocol import Policy, Stage, StepContext
+from gradkit.qk_clip import QKClip
 from gradkit.replicas import expert_parallel
 from gradkit.rollback import SpikeRollback
 from gradkit.spike_guard import SpikeGuard
@@ -45,6 +46,7 @@ __all__ = [
     "GradStats",
     "NonFiniteGuard",
     "Policy",
+    "QKClip",
     "SpikeGuard",
     "SpikeRollback",
     "Stage",

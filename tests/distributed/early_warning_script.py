@@ -4,7 +4,9 @@
   each rank records what it logged and warned, and the largest attention logit of its own first batch element (the
   sample a ``scaled_dot_product_attention`` call is read from), computed by hand, per logging step;
 - ``StepsToSkip`` under ``Trainer(strategy="gradkit_ddp")``: each rank records its final parameters, its global
-  step, and the batches its ``training_step`` ran.
+  step, and the batches its ``training_step`` ran;
+- ``QKClip`` behind the loop door on a ``DistributedDataParallel`` TinyGPT, each rank with its own batches (those of
+  :func:`qk_clip_batches`): each rank records its final parameters and what it logged.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradkit.early_warning import EarlyWarning
 from gradkit.loop import GradKit
+from gradkit.qk_clip import QKClip
 from helpers import MLPModule, distributed_trainer, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import StepsToSkip
 from lightning_gradkit.demos import GPTConfig, TinyGPT
@@ -91,13 +94,49 @@ def run_steps_to_skip(rank: int) -> dict[str, Any]:
     }
 
 
+QK_THRESHOLD = 0.2
+
+
+def qk_clip_batches(step: int) -> list[Tensor]:
+    """Step ``step``'s batch of each rank (rank ``r`` takes element ``r``): the single-process reference trains on
+    their concatenation."""
+    gen = torch.Generator().manual_seed(200 + step)
+    return list(torch.randint(256, (2, 4, 16), generator=gen))
+
+
+def run_qk_clip(rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(TinyGPT(CONFIG))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    logged: list[dict[str, float]] = []
+    kit = GradKit(
+        ddp,
+        optimizer,
+        QKClip(threshold=QK_THRESHOLD),
+        log_every_n_steps=1,
+        log_dir=False,
+        log=lambda m, s: logged.append(m),
+    )
+    for step in range(3):
+        x = qk_clip_batches(step)[rank]
+        F.cross_entropy(ddp(x).flatten(0, 1), x.flatten()).backward()
+        kit.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    kit.close()
+    return {"logged": logged, "params": {n: p.detach().flatten().tolist() for n, p in ddp.module.named_parameters()}}
+
+
 def main() -> None:
     args = script_parser().parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = {"early_warning": run_early_warning(rank), "steps_to_skip": run_steps_to_skip(rank)}
+        result = {
+            "early_warning": run_early_warning(rank),
+            "steps_to_skip": run_steps_to_skip(rank),
+            "qk_clip": run_qk_clip(rank),
+        }
     write_rank_result(args.out, rank, result)
 
 

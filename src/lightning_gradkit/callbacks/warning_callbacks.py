@@ -1,5 +1,5 @@
-"""The Trainer callbacks of :class:`gradkit.early_warning.EarlyWarning` and :class:`gradkit.steps_to_skip.StepsToSkip`:
-their Lightning-only hooks."""
+"""The Trainer callbacks of :class:`gradkit.early_warning.EarlyWarning`, :class:`gradkit.qk_clip.QKClip` and
+:class:`gradkit.steps_to_skip.StepsToSkip`: their Lightning-only hooks."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import lightning.pytorch as pl
 from torch import Tensor
 
 import gradkit.early_warning
+import gradkit.qk_clip
 import gradkit.steps_to_skip
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
 from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.strategy import require_gradkit_step
 from lightning_gradkit.trainer_door import GradKitCallback
 
-__all__ = ["EarlyWarning", "StepsToSkip"]
+__all__ = ["EarlyWarning", "QKClip", "StepsToSkip"]
 
 
 @with_policy_docstring
@@ -101,3 +102,33 @@ class StepsToSkip(gradkit.steps_to_skip.StepsToSkip, GradKitCallback):
             manual="Return early from `training_step` where `StepsToSkip.range_of(self.global_step)` is not None "
             "instead.",
         )
+
+
+@with_policy_docstring
+class QKClip(gradkit.qk_clip.QKClip, GradKitCallback):
+    r"""The Trainer callback of :class:`gradkit.qk_clip.QKClip`: its docstring, then what follows.
+
+    Under a Trainer the rescale runs at the end of each batch that stepped the optimizer (``on_train_batch_end``),
+    with DDP or a single device (not FSDP, whose weights are sharded, nor DeepSpeed, whose engine owns them);
+    validation forwards are not read (the module is in eval mode).
+
+    Raises:
+        RuntimeError: at setup, under ``DeepSpeedStrategy``.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import QKClip
+        >>> trainer = Trainer(callbacks=[QKClip(threshold=100.0)])
+    """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            refuse_under_deepspeed(
+                trainer,
+                "`QKClip(...)`",
+                "it rescales the query and key weights after the step, and the DeepSpeed engine owns them (partitioned "
+                "under ZeRO)",
+                "Use Lightning's DDP strategy for QKClip.",
+            )
