@@ -27,7 +27,7 @@ demo: $(STAMP)
 # grows with the load at launch (`launch_timeout`), and so does its process group's; a job that still times out is
 # started once more, a job that fails never is. Any non-zero pytest status fails, 5 (no test collected) included.
 test: $(STAMP)
-	$(PY) -m pytest tests -q -n 2
+	$(PY) -m pytest tests -q -n 2 --dist worksteal
 
 # `make test-compat`: the compat subset below against the newest patch release of each Lightning minor the package
 # supports (`lightning>=2.5,<3` in pyproject.toml), each in its own venv under $(COMPAT_DIR), with the same CPU torch.

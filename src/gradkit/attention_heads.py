@@ -20,8 +20,31 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["Heads", "Slab", "Unreadable", "find_heads", "mha_head_max", "sdpa_head_max"]
+__all__ = ["Heads", "ModuleScopedMode", "Slab", "Unreadable", "find_heads", "mha_head_max", "sdpa_head_max"]
+
+
+class ModuleScopedMode(TorchFunctionMode):
+    """A function mode entered by one module's forward pre-hook and left by its forward hook (:meth:`start`,
+    :meth:`stop`), so that it sees the calls of that forward only: how ``EarlyWarning`` and ``QKClip`` read an
+    attention module's logits. ``owner`` is the policy, ``name`` the module's."""
+
+    def __init__(self, owner: object, name: str) -> None:
+        super().__init__()
+        self.owner, self.name = owner, name
+        #: Whether the mode is entered (by the module's forward pre-hook) and not exited yet.
+        self.open = False
+
+    def start(self) -> None:
+        self.__enter__()
+        self.open = True
+
+    def stop(self) -> None:
+        if self.open:
+            self.open = False
+            self.__exit__(None, None, None)
+
 
 _SEPARATE = (("q_proj", "k_proj"), ("query", "key"), ("wq", "wk"), ("to_q", "to_k"))
 _FUSED = ("qkv", "c_attn", "qkv_proj", "Wqkv")

@@ -13,11 +13,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from gradkit._arguments import check_float, check_int
-from gradkit.attention_heads import Heads, Slab, Unreadable, find_heads, mha_head_max, sdpa_head_max
+from gradkit.attention_heads import (
+    Heads,
+    ModuleScopedMode,
+    Slab,
+    Unreadable,
+    find_heads,
+    mha_head_max,
+    sdpa_head_max,
+)
 from gradkit.norms import local_tensor, world_size
 from gradkit.params import clean_name
 from gradkit.pipeline import StepPlan
@@ -32,22 +39,10 @@ _SOFTMAX = (torch.softmax, F.softmax, Tensor.softmax)
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights")
 
 
-class _LogitMode(TorchFunctionMode):
+class _LogitMode(ModuleScopedMode):
     """Active inside one attention module's training forward: reads the exact per-head maxima of its logits."""
 
-    def __init__(self, owner: QKClip, name: str) -> None:
-        super().__init__()
-        self.owner, self.name = owner, name
-        self.open = False
-
-    def start(self) -> None:
-        self.__enter__()
-        self.open = True
-
-    def stop(self) -> None:
-        if self.open:
-            self.open = False
-            self.__exit__(None, None, None)
+    owner: QKClip
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -52,11 +52,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from gradkit._arguments import name_list
 from gradkit.accumulate import mean_window_scale
+from gradkit.attention_heads import ModuleScopedMode
 from gradkit.norms import ParamIndex, host_to_device, local_tensor, per_tensor_norms, world_size
 from gradkit.params import clean_name
 from gradkit.pipeline import StepPlan
@@ -74,23 +74,10 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _SOFTMAX = (torch.softmax, F.softmax, Tensor.softmax)
 
 
-class _AttentionMode(TorchFunctionMode):
+class _AttentionMode(ModuleScopedMode):
     """Active inside one attention module's forward on a logging step: reads the logits of its attention calls."""
 
-    def __init__(self, owner: StabilitySignals, name: str) -> None:
-        super().__init__()
-        self.owner, self.name = owner, name
-        #: Whether the mode is entered (by the module's forward pre-hook) and not exited yet.
-        self.open = False
-
-    def start(self) -> None:
-        self.__enter__()
-        self.open = True
-
-    def stop(self) -> None:
-        if self.open:
-            self.open = False
-            self.__exit__(None, None, None)
+    owner: StabilitySignals
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
