@@ -203,12 +203,12 @@ class Decision:
 class StepPlan:
     """Everything measured and decided for one optimizer step. All values are device tensors.
 
-    What was decided is :attr:`decision` (a :class:`Decision`, written through its methods: one clip form at most);
+    What was decided is ``decision`` (a ``Decision``, written through its methods: one clip form at most);
     ``scale``, ``clip_coef``, ``param_coefs``, ``clamp_value``, ``skip``, ``clip_decided``, ``post_clip_total_fn``
     and ``folded`` read it. The engine applies it in one pass.
 
     The gradients of the parameters at ``present`` (positions in ``index``) stay private to the pipeline and its
-    write (:mod:`gradkit.write`): the policies decide from the statistics (:attr:`has_gradients` says whether the
+    write (``gradkit.write``): the policies decide from the statistics (``has_gradients`` says whether the
     step has any). ``run_ids`` gives the (device, dtype) group of each (``ParamIndex.run_of``), ``-1`` for a sparse
     one. Sparse COO gradients are coalesced by the engine's read (``p.grad`` is replaced by its coalesced version), so
     their values are the gradient. The engine drops them once the plan is applied (:meth:`release_gradients`): a plan
@@ -232,7 +232,7 @@ class StepPlan:
     unit_norms: UnitNorms | None = None
     run_ids: list[int] = field(default_factory=list)
     run_bounds: list[tuple[int, int]] | None = None
-    #: What the policies decided (:class:`Decision`).
+    #: What the policies decided (``Decision``).
     decision: Decision = field(default_factory=Decision)
     _post_clip_total: Tensor | None = None
     _skip_host: bool | None = None

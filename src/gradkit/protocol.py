@@ -98,8 +98,8 @@ class StepContext:
     """The loop a step runs in, as the policies read it at every hook: 14 members, the same behind every door.
 
     The door's own services (the model, the pipeline, the other policies, the LR schedulers, the AMP scaler, the
-    loggers, ...) are not here: they are on :class:`Door`, which a policy that needs one receives, typed, as the
-    ``ctx`` of :meth:`Policy.attach` (and keeps). The Lightning ``Trainer`` door answers from the Trainer
+    loggers, ...) are not here: they are on :class:`~gradkit.protocol.Door`, which a policy that needs one receives,
+    typed, as the ``ctx`` of ``Policy.attach`` (and keeps). The Lightning ``Trainer`` door answers from the Trainer
     (:class:`~lightning_gradkit.trainer_door.TrainerContext`), the Fabric and plain-PyTorch door from its own step
     counter (:class:`~gradkit.loop.LoopContext`).
 
@@ -178,7 +178,7 @@ class Door(StepContext):
 
     The pipeline reads these (the AMP scale, the sharding, the fused fold); a policy that needs one (the monitor's
     loggers and progress bar, a guard's replay of the model, a rollback's snapshots of the model, the LR schedulers,
-    the other policies and the step state) gets the door as the ``ctx`` of :meth:`Policy.attach`, typed, and keeps
+    the other policies and the step state) gets the door as the ``ctx`` of ``Policy.attach``, typed, and keeps
     it. One subclass per door: :class:`~lightning_gradkit.trainer_door.TrainerContext`,
     :class:`~gradkit.loop.LoopContext`.
 
@@ -278,7 +278,7 @@ class Door(StepContext):
 
 
 def served(door: Door | None, policy: object) -> Door:
-    """The door ``policy`` kept at :meth:`Policy.attach` (for the services it reads later).
+    """The door ``policy`` kept at ``Policy.attach`` (for the services it reads later).
 
     Raises:
         RuntimeError: the policy was not attached to a door.
