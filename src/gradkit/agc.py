@@ -21,6 +21,7 @@ from gradkit.clipping import (
     NORM_EPS,
     ClipDecision,
     ClipLedger,
+    LedgerHooks,
     describe,
     norm_ratio,
 )
@@ -84,7 +85,7 @@ class _Lazy:
         return self._value
 
 
-class AdaptiveGradClip:
+class AdaptiveGradClip(LedgerHooks):
     r"""Unit-wise adaptive gradient clipping (AGC).
 
     Brock, De, Smith, Simonyan, "High-Performance Large-Scale Image Recognition Without Normalization" (ICML 2021),
@@ -196,20 +197,6 @@ class AdaptiveGradClip:
         # Every evaluation of a re-evaluating closure is clipped unit by unit, from its own gradients.
         if plan.has_gradients:
             self._clip(plan)
-
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.logging_step:
-            self._ledger.log(plan, ctx)
-
-    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
-        """The values the class logs for the last step of an optimizer, as device tensors (no host sync)."""
-        return self._ledger.metrics(optimizer_idx)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._ledger.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._ledger.load_state_dict(state_dict)
 
     # -- one step ------------------------------------------------------------------------------------------------
     def _cached(self, plan: StepPlan, key: tuple[Any, ...]) -> Any:

@@ -34,6 +34,7 @@ __all__ = [
     "ClipGradNorm",
     "ClipGradValue",
     "ClipLedger",
+    "LedgerHooks",
     "clip_coefficient",
     "clip_to_threshold",
     "describe",
@@ -115,10 +116,9 @@ class ClipLedger:
     """What a clipper keeps of its steps, per optimizer (by index): the last decision, for the logged values, and
     the count of clipped steps since the last log, saved in checkpoints with the clipper's own per-optimizer state.
 
-    Every clipper composes one; its ``decide`` calls :meth:`record`, its ``observe`` :meth:`log` (on logging steps),
-    its ``metrics``, ``state_dict`` and ``load_state_dict`` the methods of the same names. Each clipper defines these
-    hooks in its own class body (no module function assigned as a method): the pipeline keeps them as bound methods,
-    and a bound method pickles by its function's ``__name__``, which must be the attribute's name.
+    Every clipper composes one; its ``decide`` calls :meth:`record`; the hooks that only pass on to it (``observe``,
+    which calls :meth:`log` on logging steps, ``metrics``, ``state_dict``, ``load_state_dict``) come from
+    :class:`LedgerHooks`.
     """
 
     def __init__(self) -> None:
@@ -215,7 +215,30 @@ def describe(clipper: object, **config: object) -> str:
 
 
 # -- the clippers ----------------------------------------------------------------------------------------------------
-class ClipGradNorm:
+class LedgerHooks:
+    """The pipeline hooks every clipper takes from its :class:`ClipLedger` (``self._ledger``) as they are: ``observe``
+    (log on logging steps), ``metrics``, ``state_dict`` and ``load_state_dict``. A clipper with state of its own
+    (AutoClip's history, ZClip's statistics) overrides the last two. Methods of a base class, not module functions
+    assigned as methods: the pipeline keeps hooks as bound methods, and a bound method pickles by its name."""
+
+    _ledger: ClipLedger
+
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+        if plan.logging_step:
+            self._ledger.log(plan, ctx)
+
+    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
+        """The values the class logs for the last step of an optimizer, as device tensors (no host sync)."""
+        return self._ledger.metrics(optimizer_idx)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._ledger.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._ledger.load_state_dict(state_dict)
+
+
+class ClipGradNorm(LedgerHooks):
     r"""Clip gradients by their total p-norm: the same result as ``torch.nn.utils.clip_grad_norm_``.
 
     Every optimizer step, the gradients are multiplied by ``min(1, max_norm / (total_norm + 1e-6))``. The total norm
@@ -276,22 +299,8 @@ class ClipGradNorm:
         if plan.has_gradients:
             plan.decision.clip_by(clip_coefficient(plan.pre_clip_total(self.norm_type), self.max_norm))
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.logging_step:
-            self._ledger.log(plan, ctx)
 
-    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
-        """The values the class logs for the last step of an optimizer, as device tensors (no host sync)."""
-        return self._ledger.metrics(optimizer_idx)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._ledger.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._ledger.load_state_dict(state_dict)
-
-
-class ClipGradValue:
+class ClipGradValue(LedgerHooks):
     r"""Clip every gradient element to ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``.
 
     The clamp is applied by the pipeline right after its single multiply (accumulation scaling), after the AMP
@@ -341,17 +350,3 @@ class ClipGradValue:
     def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
         if plan.has_gradients:
             plan.decision.clamp(self.clip_value)
-
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.logging_step:
-            self._ledger.log(plan, ctx)
-
-    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
-        """The values the class logs for the last step of an optimizer, as device tensors (no host sync)."""
-        return self._ledger.metrics(optimizer_idx)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._ledger.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._ledger.load_state_dict(state_dict)

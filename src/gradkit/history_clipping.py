@@ -22,6 +22,7 @@ from gradkit.clipping import (
     NORM_EPS,
     ClipDecision,
     ClipLedger,
+    LedgerHooks,
     clip_coefficient,
     clip_to_threshold,
     describe,
@@ -73,7 +74,7 @@ class _NormHistory:
     count: Tensor
 
 
-class AutoClip:
+class AutoClip(LedgerHooks):
     r"""Clip to a percentile of the history of total gradient norms (AutoClip).
 
     Seetharaman, Wichern, Pardo, Le Roux, "AutoClip: Adaptive Gradient Clipping for Source Separation Networks"
@@ -156,14 +157,6 @@ class AutoClip:
         if plan.has_gradients:
             self._ledger.clip_again(plan, self.norm_type)
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.logging_step:
-            self._ledger.log(plan, ctx)
-
-    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
-        """The values the class logs for the last step of an optimizer, as device tensors (no host sync)."""
-        return self._ledger.metrics(optimizer_idx)
-
     def state_dict(self) -> dict[str, Any]:
         """Per optimizer, the ``history`` (NaN: an empty slot) and the ``count`` of norms it took, on the CPU."""
         policies = {
@@ -204,7 +197,7 @@ class _ZStatistics:
     target: Tensor | float | None = None
 
 
-class ZClip:
+class ZClip(LedgerHooks):
     r"""Clip gradient-norm spikes detected by a z-score against an EMA of the total norm (ZClip).
 
     Kumar, Owen, Roy Chowdhury, Güra, "ZClip: Adaptive Spike Mitigation for LLM Pre-Training" (arXiv:2504.02507,
@@ -348,14 +341,6 @@ class ZClip:
         # A later evaluation of the step's closure is clipped to the first one's target; the history is fed once.
         if plan.has_gradients:
             self._ledger.clip_again(plan, self.norm_type)
-
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.logging_step:
-            self._ledger.log(plan, ctx)
-
-    def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
-        """The values the class logs for the last step of an optimizer, as device tensors (no host sync)."""
-        return self._ledger.metrics(optimizer_idx)
 
     def state_dict(self) -> dict[str, Any]:
         """Per optimizer, the ``mean`` and ``var`` (float64) and ``count`` of the statistics, every norm passed so far
