@@ -453,6 +453,19 @@ def _zero_row_loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=8)
 
 
+def _assert_both_doors_name_normalize(trainer_event: dict, loop_event: dict, step_key: str) -> None:
+    """The Trainer's and the loop door's events of the bad micro-batch 3 (step 1, the window [2, 3]) name the module
+    `normalize`, its operator and the culprit line, and their replay findings are equal."""
+    for event in (trainer_event, loop_event):
+        assert (event[step_key], event["batch_idx"], event["batches"]) == (1, 3, [2, 3])
+        assert (event["culprit"], event["culprit_source"], event["reproducible"]) == ("normalize", "replay", True)
+    (trainer_finding,) = trainer_event["values"]["forensics"]
+    (loop_finding,) = loop_event["values"]["forensics"]
+    assert (loop_finding["phase"], loop_finding["op"]) == ("forward", "aten.div.Tensor")
+    assert loop_finding["source"].endswith("return x / x.abs().amax(dim=1, keepdim=True)  # the culprit line")
+    assert loop_finding == trainer_finding
+
+
 def test_loop_door_replay_names_the_same_module_operator_and_line_as_the_trainer(tmp_path: Path) -> None:
     """``kit.note_loss(loss, replay=...)`` gives the loop door the Trainer's culprit replay: windows of 2 micro-batches,
     the second of step 1 makes NaN in ``normalize`` (0 / 0). Reference: the Trainer door's event for the same model
@@ -483,14 +496,7 @@ def test_loop_door_replay_names_the_same_module_operator_and_line_as_the_trainer
                 opt.zero_grad(set_to_none=True)
     (loop_event,) = events(tmp_path / "loop")
 
-    for event in (trainer_event, loop_event):
-        assert (event["step"], event["batch_idx"], event["batches"]) == (1, 3, [2, 3])
-        assert (event["culprit"], event["culprit_source"], event["reproducible"]) == ("normalize", "replay", True)
-    (trainer_finding,) = trainer_event["values"]["forensics"]
-    (loop_finding,) = loop_event["values"]["forensics"]
-    assert (loop_finding["phase"], loop_finding["op"]) == ("forward", "aten.div.Tensor")
-    assert loop_finding["source"].endswith("return x / x.abs().amax(dim=1, keepdim=True)  # the culprit line")
-    assert loop_finding == trainer_finding
+    _assert_both_doors_name_normalize(trainer_event, loop_event, "step")
     assert kit.skipped_steps == int(TrainerPipeline.of(trainer).skipped_steps) == 1
     for name, value in module.state_dict().items():
         assert torch.equal(value, model.state_dict()[name]), name
@@ -580,14 +586,7 @@ def test_a_fused_optimizers_skip_is_replayed_one_step_late_behind_the_trainer_an
     (loop_event,) = events(tmp_path / "loop")
     assert syncs == {1: 0, 3: 0}
 
-    for event in (trainer_event, loop_event):
-        assert (event["first_step"], event["batch_idx"], event["batches"]) == (1, 3, [2, 3])
-        assert (event["culprit"], event["culprit_source"], event["reproducible"]) == ("normalize", "replay", True)
-    (trainer_finding,) = trainer_event["values"]["forensics"]
-    (loop_finding,) = loop_event["values"]["forensics"]
-    assert (loop_finding["phase"], loop_finding["op"]) == ("forward", "aten.div.Tensor")
-    assert loop_finding["source"].endswith("return x / x.abs().amax(dim=1, keepdim=True)  # the culprit line")
-    assert loop_finding == trainer_finding
+    _assert_both_doors_name_normalize(trainer_event, loop_event, "first_step")
     (line,) = [str(w.message) for w in caught if "NonFiniteGuard" in str(w.message)]
     assert "culprit `normalize`: first non-finite value made by `aten.div.Tensor` in the forward of `normalize`" in line
 
