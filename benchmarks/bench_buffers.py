@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from harness import common_args, compare, gpt_loader, machine, report
 
 from architectures import ArchModule, ResNet18Like
-from gradkit.snapshot import Snapshot
+from gradkit.step.snapshot import Snapshot
 from lightning_gradkit import GradKitSingleDeviceStrategy, NonFiniteGuard
 from lightning_gradkit.demos import TinyGPTModule
 

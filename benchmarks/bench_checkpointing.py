@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import common_args, compare, machine, report
 
-from gradkit._arguments import format_bytes
+from gradkit._util.arguments import format_bytes
 from lightning_gradkit import ActivationCheckpointing
 from lightning_gradkit.demos import ByteDataset, TinyGPTModule, stdlib_text
 

@@ -29,7 +29,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import machine
 
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard
 
 WIDTH = 16

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradkit.early_warning import EarlyWarning
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
+from gradkit.policies.early_warning import EarlyWarning
 from lightning_gradkit.demos import ByteDataset, CausalSelfAttention, GPTConfig, TinyGPT, stdlib_text
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, dropout=0.0)

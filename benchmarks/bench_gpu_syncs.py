@@ -2,7 +2,7 @@
 
 The full stack (``GradNormMonitor(log_every_n_steps=50)``, ``ZClip()``, ``NonFiniteGuard("skip")``,
 ``SpikeGuard("loss", action="skip")``) on the project's GPT (4 x 256, batch 8 x 128, bf16 autocast / bf16-mixed),
-for ``--steps`` steps, two ways: a plain loop through :class:`gradkit.loop.GradKit`, and a Trainer fit
+for ``--steps`` steps, two ways: a plain loop through :class:`gradkit.GradKit`, and a Trainer fit
 with the ``"gradkit"`` strategy. The watched steps are every step after the first that is not a logging step
 (the first step and the last one log too); around each (forward, backward, the gradkit step, the optimizer step),
 PyTorch's detector is switched on:
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gradkit as gk
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
 from lightning_gradkit.demos import GPTConfig, TinyGPT, TinyGPTModule
 
 SIZE = {"layers": 4, "embd": 256, "batch": 8, "block": 128}

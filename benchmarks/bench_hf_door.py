@@ -37,10 +37,10 @@ from torch.utils.data import Dataset
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import machine, sync_device
 
-from gradkit.guards import NonFiniteGuard
-from gradkit.huggingface import install
-from gradkit.monitor import GradNormMonitor
-from gradkit.spike_guard import SpikeGuard
+from gradkit.doors.huggingface import install
+from gradkit.policies.guards import NonFiniteGuard
+from gradkit.policies.monitor import GradNormMonitor
+from gradkit.policies.spike_guard import SpikeGuard
 
 CONFIGS = ["HF max_grad_norm=1.0", "HF max_grad_norm=0", "door: max_grad_norm=1.0", "door: + monitor + guards"]
 VOCAB, SEQ, BATCH = 256, 64, 8

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import machine
 
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip
 from lightning_gradkit.demos import TinyGPTModule
 from lightning_gradkit.diagnostics.op_count import OpCounter

@@ -17,8 +17,8 @@ from lightning.pytorch.utilities import grad_norm
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import common_args, run_table
 
-from gradkit.norms import derive_stats, per_tensor_norms
-from gradkit.params import build_param_index
+from gradkit.step.norms import derive_stats, per_tensor_norms
+from gradkit.step.params import build_param_index
 from lightning_gradkit import GradNormMonitor
 from lightning_gradkit.demos import TinyGPTModule
 

@@ -3,8 +3,8 @@
 GPT-2-small-shaped gradients (148 tensors, 124.4M elements) in bf16 and fp32. Measured, each the median of
 ``--iters`` calls (CUDA: one pair of events around each call; CPU: ``perf_counter``):
 
-- ``per_tensor_norms``: :func:`gradkit.norms.per_tensor_norms`, the one read of the gradients;
-- ``GradStats pass``: that read plus :func:`~gradkit.norms.derive_stats` (total, per-module norms),
+- ``per_tensor_norms``: :func:`gradkit.step.norms.per_tensor_norms`, the one read of the gradients;
+- ``GradStats pass``: that read plus :func:`~gradkit.step.norms.derive_stats` (total, per-module norms),
   what the engine does every optimizer step;
 - ``get_total_norm``: ``torch.nn.utils.get_total_norm(foreach=True)``;
 - ``clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_(foreach=True)`` (norm plus the scaling pass);
@@ -32,9 +32,9 @@ import lightning
 import torch
 from torch import nn
 
-from gradkit._multi_norm import fallback_reason, norm_implementation
-from gradkit.norms import derive_stats, per_tensor_norms
-from gradkit.params import build_param_index
+from gradkit.step._multi_norm import fallback_reason, norm_implementation
+from gradkit.step.norms import derive_stats, per_tensor_norms
+from gradkit.step.params import build_param_index
 
 TARGET = 2.0  # GradStats pass / floor
 GPT2_SMALL = {"vocab": 50257, "block": 1024, "embd": 768, "layers": 12}

@@ -12,7 +12,7 @@ step on average. That amortized figure does not depend on whether a snapshot ste
 
 With ``--faults``, the script measures what SpikeRollback makes of a fault that recurs: the learning rate x100 for 4
 optimizer steps every ``P`` steps (P = 20, 40, 80; from step 120, counted in attempted steps as
-``trainer.global_step`` is, so a rollback does not move the schedule), in a plain loop (:class:`gradkit.loop.GradKit`,
+``trainer.global_step`` is, so a rollback does not move the schedule), in a plain loop (:class:`gradkit.GradKit`,
 which runs the policy as the Trainer does) on a 2-layer TinyGPT, one torch thread. The configurations: the old
 defaults (the rule for a spike that comes back as it was before issue 39, :class:`OldRule`), the new defaults, and the
 new rule with ``escalate_lr_factor`` 0.5 and 0.1. Per period and configuration it prints the
@@ -39,10 +39,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import Result, common_args, machine, run_table
 
-from gradkit import rollback as core
-from gradkit.loop import GradKit
-from gradkit.protocol import StepContext
-from gradkit.snapshot import StepSnapshot
+from gradkit.policies import rollback as core
+from gradkit.doors.loop import GradKit
+from gradkit.step.protocol import StepContext
+from gradkit.step.snapshot import StepSnapshot
 from lightning_gradkit import SpikeRollback
 from lightning_gradkit.demos import ByteDataset, GPTConfig, TinyGPT, TinyGPTModule, stdlib_text
 from lightning_gradkit.trainer_door import TrainerPipeline

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gradkit.early_warning import EarlyWarning
-from gradkit.loop import GradKit
-from gradkit.monitor import GradNormMonitor
+from gradkit.doors.loop import GradKit
+from gradkit.policies.early_warning import EarlyWarning
+from gradkit.policies.monitor import GradNormMonitor
 from lightning_gradkit.demos import GPTConfig, TinyGPT
 from lightning_gradkit.diagnostics.op_count import OpCounter
 

@@ -54,10 +54,10 @@ def hook_times(update_ratio: bool, steps: int, log_every: int, accelerator: str)
     """Per step, the monitor's two hooks together (seconds): ``(logging steps, non-logging steps)``.
 
     The step post-hook that computes the ratio runs inside ``optimizer.step()``; it is timed by wrapping
-    ``gradkit.update_ratio.update_ratios`` where the monitor looks it up (``gradkit.monitor``'s namespace) and added
-    to the logging steps' times.
+    ``gradkit.policies.update_ratio.update_ratios`` where the monitor looks it up (``gradkit.policies.monitor``'s
+    namespace) and added to the logging steps' times.
     """
-    import gradkit.monitor as monitor_module
+    import gradkit.policies.monitor as monitor_module
 
     log: dict[str, list[float]] = {name: [] for name in (*HOOKS, "after_step")}
     original = monitor_module.update_ratios

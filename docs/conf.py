@@ -69,18 +69,18 @@ nitpicky = True
 nitpick_ignore = [
     # gradkit's torch-level classes and modules that do the work behind the documented policies: a policy's docstring
     # (its callback's page) names them, while the site documents the policies only. A reference to a policy itself
-    # (`gradkit.clipping.ZClip`) or to the loop door links to its page (`_link_torch_root` below).
-    ("py:class", "gradkit.accumulate.WindowScale"),
-    ("py:class", "gradkit.host_lag.HostLag"),
-    ("py:class", "gradkit.snapshot.StepSnapshot"),
+    # (`gradkit.ZClip`) or to the loop door links to its page (`_link_torch_root` below).
+    ("py:class", "gradkit.step.accumulate.WindowScale"),
+    ("py:class", "gradkit.step.host_lag.HostLag"),
+    ("py:class", "gradkit.step.snapshot.StepSnapshot"),
     ("py:class", "StepsToSkip"),
-    ("py:func", "gradkit.replay.replay"),
-    ("py:mod", "gradkit.escalation"),
-    ("py:mod", "gradkit.forensics"),
-    ("py:mod", "gradkit.report_loggers"),
-    ("py:mod", "gradkit.selection"),
-    ("py:mod", "gradkit.signals"),
-    ("py:mod", "gradkit.warning_rules"),
+    ("py:func", "gradkit.step.replay.replay"),
+    ("py:mod", "gradkit.policies.escalation"),
+    ("py:mod", "gradkit.policies.forensics"),
+    ("py:mod", "gradkit.report.loggers"),
+    ("py:mod", "gradkit.step.selection"),
+    ("py:mod", "gradkit.policies.signals"),
+    ("py:mod", "gradkit.policies.warning_rules"),
     ("py:mod", "lightning_gradkit._deepspeed"),
     ("py:mod", "lightning_gradkit.activation_checkpointing.injection"),
     ("py:mod", "lightning_gradkit.activation_checkpointing.planner"),
@@ -88,7 +88,7 @@ nitpick_ignore = [
     ("py:data", "lightning_gradkit.diagnostics.host_sync.SYNC_CALLS"),
     # the protocol's internals that the documented StepContext, StepPlan and Policy name: the contexts of each door,
     # the roster and micro-batch records, the helpers of the protocol and of the callbacks' checks
-    ("py:class", "gradkit.loop.LoopContext"),
+    ("py:class", "gradkit.doors.loop.LoopContext"),
     ("py:class", "lightning_gradkit.trainer_door.TrainerContext"),
     ("py:class", "MicroBatch"),
     ("py:class", "Snapshot"),
@@ -131,8 +131,8 @@ def _link_external_names(app: Sphinx, config: Config) -> None:
 
 
 def _link_torch_root(app: Sphinx, env: BuildEnvironment, node: pending_xref, contnode: Element) -> Element | None:
-    """A reference into a module of the torch root (``gradkit.history_clipping.ZClip``,
-    ``gradkit.loop.GradKit.note_loss``) links to where the site documents that class under its public name: the loop
+    """A reference into a module of the torch root (``gradkit.ZClip``,
+    ``gradkit.GradKit.note_loss``) links to where the site documents that class under its public name: the loop
     door as ``gradkit.GradKit``, a policy on its callback's page (``lightning_gradkit.ZClip``, the same docstring)."""
     parts = node.get("reftarget", "").split(".")
     if node.get("refdomain") != "py" or parts[0] != "gradkit":

@@ -21,8 +21,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
 from matplotlib.transforms import Bbox
 
-from gradkit.report import build_figure
-from gradkit.report_data import load_run
+from gradkit.report.data import load_run
+from gradkit.report.figure import build_figure
 from lightning_gradkit import GradNormMonitor, NonFiniteGuard, SpikeGuard
 from lightning_gradkit.demos import FaultInjector, SpikeInjector, StdlibTextDataModule, TinyGPTModule
 

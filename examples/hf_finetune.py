@@ -36,8 +36,7 @@ import transformers
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from gradkit import GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip
-from gradkit.huggingface import install
+from gradkit import GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip, install
 
 VOCAB_SIZE = 256  # bytes
 

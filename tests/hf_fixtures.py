@@ -23,7 +23,7 @@ import transformers
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
 
 VOCAB, SEQ, BATCH = 64, 12, 4
 POISON = VOCAB - 1  # a token the clean samples never hold

@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from clip_reference import AGCRef
-from gradkit import clipping
-from gradkit.accumulate import (
+from gradkit.policies import clipping
+from gradkit.step.accumulate import (
     is_window_boundary,
     mean_window_scale,
     micro_batches_in_window,

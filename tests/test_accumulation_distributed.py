@@ -30,7 +30,7 @@ def test_ddp_accumulation_and_validation(tmp_path: Path) -> None:
         assert rank["tokens_steps"] == 3
         assert_state_close(rank["tokens"], tokens_ref)
         # The window's token count rides in the engine's single all-reduce: one collective per step, no host sync
-        # but the first step's one read of its check that the plain parameters are copies (gradkit.replicas).
+        # but the first step's one read of its check that the plain parameters are copies (gradkit.step.replicas).
         assert rank["tokens_all_reduces"] == 3
         assert rank["tokens_syncs"] == 1
         # The manual helper reaches the same parameters.

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from gradkit._arguments import check_float, check_int, check_strings
-from gradkit.loop import GradKit
+from gradkit._util.arguments import check_float, check_int, check_strings
+from gradkit.doors.loop import GradKit
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import (
     AccumulationGuard,

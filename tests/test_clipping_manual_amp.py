@@ -12,11 +12,11 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor, nn
 
 from clip_reference import AGCRef, AutoClipRef, NormRef, ValueRef, ZClipRef, total_norm
-from gradkit.agc import AdaptiveGradClip as TorchAdaptiveGradClip
-from gradkit.clipping import ClipGradNorm as TorchClipGradNorm
-from gradkit.clipping import ClipGradValue as TorchClipGradValue
-from gradkit.history_clipping import AutoClip as TorchAutoClip
-from gradkit.history_clipping import ZClip as TorchZClip
+from gradkit.policies.agc import AdaptiveGradClip as TorchAdaptiveGradClip
+from gradkit.policies.clipping import ClipGradNorm as TorchClipGradNorm
+from gradkit.policies.clipping import ClipGradValue as TorchClipGradValue
+from gradkit.policies.history_clipping import AutoClip as TorchAutoClip
+from gradkit.policies.history_clipping import ZClip as TorchZClip
 from helpers import MLPModule, count_syncs, loader, make_trainer
 from lightning_gradkit import AdaptiveGradClip, ClipGradNorm, ClipGradValue, GradNormMonitor, ZClip, clip_gradients
 

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from clip_reference import AGCRef, NormRef, ValueRef, ZClipRef
-from gradkit.agc import AdaptiveGradClip, agc_coefficients
-from gradkit.clipping import ClipGradNorm, ClipGradValue, clip_coefficient, clip_to_threshold
-from gradkit.history_clipping import AutoClip, ZClip, nan_percentile
-from gradkit.loop import GradKit
-from gradkit.norms import row_norms
+from gradkit.doors.loop import GradKit
+from gradkit.policies.agc import AdaptiveGradClip, agc_coefficients
+from gradkit.policies.clipping import ClipGradNorm, ClipGradValue, clip_coefficient, clip_to_threshold
+from gradkit.policies.history_clipping import AutoClip, ZClip, nan_percentile
+from gradkit.step.norms import row_norms
 from helpers import run_without_lightning
 
 
@@ -246,10 +246,10 @@ import math
 import torch
 from torch import nn
 from clip_reference import AGCRef, AutoClipRef, NormRef, ValueRef, ZClipRef
-from gradkit.agc import AdaptiveGradClip
-from gradkit.clipping import ClipGradNorm, ClipGradValue
-from gradkit.history_clipping import AutoClip, ZClip
-from gradkit.loop import GradKit
+from gradkit.policies.agc import AdaptiveGradClip
+from gradkit.policies.clipping import ClipGradNorm, ClipGradValue
+from gradkit.policies.history_clipping import AutoClip, ZClip
+from gradkit.doors.loop import GradKit
 
 def train(clip):
     torch.manual_seed(0)

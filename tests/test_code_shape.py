@@ -57,15 +57,15 @@ def test_the_call_depth_tracer_counts_gradkit_functions_only() -> None:
     spec.loader.exec_module(module)
     import torch
 
-    from gradkit.norms import total_norm
+    from gradkit.step.norms import total_norm
 
     functions, files = module.traced(lambda: total_norm(torch.ones(3), 2.0) + torch.ones(1))
     assert functions == ["norms.py:total_norm"] and files == ["norms.py"]
 
 
 def test_the_skip_count_has_one_writer() -> None:
-    """Issue 40: the count of skipped steps had 7 writers in 5 files. Only ``gradkit/accounting.py`` assigns it now;
-    everyone else calls its methods (a door's drop, the pipeline's skip, a rollback's rewind, a resume)."""
+    """Issue 40: the count of skipped steps had 7 writers in 5 files. Only ``gradkit/step/accounting.py`` assigns it
+    now; everyone else calls its methods (a door's drop, the pipeline's skip, a rollback's rewind, a resume)."""
     writers = []
     for path in (ROOT / "src").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -73,27 +73,28 @@ def test_the_skip_count_has_one_writer() -> None:
             for target in targets:
                 if isinstance(target, ast.Attribute) and target.attr in ("skipped_steps", "_skipped"):
                     writers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert writers and all(w.startswith("src/gradkit/accounting.py:") for w in writers), writers
+    assert writers and all(w.startswith("src/gradkit/step/accounting.py:") for w in writers), writers
 
 
 # Duck-typed checks of objects that are not policies, which share a hook's name: an LR scheduler's `state_dict`.
-_NOT_POLICIES = {("src/gradkit/loop_setup.py", "schedulers"), ("src/gradkit/loop_setup.py", "scheduler")}
+_NOT_POLICIES = {("src/gradkit/doors/loop_setup.py", "schedulers"), ("src/gradkit/doors/loop_setup.py", "scheduler")}
 
 
 def _policy_hooks() -> set[str]:
-    from gradkit.protocol import Policy
+    from gradkit.step.protocol import Policy
 
     return {name for name, value in vars(Policy).items() if callable(value) and not name.startswith("_")}
 
 
 def test_hooks_are_looked_up_by_name_in_one_place() -> None:
     """Issue 40: about 30 sites found a policy's hook by name (``hook(policy, "after_step")``, ``getattr(policy,
-    "note_loss", None)``). Only ``gradkit/protocol.py`` (its ``Roster``) does now; doors read the roster's lists."""
+    "note_loss", None)``). Only ``gradkit/step/protocol.py`` (its ``Roster``) does now; doors read the roster's
+    lists."""
     hooks = _policy_hooks()
     sites = []
     for path in (ROOT / "src").rglob("*.py"):
         where = str(path.relative_to(ROOT))
-        if where == "src/gradkit/protocol.py":
+        if where == "src/gradkit/step/protocol.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
@@ -109,7 +110,7 @@ def test_hooks_are_looked_up_by_name_in_one_place() -> None:
 
 def test_every_hook_the_roster_looks_up_is_declared_on_policy() -> None:
     """The typed protocol: each name the one lookup passes is a method of ``Policy``, with its no-op default."""
-    tree = ast.parse((ROOT / "src" / "gradkit" / "protocol.py").read_text())
+    tree = ast.parse((ROOT / "src" / "gradkit" / "step" / "protocol.py").read_text())
     looked_up = {
         node.args[1].value
         for node in ast.walk(tree)
@@ -125,7 +126,7 @@ def test_every_hook_the_roster_looks_up_is_declared_on_policy() -> None:
 def test_the_policy_facing_context_has_at_most_14_members() -> None:
     """Issue 40: ``StepContext`` had 34 members (the model, the pipeline, ``policies()``, ``trainer``...). The
     policies' per-step context keeps 14; the door's services are on ``Door``, which a policy gets at ``attach``."""
-    from gradkit.protocol import Door, StepContext
+    from gradkit.step.protocol import Door, StepContext
 
     members = {name for name in dir(StepContext) if not name.startswith("_")}
     assert len(members) <= 14, sorted(members)
@@ -136,7 +137,7 @@ def test_the_policy_facing_context_has_at_most_14_members() -> None:
 def test_the_decision_has_at_most_10_fields() -> None:
     """Issue 40: ``StepPlan`` had 36 members, measurements, decisions and lazy values together. What the policies
     decide is a ``Decision`` of at most 10 fields, written through its methods."""
-    from gradkit.pipeline import Decision
+    from gradkit.step.pipeline import Decision
 
     fields = [name for name in Decision.__slots__ if not name.startswith("_")]
     assert len(fields) <= 10, fields

@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader
 
 import gradkit
 from clip_reference import AGCRef, AutoClipRef, NormRef, ValueRef, ZClipRef
-from gradkit.culprit import MicroBatch, replay_micro_batches
+from gradkit.policies.culprit import MicroBatch, replay_micro_batches
 from helpers import make_trainer
 from lightning_gradkit import (
     ActivationCheckpointing,

@@ -267,8 +267,8 @@ def _import_origins(tree: ast.Module) -> dict[str, str]:
     return origins
 
 
-# The one import of each door that is not the Trainer's: the policies and GradKit from `gradkit`, HF's `install`.
-DOOR_IMPORTS = {"GradKit": "gradkit", "install": "gradkit.huggingface"}
+# The one import of every door but the Trainer's: the policies, GradKit and HF's `install` from `gradkit`.
+DOOR_IMPORTS = {"GradKit": "gradkit", "install": "gradkit"}
 
 
 def test_loop_and_hf_door_blocks_import_from_gradkit() -> None:

@@ -1,7 +1,7 @@
 """One state format behind every door, and a loop door that leaves nothing behind.
 
 A policy's state is keyed by its ``state_key`` behind the Trainer (``checkpoint["callbacks"]``) and behind
-:class:`~gradkit.loop.GradKit` (``state_dict()["policies"]``): a Trainer checkpoint resumes a plain loop and a plain
+:class:`~gradkit.GradKit` (``state_dict()["policies"]``): a Trainer checkpoint resumes a plain loop and a plain
 loop's state resumes a Trainer, each continuing exactly as the uninterrupted run (the reference: one plain loop over
 all batches, which tests/test_front_doors.py proves equal to the Trainer and to ``clip_grad_norm_``).
 """
@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from gradkit.loop import GradKit
-from gradkit.protocol import Stage
+from gradkit.doors.loop import GradKit
+from gradkit.step.protocol import Stage
 from helpers import make_trainer
 from lightning_gradkit import NonFiniteGuard, SpikeGuard, ZClip
 from lightning_gradkit import StepsToSkip as StepsToSkipCallback
@@ -138,9 +138,9 @@ def test_a_trainer_resume_with_a_policy_added_and_one_gone_warns_as_the_loop_doo
 def test_saved_snapshots_carry_a_torch_clippers_state_through_a_loop_doors_resume() -> None:
     """`SpikeRollback(save_snapshots=True)` beside a torch-only clipper (no ``state_key`` attribute: keyed by its class
     name, as behind the Trainer): the state saves, resumes, and the resumed loop ends as the uninterrupted one."""
-    from gradkit.guards import NonFiniteGuard as TorchNonFiniteGuard
-    from gradkit.history_clipping import AutoClip
-    from gradkit.rollback import SpikeRollback
+    from gradkit.policies.guards import NonFiniteGuard as TorchNonFiniteGuard
+    from gradkit.policies.history_clipping import AutoClip
+    from gradkit.policies.rollback import SpikeRollback
 
     def kit_for(model: nn.Module, opt: torch.optim.Optimizer) -> GradKit:
         rollback = SpikeRollback("loss", snapshot_every_n_steps=2, save_snapshots=True)
@@ -299,7 +299,7 @@ class _HalvingPolicy:
 def test_a_second_clip_in_one_step_is_refused_not_overwritten() -> None:
     """Issue 40: a clip was a plain field of the plan, and a second clipper silently replaced the first one's. The
     decision takes one clip form per step: ClipGradNorm after the user's halving raises, naming the rule."""
-    from gradkit.clipping import ClipGradNorm
+    from gradkit.policies.clipping import ClipGradNorm
 
     torch.manual_seed(0)
     model = Net()

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradkit.early_warning import EarlyWarning
-from gradkit.escalation import rewarmup_factor
-from gradkit.loop import GradKit
-from gradkit.warning_rules import DEFAULT_FLOORS, DEFAULT_THRESHOLDS, Detector
+from gradkit.doors.loop import GradKit
+from gradkit.policies.early_warning import EarlyWarning
+from gradkit.policies.escalation import rewarmup_factor
+from gradkit.policies.warning_rules import DEFAULT_FLOORS, DEFAULT_THRESHOLDS, Detector
 from helpers import make_trainer, read_metrics
 from lightning_gradkit import EarlyWarning as EarlyWarningCallback
 from lightning_gradkit.demos import GPTConfig, TinyGPT, TinyGPTModule

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradkit.events import EVENTS_FILENAME
+from gradkit.report.events import EVENTS_FILENAME
 from helpers import loader, make_trainer
 from lightning_gradkit import NonFiniteGuard
 from test_guards import NAN, Fault, FaultModule, events, reference_params, state_equal

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from gradkit.norms import host_to_device
+from gradkit.step.norms import host_to_device
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import AdaptiveGradClip, GradNormMonitor
 

@@ -16,11 +16,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from architectures import ArchModule, ResNet18Like, TiedTransformerLM, TinyViT, data_loader, image_data, token_data
-from gradkit.culprit import replay_micro_batches
-from gradkit.forensics import find_nonfinite_origin
-from gradkit.loop import GradKit
-from gradkit.params import clean_name
-from gradkit.replay import capture_rng, replay
+from gradkit.doors.loop import GradKit
+from gradkit.policies.culprit import replay_micro_batches
+from gradkit.policies.forensics import find_nonfinite_origin
+from gradkit.step.params import clean_name
+from gradkit.step.replay import capture_rng, replay
 from helpers import MLPModule, assert_same_state, count_syncs, loader, make_trainer
 from lightning_gradkit import NonFiniteGuard
 from lightning_gradkit.callbacks.guard_callbacks import training_step_batch

@@ -25,7 +25,7 @@ from lightning.pytorch.loggers import Logger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
 from helpers import count_syncs, launched_in_process, make_trainer
 from lightning_gradkit import (
     AccumulationGuard,

@@ -11,7 +11,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
 from helpers import launched_in_process
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard
 from test_front_doors import BATCHES, Net, _batches, _initial_state, _optimizer

@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from gradkit.escalation import reset_optimizer_state_
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
+from gradkit.policies.escalation import reset_optimizer_state_
 from helpers import MLPModule, assert_same_state, count_syncs, make_trainer
 from lightning_gradkit import ClipGradNorm, NonFiniteGuard
 

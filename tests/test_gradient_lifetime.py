@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gradkit.write import measure_grads
+from gradkit.step.write import measure_grads
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import (
     AdaptiveGradClip,
@@ -135,7 +135,7 @@ def test_previous_window_gradients_are_freed_with_manual_accumulator(tmp_path: P
 
 
 def test_released_plan_measures_the_gradients_as_they_are_now(tmp_path: Path) -> None:
-    """After its step a plan no longer holds gradients; ``gradkit.write.measure_grads`` reads ``p.grad`` until
+    """After its step a plan no longer holds gradients; ``gradkit.step.write.measure_grads`` reads ``p.grad`` until
     ``zero_grad``."""
     seen: dict[str, Any] = {}
 

@@ -441,9 +441,9 @@ LIGHTNING_FREE_LOOP = """
 import json, math, sys, warnings
 import torch
 from torch import nn
-from gradkit.guards import NonFiniteGuard
-from gradkit.loop import GradKit
-from gradkit.spike_guard import SpikeGuard
+from gradkit.policies.guards import NonFiniteGuard
+from gradkit.doors.loop import GradKit
+from gradkit.policies.spike_guard import SpikeGuard
 
 def batches():
     g = torch.Generator().manual_seed(0)
@@ -486,7 +486,7 @@ print(json.dumps({"applied": applied, "same": same, "skipped": kit.skipped_steps
 
 
 def test_torch_guards_run_behind_the_loop_door_without_lightning(tmp_path: Path) -> None:
-    """``gradkit.guards.NonFiniteGuard`` and ``gradkit.spike_guard.SpikeGuard`` in a plain loop, in a fresh
+    """``gradkit.NonFiniteGuard`` and ``gradkit.SpikeGuard`` in a plain loop, in a fresh
     interpreter that never loads Lightning. Reference: the same loop in plain PyTorch without the two bad steps."""
     result = json.loads(run_without_lightning(LIGHTNING_FREE_LOOP, str(tmp_path)))
     assert result["applied"] == [i not in (3, 9) for i in range(12)] and result["skipped"] == 2

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import NonFiniteGuard
 from test_guards import events

@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from gradkit.guards import NonFiniteGuard as LoopNonFiniteGuard
-from gradkit.loop import GradKit
-from gradkit.norms import checked_norms, per_tensor_norms
+from gradkit.doors.loop import GradKit
+from gradkit.policies.guards import NonFiniteGuard as LoopNonFiniteGuard
+from gradkit.step.norms import checked_norms, per_tensor_norms
 from helpers import MLPModule, column, loader, make_trainer, read_metrics
 from lightning_gradkit import NonFiniteGuard
 from lightning_gradkit.trainer_door import TrainerPipeline

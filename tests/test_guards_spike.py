@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor
 
-from gradkit.running import HostMoments, RunningMoments, ema_update, spike_decision, std_of
+from gradkit.step.running import HostMoments, RunningMoments, ema_update, spike_decision, std_of
 from helpers import MLPModule, column, loader, make_trainer, read_metrics
 from lightning_gradkit import ManualAccumulator, NonFiniteGuard, SpikeGuard
 from test_guards import FaultModule, events, state_equal
@@ -341,7 +341,7 @@ def test_loss_monitor_records_the_mean_of_each_window_including_the_short_last_o
 def flat_loss_run(values: list[float], **guard_args: Any) -> list[int]:
     """The loop door fed ``values`` as the losses (a model that is not the point); the steps a ``SpikeGuard(loss,
     action="skip")`` skipped."""
-    from gradkit.loop import GradKit
+    from gradkit.doors.loop import GradKit
 
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -395,7 +395,7 @@ def test_each_optimizer_is_compared_with_its_own_statistics() -> None:
     40. The per-optimizer rule by hand on each stream skips that step; one statistic for both streams (the values
     interleaved, as the guard kept them before) sees nothing. The guard skips what the per-optimizer rule skips, and
     saves each optimizer's statistics as the rule computes them."""
-    from gradkit.loop import GradKit
+    from gradkit.doors.loop import GradKit
 
     gen = torch.Generator().manual_seed(0)
     first = 1.0 + 0.05 * torch.randn(60, generator=gen)  # float32, as the losses handed over

@@ -1,5 +1,5 @@
-"""The Hugging Face ``Trainer`` door (``gradkit.huggingface``): the same training as the loop door, bitwise, and as a
-hand-written loop with ``clip_grad_norm_`` and the non-finite batch left out.
+"""The Hugging Face ``Trainer`` door (``gradkit.doors.huggingface``): the same training as the loop door, bitwise, and
+as a hand-written loop with ``clip_grad_norm_`` and the non-finite batch left out.
 
 Each test trains a tiny GPT-2, a BERT classifier (both built from config: no download) or a small BatchNorm classifier
 with ``transformers.Trainer`` and the door, and compares against references that share nothing with HF's loop
@@ -21,7 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from gradkit.huggingface import install  # noqa: E402
+from gradkit.doors.huggingface import install  # noqa: E402
 from helpers import assert_same_state, run_without_lightning  # noqa: E402
 from hf_fixtures import (  # noqa: E402
     CULPRITS,
@@ -276,7 +276,7 @@ def test_the_door_takes_over_hfs_max_grad_norm_and_says_so(tmp_path: Path, caplo
     # HF's default clipping (max_grad_norm=1.0; 0.5 here) runs as ClipGradNorm in the pipeline: the same training as
     # max_grad_norm=0 with ClipGradNorm(0.5) given to the door, and HF's grad_norm stays the pre-clip norm. Said once,
     # at info level (nothing is wrong).
-    with caplog.at_level(logging.INFO, logger="gradkit.huggingface"):
+    with caplog.at_level(logging.INFO, logger="gradkit.doors.huggingface"):
         trainer, door = _hf_run("gpt2", tmp_path / "hf", [GradNormMonitor(), NonFiniteGuard()], max_grad_norm=0.5)
     notes = [r.getMessage() for r in caplog.records if "runs as ClipGradNorm" in r.getMessage()]
     assert len(notes) == 1 and "max_grad_norm=0.5) runs as ClipGradNorm(max_norm=0.5)" in notes[0], notes
@@ -329,7 +329,10 @@ def test_the_example_skips_the_injected_nan_and_resumes_with_the_policies_state(
     spec.loader.exec_module(example)
     common = ["--out-dir", str(tmp_path), "--n-layer", "1", "--n-embd", "32", "--max-bytes", "20000", "--cpu"]
     common += ["--logging-steps", "1", "--save-steps", "2", "--batch-size", "2", "--accumulate", "1"]
-    with caplog.at_level(logging.INFO, logger="gradkit.huggingface"), warnings.catch_warnings(record=True) as caught:
+    with (
+        caplog.at_level(logging.INFO, logger="gradkit.doors.huggingface"),
+        warnings.catch_warnings(record=True) as caught,
+    ):
         warnings.simplefilter("always")
         trainer = example.main([*common, "--max-steps", "4", "--inject-nan-at", "1"])
     # HF's default max_grad_norm=1.0 runs as ClipGradNorm: nothing is wrong, so a note at info level, no warning.
@@ -350,7 +353,7 @@ def test_the_monitors_gradient_report_is_drawn_in_the_output_dir(tmp_path: Path)
     # GradNormMonitor(report=True): the report of the run's norms, clips and skips, drawn at the end of training into
     # HF's output_dir (where the events are), from what the monitor logged on HF's logging steps.
     pytest.importorskip("matplotlib")
-    from gradkit.report import REPORT_FILE
+    from gradkit.report.figure import REPORT_FILE
 
     trainer, door = _hf_run(
         "gpt2", tmp_path, [GradNormMonitor(report=True), ClipGradNorm(max_norm=0.5), NonFiniteGuard(action="skip")]

@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from gradkit.huggingface import STATE_FILENAME, install  # noqa: E402
+from gradkit.doors.huggingface import STATE_FILENAME, install  # noqa: E402
 from helpers import assert_same_state  # noqa: E402
 from hf_fixtures import (  # noqa: E402
     MODELS,

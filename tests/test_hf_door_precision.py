@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from gradkit.huggingface import install  # noqa: E402
+from gradkit.doors.huggingface import install  # noqa: E402
 from hf_fixtures import (  # noqa: E402
     MODELS,
     TokenData,

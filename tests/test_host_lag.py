@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from gradkit.history_clipping import ZClip
-from gradkit.host_lag import HostLag, as_float32
+from gradkit.policies.history_clipping import ZClip
+from gradkit.step.host_lag import HostLag, as_float32
 from helpers import count_syncs
 from test_clipping_policies import drive
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
 from helpers import count_syncs
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip
 from lightning_gradkit.diagnostics.op_count import OpCounter
@@ -280,7 +280,7 @@ def test_the_trainer_counter_covers_the_whole_step(tmp_path: Path) -> None:
 
 
 def test_finite_mask_equals_isfinite_on_every_kind_of_value() -> None:
-    from gradkit.norms import finite_mask, nonfinite_mask
+    from gradkit.step.norms import finite_mask, nonfinite_mask
 
     x = torch.tensor([0.0, -0.0, 1.0, -3.4e38, 3.4e38, 1e-45, math.inf, -math.inf, math.nan])
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):

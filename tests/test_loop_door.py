@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
 from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, SpikeRollback
 
 pytestmark = pytest.mark.filterwarnings("ignore:NonFiniteGuard:UserWarning")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradkit.selection import auto_module_keys, module_rows, repeated_blocks
+from gradkit.step.selection import auto_module_keys, module_rows, repeated_blocks
 from helpers import MLPModule, column, count_syncs, loader, make_trainer, read_metrics
 from lightning_gradkit import GradNormMonitor
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-import gradkit.monitor
-import gradkit.report
-from gradkit.events import EventLog
-from gradkit.loop import GradKit
-from gradkit.protocol import Stage
+import gradkit.policies.monitor
+import gradkit.report.figure
+from gradkit.doors.loop import GradKit
+from gradkit.report.events import EventLog
+from gradkit.step.protocol import Stage
 from helpers import MLPModule, loader, make_trainer, read_metrics, run_without_lightning
 from lightning_gradkit import GradNormMonitor
 from test_monitor_update_ratio import hand_ratios, logged
@@ -41,7 +41,7 @@ def loop_run(log_dir: Path) -> tuple[dict[int, dict[str, float]], dict[int, dict
     torch.manual_seed(0)
     model = MLPModule(optimizer="adam", lr=0.01)
     opt = model.configure_optimizers()
-    monitor = gradkit.monitor.GradNormMonitor(depth=2, update_ratio=True, report=True)
+    monitor = gradkit.GradNormMonitor(depth=2, update_ratio=True, report=True)
     rows: dict[int, dict[str, float]] = {}
     kit = GradKit(
         model,
@@ -99,11 +99,13 @@ def test_the_loop_doors_report_shows_the_events_the_guards_write_at_finish(
 ) -> None:
     """The monitor listed first still draws after the guards' ``finish``: the door calls it in stage order."""
     drawn: list[list[dict]] = []
-    real_draw = gradkit.report.draw
-    monkeypatch.setattr(gradkit.report, "draw", lambda data, source: drawn.append(data.events) or real_draw(data))
+    real_draw = gradkit.report.figure.draw
+    monkeypatch.setattr(
+        gradkit.report.figure, "draw", lambda data, source: drawn.append(data.events) or real_draw(data)
+    )
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    monitor = gradkit.monitor.GradNormMonitor(report=True)
+    monitor = gradkit.GradNormMonitor(report=True)
     kit = GradKit(model, opt, [monitor, _WritesAnEventAtFinish(tmp_path)], log_every_n_steps=1, log_dir=tmp_path)
     for _ in range(3):
         model(torch.ones(2, 4)).sum().backward()
@@ -118,9 +120,9 @@ import json, tempfile
 from pathlib import Path
 import torch
 from torch import nn
-from gradkit.loop import GradKit
-from gradkit.monitor import GradNormMonitor
-from gradkit.protocol import Stage
+from gradkit.doors.loop import GradKit
+from gradkit.policies.monitor import GradNormMonitor
+from gradkit.step.protocol import Stage
 
 class SkipStep2:
     '''A policy of the protocol, torch only: skips the optimizer step at step 2.'''

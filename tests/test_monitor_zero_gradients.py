@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from architectures import ArchModule, ResNet18Like, data_loader, image_data
-from gradkit.monitor import ZERO_GRADIENT_STEPS
+from gradkit.policies.monitor import ZERO_GRADIENT_STEPS
 from helpers import MLPModule, count_syncs, loader, make_trainer
 from lightning_gradkit import GradNormMonitor
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from gradkit import _multi_norm
-from gradkit._multi_norm import fallback_reason, multi_tensor_norms, norm_implementation
-from gradkit.norms import per_tensor_norms, total_norm
+from gradkit.step._multi_norm import fallback_reason, multi_tensor_norms, norm_implementation
+from gradkit.step.norms import per_tensor_norms, total_norm
 from helpers import run_fresh
 
 RTOL = 1e-6  # the kernel against float64
@@ -175,7 +175,7 @@ def test_environment_variable_turns_the_kernel_off_and_rejects_unknown_values(mo
 _INTERPRETED = r"""
 import math, torch
 from gradkit import _multi_norm
-from gradkit._multi_norm import _foreach_norms, _kernel_norms
+from gradkit.step._multi_norm import _foreach_norms, _kernel_norms
 
 torch.manual_seed(0)
 def check(tensors, p, label, against_fallback=True):

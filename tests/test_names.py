@@ -16,8 +16,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel
 
-from gradkit.forensics import find_nonfinite_origin
-from gradkit.params import clean_name, is_ddp_wrapped
+from gradkit.policies.forensics import find_nonfinite_origin
+from gradkit.step.params import clean_name, is_ddp_wrapped
 from helpers import MLPModule, column, loader, make_trainer, read_metrics
 from lightning_gradkit import GradNormMonitor, NonFiniteGuard
 from lightning_gradkit.activation_checkpointing.injection import select_modules

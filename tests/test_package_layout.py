@@ -7,8 +7,11 @@ import ast
 import importlib
 from pathlib import Path
 
+import pytest
+
 import gradkit
 import lightning_gradkit
+from gradkit._util.moved import MOVED
 from helpers import run_fresh, run_without_lightning
 
 PACKAGE = Path(lightning_gradkit.__file__).parent
@@ -30,7 +33,7 @@ def _imports(path: Path) -> set[str]:
 def test_the_torch_root_imports_no_lightning() -> None:
     # Every module of `gradkit`, at any depth of its functions: no framework, nothing of the Lightning layer.
     files = sorted(TORCH_ROOT.rglob("*.py"))
-    assert TORCH_ROOT / "norms.py" in files and TORCH_ROOT / "loop.py" in files
+    assert TORCH_ROOT / "step" / "norms.py" in files and TORCH_ROOT / "doors" / "loop.py" in files
     for path in files:
         for name in _imports(path):
             top = name.split(".")[0]
@@ -40,7 +43,7 @@ def test_the_torch_root_imports_no_lightning() -> None:
 
 def test_importing_the_torch_root_loads_no_lightning() -> None:
     # The loop door and the policies, imported the way the docs teach a plain PyTorch loop to.
-    run_without_lightning(f"from gradkit import {', '.join(gradkit.__all__)}\nimport gradkit.accumulate")
+    run_without_lightning(f"from gradkit import {', '.join(gradkit.__all__)}\nimport gradkit.step.accumulate")
 
 
 def _torch_policies() -> dict[str, str]:
@@ -159,3 +162,22 @@ def test_every_module_lists_its_public_names_in_all() -> None:
         module = importlib.import_module(".".join(["lightning_gradkit", *parts]))
         missing = [name for name in listed if not hasattr(module, name)]
         assert missing == [], f"{where}: `__all__` lists names it does not have"
+
+
+def test_the_torch_root_is_arranged_by_role() -> None:
+    # Issue 40: 47 flat modules with prefix families became a few packages by role; at most 8 entries at the top.
+    entries = sorted(p.name for p in TORCH_ROOT.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 8, entries
+    assert {"step", "policies", "doors", "report"} <= set(entries)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_still_imports_with_a_deprecation_warning(old: str) -> None:
+    # One release of grace for every module path of the flat layout: the old path gives the new module's objects and
+    # says where they went, at the line that reads them.
+    new = importlib.import_module(f"gradkit.{MOVED[old]}")
+    name = next(n for n in getattr(new, "__all__", dir(new)) if not n.startswith("_"))
+    with pytest.warns(DeprecationWarning, match=rf"`gradkit\.{old}` moved to `gradkit\.{MOVED[old]}`") as caught:
+        value = getattr(importlib.import_module(f"gradkit.{old}"), name)
+    assert value is getattr(new, name)
+    assert caught[0].filename == __file__

@@ -21,12 +21,12 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 import gradkit
-from gradkit.guards import NonFiniteGuard as TorchNonFiniteGuard
-from gradkit.loop import GradKit
-from gradkit.monitor import GradNormMonitor as TorchGradNormMonitor
-from gradkit.protocol import Policy, Stage
-from gradkit.rollback import SpikeRollback as TorchSpikeRollback
-from gradkit.spike_guard import SpikeGuard as TorchSpikeGuard
+from gradkit.doors.loop import GradKit
+from gradkit.policies.guards import NonFiniteGuard as TorchNonFiniteGuard
+from gradkit.policies.monitor import GradNormMonitor as TorchGradNormMonitor
+from gradkit.policies.rollback import SpikeRollback as TorchSpikeRollback
+from gradkit.policies.spike_guard import SpikeGuard as TorchSpikeGuard
+from gradkit.step.protocol import Policy, Stage
 from helpers import MLPModule, exported_callbacks, loader, make_trainer
 from lightning_gradkit import (
     AccumulationGuard,

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from gradkit.snapshot import Snapshot
+from gradkit.step.snapshot import Snapshot
 from helpers import make_trainer
 from lightning_gradkit import AccumulationGuard, ActivationCheckpointing, NonFiniteGuard
 

@@ -19,8 +19,8 @@ from torch import nn
 
 import gradkit
 import lightning_gradkit
-from gradkit.params import build_param_index
-from gradkit.replicas import declared_groups, replica_mismatch
+from gradkit.step.params import build_param_index
+from gradkit.step.replicas import declared_groups, replica_mismatch
 
 
 def table(norms: list[float], keys: list[float], weights: list[float] | None = None) -> torch.Tensor:

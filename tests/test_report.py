@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradkit.report import build_figure, main, render
-from gradkit.report_data import load_run
+from gradkit.report.data import load_run
+from gradkit.report.figure import build_figure, main, render
 from helpers import MLPModule, column, loader, make_trainer, read_metrics
 from lightning_gradkit import GradNormMonitor
 

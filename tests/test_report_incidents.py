@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradkit.report import build_figure
-from gradkit.report_data import RunData, load_run
+from gradkit.report.data import RunData, load_run
+from gradkit.report.figure import build_figure
 from helpers import MLPModule, loader, make_trainer, read_metrics
 from lightning_gradkit import GradNormMonitor, NonFiniteGuard
 from lightning_gradkit.demos import FaultInjector

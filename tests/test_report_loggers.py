@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-import gradkit.monitor
-import gradkit.report
-from gradkit.loop import GradKit
-from gradkit.report_loggers import EVENT_COLUMNS, EVENTS_TAG, REPORT_TAG, event_rows, events_summary, publish
+import gradkit.policies.monitor
+import gradkit.report.figure
+from gradkit.doors.loop import GradKit
+from gradkit.report.loggers import EVENT_COLUMNS, EVENTS_TAG, REPORT_TAG, event_rows, events_summary, publish
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import GradNormMonitor, NonFiniteGuard
 from lightning_gradkit.demos import FaultInjector
@@ -46,9 +46,9 @@ def guarded_fit(tmp_path: Path, logger: object, **monitor_args: object) -> tuple
 
 def figure_pixels(monitor: GradNormMonitor) -> tuple[int, int]:
     """(width, height) of the report's figure as a logger renders it (matplotlib's default dpi)."""
-    fig = gradkit.report.build_figure(monitor.report_data)
+    fig = gradkit.report.figure.build_figure(monitor.report_data)
     width, height = fig.get_size_inches() * fig.dpi
-    gradkit.report.close(fig)
+    gradkit.report.figure.close(fig)
     return round(width), round(height)
 
 
@@ -110,7 +110,7 @@ def test_the_loop_door_logs_the_report_to_fabrics_tensorboard_logger(tmp_path: P
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
-    monitor = gradkit.monitor.GradNormMonitor(depth=1, report=True)
+    monitor = gradkit.GradNormMonitor(depth=1, report=True)
     kit = GradKit(model, optimizer, monitor, fabric=fabric, log_every_n_steps=1)
     for _ in range(4):
         fabric.backward(model(torch.randn(8, 4)).pow(2).mean())
@@ -142,7 +142,7 @@ def test_trainer_logs_the_report_to_mlflows_local_file_store(tmp_path: Path, mon
     assert (width, height) == pytest.approx(figure_pixels(monitor), abs=2)
     assert [json.loads(line) for line in (local / "gradkit_events.jsonl").read_text().splitlines()] == events
     tags = client.get_run(run_id).data.tags
-    assert tags["gradkit.events"] == events_summary(events)
+    assert tags["gradkit.report.events"] == events_summary(events)
     assert tags["gradkit.report_step"] == str(STEPS - 1)
 
 
@@ -182,7 +182,7 @@ def test_without_matplotlib_the_report_warns_once_and_the_loggers_get_the_events
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
     )
-    monkeypatch.setattr(gradkit.report, "draw", lambda *a, **k: pytest.fail("drew without matplotlib"))
+    monkeypatch.setattr(gradkit.report.figure, "draw", lambda *a, **k: pytest.fail("drew without matplotlib"))
     logger = TensorBoardLogger(tmp_path, name="tb")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -235,7 +235,7 @@ def test_report_every_n_logs_needs_report_and_a_positive_count() -> None:
 
 
 def test_the_events_table_escapes_a_pipe_in_a_cell() -> None:
-    from gradkit.report_loggers import events_markdown
+    from gradkit.report.loggers import events_markdown
 
     table = events_markdown([{"step": 3, "what": "loss_spike", "culprit": "a|b", "source": "SpikeGuard"}])
     assert table.splitlines()[0] == "1 event: 1 x loss_spike at step 3"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gradkit.report import build_figure, render
-from gradkit.report_data import RunData
-from gradkit.report_signals import signal_series
+from gradkit.report.data import RunData
+from gradkit.report.figure import build_figure, render
+from gradkit.report.signal_panels import signal_series
 
 pytest.importorskip("matplotlib")
 

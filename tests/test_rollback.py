@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from architectures import ResNet18Like, image_data
-from gradkit.snapshot import Snapshot, _fits
+from gradkit.step.snapshot import Snapshot, _fits
 from helpers import column, count_syncs, make_trainer, read_metrics, regression_data, run_without_lightning
 from lightning_gradkit import NonFiniteGuard, SpikeGuard, SpikeRollback, ZClip
 from test_guards import events
@@ -713,8 +713,8 @@ _NO_LIGHTNING_ROLLBACK = """
 import json
 import torch
 from torch import nn
-from gradkit.loop import GradKit
-from gradkit.rollback import SpikeRollback
+from gradkit.doors.loop import GradKit
+from gradkit.policies.rollback import SpikeRollback
 
 def batches():
     g = torch.Generator().manual_seed(0)
@@ -754,7 +754,7 @@ print(json.dumps({"record": record, "same": same, "adam_steps": sorted(steps), "
 
 
 def test_the_torch_policy_rolls_back_behind_the_loop_door_with_lightning_never_imported() -> None:
-    """``gradkit.rollback.SpikeRollback`` behind ``GradKit`` in a fresh interpreter: no Lightning module is ever
+    """``gradkit.SpikeRollback`` behind ``GradKit`` in a fresh interpreter: no Lightning module is ever
     loaded, and after a rollback (two spiking steps, the snapshot of step 6 restored, one batch stepped over) the
     model, BatchNorm statistics included, equals bitwise a hand-written loop that trained only on the kept batches,
     and Adam's step count is the number of kept batches."""

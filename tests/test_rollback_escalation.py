@@ -22,8 +22,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradkit.escalation import reset_optimizer_state_, rewarmup_factor
-from gradkit.snapshot import Snapshot
+from gradkit.policies.escalation import reset_optimizer_state_, rewarmup_factor
+from gradkit.step.snapshot import Snapshot
 from helpers import make_trainer, regression_data
 from lightning_gradkit import SpikeRollback
 from test_guards import events

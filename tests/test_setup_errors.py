@@ -69,7 +69,7 @@ def test_the_hugging_face_door_installed_twice_is_refused_naming_the_trainer_and
     """A second door used to be accepted: both wrapped the Trainer, and the first warned at the end that no step went
     through `kit.step(optimizer)`."""
     transformers = pytest.importorskip("transformers")
-    from gradkit.huggingface import HFGradKit, install
+    from gradkit.doors.huggingface import HFGradKit, install
     from hf_fixtures import MODELS, training_args
 
     trainer = transformers.Trainer(MODELS["norm"](), training_args(tmp_path))

@@ -1,7 +1,7 @@
-"""The early-warning signals (``gradkit.signals``), each against an independent reference: attention logits computed by
-hand (``q @ k^T / sqrt(d)``, masked), log Z with ``torch.logsumexp``, ``g^2 / v`` from the optimizer's state by hand,
-update ratios from copies of the parameters, OLMo's SpikeScore written out in the test; and what a step that does
-not log costs: no device operation, no host sync."""
+"""The early-warning signals (``gradkit.policies.signals``), each against an independent reference: attention logits
+computed by hand (``q @ k^T / sqrt(d)``, masked), log Z with ``torch.logsumexp``, ``g^2 / v`` from the optimizer's state
+by hand, update ratios from copies of the parameters, OLMo's SpikeScore written out in the test; and what a step that
+does not log costs: no device operation, no host sync."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradkit.early_warning import EarlyWarning
-from gradkit.loop import GradKit
-from gradkit.signal_math import SpikeScore, adam_ratio_sums, sampled_positions, sdpa_logit_max
+from gradkit.doors.loop import GradKit
+from gradkit.policies.early_warning import EarlyWarning
+from gradkit.policies.signal_math import SpikeScore, adam_ratio_sums, sampled_positions, sdpa_logit_max
 from helpers import count_syncs
 from lightning_gradkit.demos import GPTConfig, TinyGPT
 from lightning_gradkit.diagnostics.op_count import OpCounter

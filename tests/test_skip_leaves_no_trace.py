@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset
 
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
 from helpers import MLPModule, assert_same_state, make_trainer, regression_data
 from lightning_gradkit import AutoClip, NonFiniteGuard, SpikeGuard, SpikeRollback, ZClip
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from gradkit._arguments import validate_norm_type
-from gradkit.norms import derive_stats, grouped_norms, per_tensor_norms
-from gradkit.params import build_param_index, clean_name, module_key
+from gradkit._util.arguments import validate_norm_type
+from gradkit.step.norms import derive_stats, grouped_norms, per_tensor_norms
+from gradkit.step.params import build_param_index, clean_name, module_key
 
 NORMS = [1.0, 2.0, 3.0, math.inf]
 

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from architectures import ArchModule, ResNet18Like, TiedTransformerLM, TinyViT, image_data, token_data
-from gradkit.replay import replay, replaying
-from gradkit.snapshot import Snapshot
+from gradkit.step.replay import replay, replaying
+from gradkit.step.snapshot import Snapshot
 from helpers import make_trainer
 from lightning_gradkit import AccumulationGuard, ActivationCheckpointing, NonFiniteGuard
 from test_accumulation import TokenLM, max_diff, token_loader

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from gradkit.loop import GradKit
-from gradkit.rollback import SpikeRollback
-from gradkit.steps_to_skip import StepsToSkip, merge_ranges, steps_from_events
+from gradkit.doors.loop import GradKit
+from gradkit.policies.rollback import SpikeRollback
+from gradkit.policies.steps_to_skip import StepsToSkip, merge_ranges, steps_from_events
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import StepsToSkip as StepsToSkipCallback
 from test_guards import events

@@ -16,7 +16,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 
-from gradkit import clipping
+from gradkit.policies import clipping
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import ClipGradNorm, NonFiniteGuard, SpikeGuard, ZClip, clip_gradients
 from test_guards import FaultModule, state_equal

@@ -18,7 +18,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 from torch import Tensor, nn
 
-from gradkit.events import EVENTS_FILENAME as EVENTS_FILE
+from gradkit.report.events import EVENTS_FILENAME as EVENTS_FILE
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import InferenceModeValidation
 from lightning_gradkit.callbacks.validation import find_inference_tensors, inference_mode_unsafe_reason

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradkit.loop import GradKit
-from gradkit.replay import replay
+from gradkit.doors.loop import GradKit
+from gradkit.step.replay import replay
 from helpers import make_trainer
 from lightning_gradkit import AccumulationGuard, ActivationCheckpointing, NonFiniteGuard
 

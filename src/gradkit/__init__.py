@@ -1,7 +1,7 @@
 """gradkit: the gradient path of a training run in plain PyTorch; no Lightning is imported.
 
 The step pipeline (measure -> reduce -> decide -> apply -> observe), the policies as plain torch objects and the
-loop door :class:`~gradkit.loop.GradKit` for a Fabric or plain-PyTorch loop. The Lightning ``Trainer`` callbacks of
+loop door :class:`~gradkit.GradKit` for a Fabric or plain-PyTorch loop. The Lightning ``Trainer`` callbacks of
 the same policies (same names, same arguments, same checkpoint keys) are in ``lightning_gradkit``, which ships beside
 this package.
 
@@ -19,21 +19,30 @@ Example::
 
 from __future__ import annotations
 
-from gradkit.agc import AdaptiveGradClip
-from gradkit.clipping import ClipGradNorm, ClipGradValue
-from gradkit.early_warning import EarlyWarning
-from gradkit.guards import NonFiniteGuard
-from gradkit.history_clipping import AutoClip, ZClip
-from gradkit.loop import GradKit
-from gradkit.monitor import GradNormMonitor
-from gradkit.norms import GradStats
-from gradkit.pipeline import StepPlan
-from gradkit.protocol import Policy, Stage, StepContext
-from gradkit.qk_clip import QKClip
-from gradkit.replicas import expert_parallel
-from gradkit.rollback import SpikeRollback
-from gradkit.spike_guard import SpikeGuard
-from gradkit.steps_to_skip import StepsToSkip
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from gradkit._util.moved import register as _register_moved
+from gradkit.doors.loop import GradKit
+from gradkit.policies.agc import AdaptiveGradClip
+from gradkit.policies.clipping import ClipGradNorm, ClipGradValue
+from gradkit.policies.early_warning import EarlyWarning
+from gradkit.policies.guards import NonFiniteGuard
+from gradkit.policies.history_clipping import AutoClip, ZClip
+from gradkit.policies.monitor import GradNormMonitor
+from gradkit.policies.qk_clip import QKClip
+from gradkit.policies.rollback import SpikeRollback
+from gradkit.policies.spike_guard import SpikeGuard
+from gradkit.policies.steps_to_skip import StepsToSkip
+from gradkit.step.norms import GradStats
+from gradkit.step.pipeline import StepPlan
+from gradkit.step.protocol import Policy, Stage, StepContext
+from gradkit.step.replicas import expert_parallel
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+    from gradkit.doors.huggingface import HFGradKit
 
 __all__ = [
     "AdaptiveGradClip",
@@ -55,4 +64,16 @@ __all__ = [
     "StepsToSkip",
     "ZClip",
     "expert_parallel",
+    "install",
 ]
+
+
+def install(trainer: Trainer, policies: Policy | Sequence[Policy], *, events: bool = True) -> HFGradKit:
+    """The Hugging Face ``transformers.Trainer`` door: :func:`gradkit.doors.huggingface.install` (which needs
+    ``transformers``; importing :mod:`gradkit` does not load it)."""
+    from gradkit.doors.huggingface import install as install_hf
+
+    return install_hf(trainer, policies, events=events)
+
+
+_register_moved(__name__)

@@ -5,7 +5,7 @@ Public API only; see docs/architecture.md ("measure once, decide once, touch the
 Two import roots ship together:
 
 - :mod:`gradkit`, torch only: the step pipeline, the policies as plain torch objects and the Fabric / plain-PyTorch
-  door (:class:`~gradkit.loop.GradKit`). ``import gradkit`` loads no Lightning.
+  door (:class:`~gradkit.GradKit`). ``import gradkit`` loads no Lightning.
 - ``lightning_gradkit`` (this package), the Lightning layer: the policies as ``Trainer`` callbacks (thin adapters
   with the names, arguments and checkpoint keys users know), the strategies and the Trainer-only callbacks. It
   imports Lightning, and registers the strategy names ``"gradkit"``, ``"gradkit_ddp"``, ``"gradkit_ddp_spawn"``,
@@ -14,11 +14,11 @@ Two import roots ship together:
 
 from __future__ import annotations
 
-from gradkit.loop import GradKit
-from gradkit.norms import GradStats
-from gradkit.pipeline import StepPlan
-from gradkit.protocol import Policy, Stage, StepContext
-from gradkit.replicas import expert_parallel
+from gradkit.doors.loop import GradKit
+from gradkit.step.norms import GradStats
+from gradkit.step.pipeline import StepPlan
+from gradkit.step.protocol import Policy, Stage, StepContext
+from gradkit.step.replicas import expert_parallel
 from lightning_gradkit._compat import register_strategy_names
 from lightning_gradkit.activation_checkpointing.callback import ActivationCheckpointing
 from lightning_gradkit.activation_checkpointing.injection import inject_activation_checkpointing

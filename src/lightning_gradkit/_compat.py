@@ -1,7 +1,7 @@
 """Where gradkit goes past Lightning's public API: every private read and every runtime patch, in one map.
 
 Lightning objects arrive as arguments; the torch-only code (the ``gradkit`` import root) keeps its own few torch and
-torchmetrics private reads in :mod:`gradkit._torch_compat`.
+torchmetrics private reads in :mod:`gradkit._util.torch_compat`.
 
 Read in the source of Lightning 2.4.0, 2.5.0, 2.5.5 and 2.6.6; run with torch 2.13 by the full suite on 2.6.6 and
 by ``make test-compat`` on 2.5.6 and 2.6.6. The package supports ``lightning>=2.5,<3`` and ``torch>=2.5``
@@ -20,17 +20,17 @@ says where releases differ.
 - :func:`set_root_device`: writes ``SingleDeviceStrategy._root_device``.
 - ``LightningModule._trainer`` in ``GradKitStrategyMixin.connect`` (``strategy.py``): the public ``trainer`` property
   raises for a module not attached to a Trainer, and ``connect`` also runs outside ``fit``.
-- ``LightningOptimizer._optimizer`` in :func:`gradkit.protocol.unwrapped`, the one place that unwraps an optimizer
+- ``LightningOptimizer._optimizer`` in :func:`gradkit.step.protocol.unwrapped`, the one place that unwraps an optimizer
   (Fabric's ``_FabricOptimizer`` has the public ``optimizer``; Lightning's wrapper has no public attribute).
 - ``Callback._generate_state_key`` (``ActivationCheckpointing``, ``SyncAudit``, ``GraphLeakGuard``): the way
   Lightning's documentation tells a callback to build its ``state_key``; the torch policies rebuild its format with
-  :func:`gradkit.protocol.state_key`, so a key is the same behind every door.
+  :func:`gradkit.step.protocol.state_key`, so a key is the same behind every door.
 - ``Callback._legacy_state_key`` (``trainer_door.py``, the note on callbacks added at a restart): the key Lightning
   itself still accepts when it loads a callback's state (``Trainer._checkpoint_connector``), so a callback whose state
   a checkpoint holds under it is not reported as new.
-- torch and torchmetrics, in :mod:`gradkit._torch_compat` (the Lightning-free pipeline needs them too):
+- torch and torchmetrics, in :mod:`gradkit._util.torch_compat` (the Lightning-free pipeline needs them too):
   torchmetrics' ``Metric._defaults`` (``metric_state_names``), ``GradScaler._scale``
-  (:func:`~gradkit._torch_compat.loss_scale`), ``GradScaler._per_optimizer_states`` (``gradients_still_scaled``),
+  (:func:`~gradkit._util.torch_compat.loss_scale`), ``GradScaler._per_optimizer_states`` (``gradients_still_scaled``),
   ``Optimizer._step_supports_amp_scaling`` (``handles_found_inf``).
 
 Public-named loop properties are read directly where needed (``fit_loop.total_batch_idx``,
@@ -41,24 +41,24 @@ same way: ``torch._foreach_*`` (``torch.nn.utils.clip_grad``), sparse ``_values(
 state), a DTensor's ``_local_tensor`` (``to_local()`` without its autograd node), a compiled module's ``_orig_mod``
 (``torch.compile``'s wrapper), ``torch.utils._python_dispatch``/``_pytree``, an ``OpOverload``'s ``_schema``,
 ``torch._amp_foreach_non_finite_check_and_unscale_`` (``GradScaler.unscale_``'s own multi-tensor check, with a scale of
-1: the exact NaN/Inf flag off the Triton kernel, :mod:`gradkit._multi_norm`), ``torch._C._current_autograd_node`` and
-the autograd node's ``_sequence_nr()`` / ``torch.autograd.graph``'s ``_get_sequence_nr`` (forensics, the planner, the
-graph audit), ``torch._C`` for the CUDA event and pinned-memory calls of :mod:`gradkit.host_lag`, and the
+1: the exact NaN/Inf flag off the Triton kernel, :mod:`gradkit.step._multi_norm`), ``torch._C._current_autograd_node``
+and the autograd node's ``_sequence_nr()`` / ``torch.autograd.graph``'s ``_get_sequence_nr`` (forensics, the planner,
+the graph audit), ``torch._C`` for the CUDA event and pinned-memory calls of :mod:`gradkit.step.host_lag`, and the
 FSDP2/composable-checkpoint lookups that fall back to private paths on torch < 2.6 (``callbacks/validation.py``,
 ``activation_checkpointing/injection.py``). From the standard library: ``sys._getframe`` (the source line of a sync or a
 culprit), ``functools._lru_cache_wrapper`` (the type of an ``lru_cache``, whose cache the inference-tensor search reads)
 and a namedtuple's ``_fields`` (public API).
 
 **Runtime patches**. Each shadows an INSTANCE attribute (never a class attribute) and puts back what was there;
-the short-lived ones go through :func:`~gradkit.gate.shadowed` (Lightning-free, so the Fabric and
+the short-lived ones go through :func:`~gradkit.step.gate.shadowed` (Lightning-free, so the Fabric and
 plain-PyTorch door use it too).
 
 1. ``optimizer.step`` is the strategy's gate while ``Strategy.optimizer_step`` runs (``strategy.py``,
-   ``shadowed``); :class:`~gradkit.loop.GradKit` shadows it the same way while its ``step`` runs, when the plan may
+   ``shadowed``); :class:`~gradkit.GradKit` shadows it the same way while its ``step`` runs, when the plan may
    skip or leaves a factor to the fused kernel. Why: a callback cannot cancel a step, and every precision plugin ends
    in ``optimizer.step`` (``Precision.optimizer_step`` calls ``optimizer.step(closure=...)``; ``MixedPrecision``
    calls ``scaler.step(optimizer)``, which calls ``optimizer.step()``), so the gate is the one place that sees them.
-2. ``optimizer.found_inf`` and ``optimizer.grad_scale`` while a fused optimizer steps (``gradkit/gate.py``,
+2. ``optimizer.found_inf`` and ``optimizer.grad_scale`` while a fused optimizer steps (``gradkit/step/gate.py``,
    ``shadowed``): the attributes ``GradScaler.step`` itself sets for fused optimizers; the gate raises ``found_inf``
    on a skip and divides the plan's common factor into ``grad_scale`` (combined with the scaler's), so the fused
    kernel skips, or scales, on device without a host sync.
@@ -78,7 +78,7 @@ plain-PyTorch door use it too).
 6. ``module.forward`` of each checkpointed module (``activation_checkpointing/injection.py``): keeps every module
    and parameter name (``checkpoint_wrapper`` adds ``_checkpoint_wrapped_module.``) and leaves forward hooks (FSDP2,
    DDP) outside the checkpointed region. Plain PyTorch; removed by ``remove``.
-7. ``LightningModule.log``/``log_dict`` do nothing during a replay (``gradkit/replay.py``, ``shadowed``): a
+7. ``LightningModule.log``/``log_dict`` do nothing during a replay (``gradkit/step/replay.py``, ``shadowed``): a
    replayed ``training_step`` must not log twice, and Lightning has no switch for it.
 8. ``LightningModule.on_train_batch_end`` for one audited step (``diagnostics/sync_audit.py``): Lightning calls
    the module's hook after every callback's, so the audit keeps recording until it returns.
@@ -90,10 +90,10 @@ plain-PyTorch door use it too).
     ``InferenceModeValidation(on_inference_tensors="clone")`` finds inference tensors left by validation
     (``callbacks/validation.py``: ``module._buffers[name]`` and ``module.__dict__[name]``, the way ``nn.Module``
     itself stores them): the clones are ordinary tensors, so training can save them for backward.
-11. A torchmetrics ``Metric``'s state attributes put back after a replay (``gradkit/replay.py``, ``setattr`` of the
+11. A torchmetrics ``Metric``'s state attributes put back after a replay (``gradkit/step/replay.py``, ``setattr`` of the
     names ``metric_state_names`` lists): a replayed ``training_step`` must not count its batch twice.
 
-**The Hugging Face door** (:mod:`gradkit.huggingface`) lists its own: ``Trainer._get_grad_norm`` and
+**The Hugging Face door** (:mod:`gradkit.doors.huggingface`) lists its own: ``Trainer._get_grad_norm`` and
 ``Trainer._clip_grad_norm`` replaced on the instance, accelerate's ``AcceleratedOptimizer._is_overflow`` set on a
 skip, torch's ``optimizer._opt_called`` / ``_wrapped_by_lr_sched`` kept for the LR scheduler (read on transformers
 5.23.0, accelerate 1.15.0).

@@ -1,7 +1,7 @@
 """One docstring per policy: a Trainer callback's ``__doc__`` is built from the docstring of the torch policy it
 subclasses, so ``help()``, the docs site (autodoc) and LightningCLI's ``--help`` show one text for both roots.
 
-The torch class (``gradkit.clipping.ClipGradNorm``) documents the algorithm, every argument, what it logs and the
+The torch class (``gradkit.ClipGradNorm``) documents the algorithm, every argument, what it logs and the
 events it writes, with an ``Example::`` behind the loop door. The callback's own docstring holds only what a Trainer
 adds: its first paragraph is a note for a reader of the source, then prose on what differs behind the Trainer, a
 ``Raises:`` of the setup-time checks and a Trainer ``Example::``. :func:`with_policy_docstring` joins the two.

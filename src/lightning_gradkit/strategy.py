@@ -27,7 +27,7 @@ closure, what PyTorch's optimizers return).
 
 Optimizers that evaluate the closure several times per step (``LBFGS``, SAM, line searches): the skip is decided
 on the first evaluation, which the gate runs before calling the optimizer; later evaluations are scaled and clipped,
-never decided. :mod:`gradkit._closure` holds the rule and both halves of its code.
+never decided. :mod:`gradkit.step.closure` holds the rule and both halves of its code.
 
 Step-interval LR schedulers follow the applied steps. Lightning steps one with ``frequency=f`` after an optimizer
 step when ``batch_idx + 1`` (batches of the epoch so far) is a multiple of ``f``. Under the gate the batches of
@@ -49,7 +49,7 @@ without gradkit would have them).
 Map of this file, in order: which Trainers need the gate (``_any_policy_may_skip``) and the strategy to name in
 errors (:func:`gradkit_strategy_hint`); the LR-schedule counts (``_ScheduleCount``) and the stand-in for
 ``lr_scheduler_step`` (``_SchedulerGate``); :class:`GradKitStrategyMixin`: its Lightning hooks, the gate (its
-rule is :func:`~gradkit.gate.step_as_decided`), the LR schedulers and its part of a step's state; the
+rule is :func:`~gradkit.step.gate.step_as_decided`), the LR schedulers and its part of a step's state; the
 four GradKit strategies.
 """
 
@@ -71,12 +71,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 
-from gradkit._closure import first_evaluation
-from gradkit._torch_compat import handles_found_inf
-from gradkit.gate import close_step, shadowed, step_as_decided
-from gradkit.protocol import Roster
-from gradkit.replay import replaying
-from gradkit.snapshot import Snapshot
+from gradkit._util.torch_compat import handles_found_inf
+from gradkit.step.closure import first_evaluation
+from gradkit.step.gate import close_step, shadowed, step_as_decided
+from gradkit.step.protocol import Roster
+from gradkit.step.replay import replaying
+from gradkit.step.snapshot import Snapshot
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device
 from lightning_gradkit._deepspeed import (
     SKIPPING_INSTEAD,

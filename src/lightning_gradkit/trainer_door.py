@@ -1,17 +1,17 @@
 """The Lightning ``Trainer`` front door of the step pipeline: the pipeline every gradkit callback joins.
 
 The pipeline itself (measure -> reduce -> decide -> apply -> observe) is Lightning-free and lives in
-:mod:`gradkit.pipeline`; this module connects it to a Trainer:
+:mod:`gradkit.step.pipeline`; this module connects it to a Trainer:
 
 - :class:`TrainerContext`: what the pipeline and the policies read of the loop (the step's identity, optimizers,
   parameter names, the AMP scale the gradients still carry, Lightning's logging rule and loggers), answered by the
   Trainer.
-- :class:`TrainerPipeline`: one :class:`~gradkit.pipeline.Pipeline` per Trainer, shared by all gradkit
+- :class:`TrainerPipeline`: one :class:`~gradkit.step.pipeline.Pipeline` per Trainer, shared by all gradkit
   callbacks of that Trainer. Whichever of them Lightning calls first in ``on_before_optimizer_step`` (after AMP
   unscale and after the DDP all-reduce) runs the whole pipeline for all of them; the others find the step already
   done. So results never depend on the order of the ``callbacks`` list.
 - :class:`GradKitCallback`: the base every gradkit callback derives from, a
-  :class:`~gradkit.pipeline.Policy` with thin Lightning hooks.
+  :class:`~gradkit.Policy` with thin Lightning hooks.
 
 The strategy mixin (:mod:`lightning_gradkit.strategy`) reads ``StepPlan.skip`` to step the optimizer or not.
 
@@ -46,14 +46,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from gradkit._layout import verify_same_layout
-from gradkit._torch_compat import gradients_still_scaled
-from gradkit.accounting import StepAccounting
-from gradkit.events import EventLog
-from gradkit.norms import loss_scale, world_size
-from gradkit.pipeline import Pipeline, StepPlan, UnitNorms
-from gradkit.protocol import Door, Policy, Roster, Stage, StatsRequest, fresh_state_note, values_to_host
-from gradkit.snapshot import Snapshot
+from gradkit._util.torch_compat import gradients_still_scaled
+from gradkit.report.events import EventLog
+from gradkit.step.accounting import StepAccounting
+from gradkit.step.rank_check import verify_same_layout
+from gradkit.step.norms import loss_scale, world_size
+from gradkit.step.pipeline import Pipeline, StepPlan, UnitNorms
+from gradkit.step.protocol import Door, Policy, Roster, Stage, StatsRequest, fresh_state_note, values_to_host
+from gradkit.step.snapshot import Snapshot
 from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
 
@@ -348,7 +348,7 @@ def write_rank_event(directory: str | Path, trainer: pl.Trainer, what: str, batc
 # -- the Trainer's pipeline --------------------------------------------------------------------------------------
 class TrainerPipeline:
     """The pipeline of one Trainer, shared by all gradkit callbacks of that Trainer: a
-    :class:`~gradkit.pipeline.Pipeline` (:attr:`pipeline`) driven with the Trainer's context and callbacks.
+    :class:`~gradkit.step.pipeline.Pipeline` (:attr:`pipeline`) driven with the Trainer's context and callbacks.
 
     Attributes:
         pipeline: the Lightning-free pipeline it runs (``Door.pipeline`` behind the Trainer).
@@ -532,8 +532,8 @@ def instance_hook(method: Callable[..., None]) -> Any:
 class GradKitCallback(Callback):
     """The Lightning adapter of a torch policy: every Trainer hook forwarded to the policy's protocol hook.
 
-    A gradkit callback is ``class ClipGradNorm(gradkit.clipping.ClipGradNorm, GradKitCallback)``: the policy class (a
-    plain torch object, :class:`~gradkit.protocol.Policy`) holds the algorithm and its state; this class turns the
+    A gradkit callback is ``class ClipGradNorm(gradkit.ClipGradNorm, GradKitCallback)``: the policy class (a
+    plain torch object, :class:`~gradkit.Policy`) holds the algorithm and its state; this class turns the
     Trainer's hooks into the protocol's calls, the same calls the loop door makes:
 
     ====================================  ==========================================================
@@ -550,7 +550,7 @@ class GradKitCallback(Callback):
 
     The first of a Trainer's gradkit callbacks that Lightning calls in ``on_before_optimizer_step`` runs the pipeline
     for all of them. ``state_dict`` / ``load_state_dict`` are the policy's own: a checkpoint keeps them under the
-    callback's ``state_key``, the key :class:`~gradkit.loop.GradKit` uses too; a stateful callback the checkpoint has
+    callback's ``state_key``, the key :class:`~gradkit.GradKit` uses too; a stateful callback the checkpoint has
     no state for (added at the restart) starts fresh, with the loop door's warning. A callback that only works under a
     Trainer (``AccumulationGuard``) sets :attr:`trainer_only` to the reason, which the loop door's refusal names.
     """

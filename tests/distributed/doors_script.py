@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from gradkit.loop import GradKit
+from gradkit.doors.loop import GradKit
 from helpers import distributed_trainer, script_parser, write_rank_result
 from lightning_gradkit import GradKitModelParallelStrategy, SpikeRollback
 from test_front_doors import (

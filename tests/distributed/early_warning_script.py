@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradkit.early_warning import EarlyWarning
-from gradkit.loop import GradKit
-from gradkit.qk_clip import QKClip
+from gradkit.doors.loop import GradKit
+from gradkit.policies.early_warning import EarlyWarning
+from gradkit.policies.qk_clip import QKClip
 from helpers import MLPModule, distributed_trainer, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import StepsToSkip
 from lightning_gradkit.demos import GPTConfig, TinyGPT

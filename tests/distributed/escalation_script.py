@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from gradkit.norms import local_tensor
+from gradkit.step.norms import local_tensor
 from helpers import distributed_trainer, pg_timeout, script_parser, write_rank_result
 from lightning_gradkit import GradKitDDPStrategy, GradKitModelParallelStrategy
 from test_guards import events

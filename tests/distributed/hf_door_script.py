@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from gradkit.huggingface import install
+from gradkit.doors.huggingface import install
 from helpers import pg_timeout, script_parser, write_rank_result
 from hf_fixtures import POISON, TokenData, gpt2, gradkit_rows, merged_rows, optimizer_and_scheduler, poison
 from hf_fixtures import training_args as base_arguments

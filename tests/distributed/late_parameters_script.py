@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from gradkit.norms import local_tensor
+from gradkit.step.norms import local_tensor
 from helpers import column, distributed_trainer, rank_loader, read_metrics, script_parser, write_rank_result
 from lightning_gradkit import (
     ClipGradNorm,

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
-from gradkit.norms import local_tensor
+from gradkit.step.norms import local_tensor
 from helpers import MLPModule, ShardedMLP, distributed_trainer, pg_timeout, script_parser, write_rank_result
 from lightning_gradkit import GradKitDDPStrategy, GradKitModelParallelStrategy, SpikeRollback
 from test_guards import events

@@ -14,9 +14,9 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
-from gradkit._arguments import check_bool, check_choice, format_bytes, validate_every_n, validate_memory_budget
-from gradkit.replay import replay
-from gradkit.selection import parse_patterns
+from gradkit._util.arguments import check_bool, check_choice, format_bytes, validate_every_n, validate_memory_budget
+from gradkit.step.replay import replay
+from gradkit.step.selection import parse_patterns
 from lightning_gradkit.activation_checkpointing.injection import (
     MODES,
     bypass_checkpointing,
@@ -62,16 +62,16 @@ class ActivationCheckpointing(Callback):
     - First training batch (``measure=True``): two extra forwards of ``training_step`` on that batch, without
       backward and in eager mode, one with checkpointing bypassed and one with it, measure the saved-activation bytes
       (:mod:`~lightning_gradkit.activation_checkpointing.planner`: no extra memory). They run in the replay context
-      (:func:`gradkit.replay.replay`: RNG states, buffers, ``self.log`` and the gradkit callbacks' statistics are left
-      untouched, DDP gradient sync is off); other side effects of ``training_step`` (a counter it increments) happen
-      twice more. Rank 0 logs a one-screen summary. With ``memory_budget``, rank 0 plans here, on its batch.
+      (:func:`gradkit.step.replay.replay`: RNG states, buffers, ``self.log`` and the gradkit callbacks' statistics are
+      left untouched, DDP gradient sync is off); other side effects of ``training_step`` (a counter it increments)
+      happen twice more. Rank 0 logs a one-screen summary. With ``memory_budget``, rank 0 plans here, on its batch.
     - ``teardown``, or ``on_exception`` when ``fit`` fails: the injections are removed; the model is returned as it
       was given.
     - Buffers: the recompute during the backward does not update buffers a second time (BatchNorm's running
       statistics and ``num_batches_tracked`` move once per forward, as without checkpointing).
 
     Args:
-        targets: the modules to checkpoint, in gradkit's selection grammar (:mod:`gradkit.selection`):
+        targets: the modules to checkpoint, in gradkit's selection grammar (:mod:`gradkit.step.selection`):
             module class names (``"Block"``, ``"torch.nn.TransformerEncoderLayer"``; subclasses match too) or
             ``"re:<regex>"`` patterns that match whole qualified module names relative to the LightningModule (e.g.
             ``"re:model\.blocks\.\d+"``). A match inside another match is dropped.

@@ -34,9 +34,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from gradkit._arguments import validate_every_n
-from gradkit.params import clean_name, is_ddp_wrapped
-from gradkit.selection import NamePattern, no_match_hint, parse_patterns
+from gradkit._util.arguments import validate_every_n
+from gradkit.step.params import clean_name, is_ddp_wrapped
+from gradkit.step.selection import NamePattern, no_match_hint, parse_patterns
 
 __all__ = [
     "MODES",
@@ -100,11 +100,11 @@ def select_modules(
 ) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` of the submodules of ``root`` that ``targets`` select, in module order.
 
-    ``targets`` follow gradkit's selection grammar (:mod:`gradkit.selection`), over the names
-    :func:`~gradkit.params.clean_name` writes relative to ``root`` (DDP's leading ``module`` too), so the same targets
-    select the same modules before and after wrapping. ``root`` itself and wrapper modules are never selected, nor a
-    match nested in another (the outer recompute covers it). Of the others every ``every_n``-th is kept (torchtitan's
-    ``ac_freq``).
+    ``targets`` follow gradkit's selection grammar (:mod:`gradkit.step.selection`), over the names
+    :func:`~gradkit.step.params.clean_name` writes relative to ``root`` (DDP's leading ``module`` too), so the same
+    targets select the same modules before and after wrapping. ``root`` itself and wrapper modules are never selected,
+    nor a match nested in another (the outer recompute covers it). Of the others every ``every_n``-th is kept
+    (torchtitan's ``ac_freq``).
     """
     parsed = [t if isinstance(t, NamePattern) else NamePattern.parse(t, "targets") for t in targets]
     kept: list[tuple[str, str, nn.Module]] = []
@@ -385,7 +385,7 @@ def inject_activation_checkpointing(
     Args:
         module: the model to modify in place.
         targets: module class names (``"Block"``, ``"torch.nn.TransformerEncoderLayer"``) or ``re:`` regexes that
-            must match whole qualified names: gradkit's selection grammar (:mod:`gradkit.selection`).
+            must match whole qualified names: gradkit's selection grammar (:mod:`gradkit.step.selection`).
         every_n: checkpoint every n-th match (1: all of them).
         mode: ``"full"`` recomputes the whole module; ``"selective"`` keeps matmul/attention outputs and recomputes
             the rest (:func:`selective_policy`).
@@ -426,5 +426,5 @@ def no_match_message(root: nn.Module, targets: Sequence[NamePattern]) -> str:
     shown = ", ".join(f"'{target.text}'" for target in targets)  # as written, without repr's doubled backslashes
     return (
         f"ActivationCheckpointing: `targets=[{shown}]` match no submodule of "
-        f"`{type(root).__name__}`. {hints} The grammar of `targets`: `gradkit.selection`."
+        f"`{type(root).__name__}`. {hints} The grammar of `targets`: `gradkit.step.selection`."
     )

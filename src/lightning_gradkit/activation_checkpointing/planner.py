@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from gradkit._arguments import format_bytes
+from gradkit._util.arguments import format_bytes
 from lightning_gradkit.activation_checkpointing.injection import SAVE_POLICIES, selective_policy
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 It fixes short last windows, normalizes per token, frees old gradients early and checks that windows start clean
 (manual optimization: :class:`~lightning_gradkit.ManualAccumulator`). The scale math is in
-:mod:`gradkit.accumulate`; the guard is a ``Stage.SCALE`` policy of the pipeline: its ``decide`` multiplies the
+:mod:`gradkit.step.accumulate`; the guard is a ``Stage.SCALE`` policy of the pipeline: its ``decide`` multiplies the
 plan's scale (applied in the one gradient write), its ``decide_again`` forgets the token count of a later closure
 evaluation.
 """
@@ -19,8 +19,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from gradkit._arguments import check_bool, check_choice, name_list, validate_normalize
-from gradkit.accumulate import (
+from gradkit._util.arguments import check_bool, check_choice, name_list, validate_normalize
+from gradkit.step.accumulate import (
     TOKENS_KEY,
     Normalize,
     TokenCount,
@@ -29,9 +29,9 @@ from gradkit.accumulate import (
     nonzero_grad_flags,
     token_window_scale,
 )
-from gradkit.norms import local_tensor
-from gradkit.protocol import StepContext
-from gradkit.replay import replaying
+from gradkit.step.norms import local_tensor
+from gradkit.step.protocol import StepContext
+from gradkit.step.replay import replaying
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
 from lightning_gradkit._window import WindowPosition
 from lightning_gradkit.callbacks.manual_accumulation import ManualAccumulator
@@ -143,7 +143,7 @@ class AccumulationGuard(GradKitCallback):
 
     trainer_only = (
         "it reads the Trainer's accumulation window and `training_step` batches; in your own loop divide the summed "
-        "loss by the window's token count (`gradkit.accumulate`) before `backward`"
+        "loss by the window's token count (`gradkit.step.accumulate`) before `backward`"
     )
 
     def __init__(

@@ -1,6 +1,6 @@
 """The clipping callbacks of the Lightning ``Trainer``, and :func:`clip_gradients` for manual optimization.
 
-Each callback is a thin subclass ``class ClipGradNorm(gradkit.clipping.ClipGradNorm, GradKitCallback)``: the torch
+Each callback is a thin subclass ``class ClipGradNorm(gradkit.ClipGradNorm, GradKitCallback)``: the torch
 class holds the algorithm, its arguments and its state; what is left here is what only a Trainer has: the checks at
 ``setup`` (one clipper per Trainer, not beside ``gradient_clip_val``, not under DeepSpeed) and the
 manual-optimization entry point.
@@ -14,8 +14,8 @@ import lightning.pytorch as pl
 from torch import Tensor
 from torch.optim import Optimizer
 
-from gradkit import agc, clipping, history_clipping
-from gradkit.protocol import Policy, Roster, Stage, is_policy, unwrapped
+from gradkit.policies import agc, clipping, history_clipping
+from gradkit.step.protocol import Policy, Roster, Stage, is_policy, unwrapped
 from lightning_gradkit._deepspeed import clipping_instead, refuse_under_deepspeed
 from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
@@ -56,7 +56,7 @@ def _set_up(trainer: pl.Trainer, stage: str, setting: str, max_norm: float | Non
 
 @with_policy_docstring
 class ClipGradNorm(clipping.ClipGradNorm, GradKitCallback):
-    r"""The Trainer callback of :class:`gradkit.clipping.ClipGradNorm`: its docstring, then what follows.
+    r"""The Trainer callback of :class:`gradkit.ClipGradNorm`: its docstring, then what follows.
 
     Unlike ``Trainer(gradient_clip_val=...)``, it also clips with fused optimizers under 16-mixed AMP, logs the norms,
     and runs with manual optimization too (see :func:`clip_gradients`).
@@ -79,7 +79,7 @@ class ClipGradNorm(clipping.ClipGradNorm, GradKitCallback):
 
 @with_policy_docstring
 class ClipGradValue(clipping.ClipGradValue, GradKitCallback):
-    r"""The Trainer callback of :class:`gradkit.clipping.ClipGradValue`: its docstring, then what follows.
+    r"""The Trainer callback of :class:`gradkit.ClipGradValue`: its docstring, then what follows.
 
     Raises:
         ValueError: at setup, if another clipping callback or ``Trainer(gradient_clip_val=...)`` is also present.
@@ -99,7 +99,7 @@ class ClipGradValue(clipping.ClipGradValue, GradKitCallback):
 
 @with_policy_docstring
 class AutoClip(history_clipping.AutoClip, GradKitCallback):
-    r"""The Trainer callback of :class:`gradkit.history_clipping.AutoClip`: its docstring, then what follows.
+    r"""The Trainer callback of :class:`gradkit.AutoClip`: its docstring, then what follows.
 
     Its history is saved in checkpoints under the key ``"AutoClip"``.
 
@@ -121,7 +121,7 @@ class AutoClip(history_clipping.AutoClip, GradKitCallback):
 
 @with_policy_docstring
 class ZClip(history_clipping.ZClip, GradKitCallback):
-    r"""The Trainer callback of :class:`gradkit.history_clipping.ZClip`: its docstring, then what follows.
+    r"""The Trainer callback of :class:`gradkit.ZClip`: its docstring, then what follows.
 
     Its statistics are saved in checkpoints under the key ``"ZClip"``.
 
@@ -143,7 +143,7 @@ class ZClip(history_clipping.ZClip, GradKitCallback):
 
 @with_policy_docstring
 class AdaptiveGradClip(agc.AdaptiveGradClip, GradKitCallback):
-    r"""The Trainer callback of :class:`gradkit.agc.AdaptiveGradClip`: its docstring, then what follows.
+    r"""The Trainer callback of :class:`gradkit.AdaptiveGradClip`: its docstring, then what follows.
 
     The parameters are selected at ``fit`` start, from the configured (sharded, wrapped) model.
 
@@ -187,7 +187,7 @@ def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, clipper: Po
         optimizer: the optimizer about to step, as returned by ``self.optimizers()``.
         clipper: a clipper: one of the clipping callbacks (``ZClip(...)``; if it is also in the Trainer's
             ``callbacks``, its state is saved in checkpoints) or its torch class
-            (``gradkit.history_clipping.ZClip(...)``). Keep the same object across steps: adaptive clippers carry
+            (``gradkit.ZClip(...)``). Keep the same object across steps: adaptive clippers carry
             state. One object may serve several optimizers: each optimizer keeps its own state (keyed by its index),
             as with a callback.
 
@@ -222,7 +222,7 @@ def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, clipper: Po
     if not _is_clipper(clipper):
         raise ValueError(
             f"`clipper` must be a gradkit clipper (a clipping callback such as `ClipGradNorm(1.0)`, or its torch class "
-            f"from `gradkit.clipping`), got {type(clipper).__name__}."
+            f"from `gradkit.policies.clipping`), got {type(clipper).__name__}."
         )
     attached = [cb for cb in trainer.callbacks if _is_clipper(cb)]
     if attached and attached[0] is not clipper:

@@ -1,8 +1,8 @@
-"""The two guards as Lightning Trainer callbacks: the torch policies (:class:`gradkit.guards.NonFiniteGuard`,
-:class:`gradkit.spike_guard.SpikeGuard`) behind :class:`~lightning_gradkit.trainer_door.GradKitCallback`.
+"""The two guards as Lightning Trainer callbacks: the torch policies (:class:`gradkit.NonFiniteGuard`,
+:class:`gradkit.SpikeGuard`) behind :class:`~lightning_gradkit.trainer_door.GradKitCallback`.
 
 What is here is what only a Trainer has: the strategy checks at ``setup``, the batch that ``training_step`` replays
-(kept at ``on_train_batch_start`` as the door's :class:`~gradkit.culprit.MicroBatch`), ``NonFiniteGuard``'s
+(kept at ``on_train_batch_start`` as the door's :class:`~gradkit.policies.culprit.MicroBatch`), ``NonFiniteGuard``'s
 validation checks, and its checks under Lightning's ``DeepSpeedStrategy``.
 """
 
@@ -17,10 +17,10 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import Tensor
 from torch.optim import Optimizer
 
-import gradkit.guards
-import gradkit.spike_guard
-from gradkit.culprit import MicroBatch, sample_ids
-from gradkit.replay import capture_rng
+import gradkit.policies.guards
+import gradkit.policies.spike_guard
+from gradkit.policies.culprit import MicroBatch, sample_ids
+from gradkit.step.replay import capture_rng
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, deepspeed_step, refuse_under_deepspeed, uses_deepspeed
 from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
@@ -87,8 +87,8 @@ def training_step_batch(
 
 
 @with_policy_docstring
-class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
-    r"""The Trainer callback of :class:`gradkit.guards.NonFiniteGuard`: its docstring, then what follows.
+class NonFiniteGuard(gradkit.NonFiniteGuard, GradKitCallback):
+    r"""The Trainer callback of :class:`gradkit.NonFiniteGuard`: its docstring, then what follows.
 
     Behind the Trainer it replays ``training_step``, checks the validation losses (``check_validation``) and works
     under Lightning's ``DeepSpeedStrategy`` (``"warn"`` and ``"raise"``).
@@ -291,8 +291,8 @@ class NonFiniteGuard(gradkit.guards.NonFiniteGuard, GradKitCallback):
 
 
 @with_policy_docstring
-class SpikeGuard(gradkit.spike_guard.SpikeGuard, GradKitCallback):
-    r"""The Trainer callback of :class:`gradkit.spike_guard.SpikeGuard`: its docstring, then what follows.
+class SpikeGuard(gradkit.SpikeGuard, GradKitCallback):
+    r"""The Trainer callback of :class:`gradkit.SpikeGuard`: its docstring, then what follows.
 
     ``action="skip"`` needs a GradKit strategy. Under Lightning's ``DeepSpeedStrategy`` it is refused at setup: it
     decides from the gradients in ``.grad``, which DeepSpeed keeps in its own buffers.

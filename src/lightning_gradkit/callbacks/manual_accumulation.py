@@ -11,8 +11,8 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from torch.optim import Optimizer
 
-from gradkit._arguments import check_int, validate_normalize
-from gradkit.accumulate import Normalize, TokenCount, WindowScale, is_window_boundary
+from gradkit._util.arguments import check_int, validate_normalize
+from gradkit.step.accumulate import Normalize, TokenCount, WindowScale, is_window_boundary
 from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
 
 __all__ = ["ManualAccumulator"]
@@ -28,8 +28,8 @@ class ManualAccumulator:
     precision plugins and gradkit callbacks run) and the gradients are freed (``zero_grad(set_to_none=True)``), so
     a window never starts dirty.
 
-    The window scale is a factor of the gradkit engine's plan (:class:`~gradkit.accumulate.WindowScale`), not a write
-    of its own: whoever runs the engine for the step (:func:`~lightning_gradkit.clip_gradients` between the last
+    The window scale is a factor of the gradkit engine's plan (:class:`~gradkit.step.accumulate.WindowScale`), not a
+    write of its own: whoever runs the engine for the step (:func:`~lightning_gradkit.clip_gradients` between the last
     backward and :meth:`step`, a gradkit callback's ``on_before_optimizer_step``, or :meth:`step` itself) folds it
     into the single multiply of the gradients, so clipping reads the norm of the window mean.
 

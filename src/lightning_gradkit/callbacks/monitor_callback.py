@@ -1,4 +1,4 @@
-"""The Trainer callback of :class:`gradkit.monitor.GradNormMonitor`: its Lightning-only hooks."""
+"""The Trainer callback of :class:`gradkit.GradNormMonitor`: its Lightning-only hooks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
-import gradkit.monitor
+import gradkit.policies.monitor
 from lightning_gradkit._deepspeed import deepspeed_step, refuse_under_deepspeed, uses_deepspeed
 from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
@@ -20,8 +20,8 @@ __all__ = ["GradNormMonitor"]
 
 
 @with_policy_docstring
-class GradNormMonitor(gradkit.monitor.GradNormMonitor, GradKitCallback):
-    r"""The Trainer callback of :class:`gradkit.monitor.GradNormMonitor`: its docstring, then what follows.
+class GradNormMonitor(gradkit.GradNormMonitor, GradKitCallback):
+    r"""The Trainer callback of :class:`gradkit.GradNormMonitor`: its docstring, then what follows.
 
     Behind the Trainer the values go to ``trainer.loggers`` in one host transfer per logging step (not ``self.log``:
     it would re-send stale values off its period), a run shorter than the period gets a warning at train start, and
@@ -117,7 +117,7 @@ class GradNormMonitor(gradkit.monitor.GradNormMonitor, GradKitCallback):
     # -- under DeepSpeed: the engine's own values, after its step -------------------------------------------------
     def _refuse_deepspeed_options(self, trainer: pl.Trainer) -> None:
         """Refuse the options DeepSpeed's one global 2-norm per step cannot serve: anything but their defaults."""
-        defaults = inspect.signature(gradkit.monitor.GradNormMonitor).parameters
+        defaults = inspect.signature(gradkit.GradNormMonitor).parameters
         for name in ("norm_type", "param_groups", "weight_norms", "update_ratio", "report", "prog_bar"):
             value, supported = getattr(self, name), defaults[name].default
             if value != supported:

@@ -1,12 +1,12 @@
-"""``SpikeRollback`` as a Lightning ``Trainer`` callback: the torch policy (:mod:`gradkit.rollback`) with the checks
-and hooks only a Trainer has."""
+"""``SpikeRollback`` as a Lightning ``Trainer`` callback: the torch policy (:mod:`gradkit.policies.rollback`) with the
+checks and hooks only a Trainer has."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from gradkit import rollback
+from gradkit.policies import rollback
 from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.strategy import require_gradkit_step
 from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
@@ -16,7 +16,7 @@ __all__ = ["SpikeRollback"]
 
 @with_policy_docstring
 class SpikeRollback(rollback.SpikeRollback, GradKitCallback):
-    """The Trainer callback of :class:`gradkit.rollback.SpikeRollback`: its docstring, then what follows.
+    """The Trainer callback of :class:`gradkit.SpikeRollback`: its docstring, then what follows.
 
     Under a Trainer it needs a GradKit strategy (which skips the step that fires and puts back the buffers of every
     skipped step) and automatic optimization. The first snapshot is taken at ``on_train_start``.

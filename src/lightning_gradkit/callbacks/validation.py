@@ -19,8 +19,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from gradkit._arguments import check_bool, check_choice, name_list
-from gradkit.events import EventLog
+from gradkit._util.arguments import check_bool, check_choice, name_list
+from gradkit.report.events import EventLog
 from lightning_gradkit.trainer_door import events_dir, instance_hook
 
 __all__ = [

@@ -1,5 +1,5 @@
-"""The Trainer callbacks of :class:`gradkit.early_warning.EarlyWarning`, :class:`gradkit.qk_clip.QKClip` and
-:class:`gradkit.steps_to_skip.StepsToSkip`: their Lightning-only hooks."""
+"""The Trainer callbacks of :class:`gradkit.EarlyWarning`, :class:`gradkit.QKClip` and
+:class:`gradkit.StepsToSkip`: their Lightning-only hooks."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import Tensor
 
-import gradkit.early_warning
-import gradkit.qk_clip
-import gradkit.steps_to_skip
+import gradkit.policies.early_warning
+import gradkit.policies.qk_clip
+import gradkit.policies.steps_to_skip
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
 from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.strategy import require_gradkit_step
@@ -21,8 +21,8 @@ __all__ = ["EarlyWarning", "QKClip", "StepsToSkip"]
 
 
 @with_policy_docstring
-class EarlyWarning(gradkit.early_warning.EarlyWarning, GradKitCallback):
-    r"""The Trainer callback of :class:`gradkit.early_warning.EarlyWarning`: its docstring, then what follows.
+class EarlyWarning(gradkit.EarlyWarning, GradKitCallback):
+    r"""The Trainer callback of :class:`gradkit.EarlyWarning`: its docstring, then what follows.
 
     Under a Trainer the SpikeScore takes each batch's loss from Lightning's own detached copy (the ``loss`` of
     ``training_step``'s output, at the batch end), so a step that does not log costs no device operation at all.
@@ -67,8 +67,8 @@ class EarlyWarning(gradkit.early_warning.EarlyWarning, GradKitCallback):
 
 
 @with_policy_docstring
-class StepsToSkip(gradkit.steps_to_skip.StepsToSkip, GradKitCallback):
-    r"""The Trainer callback of :class:`gradkit.steps_to_skip.StepsToSkip`: its docstring, then what follows.
+class StepsToSkip(gradkit.StepsToSkip, GradKitCallback):
+    r"""The Trainer callback of :class:`gradkit.StepsToSkip`: its docstring, then what follows.
 
     Under a Trainer the GradKit strategy drops a declared step: its ``training_step`` returns without a forward, the
     backward and the optimizer step are left out, the step-interval LR schedulers hold, and ``trainer.global_step``
@@ -105,8 +105,8 @@ class StepsToSkip(gradkit.steps_to_skip.StepsToSkip, GradKitCallback):
 
 
 @with_policy_docstring
-class QKClip(gradkit.qk_clip.QKClip, GradKitCallback):
-    r"""The Trainer callback of :class:`gradkit.qk_clip.QKClip`: its docstring, then what follows.
+class QKClip(gradkit.QKClip, GradKitCallback):
+    r"""The Trainer callback of :class:`gradkit.QKClip`: its docstring, then what follows.
 
     Under a Trainer the rescale runs at the end of each batch that stepped the optimizer (``on_train_batch_end``),
     with DDP or a single device (not FSDP, whose weights are sharded, nor DeepSpeed, whose engine owns them);

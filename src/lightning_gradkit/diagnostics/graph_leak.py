@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from gradkit._arguments import check_bool, check_choice, check_int, format_bytes
+from gradkit._util.arguments import check_bool, check_choice, check_int, format_bytes
 from lightning_gradkit.diagnostics.autograd_graph import (
     GraphFootprint,
     GraphTensor,

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from gradkit._arguments import check_choice, check_int, check_strings
+from gradkit._util.arguments import check_choice, check_int, check_strings
 from lightning_gradkit.diagnostics.host_sync import (
     HostSyncRecorder,
     StepSyncs,

@@ -1,0 +1,349 @@
+r"""Act before the spike: :class:`QKClip` rescales the query and key weights of each attention head whose largest
+logit went over a threshold (MuonClip's QK-Clip, Kimi K2, 2025; Megatron-LM's ``qk_clip``). Pure PyTorch; the
+``Trainer`` callback of the same name is :class:`lightning_gradkit.QKClip`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from gradkit._util.arguments import check_float, check_int
+from gradkit.policies.attention_heads import (
+    Heads,
+    ModuleScopedMode,
+    Slab,
+    Unreadable,
+    find_heads,
+    mha_head_max,
+    sdpa_head_max,
+)
+from gradkit.step.norms import local_tensor, world_size
+from gradkit.step.params import clean_name
+from gradkit.step.pipeline import StepPlan
+from gradkit.step.protocol import Stage, StepContext, state_key
+from gradkit.step.replay import replaying
+from gradkit.step.selection import no_match_hint, parse_patterns
+
+__all__ = ["QKClip"]
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SOFTMAX = (torch.softmax, F.softmax, Tensor.softmax)
+_MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights")
+
+
+class _LogitMode(ModuleScopedMode):
+    """Active inside one attention module's training forward: reads the exact per-head maxima of its logits."""
+
+    owner: QKClip
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        # Inside this method the mode is off: what it computes here is not seen again.
+        if func is F.scaled_dot_product_attention:
+            call = {**dict(zip(_SDPA_ARGS, args, strict=False)), **kwargs}
+            with torch.no_grad():
+                value = sdpa_head_max(
+                    call["query"], call["key"], call.get("attn_mask"), bool(call.get("is_causal")), call.get("scale")
+                )
+            self.owner.note(self.name, value)
+        elif func in _SOFTMAX:
+            scores = args[0] if args else kwargs.get("input", kwargs.get("self"))
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if isinstance(scores, Tensor) and scores.ndim == 4 and dim in (-1, 3):  # (batch, heads, queries, keys)
+                with torch.no_grad():
+                    self.owner.note(self.name, scores.detach().transpose(0, 1).reshape(scores.shape[1], -1).amax(1))
+        return func(*args, **kwargs)
+
+
+class QKClip:
+    r"""Rescale the query and key weights of each attention head whose largest logit exceeds ``threshold``, after
+    every optimizer step (QK-Clip, the "Clip" of MuonClip: Kimi K2 tech report, 2025; Megatron-LM's
+    ``megatron/core/optimizer/qk_clip.py``).
+
+    **The rule.** For query head ``h`` with ``S_h``, the largest pre-softmax logit ``q.k * scale`` over the step's
+    training forwards (every micro-batch, every batch element, query and unmasked key), ``gamma_h = tau / S_h`` where
+    ``S_h > tau`` and 1 elsewhere. A key head ``g`` serving query heads ``G`` (grouped-query attention; one head per
+    group otherwise) is scaled by ``sqrt(min_{h in G} gamma_h)`` and query head ``h`` by
+    ``gamma_h / sqrt(min_{h in G} gamma_h)``, so every pair's logits scale by exactly its own ``gamma_h`` (with one
+    query head per key head both are scaled by ``sqrt(gamma_h)``, the paper's rule). The biases of the query and key
+    rows are scaled with their weights, so the logits scale exactly. A head over the threshold thus has its largest
+    logit of the step brought back to ``tau``; a head under it keeps its logits (in a group with a clipped head its
+    query rows grow as its key rows shrink). The rescale is on the device (``torch.where``), with no host sync.
+
+    **Where the maxima come from.** Exactly, from what the module computes in its training forward: the input of a
+    ``softmax`` over 4-D scores ``(batch, heads, queries, keys)`` (eager attention: HF GPT-2, BERT and Llama with
+    ``attn_implementation="eager"``), the query and key of a ``F.scaled_dot_product_attention`` call, whose logits
+    are computed again here in chunks (its mask, causality, scale and grouped-query layout applied; this costs about
+    one more ``q @ k^T`` of the attention per step), and for ``nn.MultiheadAttention`` its own projections of its
+    query and key with its masks. Rotary embeddings and scaling are seen as the module applies them. The maxima stay
+    device tensors (``torch.maximum`` over the step's micro-batches); under ``torch.distributed`` every module's
+    maxima travel in one all-reduce (MAX), so every rank rescales the same.
+
+    **Which weights.** Each selected module's query and key projections: ``q_proj``/``k_proj`` (Llama-style),
+    ``query``/``key`` (BERT), ``wq``/``wk``, ``to_q``/``to_k``, a fused ``[q | k | v]`` projection ``qkv``,
+    ``c_attn`` (GPT-2's ``Conv1D``), ``qkv_proj`` or ``Wqkv``, or ``nn.MultiheadAttention``'s ``in_proj_weight``
+    (or ``q_proj_weight``/``k_proj_weight``); the head count from the module's (or its ``config``'s)
+    ``num_heads``/``n_head``/``num_attention_heads``, ``num_key_value_heads``/``n_query_groups`` and
+    ``head_dim``/``head_size``. A module where they cannot be found, or that normalizes its queries and keys
+    (qk-layernorm), is refused at ``attach`` with the reason; one whose forward computes its logits in a kernel gradkit
+    cannot read (FlexAttention, flash-attn, Transformer Engine) is refused at the end of the step that ran it.
+    Multi-latent attention, interleaved fused layouts (GPT-NeoX's ``query_key_value``) and sharded weights (FSDP,
+    FSDP2, tensor parallelism) are refused for now; ``torch.compile`` of the attention modules is untested (the
+    maxima are read in Python, inside their forward).
+
+    **Logged** on logging steps only (read there, in the loop's one transfer): ``qk_clip/max_logit``, the largest
+    logit over every head of the step, and ``qk_clip/clipped_heads``, how many heads it rescaled.
+
+    Args:
+        threshold: ``tau``, the largest logit a head may keep (> 0); Kimi K2 uses 100.
+        attention: the attention modules: ``"auto"`` (the outermost modules whose class name ends in
+            ``Attention``), or class names or ``re:`` patterns (:mod:`gradkit.step.selection`).
+        log_every_n_steps: how often to log, in optimizer steps; defaults to the loop's period (the rescale runs
+            every step).
+
+    Raises:
+        ValueError: at construction, naming the argument; at ``attach``, a pattern that selects no module, a
+            module whose query and key weights cannot be found (the message names it, the reason and what to do), or
+            weights sharded by FSDP.
+        RuntimeError: after a step, a selected module whose training forward ran without exposing its logits.
+
+    Example::
+
+        >>> import torch
+        >>> from gradkit import GradKit, QKClip
+        >>> _ = torch.manual_seed(0)
+        >>> attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        >>> optimizer = torch.optim.SGD(attention.parameters(), lr=0.0)
+        >>> clip = QKClip(threshold=0.5, attention=["MultiheadAttention"])
+        >>> kit = GradKit(attention, optimizer, clip, log_dir=False)
+        >>> x = torch.randn(2, 5, 8) * 10
+        >>> attention(x, x, x)[0].sum().backward()
+        >>> _ = kit.step(optimizer)
+        >>> clip.attention_modules, clip.clipped_heads
+        ([''], 2)
+    """
+
+    stage = Stage.OBSERVE
+
+    def __init__(
+        self,
+        threshold: float = 100.0,
+        attention: list[str] | Literal["auto"] = "auto",
+        log_every_n_steps: int | None = None,
+    ) -> None:
+        self.threshold = check_float("threshold", threshold, above=0.0, hint="Kimi K2 uses `threshold=100`.")
+        self.attention = attention
+        self._patterns = () if attention == "auto" else parse_patterns("attention", attention, allow_empty=False)
+        if log_every_n_steps is not None:
+            check_int("log_every_n_steps", log_every_n_steps, 1, hint="None follows the loop's logging period.")
+        self.log_every_n_steps = log_every_n_steps
+        self._heads: dict[str, Heads] = {}
+        self._hooks: list[RemovableHandle] = []
+        self._modes: dict[str, _LogitMode] = {}
+        self._maxima: dict[str, Tensor] = {}
+        self._ran: set[str] = set()  # the modules whose training forward ran during the step
+        self._stepped = False
+        self._logging = False
+        #: Heads rescaled by the last step (a device scalar; read it on the host yourself).
+        self._clipped: Tensor | None = None
+
+    @property
+    def state_key(self) -> str:
+        return state_key(self)
+
+    @property
+    def attention_modules(self) -> list[str]:
+        """The attention modules read and rescaled (known after ``attach``)."""
+        return list(self._heads)
+
+    @property
+    def clipped_heads(self) -> int:
+        """How many heads the last step rescaled (reads the device)."""
+        return 0 if self._clipped is None else int(self._clipped)
+
+    # -- the model ----------------------------------------------------------------------------------------------
+    def attach(self, ctx: StepContext, model: nn.Module) -> None:
+        """Find the attention modules and their heads' weights, and hook their forwards.
+
+        Raises:
+            ValueError: a pattern that selects no module, or a module whose heads' weights cannot be found.
+        """
+        self.detach(ctx)
+        self._heads = {}
+        if ctx.flat_sharded():
+            raise ValueError(
+                "QKClip rescales rows of the query and key weights, and under FSDP (flat shards over several ranks) a "
+                "rank does not hold them whole; QKClip does not support sharded weights yet. Use DDP, or leave QKClip "
+                "out."
+            )
+        named = [(clean_name(n), m) for n, m in model.named_modules()]
+        for name, module in self._select(named):
+            reader = next((m for m in module.modules() if isinstance(m, nn.MultiheadAttention)), module)
+            self._heads[name] = self._heads_of(name, reader)
+            if isinstance(reader, nn.MultiheadAttention):
+                hook = functools.partial(self._mha_hook, name)
+                self._hooks.append(reader.register_forward_hook(hook, with_kwargs=True))
+            else:
+                self._modes[name] = _LogitMode(self, name)
+                self._hooks.append(module.register_forward_pre_hook(functools.partial(self._enter, name)))
+                self._hooks.append(module.register_forward_hook(functools.partial(self._exit, name), always_call=True))
+        if not self._heads:
+            ctx.warn(
+                f"QKClip found no attention module in `{type(model).__name__}` (no module whose class name ends in "
+                "`Attention`): it rescales nothing. Select them with `attention=[...]` (class names or `re:` patterns)."
+            )
+
+    def _select(self, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+        chosen: list[tuple[str, nn.Module]] = []
+        for name, module in named:
+            if any(name.startswith(c + ".") or not c for c, _ in chosen):
+                continue  # the outermost selected module is read whole
+            if self._patterns:
+                hit = any(p.matches_module(name, module) for p in self._patterns)
+            else:  # "auto"
+                hit = type(module).__name__.lower().endswith("attention")
+            if hit:
+                chosen.append((name, module))
+        for pattern in self._patterns:
+            if not any(pattern.matches_module(n, m) for n, m in chosen):
+                names = [n for n, _ in named if n]
+                classes = sorted({type(m).__name__ for _, m in named})
+                raise ValueError(
+                    f"`attention` entry {pattern.text!r} selects no module. {no_match_hint(pattern, names, classes)}"
+                )
+        return chosen
+
+    def _heads_of(self, name: str, module: nn.Module) -> Heads:
+        try:
+            heads = find_heads(module)
+        except Unreadable as reason:
+            raise ValueError(
+                f"QKClip cannot rescale the heads of `{name or 'the model'}` ({type(module).__name__}): {reason}. "
+                "Leave it out of `attention` (select the modules to clip by class name or `re:` pattern), or give it "
+                "one of the projections QKClip reads (see `help(gradkit.QKClip)`)."
+            ) from None
+        sharded = [s for s in [*heads.q, *heads.k] if local_tensor(s.param) is not s.param]
+        if sharded:
+            raise ValueError(
+                f"QKClip cannot rescale the heads of `{name}`: its weights are sharded (DTensor: FSDP2 or tensor "
+                "parallelism), which QKClip does not support yet. Use DDP, or leave QKClip out."
+            )
+        return heads
+
+    def detach(self, ctx: StepContext | None = None) -> None:
+        """Remove the hooks (and leave a mode a failed forward left open)."""
+        for handle in self._hooks:
+            handle.remove()
+        for mode in self._modes.values():
+            mode.stop()
+        self._hooks, self._modes, self._maxima, self._ran = [], {}, {}, set()
+
+    # -- the forwards -------------------------------------------------------------------------------------------
+    def _reads(self, module: nn.Module) -> bool:
+        """Whether the forward under way is a training forward of the step (Python only: no device work)."""
+        return module.training and torch.is_grad_enabled() and not replaying()
+
+    def _enter(self, name: str, module: nn.Module, args: Any) -> None:
+        if self._reads(module):
+            self._ran.add(name)
+            self._modes[name].start()
+
+    def _exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        mode = self._modes.get(name)
+        if mode is not None:
+            mode.stop()
+
+    def _mha_hook(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if not self._reads(module):
+            return
+        self._ran.add(name)
+        call = {**dict(zip(_MHA_ARGS, args, strict=False)), **kwargs}
+        assert isinstance(module, nn.MultiheadAttention)
+        with torch.no_grad():
+            value = mha_head_max(
+                module,
+                call["query"],
+                call["key"],
+                call.get("key_padding_mask"),
+                call.get("attn_mask"),
+                bool(call.get("is_causal", False)),
+            )
+        self.note(name, value)
+
+    def note(self, name: str, value: Tensor) -> None:
+        """A forward's per-head maxima of module ``name``: kept as their maximum over the step (on the device)."""
+        heads = self._heads[name].heads
+        if value.shape != (heads,):  # a shape, on the host: scores whose dimension 1 is not the heads
+            raise RuntimeError(
+                f"QKClip read the logits of {value.numel()} heads in `{name}`, whose projections hold {heads}: its "
+                "scores are not laid out (batch, heads, queries, keys). Leave it out of `attention`."
+            )
+        previous = self._maxima.get(name)
+        value = value.float()
+        self._maxima[name] = value if previous is None else torch.maximum(previous, value)
+
+    # -- the step -----------------------------------------------------------------------------------------------
+    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+        """An optimizer step happens: rescale after it (the Trainer calls ``after_step`` after every micro-batch)."""
+        self._stepped = True
+        self._logging = ctx.is_logging_step(self.log_every_n_steps)
+
+    def after_step(self, ctx: StepContext) -> None:
+        if not self._stepped:
+            return
+        self._stepped = False
+        unread = self._ran - self._maxima.keys()
+        self._ran = set()
+        if unread:
+            raise RuntimeError(
+                f"QKClip read no attention logits in `{sorted(unread)[0]}` during the step: its forward calls neither "
+                "`softmax` on 4-D scores nor `F.scaled_dot_product_attention` (FlexAttention, flash-attn, a fused "
+                "kernel?), so its largest logit is unknown. Use eager or SDPA attention "
+                "(`attn_implementation='eager'` or 'sdpa' for Hugging Face models), or leave it out of `attention`."
+            )
+        if not self._maxima:
+            return  # no training forward this step (its batches were dropped)
+        names = list(self._heads)
+        device = next(iter(self._maxima.values())).device
+        maxima = torch.cat(
+            [self._maxima.get(n, torch.full((self._heads[n].heads,), -math.inf, device=device)) for n in names]
+        )
+        self._maxima = {}
+        if world_size() > 1:  # every rank rescales the same: one collective for every module's heads
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        over = maxima > self.threshold
+        gamma = torch.where(over, self.threshold / maxima, torch.ones_like(maxima))
+        with torch.no_grad():
+            for name, part in zip(names, gamma.split([self._heads[n].heads for n in names]), strict=True):
+                _rescale(self._heads[name], part)
+        self._clipped = over.sum()
+        if self._logging:
+            ctx.log({"qk_clip/max_logit": maxima.amax(), "qk_clip/clipped_heads": self._clipped.float()})
+
+
+def _rescale(heads: Heads, gamma: Tensor) -> None:
+    """Scale each head's query and key rows so that its logits scale by ``gamma`` (per query head): the key head of a
+    group by ``sqrt(min gamma)``, each query head by ``gamma / sqrt(min gamma)``."""
+    group = gamma.view(heads.kv_heads, heads.heads // heads.kv_heads)
+    key_scale = group.amin(1).sqrt()
+    query_scale = (group / key_scale[:, None]).reshape(-1)
+    for slab in heads.q:
+        _scale_rows(slab, query_scale, heads.head_dim)
+    for slab in heads.k:
+        _scale_rows(slab, key_scale, heads.head_dim)
+
+
+def _scale_rows(slab: Slab, per_head: Tensor, head_dim: int) -> None:
+    rows = per_head.repeat_interleave(head_dim).to(slab.param.device, slab.param.dtype)
+    target = slab.param.narrow(slab.dim, slab.start, rows.numel())
+    shape = [1] * target.ndim
+    shape[slab.dim] = -1
+    target.mul_(rows.view(shape))
