@@ -321,7 +321,7 @@ def test_door_refuses_trainer_only_callbacks_and_classes() -> None:
         GradKit(model, opt, [GradNormMonitor(report=True)], log_dir=False)
     with pytest.raises(ValueError, match=r"GradNormMonitor\(prog_bar=True\) .* progress bar, which this loop does not"):
         GradKit(model, opt, [GradNormMonitor(prog_bar=True)])
-    with pytest.raises(ValueError, match="`log_every_n_steps` must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="`log_every_n_steps` must be an integer >= 0, got -1"):
         GradKit(model, opt, [GradNormMonitor()], log_every_n_steps=-1)
 
 

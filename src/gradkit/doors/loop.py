@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from gradkit._util.arguments import check_int
 from gradkit._util.torch_compat import gradients_still_scaled, loss_scale
 from gradkit.doors.loop_setup import (
     checked_door_arguments,
@@ -51,9 +52,9 @@ from gradkit.doors.loop_setup import (
 )
 from gradkit.policies.culprit import MicroBatch
 from gradkit.step.gate import close_step, shadowed, step_as_decided
-from gradkit.step.rank_check import verify_same_layout
 from gradkit.step.pipeline import Pipeline, StepPlan
 from gradkit.step.protocol import Door, Policy, Roster, policy_key, unwrapped, values_to_host
+from gradkit.step.rank_check import verify_same_layout
 from gradkit.step.replay import RNGState, capture_rng
 from gradkit.step.snapshot import Snapshot
 
@@ -334,11 +335,9 @@ class GradKit:
         log_dir: str | Path | Literal[False] | None = None,
     ) -> None:
         optimizers = checked_door_arguments(model, optimizers, log, scaler, fabric, max_steps, log_dir)
-        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
-            raise ValueError(
-                f"`log_every_n_steps` must be an int >= 0, got {log_every_n_steps!r}. Use e.g. 50 (Lightning's "
-                "default), or 0 to log nothing."
-            )
+        check_int(
+            "log_every_n_steps", log_every_n_steps, 0, hint="Use e.g. 50 (Lightning's default), or 0 to log nothing."
+        )
         self.policies = checked_policies(policies)
         inner = [unwrapped(opt) for opt in optimizers]
         owned = checked_schedulers(schedulers, inner)
@@ -382,11 +381,14 @@ class GradKit:
         # The torch RNG state where the next micro-batch's forward starts, kept while the loop hands over replays.
         self._rng: RNGState | None = None
         if self._hooks.any_may_skip():
-            # What a skipped step's forwards wrote into the buffers (BatchNorm statistics) is put back: a window
-            # opens when the previous step ends (`step`), the first one (and the first after `load_state_dict`) at
-            # the first forward of any submodule, whatever calls it (a `no_grad` pass, a `model.loss(...)` method).
-            self._buffers = self.ctx.window_buffers = Snapshot(root)
-            self._arm_first_forward()
+            self._keep_buffers(root)
+
+    def _keep_buffers(self, root: nn.Module) -> None:
+        """What a skipped step's forwards wrote into the buffers (BatchNorm statistics) is put back: a window opens
+        when the previous step ends (`step`), the first one (and the first after `load_state_dict`) at the first
+        forward of any submodule, whatever calls it (a `no_grad` pass, a `model.loss(...)` method)."""
+        self._buffers = self.ctx.window_buffers = Snapshot(root)
+        self._arm_first_forward()
 
     def _arm_first_forward(self) -> None:
         """Capture the buffers at the next forward of any submodule, once (the hooks then remove themselves)."""

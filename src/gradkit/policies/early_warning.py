@@ -187,6 +187,10 @@ class EarlyWarning:
             log_every_n_steps,
         )
         self._detector = Detector(self.thresholds, self.floors, self.growth, self.growth_steps)
+        self._start_run_state()
+
+    def _start_run_state(self) -> None:
+        """What a run records (events, warnings, the signal series for the report): empty."""
         self._events: EventLog | None = None
         self._model: nn.Module | None = None
         self._log_dir: Path | None = None

@@ -214,6 +214,10 @@ class SpikeRollback:
         self.escalate_rewarmup_steps = self._escalation.rewarmup_steps
         self.escalate_reset_moments = self._escalation.reset_moments
         self.escalate_within_steps = self._escalation.within_steps
+        self._start_run_state()
+
+    def _start_run_state(self) -> None:
+        """What a run accumulates (statistics, the ring of snapshots, the bookkeeping saved in checkpoints): empty."""
         self._stats = RunningMoments(self.alpha)
         self._watch = WatchedValue(self.monitor, f"{self.state_key}/loss_sum")
         self._ring: list[StepSnapshot] = []
