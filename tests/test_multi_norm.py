@@ -21,7 +21,7 @@ import weakref
 import pytest
 import torch
 
-from gradkit import _multi_norm
+from gradkit.step import _multi_norm
 from gradkit.step._multi_norm import fallback_reason, multi_tensor_norms, norm_implementation
 from gradkit.step.norms import per_tensor_norms, total_norm
 from helpers import run_fresh
@@ -174,7 +174,7 @@ def test_environment_variable_turns_the_kernel_off_and_rejects_unknown_values(mo
 
 _INTERPRETED = r"""
 import math, torch
-from gradkit import _multi_norm
+from gradkit.step import _multi_norm
 from gradkit.step._multi_norm import _foreach_norms, _kernel_norms
 
 torch.manual_seed(0)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradkit import _layout
+from gradkit.step import rank_check as _layout
 from gradkit.step.rank_check import first_mismatch, parameter_layout, verify_same_layout
 from helpers import MLPModule, loader, make_trainer, run_distributed
 from lightning_gradkit import GradNormMonitor, trainer_door
