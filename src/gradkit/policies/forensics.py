@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.hooks import RemovableHandle
 
 from gradkit.step.params import clean_name, is_ddp_wrapped
@@ -335,6 +335,7 @@ class _Recorder(TorchDispatchMode):
         ``updated`` are the tensors it read and wrote in place, with their state before it ran."""
         ids = {id(t) for t in written}
         inputs = [t for t in _floats((args, kwargs)) if id(t) not in ids and _key(t) not in self.constants]
+        inputs += self._held_inside_subclasses((args, kwargs))
         bad = [(t, s) for t, s in ((t, _state(t)) for t in inputs) if s] + [(t, s) for t, s in updated if s]
         nan = [t for t, s in bad if s == 2]
         inf = [t for t, s in bad if s == 1]
@@ -352,6 +353,27 @@ class _Recorder(TorchDispatchMode):
             if s:
                 self.holds[_key(t)] = index
         self.latest = index
+
+    def _held_inside_subclasses(self, obj: Any) -> list[Tensor]:
+        """The plain tensors inside the tensor-subclass arguments in ``obj`` (torchao's ``Float8TrainingTensor``: its
+        float8 data and scale) whose non-finite values this replay already traced to an origin.
+
+        The mode sees the operator on the subclass (``aten.mm`` of two float8 tensors), not the operators inside it,
+        and a subclass is no plain tensor it checks: without this the operator that reads the subclass would be named
+        the origin of a value that an earlier operator made (an inf cast to float8 in the next ``Float8Linear``).
+        Only traced tensors count, so a subclass whose inner tensors no traced operator made (a DTensor's local shard)
+        changes nothing."""
+        found: list[Tensor] = []
+        pending = [t for t in pytree.tree_leaves(obj) if isinstance(t, Tensor) and is_traceable_wrapper_subclass(t)]
+        while pending:
+            outer = pending.pop()
+            for name in outer.__tensor_flatten__()[0]:
+                inner = getattr(outer, name)
+                if is_traceable_wrapper_subclass(inner):
+                    pending.append(inner)
+                elif _checked(inner) and _key(inner) in self.holds:
+                    found.append(inner)
+        return found
 
     def _add(self, finding: Finding) -> int:
         self.origins.append(finding)
