@@ -125,7 +125,8 @@ def float8_state(model: nn.Module) -> dict[str, Any]:
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_float8_linear_keeps_no_scaling_state_for_a_replay_to_change(recipe: str) -> None:
     """Dynamic scaling only (no delayed scaling, hence no amax history): no buffer, no tensor attribute, and every
-    ``Float8Linear``'s plain attributes the same after a training forward and backward and a culprit replay."""
+    ``Float8Linear``'s plain attributes the same after a training forward and backward (whose matmuls are float8
+    ``torch._scaled_mm`` calls on CPU too) and a culprit replay."""
     assert {s.name for s in float8.ScalingType} == {"DYNAMIC", "DISABLED"}  # torchao 0.18 removed delayed scaling
     model = fp8_model(recipe, checkpoint="before")
     converted = [m for m in model.modules() if isinstance(m, Float8Linear)]
@@ -133,7 +134,9 @@ def test_float8_linear_keeps_no_scaling_state_for_a_replay_to_change(recipe: str
     assert not any(isinstance(v, Tensor) for m in converted for v in vars(m).values())
     before = float8_state(model)
     bad = batches()[INF_STEP * ACCUMULATE]
-    model(bad).backward()
+    with torch.profiler.profile() as profile:
+        model(bad).backward()
+    assert "aten::_scaled_mm" in {e.name for e in profile.events()}  # float8 matmuls, not an emulation
     finding = replay_micro_batches(model, [MicroBatch(0, lambda: model(bad))])
     assert finding.culprit == "blocks.1"
     assert float8_state(model) == before
