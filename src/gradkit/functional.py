@@ -1,8 +1,7 @@
 """The math of gradkit's clippers as plain functions of tensors, composed the way ``torch.nn.utils.clip_grad`` is.
 
 Each function is two steps: a measurement (:func:`grad_norm`, :func:`unit_norms`) and a coefficient
-(:func:`~gradkit.policies.clipping.clip_coefficient`, :func:`~gradkit.policies.agc.agc_coefficients`), then one
-multiply. The policies run the same functions on the step's one read of the gradients (the pipeline measures once
+(:func:`clip_coefficient`, :func:`agc_coefficients`), then one multiply. The policies run the same functions on the step's one read of the gradients (the pipeline measures once
 for every policy and writes once); these are for a reader who wants the rule, and for code that clips a few tensors
 outside a training step.
 
@@ -29,7 +28,15 @@ from gradkit.policies.agc import agc_coefficients
 from gradkit.policies.clipping import clip_coefficient
 from gradkit.step.norms import per_tensor_norms, row_norms, total_norm
 
-__all__ = ["adaptive_clip_grad_", "clip_grad_norm_", "clip_grads_by_", "grad_norm", "unit_norms"]
+__all__ = [
+    "adaptive_clip_grad_",
+    "agc_coefficients",
+    "clip_coefficient",
+    "clip_grad_norm_",
+    "clip_grads_by_",
+    "grad_norm",
+    "unit_norms",
+]
 
 
 def _grads(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
@@ -39,7 +46,7 @@ def _grads(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
 
 def grad_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
     """The total p-norm of ``grads`` (``torch.nn.utils.get_total_norm``): the per-tensor norms in one multi-tensor
-    call per (device, dtype) run (:func:`~gradkit.step.norms.per_tensor_norms`), then their norm."""
+    call per (device, dtype) run (``gradkit.step.norms.per_tensor_norms``), then their norm."""
     return total_norm(per_tensor_norms(grads, norm_type), norm_type)
 
 

@@ -50,7 +50,7 @@ def agc_coefficients(grad_norms: Tensor, weight_norms: Tensor, clip_factor: floa
     units (e.g. a zeroed last layer of a residual branch) still update. Multiplying by these coefficients gives
     bit-for-bit the result of ``timm.utils.agc.adaptive_clip_grad``.
 
-    A unit is a row along dim 0 of a weight (an output unit: :func:`~gradkit.step.norms.row_norms`), or a
+    A unit is a row along dim 0 of a weight (an output unit: :func:`gradkit.functional.unit_norms`), or a
     whole bias, gain or scalar (its norm).
 
     Args:
