@@ -1,9 +1,9 @@
 """The math of gradkit's clippers as plain functions of tensors, composed the way ``torch.nn.utils.clip_grad`` is.
 
 Each function is two steps: a measurement (:func:`grad_norm`, :func:`unit_norms`) and a coefficient
-(:func:`clip_coefficient`, :func:`agc_coefficients`), then one multiply. The policies run the same functions on the step's one read of the gradients (the pipeline measures once
-for every policy and writes once); these are for a reader who wants the rule, and for code that clips a few tensors
-outside a training step.
+(:func:`clip_coefficient`, :func:`agc_coefficients`), then one multiply. The policies run the same functions on the
+step's one read of the gradients (the pipeline measures once for every policy and writes once); these are for a
+reader who wants the rule, and for code that clips a few tensors outside a training step.
 
 Example::
 
