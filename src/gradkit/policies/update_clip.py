@@ -47,41 +47,47 @@ NORM_FLOOR = 1e-6
 REST = "rest"
 
 
-def history_threshold(history: Tensor, sigma_factor: float, warmup: int) -> Tensor:
+def history_threshold(history: Tensor, count: Tensor, sigma_factor: float, warmup: int) -> Tensor:
     """Per row of ``history`` (``[rows, size]``, NaN: an empty slot), ``mean + sigma_factor * max(std, 1e-6)`` of its
-    norms (population standard deviation), ``inf`` while a row holds fewer than ``warmup`` norms. No host sync.
+    norms (population standard deviation), ``inf`` while a row holds fewer than ``warmup`` norms. ``count`` (``[rows]``)
+    is how many norms each row took so far: a ring fills its slots in order, so it holds ``min(count, size)``. No host
+    sync.
 
     Example::
 
-        >>> history_threshold(torch.tensor([[1.0, 3.0, math.nan]]), 1.0, warmup=2)
+        >>> history_threshold(torch.tensor([[1.0, 3.0, math.nan]]), torch.tensor([2]), 1.0, warmup=2)
         tensor([3.])
     """
-    count = (~torch.isnan(history)).sum(1)
-    mean = history.nansum(1) / count
-    std = (history - mean[:, None]).square_().nansum(1).div_(count).sqrt_().clamp_min_(STD_FLOOR)
-    return torch.where(count >= warmup, mean.add_(std, alpha=sigma_factor), math.inf)
+    held = count.clamp_max(history.shape[1])
+    mean = history.nansum(1) / held
+    std = (history - mean[:, None]).square_().nansum(1).div_(held).sqrt_().clamp_min_(STD_FLOOR)
+    return torch.where(held >= warmup, mean.add_(std, alpha=sigma_factor), math.inf)
 
 
 def clip_against_history(
-    history: Tensor, count: Tensor, norms: Tensor, joins: Tensor, sigma_factor: float, warmup: int
+    history: Tensor, count: Tensor, norms: Tensor, skip: Tensor | None, sigma_factor: float, warmup: int
 ) -> tuple[Tensor, Tensor]:
     """One step of the rule, per row: the coefficient ``min(1, threshold / max(norm, 1e-6))`` (1 for a norm at or
-    under :func:`history_threshold`, or not finite), then the norm written into the row's ring where ``joins``.
+    under :func:`history_threshold`, or not finite), then the norm written into the row's ring, unless it is not
+    finite, is 0 (the step did not move) or ``skip`` (a policy skipped the step).
 
     Args:
         history: ``[rows, size]`` the last norms of each row (NaN: an empty slot), updated in place.
         count: ``[rows]`` how many norms each row took so far (its ring position), updated in place.
         norms: ``[rows]`` this step's update norms.
-        joins: ``[rows]`` whether each norm enters its row's history.
+        skip: a bool device scalar, or ``None`` where no policy may skip.
         sigma_factor: ``k`` of ``mean + k * std``.
         warmup: how many norms a row holds before it clips.
 
     Returns:
         ``(coef, threshold)``, ``[rows]`` device tensors.
     """
-    threshold = history_threshold(history, sigma_factor, warmup)
-    trigger = (norms > threshold) & (norms < math.inf)
-    coef = torch.where(trigger, threshold / norms.clamp_min(NORM_FLOOR), 1.0)
+    threshold = history_threshold(history, count, sigma_factor, warmup)
+    finite = norms < math.inf  # NaN too is not
+    coef = torch.where((norms > threshold) & finite, threshold / norms.clamp_min(NORM_FLOOR), 1.0)
+    joins = (norms > 0) & finite
+    if skip is not None:
+        joins = joins & ~skip.to(joins.device)
     slot = (count % history.shape[1]).unsqueeze_(1)
     kept = history.gather(1, slot)
     history.scatter_(1, slot, torch.where(joins.unsqueeze(1), norms.unsqueeze(1), kept))
@@ -416,12 +422,9 @@ class UpdateClip:
             norms = total_norm(per_param, 2.0).reshape(1)
         else:
             norms = grouped_norms(per_param, layout.row_of, len(layout.rows), 2.0)
-        joins = (norms > 0) & (norms < math.inf)  # NaN fails both
-        if pending.skip is not None:
-            joins = joins & ~pending.skip.to(device)
         history = self._histories[idx]
         coef, threshold = clip_against_history(
-            history.norms, history.count, norms, joins, self.sigma_factor, self.warmup
+            history.norms, history.count, norms, pending.skip, self.sigma_factor, self.warmup
         )
         shrink = 1.0 - coef  # w += (1 - c) (w_before - w): exactly w where c = 1
         for row, tensors in layout.buckets:
@@ -449,7 +452,7 @@ class UpdateClip:
             pending = self._release(idx)
             if pending is not None and pending.logging:  # armed, but the optimizer did not step (a skip)
                 history = self._histories[idx]
-                threshold = history_threshold(history.norms, self.sigma_factor, self.warmup)
+                threshold = history_threshold(history.norms, history.count, self.sigma_factor, self.warmup)
                 zeros = torch.zeros_like(threshold)
                 self._metrics[idx] = self._named_metrics(pending, zeros, threshold, zeros + 1.0)
         for metrics in self._metrics.values():
