@@ -131,7 +131,7 @@ class _Pending:
 class UpdateClip:
     r"""Clip the update of each optimizer step, ``u = w - w_before``, by its norm against the mean plus ``sigma_factor``
     standard deviations of its recent history: Levanter's ``clip_update_norm`` (``ClipUpdateNormConfig``,
-    ``clip_update_by_historical_norm``), used by Marin's 32B run.
+    ``clip_update_by_historical_norm``), which Marin's 32B run used (``sigma_factor=2.0``, 128 steps).
 
     **The rule** (Levanter's). After the step, ``n = ||u||_2`` over every parameter of the optimizer. The threshold is
     ``mean + sigma_factor * max(std, 1e-6)`` of the last ``history_size`` norms (population standard deviation); when
@@ -175,7 +175,7 @@ class UpdateClip:
     (``GradNormMonitor``'s update ratio sees the clipped one).
 
     Args:
-        sigma_factor: ``k`` of ``mean + k * std`` (> 0); Levanter's default is 3.
+        sigma_factor: ``k`` of ``mean + k * std`` (> 0); Levanter's default is 3, Marin's 32B run used 2.
         history_size: how many past update norms the statistics cover (>= 2); Levanter's default is 128.
         warmup_steps: how many norms the history holds before the clip acts, in ``[2, history_size]``; ``None``:
             ``max(2, history_size // 2)``, Levanter's rule.
