@@ -35,6 +35,7 @@ from lightning_gradkit import (
     SpikeGuard,
     StepsToSkip,
     SyncAudit,
+    UpdateClip,
     ZClip,
 )
 
@@ -88,6 +89,13 @@ BAD = [
     (lambda: EarlyWarning(thresholds=1000.0), "thresholds", "1000.0"),  # type: ignore[arg-type]
     (lambda: EarlyWarning(floors="150"), "floors", "'150'"),  # type: ignore[arg-type]
     (lambda: EarlyWarning(floors=150), "floors", "150"),  # type: ignore[arg-type]
+    (lambda: UpdateClip(sigma_factor=0.0), "sigma_factor", "0.0"),
+    (lambda: UpdateClip(history_size=1), "history_size", "1"),
+    (lambda: UpdateClip(history_size=8, warmup_steps=9), "warmup_steps", "9"),
+    (lambda: UpdateClip(warmup_steps=1), "warmup_steps", "1"),
+    (lambda: UpdateClip(modules=3), "modules", "3"),  # type: ignore[arg-type]
+    (lambda: UpdateClip(modules=[]), "modules", "[]"),
+    (lambda: UpdateClip(divide_by_lr="yes"), "divide_by_lr", "'yes'"),  # type: ignore[arg-type]
 ]
 
 

@@ -111,6 +111,7 @@ CALLBACK_ARGS: dict[str, dict[str, object]] = {
     "EarlyWarning": {"growth_steps": 10, "action": "escalate"},
     "StepsToSkip": {"steps": [[5, 7]]},
     "QKClip": {"threshold": 50.0, "attention": ["CausalSelfAttention"]},
+    "UpdateClip": {"sigma_factor": 2.0, "history_size": 64, "modules": ["Block"], "divide_by_lr": False},
     "ActivationCheckpointing": {"targets": ["Block"], "mode": "selective"},
     "InferenceModeValidation": {"fallback": "raise"},
     "AccumulationGuard": {"normalize": "tokens", "tokens_key": "n"},

@@ -83,7 +83,7 @@ def test_a_policy_callbacks_docstring_holds_its_torch_policys_text() -> None:
     # One text for both roots: the callback's docstring holds the torch class's text up to its sections and its Args
     # section verbatim; the loop-door example stays the torch class's, the callback shows a Trainer.
     policies = {cls.__name__: torch_policy(cls) for cls in public_callbacks() if torch_policy(cls) is not None}
-    assert len(policies) == 12, sorted(policies)
+    assert len(policies) == 13, sorted(policies)
     for name, policy in policies.items():
         callback = inspect.cleandoc(getattr(lightning_gradkit, name).__doc__)
         torch_doc = inspect.cleandoc(policy.__doc__)

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from gradkit.doors.loop import GradKit
 from helpers import count_syncs
-from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, ZClip
+from lightning_gradkit import ClipGradNorm, GradNormMonitor, NonFiniteGuard, SpikeGuard, UpdateClip, ZClip
 from lightning_gradkit.diagnostics.op_count import OpCounter
 
 SIZES = (10, 148, 1000, 10_000)
@@ -61,6 +61,8 @@ STACKS: dict[str, Callable[[], list[Any]]] = {
         NonFiniteGuard("skip"),
         SpikeGuard("loss", action="skip", warmup_steps=2, z_threshold=1e3),
     ],
+    # UpdateClip's own work, past its warm-up: the copy before the step, four passes after it and the rule.
+    "update_clip": lambda: [UpdateClip(warmup_steps=2)],
 }
 
 
@@ -124,6 +126,10 @@ MAX_OPS = {
     ("full", "sgd"): (33, 26),
     ("full", "adamw_foreach"): (33, 26),
     ("full", "adamw_fused"): (35, 28),
+    # Of these, 3 are the pipeline's own read of the gradient norms (the step's statistics), which any policy brings.
+    ("update_clip", "sgd"): (45, 40),
+    ("update_clip", "adamw_foreach"): (45, 40),
+    ("update_clip", "adamw_fused"): (45, 40),
 }
 
 

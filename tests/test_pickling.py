@@ -50,6 +50,7 @@ from lightning_gradkit import (
     SpikeRollback,
     StepsToSkip,
     SyncAudit,
+    UpdateClip,
     ZClip,
     clip_gradients,
 )
@@ -72,6 +73,7 @@ CASES: dict[str, tuple[Callable[[], Callback], dict[str, Any]]] = {
     "StepsToSkip": (lambda: StepsToSkip(steps=[[1, 2]]), {}),
     "QKClip": (lambda: QKClip(threshold=50.0), {}),
     "SyncAudit": (lambda: SyncAudit(every_n_steps=2), {}),
+    "UpdateClip": (lambda: UpdateClip(history_size=4, warmup_steps=2, modules="auto"), {}),
     "ZClip": (lambda: ZClip(warmup_steps=2, max_norm=1.0), {}),
 }
 
@@ -270,6 +272,7 @@ TORCH_CASES: dict[str, Callable[[], Policy]] = {
     "SpikeRollback": lambda: TorchSpikeRollback(warmup_steps=2, snapshot_every_n_steps=2),
     "StepsToSkip": lambda: gradkit.StepsToSkip(steps=[[1, 2]]),
     "QKClip": lambda: gradkit.QKClip(threshold=50.0),
+    "UpdateClip": lambda: gradkit.UpdateClip(history_size=4, warmup_steps=2),
     "ZClip": lambda: gradkit.ZClip(warmup_steps=2, max_norm=1.0),
 }
 NOT_GIVEN_TO_A_LOOP = {"WindowScale"}

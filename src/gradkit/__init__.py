@@ -34,6 +34,7 @@ from gradkit.policies.qk_clip import QKClip
 from gradkit.policies.rollback import SpikeRollback
 from gradkit.policies.spike_guard import SpikeGuard
 from gradkit.policies.steps_to_skip import StepsToSkip
+from gradkit.policies.update_clip import UpdateClip
 from gradkit.step.norms import GradStats
 from gradkit.step.pipeline import StepPlan
 from gradkit.step.protocol import Policy, Stage, StepContext
@@ -62,6 +63,7 @@ __all__ = [
     "StepContext",
     "StepPlan",
     "StepsToSkip",
+    "UpdateClip",
     "ZClip",
     "expert_parallel",
     "install",

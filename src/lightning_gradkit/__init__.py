@@ -36,7 +36,7 @@ from lightning_gradkit.callbacks.manual_accumulation import ManualAccumulator
 from lightning_gradkit.callbacks.monitor_callback import GradNormMonitor
 from lightning_gradkit.callbacks.rollback_callback import SpikeRollback
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
-from lightning_gradkit.callbacks.warning_callbacks import EarlyWarning, QKClip, StepsToSkip
+from lightning_gradkit.callbacks.warning_callbacks import EarlyWarning, QKClip, StepsToSkip, UpdateClip
 from lightning_gradkit.diagnostics.graph_leak import GraphLeakGuard
 from lightning_gradkit.diagnostics.sync_audit import SyncAudit
 from lightning_gradkit.strategy import (
@@ -83,6 +83,7 @@ __all__ = [
     "StepPlan",
     "StepsToSkip",
     "SyncAudit",
+    "UpdateClip",
     "ZClip",
     "clip_gradients",
     "expert_parallel",

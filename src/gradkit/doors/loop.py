@@ -260,8 +260,9 @@ class GradKit:
     closures given to :meth:`note_loss`), ``SpikeGuard``, ``SpikeRollback`` (its snapshots hold the model's
     parameters and buffers, the optimizer state, the ``schedulers`` given here, RNG and the other policies' state),
     ``EarlyWarning`` (its SpikeScore reads the losses given to :meth:`note_loss`), ``StepsToSkip`` (ask
-    :attr:`drops_batch` before the forward) and ``QKClip`` (it rescales after the optimizer step). Callbacks that
-    drive the Trainer's loop (``AccumulationGuard``, ``ActivationCheckpointing``, ...) are refused with the reason.
+    :attr:`drops_batch` before the forward), ``QKClip`` and ``UpdateClip`` (they rescale after the optimizer step).
+    Callbacks that drive the Trainer's loop (``AccumulationGuard``, ``ActivationCheckpointing``, ...) are refused with
+    the reason.
 
     Each LR scheduler given as ``schedulers`` belongs to the optimizer it was built on (``scheduler.optimizer``):
     :meth:`step` steps it after that optimizer's applied steps and holds it on a skipped one (as the Trainer's

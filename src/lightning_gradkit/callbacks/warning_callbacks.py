@@ -1,4 +1,4 @@
-"""The Trainer callbacks of :class:`gradkit.EarlyWarning`, :class:`gradkit.QKClip` and
+"""The Trainer callbacks of :class:`gradkit.EarlyWarning`, :class:`gradkit.QKClip`, :class:`gradkit.UpdateClip` and
 :class:`gradkit.StepsToSkip`: their Lightning-only hooks."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from torch import Tensor
 import gradkit.policies.early_warning
 import gradkit.policies.qk_clip
 import gradkit.policies.steps_to_skip
+import gradkit.policies.update_clip
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
 from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.strategy import require_gradkit_step
 from lightning_gradkit.trainer_door import GradKitCallback
 
-__all__ = ["EarlyWarning", "QKClip", "StepsToSkip"]
+__all__ = ["EarlyWarning", "QKClip", "StepsToSkip", "UpdateClip"]
 
 
 @with_policy_docstring
@@ -131,4 +132,34 @@ class QKClip(gradkit.QKClip, GradKitCallback):
                 "it rescales the query and key weights after the step, and the DeepSpeed engine owns them (partitioned "
                 "under ZeRO)",
                 "Use Lightning's DDP strategy for QKClip.",
+            )
+
+
+@with_policy_docstring
+class UpdateClip(gradkit.UpdateClip, GradKitCallback):
+    r"""The Trainer callback of :class:`gradkit.UpdateClip`: its docstring, then what follows.
+
+    Under a Trainer the parameters are copied in ``on_before_optimizer_step`` and the update is rescaled as
+    ``optimizer.step()`` returns (a step post-hook), with any strategy but DeepSpeed, whose engine owns the step; the
+    values are logged at the batch end.
+
+    Raises:
+        RuntimeError: at setup, under ``DeepSpeedStrategy``.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import UpdateClip
+        >>> trainer = Trainer(callbacks=[UpdateClip(sigma_factor=3.0, history_size=128)])
+    """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            refuse_under_deepspeed(
+                trainer,
+                "`UpdateClip(...)`",
+                "it rescales the parameters after the optimizer step, and the DeepSpeed engine owns the step and the "
+                "parameters (partitioned under ZeRO)",
+                "Use Lightning's DDP or FSDP strategies for UpdateClip.",
             )
