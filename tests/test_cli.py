@@ -113,6 +113,7 @@ CALLBACK_ARGS: dict[str, dict[str, object]] = {
     "QKClip": {"threshold": 50.0, "attention": ["CausalSelfAttention"]},
     "ActivationCheckpointing": {"targets": ["Block"], "mode": "selective"},
     "InferenceModeValidation": {"fallback": "raise"},
+    "CheckpointGuard": {"action": "raise"},
     "AccumulationGuard": {"normalize": "tokens", "tokens_key": "n"},
     "SyncAudit": {"every_n_steps": 5, "mode": "raise", "max_syncs_per_step": 2},
     "GraphLeakGuard": {"check_every_n_steps": 5, "gc_scan": True},
