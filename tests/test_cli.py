@@ -114,6 +114,7 @@ CALLBACK_ARGS: dict[str, dict[str, object]] = {
     "UpdateClip": {"sigma_factor": 2.0, "history_size": 64, "modules": ["Block"], "divide_by_lr": False},
     "ActivationCheckpointing": {"targets": ["Block"], "mode": "selective"},
     "InferenceModeValidation": {"fallback": "raise"},
+    "CheckpointGuard": {"action": "raise"},
     "AccumulationGuard": {"normalize": "tokens", "tokens_key": "n"},
     "SyncAudit": {"every_n_steps": 5, "mode": "raise", "max_syncs_per_step": 2},
     "GraphLeakGuard": {"check_every_n_steps": 5, "gc_scan": True},

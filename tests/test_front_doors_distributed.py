@@ -148,6 +148,23 @@ def test_three_doors_give_the_same_state_logs_and_skips_on_every_rank(
         assert second[key] == pytest.approx(values, nan_ok=True, rel=0, abs=0), key
 
 
+@pytest.mark.parametrize(("parallel", "clipper", "optimizer"), CASES)
+def test_the_checkpoint_check_names_one_ranks_nan_on_every_rank(
+    ranks: list[dict[str, Any]], parallel: str, clipper: str, optimizer: str
+) -> None:
+    # Rank 1 alone wrote a NaN into its piece of a parameter (under FSDP2 its own shard), a buffer and an optimizer
+    # state (tests/distributed/doors_script.py): the flags' all-reduce makes both ranks refuse, naming the same three.
+    moment = "exp_avg" if optimizer.startswith("adam") else "momentum_buffer"
+    expected = {
+        "parameters": ["encoder.weight"],
+        "buffers": ["norm.running_var"],
+        "optimizer_state": [f"encoder.bias.{moment}"],
+    }
+    for rank, result in enumerate(ranks):
+        health = result[f"{parallel}-{clipper}-{optimizer}/plain"]["checkpoint_health"]
+        assert health == {"healthy": True, "nonfinite": expected}, rank
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_every_door_equals_a_single_process_loop_on_the_global_batches(
     ranks: list[dict[str, Any]], parallel: str

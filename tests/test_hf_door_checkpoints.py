@@ -108,3 +108,64 @@ def test_a_resume_with_a_policy_added_and_one_gone_warns_as_the_loop_door(tmp_pa
     gone = "The checkpoint holds the state of NonFiniteGuard{'action': 'skip'}, which this run does not have"
     assert sum(m.startswith(gone) for m in messages) == 1
     assert declared.dropped == 1 and door.kit.skipped_steps == 1 and door.kit.ctx.step == 4
+
+
+class _NanAfterStep(transformers.TrainerCallback):
+    """A user's callback (HF calls it before the door's): the head's weights turn NaN after optimizer step ``step``,
+    what an exploding update leaves."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            with torch.no_grad():
+                model.head.weight.fill_(float("nan"))
+
+
+@pytest.mark.filterwarnings("ignore:HFGradKit. the checkpoint:UserWarning")
+def test_the_door_writes_no_checkpoint_folder_of_a_nonfinite_state(tmp_path: Path) -> None:
+    bad, steps = 3, 5
+
+    def run(out: Path, check_checkpoints: bool) -> tuple[Any, Any]:
+        model = MODELS["norm"]()
+        args = training_args(out, max_steps=steps, save_strategy="steps", save_steps=1)
+        trainer = transformers.Trainer(
+            model, args, train_dataset=TokenData("norm", steps * 4), callbacks=[_NanAfterStep(bad)],
+            optimizers=optimizer_and_scheduler(model, steps),
+        )  # fmt: skip
+        return trainer, install(trainer, [GradNormMonitor()], check_checkpoints=check_checkpoints)
+
+    def folders(out: Path) -> dict[str, bool]:
+        """Each checkpoint folder -> whether its weights and optimizer state are finite (the reference:
+        ``torch.isfinite`` over every tensor of its files)."""
+        from safetensors.torch import load_file
+
+        found = {}
+        for folder in sorted(out.glob("checkpoint-*")):
+            tensors = [*load_file(folder / "model.safetensors").values()]
+            tensors += [t for s in torch.load(folder / "optimizer.pt")["state"].values() for t in s.values()]
+            found[folder.name] = all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())
+        return found
+
+    trainer, _ = run(tmp_path / "checked", check_checkpoints=True)
+    with pytest.warns(UserWarning, match=rf"HFGradKit: the checkpoint of step {bad} .*`head.weight`"):
+        trainer.train()
+    assert folders(tmp_path / "checked") == {f"checkpoint-{s}": True for s in range(1, bad)}
+    refused = [e for e in _events(tmp_path / "checked") if e["what"] == "checkpoint_refused"]
+    assert [e["step"] for e in refused] == list(range(bad, steps + 1))
+    assert all(e["values"]["parameters"] == ["head.weight"] for e in refused[:1])
+    # A save HF decides after the step (save_strategy="best" does, after its evaluation) is refused as well.
+    trainer._save_checkpoint(trainer.model, None)
+    assert not (tmp_path / "checked" / f"checkpoint-{steps}").exists()
+
+    # Without the check HF writes the NaN folders (what the door prevents).
+    unchecked, _ = run(tmp_path / "unchecked", check_checkpoints=False)
+    unchecked.train()
+    assert folders(tmp_path / "unchecked") == {f"checkpoint-{s}": s < bad for s in range(1, steps + 1)}
+
+
+def _events(out: Path) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(line) for line in (out / "gradkit_events.jsonl").read_text().splitlines()]

@@ -39,6 +39,7 @@ from gradkit.step.norms import GradStats
 from gradkit.step.pipeline import StepPlan
 from gradkit.step.protocol import Policy, Stage, StepContext
 from gradkit.step.replicas import expert_parallel
+from gradkit.step.state_check import FiniteCheck, checkpoint_is_finite
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -51,6 +52,7 @@ __all__ = [
     "ClipGradNorm",
     "ClipGradValue",
     "EarlyWarning",
+    "FiniteCheck",
     "GradKit",
     "GradNormMonitor",
     "GradStats",
@@ -65,17 +67,20 @@ __all__ = [
     "StepsToSkip",
     "UpdateClip",
     "ZClip",
+    "checkpoint_is_finite",
     "expert_parallel",
     "install",
 ]
 
 
-def install(trainer: Trainer, policies: Policy | Sequence[Policy], *, events: bool = True) -> HFGradKit:
+def install(
+    trainer: Trainer, policies: Policy | Sequence[Policy], *, events: bool = True, check_checkpoints: bool = True
+) -> HFGradKit:
     """The Hugging Face ``transformers.Trainer`` door: :func:`gradkit.doors.huggingface.install` (which needs
     ``transformers``; importing :mod:`gradkit` does not load it)."""
     from gradkit.doors.huggingface import install as install_hf
 
-    return install_hf(trainer, policies, events=events)
+    return install_hf(trainer, policies, events=events, check_checkpoints=check_checkpoints)
 
 
 _register_moved(__name__)

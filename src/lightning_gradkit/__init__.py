@@ -23,6 +23,7 @@ from lightning_gradkit._compat import register_strategy_names
 from lightning_gradkit.activation_checkpointing.callback import ActivationCheckpointing
 from lightning_gradkit.activation_checkpointing.injection import inject_activation_checkpointing
 from lightning_gradkit.callbacks.accumulation import AccumulationGuard
+from lightning_gradkit.callbacks.checkpoint_guard import CheckpointGuard
 from lightning_gradkit.callbacks.clip_callbacks import (
     AdaptiveGradClip,
     AutoClip,
@@ -58,6 +59,7 @@ __all__ = [
     "ActivationCheckpointing",
     "AdaptiveGradClip",
     "AutoClip",
+    "CheckpointGuard",
     "ClipGradNorm",
     "ClipGradValue",
     "EarlyWarning",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from gradkit.doors.loop import GradKit
+from gradkit.step.norms import local_tensor
 from helpers import distributed_trainer, script_parser, write_rank_result
 from lightning_gradkit import GradKitModelParallelStrategy, SpikeRollback
 from test_front_doors import (
@@ -36,7 +38,7 @@ from test_front_doors import (
     _optimizer,
     _series,
 )
-from test_front_doors_distributed import CASES, ROLLBACK_CASE, STEPS, WORLD, policies, rank_batches
+from test_front_doors_distributed import CASES, NAN_RANK, ROLLBACK_CASE, STEPS, WORLD, policies, rank_batches
 
 
 def state(module: nn.Module) -> dict[str, list[float]]:
@@ -79,6 +81,21 @@ def train(
     kit.finish()
 
 
+def checkpoint_health(net: nn.Module, opt: Any, kit: GradKit, rank: int) -> dict[str, Any]:
+    """``kit.checkpoint_is_finite()`` after training, then again with a NaN written on rank 1 only into its piece of
+    a parameter (its FSDP2 shard: rank 0 holds none of it), of a BatchNorm buffer and of an optimizer-state tensor:
+    every rank must name all three."""
+    healthy = bool(kit.checkpoint_is_finite())
+    if rank == NAN_RANK:
+        with torch.no_grad():
+            local_tensor(net.encoder.weight).view(-1)[0] = float("nan")  # rank 1's rows 8-15 under FSDP2
+            net.norm.running_var[0] = float("nan")
+            state = opt.state[net.encoder.bias]
+            key = next(k for k, v in state.items() if k != "step" and isinstance(v, Tensor))
+            local_tensor(state[key]).view(-1)[0] = float("nan")
+    return {"healthy": healthy, "nonfinite": kit.checkpoint_is_finite().as_event()}
+
+
 def run_plain(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[str, Any]:
     net = Net()
     net.load_state_dict(_initial_state())
@@ -92,7 +109,8 @@ def run_plain(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[st
     chosen = policies(clipper)
     kit = GradKit(model, opt, chosen, log=log, log_every_n_steps=1, max_steps=STEPS)
     train(model, opt, kit, Tensor.backward, rank, clipper)
-    return {"state": state(net), "logs": _series(rows), "history": history(chosen)}
+    result = {"state": state(net), "logs": _series(rows), "history": history(chosen)}
+    return {**result, "checkpoint_health": checkpoint_health(net, opt, kit, rank)}
 
 
 def run_fabric(parallel: str, clipper: str, optimizer: str, rank: int) -> dict[str, Any]:

@@ -91,6 +91,8 @@ _log = logging.getLogger(__name__)
 #: The policies' state in an HF checkpoint folder (``checkpoint-<step>/``), beside ``optimizer.pt``.
 STATE_FILENAME = "gradkit_state.pt"
 
+# What the door did with a checkpoint of non-finite state, for its warning.
+_REFUSED_SAVE = "HF did not save it (no checkpoint folder written, none rotated out: the newest is the last good one)"
 # Schedulers HF does not step per optimizer step (it steps them on an evaluation metric): not the door's to hold.
 _METRIC_SCHEDULERS: tuple[type, ...] = tuple(
     cls
@@ -106,7 +108,9 @@ _UNSUPPORTED = {
 }
 
 
-def install(trainer: Trainer, policies: Policy | Sequence[Policy], *, events: bool = True) -> HFGradKit:
+def install(
+    trainer: Trainer, policies: Policy | Sequence[Policy], *, events: bool = True, check_checkpoints: bool = True
+) -> HFGradKit:
     """Install gradkit's policies on a Hugging Face ``Trainer``: the one call the door needs.
 
     Call it after building the ``Trainer`` and before ``trainer.train()``. The door is added to the Trainer's
@@ -118,6 +122,8 @@ def install(trainer: Trainer, policies: Policy | Sequence[Policy], *, events: bo
         policies: gradkit policies (instances): one, or a list of them, e.g. ``[GradNormMonitor(),
             NonFiniteGuard(action="skip")]``.
         events: write the guards' events to ``gradkit_events.jsonl`` in ``TrainingArguments.output_dir``.
+        check_checkpoints: refuse to save a checkpoint whose parameters, buffers or optimizer state hold a NaN or an
+            infinity (one host read per save, none at other steps); ``False``: HF saves whatever the state is.
 
     Returns:
         The installed door; its :attr:`~HFGradKit.kit` is the loop door of the current ``train()`` call.
@@ -137,7 +143,7 @@ def install(trainer: Trainer, policies: Policy | Sequence[Policy], *, events: bo
         >>> trainer = Trainer(model, args, train_dataset=train)  # doctest: +SKIP
         >>> door = install(trainer, [ZClip()])  # doctest: +SKIP
     """
-    return HFGradKit(trainer, policies, events=events)
+    return HFGradKit(trainer, policies, events=events, check_checkpoints=check_checkpoints)
 
 
 class HFGradKit(TrainerCallback):
@@ -171,6 +177,13 @@ class HFGradKit(TrainerCallback):
       (``save_steps``; from the process that saves, as HF's own files); ``trainer.train(resume_from_checkpoint=...)``
       loads it, so the policies resume as an uninterrupted run. A checkpoint without it resumes with fresh policies
       (a warning says so).
+    - **Checkpoint health** (``check_checkpoints=True``, the default): before HF writes a checkpoint folder, the
+      model's parameters and buffers and the optimizer state are checked (:meth:`gradkit.GradKit.checkpoint_is_finite`:
+      one pass on the device, one host read per save, none at other steps; under DDP every rank's flags in one
+      all-reduce). A non-finite state is not saved: at ``on_step_end`` / ``on_epoch_end`` the door clears
+      ``control.should_save`` (so no callback's ``on_save`` runs), and a save decided later (``save_strategy="best"``)
+      is refused in ``_save_checkpoint``; no folder is written and none is rotated out, so the newest folder is the
+      last good one. The first refusal warns, naming the step and the tensors; each is a ``checkpoint_refused`` event.
     - **SpikeRollback**'s snapshots hold HF's LR scheduler; a rollback puts it back with the parameters and the
       optimizer state. A scheduler HF steps on a metric (``ReduceLROnPlateau``) is neither held nor rewound.
 
@@ -182,13 +195,21 @@ class HFGradKit(TrainerCallback):
         trainer: the ``Trainer`` to install on.
         policies: the gradkit policies (instances): one, or a list of them.
         events: write the guards' ``gradkit_events.jsonl`` into ``TrainingArguments.output_dir``.
+        check_checkpoints: refuse to save a checkpoint of non-finite state.
 
     Raises:
         ValueError: see :func:`install`.
         TypeError: see :func:`install`.
     """
 
-    def __init__(self, trainer: Trainer, policies: Policy | Sequence[Policy], *, events: bool = True) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        policies: Policy | Sequence[Policy],
+        *,
+        events: bool = True,
+        check_checkpoints: bool = True,
+    ) -> None:
         if not isinstance(trainer, Trainer):
             raise TypeError(
                 f"`trainer` must be a transformers.Trainer, got a {type(trainer).__name__}. For a loop of your own, "
@@ -199,6 +220,9 @@ class HFGradKit(TrainerCallback):
         self.policies = _clipping(trainer, checked_policies(policies))
         self.trainer = trainer
         self.events = events
+        self.check_checkpoints = check_checkpoints
+        # The step whose state was last checked for a save, and whether it was finite.
+        self._checked: tuple[int, bool] | None = None
         #: The loop door of the current (or last) ``train()`` call; ``None`` before the first.
         self.kit: GradKit | None = None
         self._resume_from: str | None = None
@@ -222,6 +246,9 @@ class HFGradKit(TrainerCallback):
             trainer._get_grad_norm = self._measured_grad_norm  # type: ignore[method-assign]
         if trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0:
             trainer._clip_grad_norm = self._measured_grad_norm  # type: ignore[method-assign]  # the door clips
+        self._save_checkpoint = trainer._save_checkpoint
+        if check_checkpoints:
+            trainer._save_checkpoint = self._checked_save  # type: ignore[method-assign]
         trainer.add_callback(self)
 
     # -- the Trainer's methods, wrapped ---------------------------------------------------------------------------
@@ -257,6 +284,27 @@ class HFGradKit(TrainerCallback):
         if self._capturing:
             self._batch = (dict(inputs), args, kwargs)
         return self._compute_loss(model, inputs, *args, **kwargs)
+
+    def _checked_save(self, model: nn.Module, trial: Any, *args: Any, **kwargs: Any) -> None:
+        """``trainer._save_checkpoint``: HF's save of a checkpoint folder, only when the state is finite (a save that
+        ``on_step_end`` could not see coming: ``save_strategy="best"`` decides after the evaluation)."""
+        if self._state_is_finite():
+            self._save_checkpoint(model, trial, *args, **kwargs)
+
+    def _state_is_finite(self) -> bool:
+        """Whether the model and the optimizer state are finite at HF's current step: checked once per step (a refusal
+        warns and writes its event then), on every rank (a collective under DDP)."""
+        if self.kit is None or not self.check_checkpoints:
+            return True
+        step = self.trainer.state.global_step
+        if self._checked is None or self._checked[0] != step:
+            self._checked = (step, bool(self.kit._check_checkpoint(type(self).__name__, _REFUSED_SAVE)))
+        return self._checked[1]
+
+    def _refuse_due_save(self, control: TrainerControl) -> None:
+        """At the end of a step or an epoch: a save HF has decided on is cancelled when the state is not finite."""
+        if control.should_save and not self._state_is_finite():
+            control.should_save = False
 
     def _replay(self, inputs: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         """The micro-batch's loss again: ``compute_loss`` on the unwrapped model (the replay differentiates with
@@ -349,12 +397,22 @@ class HFGradKit(TrainerCallback):
         should_log = control.should_log
         self._flush()
         control.should_log = self.trainer.control.should_log = should_log
+        self._refuse_due_save(control)
+        return control
+
+    @override
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        self._refuse_due_save(control)
         return control
 
     @override
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.kit is None or not args.should_save:
             return
+        if not self._state_is_finite():
+            return  # HF's `on_save` after a save `_checked_save` refused: no folder, nothing to add to it
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if not folder.is_dir():
             warnings.warn(

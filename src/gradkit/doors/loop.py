@@ -51,12 +51,14 @@ from gradkit.doors.loop_setup import (
     watches_loss,
 )
 from gradkit.policies.culprit import MicroBatch
+from gradkit.report.events import EventLog
 from gradkit.step.gate import close_step, shadowed, step_as_decided
 from gradkit.step.pipeline import Pipeline, StepPlan
 from gradkit.step.protocol import Door, Policy, Roster, policy_key, unwrapped, values_to_host
 from gradkit.step.rank_check import verify_same_layout
 from gradkit.step.replay import RNGState, capture_rng
 from gradkit.step.snapshot import Snapshot
+from gradkit.step.state_check import CHECKPOINT_REFUSED, FiniteCheck, checkpoint_is_finite, refusal_message
 
 __all__ = ["GradKit", "LoopContext"]
 
@@ -373,6 +375,7 @@ class GradKit:
         # What a loop that bypasses the door would not notice: no `kit.step` at all, no `note_loss` for a loss watcher.
         self._steps_through_kit = 0
         self._finished = False
+        self._refused_checkpoints = 0
         self._loss_watchers = [f"{type(p).__name__}(monitor='loss')" for p in self.policies if watches_loss(p)]
         self._buffers: Snapshot | None = None
         self._first_forward: list[Any] = []
@@ -559,6 +562,47 @@ class GradKit:
             "skipped_steps": self.skipped_steps,
             "policies": {policy_key(p): p.state_dict() for p in self._hooks.saves_state},
         }
+
+    def checkpoint_is_finite(self) -> FiniteCheck:
+        """Whether a checkpoint of the model and the optimizers now would hold only finite values: call it before you
+        save them (on every rank: under ``torch.distributed`` it is a collective) and save only when it is true.
+
+        :func:`gradkit.checkpoint_is_finite` on the door's model and optimizers: one pass over the parameters, the
+        buffers and the optimizer state on their device, one host read, every rank's flags in one all-reduce. When
+        something is non-finite the door treats the save as refused: a warning (the first time) names the step and the
+        tensors, and a ``checkpoint_refused`` event in ``gradkit_events.jsonl`` holds every name. :meth:`state_dict`
+        (the policies' state) is not checked: a statistic may be NaN by design.
+
+        Example::
+
+            if kit.checkpoint_is_finite():
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "gradkit": kit.state_dict()}, path)
+        """
+        return self._check_checkpoint(type(self).__name__, "do not save it")
+
+    def _check_checkpoint(self, source: str, outcome: str) -> FiniteCheck:
+        """:meth:`checkpoint_is_finite`, the refusal reported by ``source`` (the door that refuses) with ``outcome``
+        (what was done with the checkpoint)."""
+        ctx = self.ctx
+        check = checkpoint_is_finite(ctx.model, [unwrapped(o) for o in ctx.optimizers])
+        if not check:
+            self._refused_checkpoints += 1
+            events = EventLog(ctx.log_dir, rank=ctx.global_rank) if ctx.log_dir is not None else None
+            if events is not None:
+                events.write(
+                    step=ctx.step,
+                    batch_idx=ctx.batch_idx,
+                    rank=None,  # the flags of every rank, combined
+                    what=CHECKPOINT_REFUSED,
+                    culprit=check.first(),
+                    values=check.as_event(),
+                    source=source,
+                )
+            if self._refused_checkpoints == 1:
+                what = f"{outcome} (later refusals are in the events file only)" if events is not None else outcome
+                ctx.warn(refusal_message(source, check, ctx.step, what, events.path if events is not None else None))
+        return check
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`, or from a Lightning ``Trainer`` checkpoint of the same policies.
