@@ -284,6 +284,13 @@ class TrainerContext(Door):
         return self.pl_module
 
     @property
+    def wrapped_model(self) -> torch.nn.Module | None:
+        """The module the strategy calls (``trainer.strategy.model``: the ``DistributedDataParallel`` under DDP), where
+        ``GradNormMonitor(noise_scale=True)`` reads each rank's local gradient
+        (:func:`gradkit.policies.noise_scale.start_probe`)."""
+        return self.trainer.strategy.model
+
+    @property
     @override
     def pipeline(self) -> Pipeline:
         return TrainerPipeline.of(self.trainer).pipeline

@@ -114,6 +114,9 @@ class LoopContext(Door):
         self._flat_sharded = flat_sharded
         self.step = 0
         self.micro_batches = 0
+        #: The module the loop calls (a ``DistributedDataParallel``, Fabric's wrapper), where
+        #: ``GradNormMonitor(noise_scale=True)`` reads each rank's local gradient; set by :class:`GradKit`.
+        self.wrapped_model: nn.Module | None = None
         first = next(model.parameters(), None)
         self._device = first.device if first is not None else torch.device("cpu")
 
@@ -361,6 +364,7 @@ class GradKit:
             [scheduler for scheduler, _ in owned],
             self.policies,
         )
+        self.ctx.wrapped_model = model  # the DDP module the noise scale hooks (`GradNormMonitor(noise_scale=True)`)
         self.ctx.loggers = list(getattr(fabric, "loggers", ()))  # Fabric's (Lightning) loggers: the monitor's report
         self.pipeline = self.ctx.pipeline
         # Each optimizer's own schedulers: `step(opt)` steps, or holds on a skip, only these.

@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from gradkit._util.arguments import check_bool, check_int, name_list, validate_norm_type
+from gradkit.policies.noise_scale import DDPNoiseProbe, start_probe
 from gradkit.policies.update_ratio import _Before, update_ratios
 from gradkit.report.data import INSTALL_HINT, Record, RunData
 from gradkit.report.events import EVENTS_FILENAME, write_metadata
@@ -89,6 +90,8 @@ class GradNormMonitor:
     - ``weight_norm/total`` and ``weight_norm/module/<name>``: with ``weight_norms=True``.
     - ``update_ratio/total`` and ``update_ratio/module/<name>``: with ``update_ratio=True``, the update-to-weight
       ratio ``||w_after - w_before|| / ||w_before||`` (2-norms, whatever ``norm_type``) of this optimizer step.
+    - ``grad_noise/b_simple``, ``grad_noise/g2``, ``grad_noise/s``, ``grad_noise/g_small_sq``,
+      ``grad_noise/g_big_sq``, ``grad_noise/batch_size``: with ``noise_scale=True`` under DDP, see below.
 
     It writes no events (the report reads the guards'); beside them, in the log directory, it keeps
     ``gradkit_run.json`` (the model order of the per-module rows, which a logger such as ``CSVLogger`` sorts by name).
@@ -101,6 +104,26 @@ class GradNormMonitor:
     ``_foreach_sub_``, two ``_foreach_norm`` passes and under sharding one all-reduce, and the copy held during the
     step; other steps cost nothing. A module whose weights are all zero gets ``inf`` (``nan`` if it did not move). A
     step the optimizer did not apply (a guard skipped it, the ``GradScaler`` found an inf) logs ``0``.
+
+    **Gradient noise scale.** With ``noise_scale=True`` under DDP, on logging steps, the monitor estimates the critical
+    batch ``B_simple = S / |G|^2`` of McCandlish et al. (2018, "An Empirical Model of Large-Batch Training", appendix
+    A.1) from the two batch sizes DDP has anyway: each rank's gradient of the step (``B_small``: the rank's examples of
+    the optimizer step, every micro-batch) and the all-reduced one (``B_big = world_size x B_small``). It logs
+    ``grad_noise/g_small_sq`` (``|G_small|^2``: each rank's squared 2-norm, averaged over the ranks),
+    ``grad_noise/g_big_sq`` (``|G_big|^2``), the unbiased estimates ``|G|^2 = (B_big |G_big|^2 - B_small
+    |G_small|^2) / (B_big - B_small)`` and ``S = (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)`` each smoothed
+    by an exponential moving average (factor ``0.9`` per logging step, bias-corrected; the ratio of noisy estimates is
+    biased, so the paper smooths numerator and denominator separately) as ``grad_noise/g2`` and ``grad_noise/s``,
+    their ratio ``grad_noise/b_simple`` (NaN while the smoothed ``|G|^2`` is not positive) and ``B_big`` as
+    ``grad_noise/batch_size``. A batch well below ``B_simple`` trains with nearly perfect data parallelism; far above
+    it, more examples per step buy little. The values are those of the gradients the optimizer receives (the AMP scale
+    removed), with the loss a mean over the batch (the gradient of an average). The local gradient is read by a hook on
+    each parameter, put on for the synchronizing backward of a logging step only, before DDP's all-reduce: one norm
+    per parameter and one all-reduce (in the step's collective) on logging steps, no tensor operation on other steps.
+    With gradient accumulation the non-final micro-batches must run under ``no_sync`` (the Trainer does). The
+    smoothing starts again after a resume. A single process, a loop without a ``DistributedDataParallel`` module (the
+    Hugging Face door's) or with several optimizers gets one warning and no ``grad_noise/`` keys; FSDP and FSDP2 are
+    refused (their gradients are reduce-scattered inside ``backward``).
 
     Trainable parameters that receive no gradient, or an all-zero gradient on each of the first 4 optimizer steps
     (``ZERO_GRADIENT_STEPS``: a zero-initialised gain zeroes the gradients upstream of it on the first step only), are
@@ -132,6 +155,12 @@ class GradNormMonitor:
             second per report on a CPU, on the host: choose it so that a report comes every few minutes.
         log_every_n_steps: how often to log, in optimizer steps; defaults to the loop's period (the Trainer's
             ``log_every_n_steps``).
+        noise_scale: also estimate the gradient noise scale (the critical batch ``B_simple``) under DDP on logging
+            steps; see above. The report draws it as a panel of its own.
+        noise_scale_batch_size: ``B_small``, the examples one rank trains on in one optimizer step (every
+            micro-batch), or the tokens, for ``B_simple`` in tokens. ``None``: behind the ``Trainer``, counted per step
+            with Lightning's batch-size inference (the length of the first tensor of each micro-batch, as ``self.log``
+            infers it); the loop door does not see the batches and needs it.
         prog_bar: show the total norm (``grad_norm``), the fraction of optimizer steps clipped since the previous
             logging step (``clipped``, with a clipping callback) and the number of skipped steps (``skipped``, with
             a guard that skips) in Lightning's progress bar, updated on logging steps (a ``Trainer`` only).
@@ -139,8 +168,9 @@ class GradNormMonitor:
     Raises:
         ValueError: if ``norm_type`` < 1, ``depth`` is neither ``"auto"`` nor an integer >= 0,
             ``log_every_n_steps`` or ``report_every_n_logs`` is not a positive integer, ``report_every_n_logs``
-            comes without ``report=True``; behind a loop door, ``report=True`` with ``log_dir=False`` or
-            ``prog_bar=True``.
+            comes without ``report=True``, ``noise_scale_batch_size`` is not a positive integer or comes without
+            ``noise_scale=True``; behind a loop door, ``report=True`` with ``log_dir=False``, ``prog_bar=True`` or
+            ``noise_scale=True`` without ``noise_scale_batch_size`` (under DDP); ``noise_scale=True`` under FSDP/FSDP2.
 
     Example::
 
@@ -159,8 +189,10 @@ class GradNormMonitor:
     """
 
     stage = Stage.OBSERVE
+    #: Whether the door counts each step's examples for the noise scale (the Trainer callback does).
+    _counts_batches = False
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a public constructor: one argument per documented option)
         self,
         norm_type: float = 2.0,
         depth: int | Literal["auto"] = "auto",
@@ -171,6 +203,8 @@ class GradNormMonitor:
         log_every_n_steps: int | None = None,
         prog_bar: bool = False,
         report_every_n_logs: int | None = None,
+        noise_scale: bool = False,
+        noise_scale_batch_size: int | None = None,
     ) -> None:
         self.norm_type = validate_norm_type(norm_type)
         if not (isinstance(depth, str) and depth == "auto"):
@@ -193,6 +227,18 @@ class GradNormMonitor:
             hint = "Leave it as None to follow the Trainer's `log_every_n_steps`."
             check_int("log_every_n_steps", log_every_n_steps, 1, hint=hint)
         self.log_every_n_steps = log_every_n_steps
+        self.noise_scale = check_bool("noise_scale", noise_scale)
+        if noise_scale_batch_size is not None:
+            hint = "Give the examples (or tokens) of one rank's batch per optimizer step, every micro-batch together."
+            check_int("noise_scale_batch_size", noise_scale_batch_size, 1, hint=hint)
+            if not noise_scale:
+                raise ValueError(
+                    f"`noise_scale_batch_size={noise_scale_batch_size!r}` is the batch of the noise scale, and "
+                    "`noise_scale=False` measures none. Set `noise_scale=True` too, or leave it None."
+                )
+        self.noise_scale_batch_size = noise_scale_batch_size
+        self._noise: DDPNoiseProbe | None = None
+        self._noise_warned = False
         # The parameter index each check was done for (re-armed when parameters join or leave the optimizer), and
         # the names already reported.
         self._missing_checked: ParamIndex | None = None
@@ -275,6 +321,53 @@ class GradNormMonitor:
         # The model order of the rows goes next to the logs (rank 0), for `python -m gradkit.report`.
         self._metadata_dir = directory if rank_zero else None
         self._record = Record() if self.report and rank_zero else None
+        if self.noise_scale:
+            self._start_noise_scale(ctx, model)
+
+    def _start_noise_scale(self, ctx: Door, model: nn.Module) -> None:
+        """The noise-scale probe on the loop's DDP module, or one warning (a single process, no DDP module).
+
+        Raises:
+            ValueError: under FSDP/FSDP2; without ``noise_scale_batch_size`` where the door counts no batch.
+        """
+        if self._noise is not None:
+            self._noise.close()
+        warned: list[str] = []
+        self._noise = start_probe(ctx, model, functools.partial(self._logs_now, ctx), warned.append)
+        if warned and not self._noise_warned:  # once per monitor, whatever the number of fits
+            self._noise_warned = True
+            ctx.warn(warned[0])
+        if self._noise is not None and self.noise_scale_batch_size is None and not self._counts_batches:
+            self._noise.close()
+            self._noise = None
+            raise ValueError(
+                "GradNormMonitor(noise_scale=True) needs the batch of one rank per optimizer step, and this door does "
+                "not see the batches: pass `noise_scale_batch_size=` (the examples, or tokens, one rank trains on per "
+                "optimizer step, every micro-batch together)."
+            )
+
+    def detach(self, ctx: StepContext) -> None:
+        """Remove the noise-scale probe's hooks from the DDP module."""
+        if self._noise is not None:
+            self._noise.close()
+            self._noise = None
+
+    def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
+        """On a logging step with ``noise_scale=True``: this rank's squared local norm, summed over the ranks in the
+        step's one collective."""
+        return {} if self._noise is None else self._noise.reduce_request(ctx)
+
+    def _logs_now(self, ctx: StepContext) -> bool:
+        """Whether the current optimizer step logs: on the period, or the first or the last step off it."""
+        return any(self._log_kind(ctx))
+
+    def _log_kind(self, ctx: StepContext) -> tuple[bool, bool]:
+        """``(on the period, off it)``: the logging period's step, or the first or the last step of the loop."""
+        on_period = ctx.is_logging_step(self.log_every_n_steps)
+        door = served(self._door, self)
+        period = door.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
+        extra = not on_period and period != 0 and (self._first_pending or door.is_last_step())
+        return on_period, extra
 
     def finish(self, ctx: StepContext) -> Path | None:
         """The report at the end (``report=True``, rank 0): the PNG and each logger's copy; returns the PNG written."""
@@ -324,15 +417,14 @@ class GradNormMonitor:
         watch.add(plan, self.norm_type)
         if self._record is not None or self.prog_bar:
             self._count_clipped(plan)
-        on_period = ctx.is_logging_step(self.log_every_n_steps)
-        door = served(self._door, self)
-        period = door.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
-        extra = not on_period and period != 0 and (self._first_pending or door.is_last_step())
+        on_period, extra = self._log_kind(ctx)
+        noise = self._noise_metrics(plan, on_period or extra)
         if not (on_period or extra):
             return
         self._first_pending = False
         suffix = f"/opt{idx}" if len(ctx.optimizers) > 1 else ""
         metrics = {k + suffix: v for k, v in self.metrics(plan).items()}
+        metrics.update(noise)
         if self.weight_norms:
             metrics.update({k + suffix: v for k, v in self._weight_metrics(plan).items()})
         host = None if on_period else values_to_host(metrics)  # off the period (first, last step): now, on the host
@@ -347,6 +439,14 @@ class GradNormMonitor:
             self._note(plan, ctx, metrics, host, suffix)
         if self.update_ratio:
             self._keep_before(plan, ctx, suffix, on_period)
+
+    def _noise_metrics(self, plan: StepPlan, logging: bool) -> dict[str, Tensor]:
+        """The noise scale's values of a logging step (``noise_scale=True``); every step forgets what it measured."""
+        if self._noise is None:
+            return {}
+        door = served(self._door, self)
+        batch = self.noise_scale_batch_size or self._noise.counted(door.global_step)
+        return self._noise.take(plan, door, batch, logging)
 
     # -- update-to-weight ratio (logging steps only) --------------------------------------------------------------
     def _keep_before(self, plan: StepPlan, ctx: StepContext, suffix: str, on_period: bool) -> None:

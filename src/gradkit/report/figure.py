@@ -21,7 +21,10 @@ the incidents) is in :mod:`gradkit.report.data`; this module draws it. From the 
    (``gradkit/skipped_steps``) where logged; and every event of ``gradkit_events.jsonl`` (skipped steps, spikes,
    non-finite values, leaks, ...) as a line at its step, labelled with what happened ("step skipped" only for a
    training step a guard skipped; validation events dash-dotted; the events of one step share the panel's height);
-4. below them, one incident panel per group of events that skipped a step, rolled back or escalated (events within
+4. with ``GradNormMonitor(noise_scale=True)`` (DDP): the critical batch ``B_simple`` (``grad_noise/b_simple``, the
+   gradient noise scale of McCandlish et al. 2018, smoothed) over the steps, log scale, beside the batch the run
+   trained with (``grad_noise/batch_size``, every rank's examples of a step);
+5. below them, one incident panel per group of events that skipped a step, rolled back or escalated (events within
    ``INCIDENT_RADIUS`` steps share a panel): each module's gradient norm over its usual norm (its median before the
    first event) for the 10 steps either side, the event steps framed, and in the title what happened, the culprit a
    replay named and the module that rose first. Log every step to see an incident step by step.
@@ -65,6 +68,7 @@ from gradkit.report.layout import (
     INCIDENT_RANGE,
     INCIDENT_TITLE,
     MAX_INCIDENTS,
+    NOISE_HEIGHT,
     TOTAL_HEIGHT,
     WIDTH,
     Layout,
@@ -80,6 +84,8 @@ _TOTAL = "grad_norm/total"
 _POST = "grad_norm/total_post_clip"
 _CLIP_FRACTION = "grad_clip/clipped_fraction"
 _SKIPPED = "gradkit/skipped_steps"
+_B_SIMPLE = "grad_noise/b_simple"
+_NOISE_BATCH = "grad_noise/batch_size"
 #: The update-to-weight ratio that the ratio panel centres its colours on (Karpathy's rule of thumb).
 RATIO_GUIDE = 1e-3
 
@@ -161,6 +167,7 @@ def build_figure(data: RunData):
         label_chars=max((len(m) for m in modules), default=10),
         ratio_rows=len(ratio_rows),
         incidents=min(len(incidents), MAX_INCIDENTS),
+        noise_panel=bool(data.series.get(_B_SIMPLE)),
     )
     shown, left_out = choose_incidents(incidents, MAX_INCIDENTS)
     fig = plt.figure(figsize=(WIDTH, layout.height))
@@ -178,6 +185,9 @@ def build_figure(data: RunData):
     _draw_totals(ax_total, data, sparse=sparse)
     _draw_events(ax_total, data.events)
     _frame_totals(fig, ax_heat, ax_total, steps + event_steps, ticker)
+    if layout.noise_panel:
+        ax_noise = fig.add_axes(layout.rect(layout.noise_top, NOISE_HEIGHT), sharex=ax_heat, label="critical batch")
+        _draw_critical_batch(ax_noise, data, sparse)
     if incidents:
         _draw_incidents(fig, data, shown, left_out, layout)
     add_signal_panels(fig, data)
@@ -498,6 +508,42 @@ def _draw_totals(ax, data: RunData, sparse: bool = False) -> None:
     ax.set_title(", ".join(parts), fontsize=10)
 
 
+def _draw_critical_batch(ax, data: RunData, sparse: bool) -> None:
+    """The critical batch ``B_simple`` over the steps (log scale) and the batch the run trained with: a batch well
+    below ``B_simple`` scales almost perfectly with more data parallelism, one far above it wastes examples."""
+    b_simple = data.series.get(_B_SIMPLE, {})
+    batch = data.series.get(_NOISE_BATCH, {})
+    shown = {s: v for s, v in b_simple.items() if math.isfinite(v) and v > 0}
+    parts = ["Critical batch B_simple = S / |G|² (the gradient noise scale, McCandlish et al. 2018; smoothed)"]
+    if shown:
+        _plot_series(ax, shown, sparse, label="B_simple", color="tab:purple", lw=1.2)
+        last = max(shown)
+        parts.append(f"last {shown[last]:.3g}")
+    if batch:
+        _plot_series(ax, batch, sparse, label="batch per step (all ranks)", color="black", lw=1, ls="--")
+        parts.append(f"batch {batch[max(batch)]:.3g}")
+    missing = len(b_simple) - len(shown)
+    if missing:
+        parts.append(
+            f"\n{missing} of {len(b_simple)} logged steps without an estimate (smoothed |G|² not positive yet)"
+        )
+    if shown or batch:
+        ax.set_yscale("log")
+        ax.legend(loc="upper left", fontsize=7)
+    else:
+        ax.text(
+            0.5,
+            0.5,
+            "no positive estimate yet: the noise still hides the gradient",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
+    ax.set_title(", ".join(parts).replace(", \n", "\n"), fontsize=10)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("examples per step")
+
+
 _EVENT_COLORS = ("tab:red", "tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 
@@ -528,8 +574,9 @@ def _draw_events(ax, events: list[dict]) -> None:
 _CLI_DESCRIPTION = """\
 Render the gradient report of a run to a PNG: a heatmap of per-module gradient norms over optimizer steps, the
 update-to-weight ratios (when logged), the total norm before and after clipping (clipped steps marked, the clipped
-fraction and skipped steps where logged) and the events that gradkit's guards wrote (gradkit_events.jsonl), on one
-step axis; below, one incident panel per skipped step, rollback or escalation: the per-module norms around it.
+fraction and skipped steps where logged) and the events that gradkit's guards wrote (gradkit_events.jsonl), the
+critical batch B_simple (when logged: GradNormMonitor(noise_scale=True) under DDP), on one step axis; below, one
+incident panel per skipped step, rollback or escalation: the per-module norms around it.
 
 LOG_DIR is the directory of one run: a CSVLogger's (metrics.csv) or a TensorBoardLogger's (events.out.tfevents.*,
 needs tensorboard), e.g. lightning_logs/version_0. The run must have used GradNormMonitor, which logs the

@@ -18,6 +18,7 @@ MAX_HEAT_HEIGHT = 11.0
 MIN_HEAT_HEIGHT = 1.4
 LABEL_HEIGHT = 0.12  # below this many inches per row, only every k-th module name is written
 TOTAL_HEIGHT = 2.6
+NOISE_HEIGHT = 2.0  # the critical-batch panel (`GradNormMonitor(noise_scale=True)`)
 # Incident panels: the steps either side of an event, panels per row, at most this many panels, rows' height.
 INCIDENT_COLUMNS = 2
 MAX_INCIDENTS = 8
@@ -53,14 +54,15 @@ def pyplot():
 class Layout:
     """Axes rectangles in inches, so all step panels get the same x extent whatever their labels.
 
-    From the top: the module heatmap, the update-ratio heatmap (when logged), the totals with the events, then the
-    incident panels (when there are incidents), ``INCIDENT_COLUMNS`` to a row.
+    From the top: the module heatmap, the update-ratio heatmap (when logged), the totals with the events, the critical
+    batch (when logged), then the incident panels (when there are incidents), ``INCIDENT_COLUMNS`` to a row.
     """
 
     rows: int
     label_chars: int
     ratio_rows: int = 0
     incidents: int = 0
+    noise_panel: bool = False
 
     @property
     def heat_height(self) -> float:
@@ -88,9 +90,18 @@ class Layout:
     def total_top(self) -> float:
         return self.ratio_top + (self.ratio_height + self.gap if self.ratio_rows else 0.0)
 
+    noise_title = 0.3  # inches more above the critical-batch panel: its title may take two lines
+    noise_below = 0.8  # inches below it: its axis label (its legend is inside)
+
+    @property
+    def noise_top(self) -> float:
+        return self.total_top + TOTAL_HEIGHT + self.bottom + self.noise_title
+
     @property
     def incident_top(self) -> float:
-        return self.total_top + TOTAL_HEIGHT + self.bottom
+        if not self.noise_panel:
+            return self.total_top + TOTAL_HEIGHT + self.bottom
+        return self.noise_top + NOISE_HEIGHT + self.noise_below
 
     @property
     def incident_height(self) -> float:

@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
@@ -25,7 +26,9 @@ class GradNormMonitor(gradkit.GradNormMonitor, GradKitCallback):
 
     Behind the Trainer the values go to ``trainer.loggers`` in one host transfer per logging step (not ``self.log``:
     it would re-send stale values off its period), a run shorter than the period gets a warning at train start, and
-    the report is drawn after every callback's ``on_train_end`` (the guards' events).
+    the report is drawn after every callback's ``on_train_end`` (the guards' events). With ``noise_scale=True`` and no
+    ``noise_scale_batch_size``, each rank counts the examples of its micro-batches per optimizer step in
+    ``on_train_batch_start`` with Lightning's ``extract_batch_size`` (host metadata only).
 
     **Under Lightning's** ``DeepSpeedStrategy`` the DeepSpeed engine owns the step (see
     :mod:`lightning_gradkit._deepspeed`): after each DeepSpeed optimizer step (``engine.global_steps``) on logging
@@ -39,6 +42,8 @@ class GradNormMonitor(gradkit.GradNormMonitor, GradKitCallback):
     Raises:
         ValueError: at setup, for a second ``GradNormMonitor`` in the Trainer.
         RuntimeError: at setup, under ``DeepSpeedStrategy``, for an option other than its default (see above).
+        ValueError: at a batch, with ``noise_scale=True`` and no ``noise_scale_batch_size``, if Lightning finds no
+            tensor in it to count its examples.
 
     Example::
 
@@ -47,6 +52,7 @@ class GradNormMonitor(gradkit.GradNormMonitor, GradKitCallback):
         >>> trainer = Trainer(callbacks=[GradNormMonitor(param_groups=True, report=True)])
     """
 
+    _counts_batches = True  # `on_train_batch_start` sees the batches: the noise scale's batch is counted
     # Under DeepSpeed: the engine's step count at the last batch end, and whether a missing norm was reported.
     _deepspeed = False
     _deepspeed_steps = 0
@@ -88,6 +94,13 @@ class GradNormMonitor(gradkit.GradNormMonitor, GradKitCallback):
                 "`GradNormMonitor(log_every_n_steps=...)` to see more."
             )
 
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._noise is not None and self.noise_scale_batch_size is None:
+            self._noise.count(_examples(batch), trainer.global_step)
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
@@ -113,12 +126,14 @@ class GradNormMonitor(gradkit.GradNormMonitor, GradKitCallback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._drop_step_hooks()  # a fit that raised inside a logging step's batch
         self._before.clear()
+        self.detach(TrainerPipeline.of(trainer).context(trainer, pl_module))  # the noise scale's hook on the DDP module
 
     # -- under DeepSpeed: the engine's own values, after its step -------------------------------------------------
     def _refuse_deepspeed_options(self, trainer: pl.Trainer) -> None:
         """Refuse the options DeepSpeed's one global 2-norm per step cannot serve: anything but their defaults."""
         defaults = inspect.signature(gradkit.GradNormMonitor).parameters
-        for name in ("norm_type", "param_groups", "weight_norms", "update_ratio", "report", "prog_bar"):
+        names = ("norm_type", "param_groups", "weight_norms", "update_ratio", "report", "prog_bar", "noise_scale")
+        for name in names:
             value, supported = getattr(self, name), defaults[name].default
             if value != supported:
                 refuse_under_deepspeed(
@@ -160,3 +175,20 @@ class GradNormMonitor(gradkit.GradNormMonitor, GradKitCallback):
             )
         metrics["deepspeed/skipped_steps"] = float(step.skipped)
         TrainerPipeline.of(trainer).context(trainer, pl_module).log_values(metrics)
+
+
+def _examples(batch: Any) -> int:
+    """The examples of a micro-batch, as Lightning's ``self.log`` infers a batch size (the first tensor's length).
+
+    Raises:
+        ValueError: Lightning finds no tensor in the batch.
+    """
+    try:
+        return extract_batch_size(batch)
+    except MisconfigurationException as err:
+        raise ValueError(
+            f"GradNormMonitor(noise_scale=True) counts each rank's examples per optimizer step from its batches, and "
+            f"Lightning finds no tensor in this one (a {type(batch).__name__}): pass "
+            "`GradNormMonitor(noise_scale_batch_size=...)`, the examples (or tokens) one rank trains on per optimizer "
+            "step, every micro-batch together."
+        ) from err
