@@ -1,4 +1,5 @@
-"""2-process CPU job (gloo): the Hugging Face door under DDP, a NaN loss on rank 1 only at one step.
+"""2-process CPU job (gloo): the Hugging Face door under DDP, a NaN loss on rank 1 only at one step; then under FSDP2
+(``hf_fsdp2.py``), in the same processes.
 
 Started once per rank as ``torchrun`` starts a job (:func:`helpers.run_processes`). The script brings the process
 group up itself; HF's Trainer (accelerate) finds it and wraps the model in ``DistributedDataParallel``. The NaN is
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
+from hf_fsdp2 import fsdp2_result
 
 from gradkit.doors.huggingface import install
 from helpers import pg_timeout, script_parser, write_rank_result
@@ -55,19 +57,16 @@ def main() -> None:
     digest = hashlib.sha256()
     for value in trainer.model.state_dict().values():
         digest.update(value.detach().contiguous().numpy().tobytes())
-    write_rank_result(
-        args.out,
-        rank,
-        {
-            "distributed_type": trainer.accelerator.distributed_type.value,
-            "wrapped": type(trainer.model_wrapped).__name__,
-            "poison_seen_at_steps": sorted(seen),
-            "skipped_steps": door.kit.skipped_steps,
-            "scheduler_steps": trainer.lr_scheduler.last_epoch,
-            "digest": digest.hexdigest(),
-            "rows": merged_rows(gradkit_rows(trainer.state.log_history)),
-        },
-    )
+    ddp = {
+        "distributed_type": trainer.accelerator.distributed_type.value,
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "poison_seen_at_steps": sorted(seen),
+        "skipped_steps": door.kit.skipped_steps,
+        "scheduler_steps": trainer.lr_scheduler.last_epoch,
+        "digest": digest.hexdigest(),
+        "rows": merged_rows(gradkit_rows(trainer.state.log_history)),
+    }
+    write_rank_result(args.out, rank, {"ddp": ddp, "fsdp2": fsdp2_result(args.out / "fsdp2")})
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ HF's loop                                the door
 ``_get_grad_norm`` (each step)           answers with the norm the pipeline measures: no second read and write of the
                                          gradients, and HF's logged ``grad_norm`` is the pre-clip norm
 ``optimizer.step()``                     ``kit.step``: the accumulation boundary is HF's (``sync_gradients``); with fp16
-                                         the kit calls HF's ``GradScaler`` (``step``, ``update``) as accelerate would
+                                         the kit calls HF's ``GradScaler`` (``step``, ``update``) as accelerate would;
+                                         a call outside HF's step (``on_pre_optimizer_step`` to ``on_optimizer_step``)
+                                         is accelerate's own step
 ``optimizer_step_was_skipped``           true on a skipped step, so HF holds its LR scheduler as for an fp16 overflow
 ``on_step_end``                          the policies' logged values go to ``trainer.log``: HF's ``log_history`` and
                                          its reporters (TensorBoard, W&B, MLflow, ...), at HF's ``global_step``
@@ -49,6 +51,11 @@ HF and torch internals the door relies on, read in transformers 5.23.0, accelera
 - torch's LR schedulers wrap ``optimizer.step`` to record ``optimizer._opt_called`` and mark the wrapper
   ``_wrapped_by_lr_sched``; the door's ``step`` on the ``AcceleratedOptimizer`` does both, or torch warns at the
   first scheduler step that ``optimizer.step`` was overridden.
+- Under FSDP, HF saves the optimizer through ``torch.distributed.checkpoint``, whose ``_init_optim_state`` steps an
+  optimizer without state (SGD) with zero gradients and lr 0 at every save: not a training step, so the door steps
+  only between HF's ``on_pre_optimizer_step`` and ``on_optimizer_step``.
+- accelerate 1.15 turns FSDP on only on accelerator devices: with ``use_cpu=True`` it keeps ``MULTI_CPU`` and HF's
+  Trainer trains under DDP without an error (``tests/distributed/hf_fsdp2.py`` sets FSDP on CPU as on GPUs).
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ from typing_extensions import override
 from gradkit.doors.loop import GradKit
 from gradkit.doors.loop_setup import checked_policies
 from gradkit.policies.clipping import ClipGradNorm
+from gradkit.policies.rollback import SpikeRollback
 from gradkit.step.gate import shadowed
 from gradkit.step.protocol import Policy, Stage
 
@@ -99,10 +107,10 @@ _METRIC_SCHEDULERS: tuple[type, ...] = tuple(
     for cls in (torch.optim.lr_scheduler.ReduceLROnPlateau, getattr(transformers.optimization, "GreedyLR", None))
     if cls is not None
 )
-# Where each optimizer step runs in one process or under DDP; DeepSpeed and FSDP step and clip in their own engines.
+# Each optimizer step runs in HF's loop in one process, under DDP and under FSDP2 (accelerate's `fully_shard`: the
+# gradients are DTensor shards, which the loop door reduces itself). These engines step and clip by themselves.
 _UNSUPPORTED = {
     DistributedType.DEEPSPEED: "DeepSpeed clips and skips inside its engine",
-    DistributedType.FSDP: "FSDP is not supported by this door yet",
     DistributedType.XLA: "XLA is not supported by this door",
     DistributedType.MEGATRON_LM: "Megatron-LM steps inside its engine",
 }
@@ -130,8 +138,9 @@ def install(
 
     Raises:
         ValueError: if ``TrainingArguments.max_grad_norm > 0`` and ``policies`` holds a clipper (two clippers), the
-            Trainer runs DeepSpeed, FSDP, XLA or Megatron-LM, or already has a door (``install`` called twice); as
-            ``GradKit`` for ``policies``.
+            Trainer runs DeepSpeed, FSDP1, XLA or Megatron-LM, ``SpikeRollback(save_snapshots=True)`` under FSDP2
+            with several processes, or already has a door (``install`` called twice); as ``GradKit`` for
+            ``policies``.
         TypeError: as ``GradKit`` for ``policies``; if ``trainer`` is not a ``transformers.Trainer``.
 
     Example::
@@ -162,7 +171,10 @@ class HFGradKit(TrainerCallback):
       measured (the norm of the monitor's norm type when it measures no 2-norm), read only on HF's logging steps.
     - **Skips** (``NonFiniteGuard``, ``SpikeGuard``, ``SpikeRollback``): parameters, optimizer state and module
       buffers stay as they were, HF's LR scheduler holds (``optimizer_step_was_skipped``), ``global_step`` counts the
-      step, as for an fp16 overflow. Under DDP the decision is taken on every rank alike (one collective).
+      step, as for an fp16 overflow. Under DDP and FSDP2 the decision is taken on every rank alike (one collective).
+    - **FSDP2** (``fsdp=True``, ``fsdp_config={"version": 2}``, HF's default version): the gradients are DTensor
+      shards; the norms, the clip and the skip are those of the whole model (one all-reduce per step), and HF's
+      ``max_grad_norm`` is taken over as in one process. FSDP1 is refused with the fix.
     - **Losses**: each micro-batch's loss goes to the policies as HF logs it: ``training_step``'s value times the
       window's number of micro-batches, so their mean over the window is HF's step loss whether the model normalizes
       by the window's token count (``num_items_in_batch``) or HF divides by ``gradient_accumulation_steps``. Each
@@ -174,9 +186,10 @@ class HFGradKit(TrainerCallback):
       another strategy only their first and last steps); each logging step's values reach ``trainer.log`` once, at
       ``on_step_end``, under HF's ``global_step``.
     - **Checkpoints**: ``kit.state_dict()`` goes to ``gradkit_state.pt`` in each checkpoint folder HF writes
-      (``save_steps``; from the process that saves, as HF's own files); ``trainer.train(resume_from_checkpoint=...)``
-      loads it, so the policies resume as an uninterrupted run. A checkpoint without it resumes with fresh policies
-      (a warning says so).
+      (``save_steps``; from the process that saves, as HF's own files: the policies' state is the same on every rank,
+      under FSDP2 too, but for ``SpikeRollback(save_snapshots=True)``, refused there);
+      ``trainer.train(resume_from_checkpoint=...)`` loads it on every rank, so the policies resume as an uninterrupted
+      run. A checkpoint without it resumes with fresh policies (a warning says so).
     - **Checkpoint health** (``check_checkpoints=True``, the default): before HF writes a checkpoint folder, the
       model's parameters and buffers and the optimizer state are checked (:meth:`gradkit.GradKit.checkpoint_is_finite`:
       one pass on the device, one host read per save, none at other steps; under DDP every rank's flags in one
@@ -187,7 +200,7 @@ class HFGradKit(TrainerCallback):
     - **SpikeRollback**'s snapshots hold HF's LR scheduler; a rollback puts it back with the parameters and the
       optimizer state. A scheduler HF steps on a metric (``ReduceLROnPlateau``) is neither held nor rewound.
 
-    Not supported: DeepSpeed, FSDP, XLA and Megatron-LM (refused at :func:`install`), hyperparameter search (the
+    Not supported: DeepSpeed, FSDP1, XLA and Megatron-LM (refused at :func:`install`), hyperparameter search (the
     state file goes to ``output_dir``'s checkpoint folders only). Installed once per ``Trainer`` (a second
     :func:`install` is refused): its wrappers stay on the instance, and each ``train()`` call builds a new loop door.
 
@@ -216,8 +229,9 @@ class HFGradKit(TrainerCallback):
                 "use gradkit.GradKit."
             )
         _check_installed_once(trainer)
-        _check_distributed(trainer)
-        self.policies = _clipping(trainer, checked_policies(policies))
+        checked = checked_policies(policies)
+        _check_distributed(trainer, checked)
+        self.policies = _clipping(trainer, checked)
         self.trainer = trainer
         self.events = events
         self.check_checkpoints = check_checkpoints
@@ -232,6 +246,8 @@ class HFGradKit(TrainerCallback):
         self._optimizer: AcceleratedOptimizer | None = None
         self._inner: Optimizer | None = None
         self._replaced_step: Any = None
+        # Between HF's `on_pre_optimizer_step` and `on_optimizer_step`: the one `optimizer.step()` of HF's loop.
+        self._in_hf_step = False
         # `compute_loss`'s inputs for the micro-batch in `training_step`, for its replay.
         self._capturing = False
         self._batch: tuple[dict[str, Any], tuple[Any, ...], dict[str, Any]] | None = None
@@ -328,6 +344,13 @@ class HFGradKit(TrainerCallback):
         accelerated, inner, kit = self._optimizer, self._inner, self.kit
         assert accelerated is not None and inner is not None and kit is not None
         accelerated._opt_called = True  # what torch's LR-scheduler wrapper of `step` records (see the module notes)
+        if not self._in_hf_step:
+            # A step outside HF's loop: under FSDP, saving or loading the optimizer state through
+            # torch.distributed.checkpoint first steps a stateless optimizer (SGD) with zero gradients and lr 0
+            # (`_init_optim_state`). Not a training step: accelerate's own, as without the door.
+            step = self._replaced_step or functools.partial(type(accelerated).step, accelerated)
+            step(**({} if closure is None else {"closure": closure}))
+            return
         if not accelerated.gradient_state.sync_gradients:  # as accelerate: no step inside an accumulation window
             return
         ran: list[bool] = []
@@ -386,7 +409,20 @@ class HFGradKit(TrainerCallback):
         step = functools.partial(HFGradKit._optimizer_step, self)
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # see the module notes
         self._replaced_step = accelerated.__dict__.get("step")
+        self._in_hf_step = False
         accelerated.step = step  # type: ignore[method-assign]
+
+    @override
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._in_hf_step = True
+
+    @override
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._in_hf_step = False
 
     @override
     def on_step_end(
@@ -553,11 +589,30 @@ def _check_installed_once(trainer: Trainer) -> None:
         )
 
 
-def _check_distributed(trainer: Trainer) -> None:
-    """Refuse the engines that step and clip by themselves, with the fix."""
-    why = _UNSUPPORTED.get(trainer.accelerator.distributed_type)
+def _check_distributed(trainer: Trainer, policies: Sequence[Policy]) -> None:
+    """Refuse the engines that step and clip by themselves, FSDP1, and what FSDP2 shards that a checkpoint of rank
+    0's would not hold, with the fix."""
+    accelerator = trainer.accelerator
+    why = _UNSUPPORTED.get(accelerator.distributed_type)
     if why is not None:
         raise ValueError(
-            f"The Trainer runs {trainer.accelerator.distributed_type.value}: {why}. The door supports one process "
-            "and DDP (torchrun / accelerate launch without DeepSpeed or FSDP)."
+            f"The Trainer runs {accelerator.distributed_type.value}: {why}. The door supports one process, DDP and "
+            "FSDP2 (torchrun / accelerate launch without DeepSpeed, or with `fsdp=True`)."
+        )
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    if not accelerator.is_fsdp2:
+        # FSDP1 hands each rank flat shards that mix several parameters: the loop door tells them from whole
+        # parameters only under Fabric, and would count them here as parameters the same on every rank.
+        raise ValueError(
+            "The Trainer runs FSDP1 (`fsdp_config={'version': 1}`), whose flat gradient shards the door cannot read "
+            "per parameter. Use FSDP2: `fsdp_config={'version': 2}` (HF's default, `FSDP_VERSION=2` under "
+            "accelerate launch); FSDP1 is deprecated in Transformers."
+        )
+    saving = [p for p in policies if isinstance(p, SpikeRollback) and p.save_snapshots]
+    if saving and accelerator.num_processes > 1:
+        raise ValueError(
+            "SpikeRollback(save_snapshots=True) saves its snapshots in gradkit_state.pt, which the door writes from "
+            "the process that saves (rank 0, as HF's own files), but under FSDP2 every rank's snapshots hold its own "
+            "shards. Use `save_snapshots=False`: a resumed run then takes its first snapshot at the resume."
         )

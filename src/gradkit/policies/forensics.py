@@ -52,6 +52,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.hooks import RemovableHandle
 
+from gradkit.step.norms import local_tensor
 from gradkit.step.params import clean_name, is_ddp_wrapped
 
 __all__ = ["Finding", "describe_error", "find_nonfinite_origin"]
@@ -175,6 +176,7 @@ def _floats(obj: Any) -> list[Tensor]:
 
 
 def _key(t: Tensor) -> _Key:
+    t = local_tensor(t)  # a DTensor (an FSDP2 parameter) has no storage of its own: its shard's
     return (t.device, t.untyped_storage().data_ptr())
 
 
