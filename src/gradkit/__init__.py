@@ -36,6 +36,7 @@ from gradkit.policies.spike_guard import SpikeGuard
 from gradkit.policies.steps_to_skip import StepsToSkip
 from gradkit.step.norms import GradStats
 from gradkit.step.pipeline import StepPlan
+from gradkit.step.pp_stages import pipeline_parallel
 from gradkit.step.protocol import Policy, Stage, StepContext
 from gradkit.step.replicas import expert_parallel
 
@@ -65,6 +66,7 @@ __all__ = [
     "ZClip",
     "expert_parallel",
     "install",
+    "pipeline_parallel",
 ]
 
 

@@ -1,0 +1,133 @@
+"""2-process CPU job (gloo, started as torchrun starts one): gradkit under pipeline parallelism, declared and not
+(see ``tests/test_pipeline_parallel_distributed.py``).
+
+Each rank records per case what was logged at every optimizer step, the collectives on the world group during each
+``kit.step``, the guard's warnings, its stage's final parameters, or, for the refusals, the error that stopped it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from expert_parallel_script import WorldCollectives
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+import gradkit
+from gradkit import AdaptiveGradClip, ClipGradNorm, GradKit, GradNormMonitor, NonFiniteGuard, ZClip
+from helpers import pg_timeout, script_parser, write_rank_result
+from test_pipeline_parallel_distributed import (
+    AGC_FACTOR,
+    BATCH,
+    DEPTH,
+    LR,
+    MAX_NORM,
+    MICRO_BATCHES,
+    NAN,
+    STAGES,
+    TOKENS,
+    WIDTH,
+    ZCLIP,
+    Block,
+    batches,
+    loss_fn,
+    make_stage,
+)
+
+COUNTER: WorldCollectives
+
+
+def run_step(schedule: PipelineScheduleSingle, stage: int, x: Tensor, y: Tensor) -> None:
+    """One step of the pipeline: the forward and backward of every micro-batch (inputs on the first stage, targets
+    on the last)."""
+    if stage == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=[])
+
+
+def fit(module: nn.Module, schedule_type: type[PipelineScheduleSingle], policies: list[Any], nan: Any) -> dict:
+    """Train this rank's stage ``module`` (declared by the caller) under ``schedule_type`` with a ``GradKit``; a NaN
+    in the stage's first gradient at ``nan = (step, stage)``."""
+    pp = dist.group.WORLD
+    stage = dist.get_rank(pp)
+    pipe = PipelineStage(module, stage, STAGES, torch.device("cpu"), group=pp)
+    schedule = schedule_type(pipe, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    logged: list[dict[str, float]] = []
+    kit = GradKit(module, opt, policies, log=lambda m, s: logged.append(m), log_every_n_steps=1, log_dir=False)
+    collectives: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, (x, y) in enumerate(batches()):
+            run_step(schedule, stage, x, y)
+            if nan == (step, stage):
+                next(p for p in module.parameters()).grad.view(-1)[0] = float("nan")
+            with COUNTER.counting() as found:
+                kit.step(opt)
+            collectives += found
+            opt.zero_grad(set_to_none=True)
+    params = {n: p.detach().reshape(-1).tolist() for n, p in module.named_parameters()}
+    texts = [str(w.message) for w in caught if "NonFiniteGuard" in str(w.message)]
+    return {"logged": logged, "world_collectives": collectives, "params": params, "warnings": texts}
+
+
+def declared_fit(schedule_type: type[PipelineScheduleSingle], policies: list[Any], nan: Any = None) -> dict:
+    module = make_stage(dist.get_rank())
+    gradkit.pipeline_parallel(module, dist.group.WORLD)
+    return fit(module, schedule_type, policies, nan)
+
+
+def refusal(declare_on: tuple[int, ...]) -> str | None:
+    """The error of ``GradKit(...)`` on the GPT-like split, declared on the ranks ``declare_on`` only."""
+    module = make_stage(dist.get_rank())
+    if dist.get_rank() in declare_on:
+        gradkit.pipeline_parallel(module, dist.group.WORLD)
+    try:
+        GradKit(module, torch.optim.SGD(module.parameters(), lr=LR), [ClipGradNorm(MAX_NORM)], log_dir=False)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def same_shapes_refusal() -> str | None:
+    """Two stages of one ``Block`` each (the same names and shapes), undeclared: the error of the first step."""
+    torch.manual_seed(dist.get_rank())
+    module = Block()
+    pipe = PipelineStage(module, dist.get_rank(), STAGES, torch.device("cpu"), group=dist.group.WORLD)
+    schedule = ScheduleGPipe(pipe, n_microbatches=MICRO_BATCHES, loss_fn=lambda out, y: (out - y).square().mean())
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    kit = GradKit(module, opt, [ClipGradNorm(MAX_NORM)], log_dir=False)
+    x = torch.randn(BATCH, TOKENS, WIDTH, generator=torch.Generator().manual_seed(2))
+    run_step(schedule, dist.get_rank(), x, torch.zeros_like(x))
+    try:
+        kit.step(opt)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def main() -> None:
+    global COUNTER
+    args = script_parser().parse_args()
+    dist.init_process_group("gloo", timeout=pg_timeout())
+    COUNTER = WorldCollectives()
+    guarded = lambda: [GradNormMonitor(depth=DEPTH), ClipGradNorm(MAX_NORM), NonFiniteGuard(action="skip")]  # noqa: E731
+    out: dict[str, Any] = {
+        "gpipe": declared_fit(ScheduleGPipe, guarded(), NAN["gpipe"]),
+        "1f1b": declared_fit(Schedule1F1B, guarded(), NAN["1f1b"]),
+        "zclip": declared_fit(Schedule1F1B, [GradNormMonitor(depth=DEPTH), ZClip(**ZCLIP)]),
+        "agc": declared_fit(Schedule1F1B, [GradNormMonitor(depth=DEPTH), AdaptiveGradClip(clip_factor=AGC_FACTOR)]),
+        "undeclared_split": refusal(()),
+        "declared_on_rank_0_only": refusal((0,)),
+        "undeclared_same_shapes": same_shapes_refusal(),
+    }
+    write_rank_result(args.out, dist.get_rank(), out)
+
+
+if __name__ == "__main__":
+    main()
