@@ -119,17 +119,38 @@ def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def module_norms(model: nn.Module) -> dict[str, float]:
-    """Per-module 2-norms at ``DEPTH`` components of the names, as the monitor groups them."""
+def make_block(stage: int) -> Block:
+    """Stage ``stage`` of two stages of the same class: the same names (``ln.weight``, ...) on both."""
+    torch.manual_seed(stage)
+    return Block()
+
+
+def block_batches() -> list[tuple[Tensor, Tensor]]:
+    generator = torch.Generator().manual_seed(2)
+    return [(torch.randn(BATCH, TOKENS, WIDTH, generator=generator), torch.zeros(BATCH, TOKENS, WIDTH))] * 2
+
+
+def block_loss(out: Tensor, target: Tensor) -> Tensor:
+    return (out - target).square().mean()
+
+
+def module_norms(
+    model: nn.Module, tensors: dict[str, Tensor] | None = None, key: str = "grad_norm"
+) -> dict[str, float]:
+    """Per-module 2-norms at ``DEPTH`` components of the names, as the monitor groups them, and their total: of the
+    gradients, or of ``tensors`` (by parameter name)."""
     groups: dict[str, list[Tensor]] = {}
     for name, p in model.named_parameters():
-        groups.setdefault(".".join(name.split(".")[:-1][:DEPTH]), []).append(p.grad)
-    return {f"grad_norm/module/{k}": torch.nn.utils.get_total_norm(v).item() for k, v in groups.items()}
+        tensor = p.grad if tensors is None else tensors[name]
+        groups.setdefault(".".join(name.split(".")[:-1][:DEPTH]), []).append(tensor)
+    rows = {f"{key}/module/{k}": torch.nn.utils.get_total_norm(v).item() for k, v in groups.items()}
+    return rows | {f"{key}/total": torch.nn.utils.get_total_norm([t for v in groups.values() for t in v]).item()}
 
 
 def reference(clip: Callable[[nn.Module], None], skip: Collection[int] = ()) -> dict[str, Any]:
     """One process, the whole model: per step the module and total norms, ``clip_grad_norm_``'s coefficient (for
-    ``NormRef``), ``clip``, the post-clip total, and SGD unless the step is in ``skip``."""
+    ``NormRef``), ``clip``, the post-clip total, the weights' norms and the update-to-weight ratios
+    (``||w_after - w_before|| / ||w_before||``, total and per module), and SGD unless the step is in ``skip``."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     steps: list[dict[str, float]] = []
@@ -137,15 +158,18 @@ def reference(clip: Callable[[nn.Module], None], skip: Collection[int] = ()) -> 
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         row = module_norms(model)
-        total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
-        row["grad_norm/total"] = total
         if isinstance(clip, NormRef):
-            row["grad_clip/coef"] = min(1.0, MAX_NORM / (total + 1e-6))
+            row["grad_clip/coef"] = min(1.0, MAX_NORM / (row["grad_norm/total"] + 1e-6))
         clip(model)
         row["grad_norm/total_post_clip"] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
-        steps.append(row)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        row |= module_norms(model, before, "weight_norm")
         if step not in skip:
             opt.step()
+        update = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+        ratios = module_norms(model, update, "update_ratio")
+        row |= {k: v / row[k.replace("update_ratio", "weight_norm")] for k, v in ratios.items()}
+        steps.append(row)
     return {"steps": steps, "params": {n: p.detach().reshape(-1).tolist() for n, p in model.named_parameters()}}
 
 
@@ -196,6 +220,8 @@ def test_stages_log_the_whole_models_norms_clip_and_skip_alike_and_equal_one_pro
             assert {k for k in got if k.startswith("grad_norm/module/")} == {
                 k for k in expected if k.startswith("grad_norm/module/")
             }
+            if case == "zclip":  # with the weight norms and update ratios, every stage's too
+                assert {"weight_norm/module/emb", "update_ratio/module/head", "update_ratio/total"} <= got.keys()
             for key, value in expected.items():
                 if key in got:
                     assert got[key] == pytest.approx(value, rel=1e-5), (case, step, key)
@@ -206,9 +232,31 @@ def test_stages_log_the_whole_models_norms_clip_and_skip_alike_and_equal_one_pro
                 torch.testing.assert_close(
                     torch.tensor(rank[case]["params"][name]), torch.tensor(value), rtol=1e-5, atol=1e-6, msg=name
                 )
-            # One collective of gradkit's per step (the pipeline group is the world here); AdaptiveGradClip reads
-            # the clipped gradients again on logging steps (here every step) for its post-clip total.
-            assert rank[case]["world_collectives"] == [2 if case == "agc" else 1] * STEPS, case
+            # One collective of gradkit's per step (the pipeline group is the world here); on logging steps (here
+            # every step) AdaptiveGradClip reads the clipped gradients again for its post-clip total, and the weight
+            # norms and update ratios (the ZClip case) take one each.
+            assert rank[case]["world_collectives"] == [{"agc": 2, "zclip": 3}.get(case, 1)] * STEPS, case
+
+
+def test_stages_of_one_class_are_named_by_stage_and_equal_one_process(ranks: list[dict[str, Any]]) -> None:
+    """Two stages of one ``Block`` each: the same parameter names on both, told apart as ``stage<k>.``; the norms are
+    those of ``nn.Sequential(block0, block1)``, whose rows are ``0.ln``, ``0.fc``, ``1.ln``, ``1.fc``."""
+    model = nn.Sequential(make_block(0), make_block(1))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    logged = ranks[0]["same_shapes"]["logged"]
+    assert json.dumps(ranks[1]["same_shapes"]["logged"]) == json.dumps(logged)
+    for got, (x, y) in zip(logged, block_batches(), strict=True):
+        opt.zero_grad()
+        block_loss(model(x), y).backward()
+        rows = module_norms(model).items()  # "grad_norm/module/0.ln": stage 0's `ln`
+        expected = {k.replace("/module/", "/module/stage"): v for k, v in rows}
+        total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+        expected |= {"grad_norm/total": total, "grad_clip/coef": min(1.0, MAX_NORM / (total + 1e-6))}
+        assert {k for k in got if k.startswith("grad_norm/module/")} == {k for k in expected if "module" in k}
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=1e-5), key
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
 
 
 def test_a_nan_on_one_stage_is_named_by_rank_0_with_the_stage_that_made_it(ranks: list[dict[str, Any]]) -> None:

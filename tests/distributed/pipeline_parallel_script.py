@@ -8,6 +8,7 @@ Each rank records per case what was logged at every optimizer step, the collecti
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,49 +23,58 @@ from gradkit import AdaptiveGradClip, ClipGradNorm, GradKit, GradNormMonitor, No
 from helpers import pg_timeout, script_parser, write_rank_result
 from test_pipeline_parallel_distributed import (
     AGC_FACTOR,
-    BATCH,
     DEPTH,
     LR,
     MAX_NORM,
     MICRO_BATCHES,
     NAN,
     STAGES,
-    TOKENS,
-    WIDTH,
     ZCLIP,
-    Block,
     batches,
+    block_batches,
+    block_loss,
     loss_fn,
+    make_block,
     make_stage,
 )
 
 COUNTER: WorldCollectives
 
 
-def run_step(schedule: PipelineScheduleSingle, stage: int, x: Tensor, y: Tensor) -> None:
+def run_step(schedule: PipelineScheduleSingle, stage: int, x: Tensor, y: Tensor) -> list[Tensor]:
     """One step of the pipeline: the forward and backward of every micro-batch (inputs on the first stage, targets
-    on the last)."""
+    on the last); the micro-batches' losses on the last stage."""
+    losses: list[Tensor] = []
     if stage == 0:
         schedule.step(x)
     else:
-        schedule.step(target=y, losses=[])
+        schedule.step(target=y, losses=losses)
+    return losses
 
 
-def fit(module: nn.Module, schedule_type: type[PipelineScheduleSingle], policies: list[Any], nan: Any) -> dict:
-    """Train this rank's stage ``module`` (declared by the caller) under ``schedule_type`` with a ``GradKit``; a NaN
-    in the stage's first gradient at ``nan = (step, stage)``."""
+def fit(
+    module: nn.Module,
+    schedule_type: type[PipelineScheduleSingle],
+    policies: list[Any],
+    nan: Any = None,
+    data: list[tuple[Tensor, Tensor]] | None = None,
+    loss: Callable[[Tensor, Tensor], Tensor] = loss_fn,
+) -> dict:
+    """Train this rank's stage ``module`` (declared by the caller) under ``schedule_type`` with a ``GradKit`` on
+    ``data`` (the token batches by default); a NaN in the stage's first gradient at ``nan = (step, stage)``."""
     pp = dist.group.WORLD
     stage = dist.get_rank(pp)
     pipe = PipelineStage(module, stage, STAGES, torch.device("cpu"), group=pp)
-    schedule = schedule_type(pipe, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+    schedule = schedule_type(pipe, n_microbatches=MICRO_BATCHES, loss_fn=loss)
     opt = torch.optim.SGD(module.parameters(), lr=LR)
     logged: list[dict[str, float]] = []
     kit = GradKit(module, opt, policies, log=lambda m, s: logged.append(m), log_every_n_steps=1, log_dir=False)
     collectives: list[int] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step, (x, y) in enumerate(batches()):
-            run_step(schedule, stage, x, y)
+        for step, (x, y) in enumerate(batches() if data is None else data):
+            for loss in run_step(schedule, stage, x, y):  # the last stage's losses, for NonFiniteGuard's loss check
+                kit.note_loss(loss)
             if nan == (step, stage):
                 next(p for p in module.parameters()).grad.view(-1)[0] = float("nan")
             with COUNTER.counting() as found:
@@ -94,16 +104,23 @@ def refusal(declare_on: tuple[int, ...]) -> str | None:
     return None
 
 
+def same_shapes_fit() -> dict:
+    """Two stages of one ``Block`` each (the same names), declared: their names are told apart by stage."""
+    module = make_block(dist.get_rank())
+    gradkit.pipeline_parallel(module, dist.group.WORLD)
+    return fit(
+        module, ScheduleGPipe, [GradNormMonitor(depth=DEPTH), ClipGradNorm(MAX_NORM)], None, block_batches(), block_loss
+    )
+
+
 def same_shapes_refusal() -> str | None:
-    """Two stages of one ``Block`` each (the same names and shapes), undeclared: the error of the first step."""
-    torch.manual_seed(dist.get_rank())
-    module = Block()
+    """The same two stages, undeclared: the error of the first step."""
+    module = make_block(dist.get_rank())
     pipe = PipelineStage(module, dist.get_rank(), STAGES, torch.device("cpu"), group=dist.group.WORLD)
-    schedule = ScheduleGPipe(pipe, n_microbatches=MICRO_BATCHES, loss_fn=lambda out, y: (out - y).square().mean())
+    schedule = ScheduleGPipe(pipe, n_microbatches=MICRO_BATCHES, loss_fn=block_loss)
     opt = torch.optim.SGD(module.parameters(), lr=LR)
     kit = GradKit(module, opt, [ClipGradNorm(MAX_NORM)], log_dir=False)
-    x = torch.randn(BATCH, TOKENS, WIDTH, generator=torch.Generator().manual_seed(2))
-    run_step(schedule, dist.get_rank(), x, torch.zeros_like(x))
+    run_step(schedule, dist.get_rank(), *block_batches()[0])
     try:
         kit.step(opt)
     except RuntimeError as error:
@@ -120,8 +137,11 @@ def main() -> None:
     out: dict[str, Any] = {
         "gpipe": declared_fit(ScheduleGPipe, guarded(), NAN["gpipe"]),
         "1f1b": declared_fit(Schedule1F1B, guarded(), NAN["1f1b"]),
-        "zclip": declared_fit(Schedule1F1B, [GradNormMonitor(depth=DEPTH), ZClip(**ZCLIP)]),
+        "zclip": declared_fit(
+            Schedule1F1B, [GradNormMonitor(depth=DEPTH, weight_norms=True, update_ratio=True), ZClip(**ZCLIP)]
+        ),
         "agc": declared_fit(Schedule1F1B, [GradNormMonitor(depth=DEPTH), AdaptiveGradClip(clip_factor=AGC_FACTOR)]),
+        "same_shapes": same_shapes_fit(),
         "undeclared_split": refusal(()),
         "declared_on_rank_0_only": refusal((0,)),
         "undeclared_same_shapes": same_shapes_refusal(),
