@@ -13,10 +13,12 @@ per-module norms, the clip coefficient and the skip are those of one process, on
 
 One launch (:func:`helpers.run_processes`) runs every case:
 
-- ``ClipGradNorm`` with ``NonFiniteGuard(action="skip")`` under each schedule, with a NaN in one stage's gradient at
-  one step (stage 1 under GPipe, stage 0 under 1F1B): the step is skipped on both stages;
-- ``ZClip`` (history of the global norm) and ``AdaptiveGradClip`` (unit-wise, its post-clip total measured again)
-  under 1F1B;
+- ``ClipGradNorm`` with ``NonFiniteGuard(action="skip")`` under each schedule (the monitor's param-group rows on, the
+  last stage's losses handed over), with a NaN in one stage's gradient at one step (stage 1 under GPipe, stage 0
+  under 1F1B): the step is skipped on both stages, and rank 0 names the parameter;
+- ``ZClip`` (history of the global norm; the monitor's weight norms and update ratios on) and ``AdaptiveGradClip``
+  (unit-wise, its post-clip total measured again) under 1F1B;
+- two stages of one class (the same parameter names), declared: their rows are named by stage;
 - the refusals: the split undeclared (the layout check at ``GradKit(...)``), declared on one rank only, and two
   stages of the same shapes undeclared (the first step's check of copies), each naming ``gradkit.pipeline_parallel``.
 
@@ -158,6 +160,7 @@ def reference(clip: Callable[[nn.Module], None], skip: Collection[int] = ()) -> 
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         row = module_norms(model)
+        row["grad_norm/param_group_0"] = row["grad_norm/total"]  # one param group (each stage's optimizer: one)
         if isinstance(clip, NormRef):
             row["grad_clip/coef"] = min(1.0, MAX_NORM / (row["grad_norm/total"] + 1e-6))
         clip(model)
@@ -220,6 +223,8 @@ def test_stages_log_the_whole_models_norms_clip_and_skip_alike_and_equal_one_pro
             assert {k for k in got if k.startswith("grad_norm/module/")} == {
                 k for k in expected if k.startswith("grad_norm/module/")
             }
+            if case in NAN:  # the guarded cases log the param group's norm: group 0 of both stages
+                assert "grad_norm/param_group_0" in got
             if case == "zclip":  # with the weight norms and update ratios, every stage's too
                 assert {"weight_norm/module/emb", "update_ratio/module/head", "update_ratio/total"} <= got.keys()
             for key, value in expected.items():

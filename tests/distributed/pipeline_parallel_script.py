@@ -128,12 +128,16 @@ def same_shapes_refusal() -> str | None:
     return None
 
 
+def guarded() -> list[Any]:
+    """The norm clip with the skip, and the monitor with its param-group rows."""
+    return [GradNormMonitor(depth=DEPTH, param_groups=True), ClipGradNorm(MAX_NORM), NonFiniteGuard(action="skip")]
+
+
 def main() -> None:
     global COUNTER
     args = script_parser().parse_args()
     dist.init_process_group("gloo", timeout=pg_timeout())
     COUNTER = WorldCollectives()
-    guarded = lambda: [GradNormMonitor(depth=DEPTH), ClipGradNorm(MAX_NORM), NonFiniteGuard(action="skip")]  # noqa: E731
     out: dict[str, Any] = {
         "gpipe": declared_fit(ScheduleGPipe, guarded(), NAN["gpipe"]),
         "1f1b": declared_fit(Schedule1F1B, guarded(), NAN["1f1b"]),
