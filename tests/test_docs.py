@@ -189,6 +189,7 @@ def _scale(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage])
     # tests/test_expert_parallel_distributed.py run one each).
     assert ns["HSDPModule"].configure_model is not LightningModule.configure_model
     assert ns["MoEModule"].configure_model is not LightningModule.configure_model
+    assert callable(ns["train_stage"])  # a pipeline needs 2 processes: tests/test_pipeline_parallel_distributed.py
 
 
 def _hf_door(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:

@@ -37,6 +37,7 @@ from gradkit.policies.steps_to_skip import StepsToSkip
 from gradkit.policies.update_clip import UpdateClip
 from gradkit.step.norms import GradStats
 from gradkit.step.pipeline import StepPlan
+from gradkit.step.pp_stages import pipeline_parallel
 from gradkit.step.protocol import Policy, Stage, StepContext
 from gradkit.step.replicas import expert_parallel
 from gradkit.step.state_check import FiniteCheck, checkpoint_is_finite
@@ -70,6 +71,7 @@ __all__ = [
     "checkpoint_is_finite",
     "expert_parallel",
     "install",
+    "pipeline_parallel",
 ]
 
 

@@ -426,7 +426,7 @@ class TrainerPipeline:
         """Once per fit, before the first step: every rank must train the same parameters in the same order."""
         if not self._layout_verified:
             self._layout_verified = True
-            verify_same_layout(trainer.optimizers, {id(p): n for n, p in pl_module.named_parameters()})
+            verify_same_layout(trainer.optimizers, {id(p): n for n, p in pl_module.named_parameters()}, pl_module)
 
     @staticmethod
     def callbacks(trainer: pl.Trainer, extra: Sequence[Policy] = ()) -> list[Policy]:

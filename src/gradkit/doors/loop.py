@@ -371,7 +371,7 @@ class GradKit:
         self._schedulers_of: dict[int, list[Any]] = {}
         for scheduler, owner in owned:
             self._schedulers_of.setdefault(id(owner), []).append(scheduler)
-        verify_same_layout(inner, self.ctx.param_names())
+        verify_same_layout(inner, self.ctx.param_names(), root)
         self._inner = {id(opt): unwrapped(opt) for opt in optimizers}
         self._hooks = Roster(self.policies)  # every hook this door calls, looked up once
         for attach in self._hooks.attach:

@@ -32,12 +32,14 @@ from gradkit.step.norms import (
     per_tensor_norms,
     reduce_sharded,
     row_norms,
+    total_norm,
     world_size,
 )
 from gradkit.step.params import clean_name, replication
 from gradkit.step.pipeline import StepPlan
 from gradkit.step.protocol import Door, Stage, StatsRequest, StepContext
 from gradkit.step.selection import NamePattern, no_match_hint, parameters_selected, parse_patterns
+from gradkit.step.write import measure_grads
 
 __all__ = ["AdaptiveGradClip", "agc_coefficients", "select_parameters"]
 
@@ -265,6 +267,10 @@ class AdaptiveGradClip(LedgerHooks):
             pos_1d_tensor,
             self._sharded_nd(plan),
         )
+        if plan.index.pp is not None:
+            # Pipeline parallelism: the other stages' units are not here. The clipped gradients are measured once
+            # (logging steps, after the write), every stage's through the reduction.
+            post = _Lazy(_measured_post_clip_total, plan)
         # The clipper's own post-clip total stands for the primary norm type's only.
         per_param = dict(zip([*pos_nd, *pos_1d], pieces, strict=True))
         plan.decision.clip_per_param(per_param, post if plan.primary_norm_type == 2.0 else None)
@@ -305,6 +311,11 @@ class AdaptiveGradClip(LedgerHooks):
             return local
         parts = [reduced[s].sqrt() if s >= 0 else local[k] for k, s in enumerate(reduced_slots)]
         return torch.stack(parts)
+
+
+def _measured_post_clip_total(plan: StepPlan) -> Tensor:
+    """The 2-norm of the clipped gradients, read again (pipeline parallelism: every stage's, through the reduction)."""
+    return total_norm(measure_grads(plan, 2.0), 2.0)
 
 
 def _post_clip_total(

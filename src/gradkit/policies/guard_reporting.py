@@ -248,9 +248,9 @@ def overflow_summary(step: int, culprit: str | None, overflowed: list[str]) -> s
 def write_norm_overflow(reporter: Reporter, ctx: StepContext, stats: GradStats, consecutive: int) -> str:
     """Write the event of a step flagged for a gradient norm overflow and return its console line: the culprit is the
     parameter with the largest norm, the event lists those whose own norm is inf (no replay: nothing non-finite)."""
-    norms = stats.param_norms.cpu()
-    overflowed = [stats.names[i] for i in (norms == math.inf).nonzero().flatten().tolist()]
-    culprit = stats.names[int(norms.argmax())] if stats.names else None
+    norms, names = stats.model_norms.cpu(), stats.model_names  # every stage's under pipeline parallelism
+    overflowed = [names[i] for i in (norms == math.inf).nonzero().flatten().tolist()]
+    culprit = names[int(norms.argmax())] if names else None
     reporter.write(
         ctx,
         rank=None,  # no rank's loss or elements were non-finite

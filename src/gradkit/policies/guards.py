@@ -348,9 +348,9 @@ class NonFiniteGuard:
             flags = torch.stack([bad, bad if loss_bad is None else loss_bad, bad if grads is None else grads])
             if loss_ranks is not None:
                 flags = torch.cat([flags.to(loss_ranks.dtype), loss_ranks])
-            self._param_names = plan.primary.names
+            self._param_names = plan.primary.model_names  # every stage's under pipeline parallelism
             # References, not copies: a clean step pays nothing for what a flagged one will need.
-            kept = Kept(plan.primary.param_norms, self._micro_batches, self._window, self._ids)
+            kept = Kept(plan.primary.model_norms, self._micro_batches, self._window, self._ids)
             self._late = self._ledger.record(ctx.global_step, flags, kept)
 
     def _overflow(self, loss_bad: Tensor | None, found: Tensor | None) -> Tensor | None:
@@ -406,7 +406,8 @@ class NonFiniteGuard:
             "rank": ctx.global_rank,
             # As training_step returned them (Lightning divides by the accumulation count before the backward).
             "losses": [v * ctx.accumulate_grad_batches for t in self._losses for v in t.reshape(-1).tolist()],
-            "params": nonfinite.nonzero().flatten().tolist(),
+            # Positions among the whole model's parameters (every stage's under pipeline parallelism).
+            "params": [stats.model_position(i) for i in nonfinite.nonzero().flatten().tolist()],
             "finding": None
             if finding is None
             else {"culprit": finding.culprit, "phase": finding.phase, **finding.detail},
@@ -416,7 +417,7 @@ class NonFiniteGuard:
         per_rank = gather_ranks(local)
         # Gradients can differ between ranks (a rank's own hook after the all-reduce): report every rank's.
         positions = sorted({i for r in per_rank for i in r["params"]})
-        params = [stats.names[i] for i in positions]
+        params = [stats.model_names[i] for i in positions]
         grad_ranks = [r["rank"] for r in per_rank if r["params"]]
         culprit = locate_culprit(per_rank, bad_ranks, params, self._no_replay_reason())
         window = list(self._window) or [ctx.batch_idx]

@@ -564,7 +564,7 @@ class GradNormMonitor:
         rows = self._module_rows(plan)
         if rows is not None:
             names, index = rows
-            module_norms = plan.scaled(grouped_norms(stats.param_norms, index, len(names), self.norm_type))
+            module_norms = plan.scaled(grouped_norms(stats.model_norms, index, len(names), self.norm_type))
             out.update({f"grad_norm/module/{name}": module_norms[i] for i, name in enumerate(names)})
         if self.param_groups:
             out.update({f"grad_norm/param_group_{i}": g for i, g in enumerate(plan.scaled(stats.group_norms))})
@@ -574,19 +574,20 @@ class GradNormMonitor:
         """The per-module rows of this optimizer's parameters, in model order, built once per parameter layout.
 
         Module norms are grouped here, from the per-parameter norms, on logging steps only: the pipeline need not
-        group every step.
+        group every step. Under pipeline parallelism the rows are every stage's, in stage order (the same on every
+        stage; ``depth="auto"`` knows the repeated blocks of this rank's stage only).
         """
         if self.depth == 0:
             return None
         cached = self._rows.get(plan.optimizer_idx)
         if cached is not None and cached[0] is plan.index:
             return cached[1], cached[2]
-        names = plan.index.names
+        names = plan.primary.model_names
         if self.depth == "auto":
             keys = auto_module_keys(names, self._blocks)
         else:
             keys = [module_key(n, self.depth) for n in names]
-        rows, positions = module_rows(keys, names, self._model_order)
+        rows, positions = module_rows(keys, names, self._model_order if plan.index.pp is None else ())
         index = host_to_device(positions, torch.long, plan.index.shard_weight.device)
         self._rows[plan.optimizer_idx] = (plan.index, rows, index)
         return rows, index

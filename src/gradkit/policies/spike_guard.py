@@ -238,8 +238,8 @@ class SpikeGuard:
             mean, std = moments.moments()[0], moments.std()
             culprit = None
             if self.monitor == "grad_norm":
-                norms = plan.stats[2.0].param_norms
-                culprit = plan.stats[2.0].names[int(norms.argmax())] if norms.numel() else None
+                norms = plan.stats[2.0].model_norms  # every stage's under pipeline parallelism
+                culprit = plan.stats[2.0].model_names[int(norms.argmax())] if norms.numel() else None
             self._report(ctx, [(ctx.global_step, value, (value - mean) / std, mean, std)], culprit)
         elif plan.logging_step:
             self._report_ledger(ctx)

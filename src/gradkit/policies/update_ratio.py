@@ -16,6 +16,7 @@ from gradkit.step.norms import (
     per_tensor_norms,
     powered,
     reduce_sharded,
+    stage_columns,
     total_norm,
 )
 
@@ -51,12 +52,16 @@ def update_ratios(
     device = index.shard_weight.device
     torch._foreach_sub_(before, [local_tensor(p.detach()) for p in index.params])
     update_local = per_tensor_norms(before, 2.0, index.run_bounds).to(device)
-    extras = {_WEIGHT_SQUARES: powered(weight_norms, 2.0) * index.shard_weight} if index.any_sharded else {}
+    squares = stage_columns(index, powered(weight_norms, 2.0) * index.shard_weight)
+    extras = {_WEIGHT_SQUARES: squares} if index.any_sharded else {}
     norms, reduced = reduce_sharded(index, {2.0: update_local}, extras)
-    update = norms[2.0]
-    weights = (
-        combine_sharded(weight_norms, index.shard_weight, reduced[_WEIGHT_SQUARES], 2.0) if extras else weight_norms
-    )
+    update = norms[2.0]  # every stage's under pipeline parallelism: so are the weights'
+    if index.pp is not None:
+        weights = reduced[_WEIGHT_SQUARES].sqrt()
+    else:
+        weights = (
+            combine_sharded(weight_norms, index.shard_weight, reduced[_WEIGHT_SQUARES], 2.0) if extras else weight_norms
+        )
     out = {"update_ratio/total": total_norm(update, 2.0) / total_norm(weights, 2.0)}
     if rows is not None:
         names, row_index = rows

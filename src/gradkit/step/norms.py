@@ -30,6 +30,7 @@ from gradkit._util.torch_compat import loss_scale as loss_scale  # re-exported: 
 from gradkit.step._multi_norm import found_nonfinite, multi_tensor_norms
 
 if TYPE_CHECKING:
+    from gradkit.step.pp_stages import PipelineStages
     from gradkit.step.replicas import ReplicaCheck
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "row_norms",
     "run_bounds",
     "sparse_values",
+    "stage_columns",
     "total_norm",
     "unpowered",
     "world_size",
@@ -319,7 +321,8 @@ class ParamIndex:
     the object itself (an ``id`` may be reused once the index is garbage collected). ``shard_weight`` is 0 for a
     parameter the same on every rank and ``1 / (ranks holding its piece)`` for a sharded or declared one
     (:func:`~gradkit.expert_parallel`); ``replica_check``, with several processes, checks at the first
-    reduction that the copies it assumes are copies.
+    reduction that the copies it assumes are copies. ``pp``, under a :func:`~gradkit.pipeline_parallel` declaration,
+    places this stage's parameters among every stage's (every weight is then above 0: the other stages need them).
     """
 
     params: list[torch.nn.Parameter]
@@ -336,6 +339,13 @@ class ParamIndex:
     any_dtensor: bool = False
     replica_check: ReplicaCheck | None = None
     sharded_positions: list[int] = field(default_factory=list)  # where ``shard_weight > 0``, known on the host
+    pp: PipelineStages | None = None
+
+    @property
+    def reduced_width(self) -> int:
+        """The length of the per-parameter norms a reduction returns: every stage's parameters under pipeline
+        parallelism, this index's otherwise."""
+        return len(self.params) if self.pp is None else self.pp.count
 
     @functools.cached_property
     def run_bounds(self) -> list[tuple[int, int]]:
@@ -364,7 +374,10 @@ def reduce_sharded(
 
     The one place where sharded norms are reduced. For every finite p each rank contributes
     ``powered(local[p], p) * index.shard_weight`` (:func:`combine_sharded`); all finite norm types and the extras
-    (flattened, in fp32) travel in ONE all-reduce (SUM). The inf-norm is a maximum: with sharded gradients it takes a
+    (flattened, in fp32) travel in ONE all-reduce (SUM). Under pipeline parallelism (``index.pp``) each stage's
+    contribution sits in its own columns of an every-stage vector, and the norms returned are every stage's
+    (``[index.reduced_width]``, in stage order; :meth:`~gradkit.step.pp_stages.PipelineStages.local` takes this
+    stage's). The inf-norm is a maximum: with sharded gradients it takes a
     second all-reduce (MAX). Nothing is reduced in a single process, nor without sharded gradients and extras, except
     at the first reduction of norms of an index whose ``replica_check`` is pending: its block rides in the same
     all-reduce and is verified (:class:`~gradkit.step.replicas.ReplicaCheck`). Under sharding every rank must call it,
@@ -376,8 +389,9 @@ def reduce_sharded(
         extras: per-rank tensors to be summed over ranks in the same collective.
 
     Returns:
-        ``(norms, reduced)``: per norm type the global per-parameter norms, and per extra its sum over all ranks
-        (fp32, on the device of ``index.shard_weight``, in the extra's shape).
+        ``(norms, reduced)``: per norm type the global per-parameter norms (every stage's under pipeline
+        parallelism), and per extra its sum over all ranks (fp32, on the device of ``index.shard_weight``, in the
+        extra's shape).
 
     Raises:
         RuntimeError: on every rank, at the first reduction, if copies that gradkit assumes differ (the fix named).
@@ -389,7 +403,7 @@ def reduce_sharded(
         return dict(local), dict(extras)
     device = index.shard_weight.device
     finite_ps = [p for p in local if not math.isinf(p)] if index.any_sharded else []
-    pieces = [powered(local[p], p) * index.shard_weight for p in finite_ps]
+    pieces = [stage_columns(index, powered(local[p], p) * index.shard_weight) for p in finite_ps]
     pieces += [t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in extras.values()]
     if check is not None:
         pieces.append(check.contribution(next(iter(local.values()))))
@@ -400,8 +414,11 @@ def reduce_sharded(
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         offset = 0
         for p in finite_ps:
-            n = index.num_params
-            norms[p] = combine_sharded(local[p], index.shard_weight, flat[offset : offset + n], p)
+            n = index.reduced_width
+            if index.pp is None:
+                norms[p] = combine_sharded(local[p], index.shard_weight, flat[offset : offset + n], p)
+            else:  # every weight is above 0: every stage's norm is the reduced one
+                norms[p] = unpowered(flat[offset : offset + n], p)
             offset += n
         for name, t in extras.items():
             n = t.numel()
@@ -410,10 +427,17 @@ def reduce_sharded(
         if check is not None:
             check.verify(flat[offset:])
     if index.any_sharded and math.inf in local:
-        contrib = local[math.inf] * (index.shard_weight > 0)
+        contrib = stage_columns(index, local[math.inf] * (index.shard_weight > 0))
         dist.all_reduce(contrib, op=dist.ReduceOp.MAX)
-        norms[math.inf] = combine_sharded(local[math.inf], index.shard_weight, contrib, math.inf)
+        norms[math.inf] = (
+            combine_sharded(local[math.inf], index.shard_weight, contrib, math.inf) if index.pp is None else contrib
+        )
     return norms, reduced
+
+
+def stage_columns(index: ParamIndex, contribution: Tensor) -> Tensor:
+    """A rank's per-parameter contribution to the reduction, in its stage's columns under pipeline parallelism."""
+    return contribution if index.pp is None else index.pp.spread(contribution)
 
 
 @dataclass
@@ -438,6 +462,9 @@ class GradStats:
             Inf: a non-finite element, or a norm overflow (``finite`` and ``norms_nonfinite`` both true: every
             element finite, the norm past fp32's range). Derived when first read.
         missing: names of trainable parameters that had no gradient at this step.
+        pp: under pipeline parallelism (:func:`~gradkit.pipeline_parallel`), where this stage's parameters sit among
+            every stage's: ``param_norms`` and ``names`` are this stage's, ``total``, ``module_norms`` and
+            ``group_norms`` the whole model's, as :attr:`model_norms` and :attr:`model_names` are.
     """
 
     norm_type: float
@@ -453,6 +480,23 @@ class GradStats:
     _group_norms: Tensor | None = field(default=None, repr=False)
     _finite: Tensor | None = field(default=None, repr=False)
     _norms_nonfinite: Tensor | None = field(default=None, repr=False)
+    pp: PipelineStages | None = field(default=None, repr=False)
+    _model_norms: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def model_norms(self) -> Tensor:
+        """The per-parameter norms of the whole model: every stage's under pipeline parallelism (the same vector on
+        every stage), else :attr:`param_norms`."""
+        return self.param_norms if self._model_norms is None else self._model_norms
+
+    @property
+    def model_names(self) -> list[str]:
+        """The names of :attr:`model_norms`."""
+        return self.names if self.pp is None else self.pp.names
+
+    def model_position(self, position: int) -> int:
+        """Where this stage's parameter ``position`` (of :attr:`param_norms`) sits in :attr:`model_norms`."""
+        return position if self.pp is None else self.pp.offset + position
 
     @property
     def finite(self) -> Tensor:
@@ -479,15 +523,18 @@ class GradStats:
     def group_norms(self) -> Tensor:
         if self._group_norms is None:
             assert self.group_index is not None
-            self._group_norms = grouped_norms(self.param_norms, self.group_index, self.num_groups, self.norm_type)
+            self._group_norms = grouped_norms(self.model_norms, self.group_index, self.num_groups, self.norm_type)
         return self._group_norms
 
 
 def derive_stats(
     index: ParamIndex, param_norms: Tensor, norm_type: float, missing: list[str], found: Tensor | None = None
 ) -> GradStats:
-    """Build a :class:`GradStats` from global per-parameter norms (no gradient is read here); ``found`` is the
-    read's ``found_nonfinite``, when it measured one."""
+    """Build a :class:`GradStats` from global per-parameter norms as :func:`reduce_sharded` returns them (every
+    stage's under pipeline parallelism; no gradient is read here); ``found`` is the read's ``found_nonfinite``, when
+    it measured one."""
+    if index.pp is not None:
+        return _derive_stage_stats(index, index.pp, param_norms, norm_type, missing, found)
     total = total_norm(param_norms, norm_type)
     module_norms = None
     if index.module_index is not None:
@@ -503,4 +550,28 @@ def derive_stats(
         group_index=index.group_index,
         num_groups=index.num_groups,
         found_nonfinite=found,
+    )
+
+
+def _derive_stage_stats(
+    index: ParamIndex, pp: PipelineStages, every: Tensor, norm_type: float, missing: list[str], found: Tensor | None
+) -> GradStats:
+    """:func:`derive_stats` of a pipeline stage: its own per-parameter norms, the whole model's total, modules and
+    param groups, from every stage's norms (``every``: the same vector on every stage, so the same decisions)."""
+    module_norms = None
+    if pp.module_index is not None:
+        module_norms = grouped_norms(every, pp.module_index, len(pp.module_names), norm_type)
+    return GradStats(
+        norm_type=norm_type,
+        param_norms=pp.local(every),
+        names=index.names,
+        module_norms=module_norms,
+        module_names=pp.module_names,
+        total=total_norm(every, norm_type),
+        missing=missing,
+        group_index=pp.group_index,
+        num_groups=pp.num_groups,
+        found_nonfinite=found,
+        pp=pp,
+        _model_norms=every,
     )

@@ -15,7 +15,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradkit.step.norms import ParamIndex, host_to_device, world_size
-from gradkit.step.replicas import declared_groups, declared_replication, mesh_pieces, replica_check
+from gradkit.step.pp_stages import PipelineStages, declared_pipeline, pipeline_stages, ranks_per_stage
+from gradkit.step.replicas import (
+    CheckRow,
+    ReplicaCheck,
+    check_rows,
+    declared_groups,
+    declared_replication,
+    mesh_pieces,
+    replica_check,
+)
 
 __all__ = [
     "build_param_index",
@@ -160,8 +169,12 @@ def build_param_index(
         depth: module-tree depth of the per-module grouping; 0 disables it.
         device: where the index tensors live (the device of the gradients).
         flat_sharded: every gradient is a local shard (FSDP1); DTensor parameters are detected on their own.
-        model: the model, whose :func:`~gradkit.expert_parallel` declarations are read (several processes
-            only).
+        model: the model, whose :func:`~gradkit.expert_parallel` and :func:`~gradkit.pipeline_parallel`
+            declarations are read (several processes only).
+
+    Raises:
+        ValueError: if a declaration does not fit the world (see :func:`~gradkit.step.replicas.declared_replication`
+            and :func:`~gradkit.step.pp_stages.ranks_per_stage`).
     """
     entries: list[tuple[str, str, int, str, torch.nn.Parameter]] = []
     for g, group in enumerate(param_groups):
@@ -177,17 +190,22 @@ def build_param_index(
     run_ids: dict[tuple[str, str], int] = {}
     run_of = [run_ids.setdefault((e[0], e[1]), len(run_ids)) for e in entries]
 
-    module_names: list[str] = []
-    module_index: Tensor | None = None
-    if depth > 0:
-        keys = [module_key(n, depth) for n in names]
-        module_names = list(dict.fromkeys(keys))
-        lookup = {k: i for i, k in enumerate(module_names)}
-        module_index = host_to_device([lookup[k] for k in keys], torch.long, device)
-
+    module_names, module_index = _module_grouping(names, depth, device)
     world = world_size()
     declared = declared_groups(model) if model is not None and world > 1 else {}
-    weights = _shard_weights(params, names, declared, flat_sharded, world)
+    pp_group = declared_pipeline(model) if world > 1 else None
+    # Under pipeline parallelism a stage's parameters are held by its ranks only (`world / stages`), and even a plain
+    # one is reduced: the other stages need its norm.
+    held_by = world if pp_group is None else ranks_per_stage(pp_group, world)
+    weights = _shard_weights(params, names, declared, flat_sharded, held_by, plain=0.0 if pp_group is None else 1.0)
+    # FSDP1's flat shards are all distinct: nothing is assumed of them.
+    rows = check_rows(params, names, declared, weights) if world > 1 and not flat_sharded else []
+    pp = None
+    check = replica_check(rows, device) if rows else None
+    if pp_group is not None:
+        pp = pipeline_stages(pp_group, names, groups, len(param_groups), _checked(rows), device)
+        pp.module_names, pp.module_index = _module_grouping(pp.names, depth, device)
+        check = _stage_check(pp, rows, held_by, device)
     return ParamIndex(
         params=params,
         names=names,
@@ -202,28 +220,57 @@ def build_param_index(
         replicated_dtensors=[i for i, p in enumerate(params) if _replicated_dtensor(p)],
         run_of=run_of,
         any_dtensor=any(hasattr(p, "_local_tensor") for p in params),
-        # FSDP1's flat shards are all distinct: nothing is assumed of them.
-        replica_check=replica_check(params, names, declared, weights, device)
-        if world > 1 and not flat_sharded
-        else None,
+        replica_check=check,
+        pp=pp,
     )
 
 
+def _module_grouping(names: Sequence[str], depth: int, device: torch.device) -> tuple[list[str], Tensor | None]:
+    """The modules at ``depth`` in order of first parameter, and the module of every parameter (none at depth 0)."""
+    if depth <= 0:
+        return [], None
+    keys = [module_key(n, depth) for n in names]
+    module_names = list(dict.fromkeys(keys))
+    lookup = {k: i for i, k in enumerate(module_names)}
+    return module_names, host_to_device([lookup[k] for k in keys], torch.long, device)
+
+
+def _checked(rows: Sequence[CheckRow]) -> tuple[list[str], list[str]]:
+    """The names of the checked parameters and what is assumed of each."""
+    return [r[3] for r in rows], [r[4] for r in rows]
+
+
+def _stage_check(
+    pp: PipelineStages, rows: Sequence[CheckRow], held_by: int, device: torch.device
+) -> ReplicaCheck | None:
+    """The first-step check of a pipeline stage's copies, over every stage's columns; ``None`` (on every rank alike)
+    when each stage has one rank (nothing is assumed) or no stage checks anything."""
+    if held_by == 1:
+        return None
+    return replica_check(rows, device, (pp.check_names, pp.check_assumed), pp.check_offset)
+
+
 def _shard_weights(
-    params: Sequence[Tensor], names: Sequence[str], groups: dict[int, dist.ProcessGroup], flat: bool, world: int
+    params: Sequence[Tensor],
+    names: Sequence[str],
+    groups: dict[int, dist.ProcessGroup],
+    flat: bool,
+    world: int,
+    plain: float = 0.0,
 ) -> list[float]:
     """Per parameter, the weight of its local p-th power in the world sum: ``1 / ranks holding its piece`` for a
-    sharded or declared one (:attr:`ParamIndex.shard_weight`), 0 for a plain one (the same on every rank: its local
-    norm is its norm, nothing is reduced)."""
+    sharded or declared one (:attr:`ParamIndex.shard_weight`); for a plain one (the same on every rank holding it)
+    0 (its local norm is its norm, nothing is reduced), or under pipeline parallelism ``plain / world`` with ``world``
+    the ranks of the stage (each copy a share of the one norm every stage needs)."""
     weights = []
     for param, name in zip(params, names, strict=True):
         group = groups.get(id(param))
         if group is not None:
             weights.append(1.0 / declared_replication(param, group, world, name))
         elif flat or hasattr(param, "placements"):
-            weights.append(1.0 / replication(param))
+            weights.append(1.0 / replication(param, world))
         else:
-            weights.append(0.0)
+            weights.append(plain / world)
     return weights
 
 

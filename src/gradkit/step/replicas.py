@@ -29,7 +29,9 @@ from gradkit._util.arguments import name_list
 from gradkit.step.norms import host_to_device
 
 __all__ = [
+    "CheckRow",
     "ReplicaCheck",
+    "check_rows",
     "declared_groups",
     "declared_replication",
     "expert_parallel",
@@ -220,14 +222,17 @@ class ReplicaCheck:
     Each rank writes its row (gradient norms, piece keys and shard weights of the checked parameters) into a
     ``[world, 3, C]`` block of zeros (12 bytes per rank and parameter) that rides last in the step's one all-reduce
     (a sum in which one rank writes each row is a gather); :meth:`verify` compares on the device and reads one flag
-    to the host.
+    to the host. Under pipeline parallelism the ``C`` columns are every stage's checked parameters
+    (:class:`~gradkit.step.pp_stages.PipelineStages`): a rank writes its stage's from ``offset`` on and NaN as the norm
+    and weight of the others, which it does not hold (a non-finite norm is never compared).
 
     Attributes:
         positions: index positions of the checked parameters.
         keys: the piece each of them is on this rank (ranks with equal keys hold copies).
         weights: their shard weights (every rank must agree: a declaration made on some ranks only differs).
-        names: their names; assumed: what gradkit assumes of each one's copies.
+        names: the names of the columns; assumed: what gradkit assumes of each one's copies.
         rank, world: this rank and the world size.
+        offset: the column of this rank's first checked parameter (0 but under pipeline parallelism).
         done: set once checked (whatever the outcome), so the check runs once per index.
     """
 
@@ -238,14 +243,18 @@ class ReplicaCheck:
     assumed: list[str]
     rank: int
     world: int
+    offset: int = 0
     done: bool = False
 
     def contribution(self, norms: Tensor) -> Tensor:
         """This rank's flattened ``[world, 3, C]`` block from its ``[P]`` local norms (no host sync)."""
         block = torch.zeros(self.world, 3, len(self.names), dtype=torch.float32, device=norms.device)
-        block[self.rank, 0] = norms.index_select(0, self.positions).to(torch.float32)
-        block[self.rank, 1] = self.keys
-        block[self.rank, 2] = self.weights
+        mine = slice(self.offset, self.offset + len(self.keys))
+        if len(self.keys) != len(self.names):  # other stages' columns: not held here
+            block[self.rank, 0::2] = math.nan
+        block[self.rank, 0, mine] = norms.index_select(0, self.positions).to(torch.float32)
+        block[self.rank, 1, mine] = self.keys
+        block[self.rank, 2, mine] = self.weights
         return block.reshape(-1)
 
     def verify(self, reduced: Tensor) -> None:
@@ -263,32 +272,51 @@ class ReplicaCheck:
         raise RuntimeError(message)
 
 
-def replica_check(
-    params: Sequence[Tensor],
-    names: Sequence[str],
-    groups: dict[int, dist.ProcessGroup],
-    weights: Sequence[float],
-    device: torch.device,
-) -> ReplicaCheck | None:
-    """The :class:`ReplicaCheck` of an index's parameters (``groups`` from :func:`declared_groups`), or ``None``
-    when nothing is assumed (every parameter a DTensor on a world-sized mesh, as under FSDP2 or HSDP)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+#: A checked parameter: ``(index position, piece key, shard weight, name, what is assumed of its copies)``.
+CheckRow = tuple[int, int, float, str, str]
+
+
+def check_rows(
+    params: Sequence[Tensor], names: Sequence[str], groups: dict[int, dist.ProcessGroup], weights: Sequence[float]
+) -> list[CheckRow]:
+    """The parameters of an index whose copies :class:`ReplicaCheck` compares (``groups`` from
+    :func:`declared_groups`): all but DTensors on a world-sized mesh (FSDP2, HSDP), whose placements say it all."""
+    world = dist.get_world_size()
     rows = []
     for i, param in enumerate(params):
         group = groups.get(id(param))
         key = _piece_key(param, group, world)
         if key is not None:
             rows.append((i, key, weights[i], names[i], _assumption(param, group, world)))
-    if not rows:
+    return rows
+
+
+def replica_check(
+    rows: Sequence[CheckRow],
+    device: torch.device,
+    columns: tuple[Sequence[str], Sequence[str]] | None = None,
+    offset: int = 0,
+) -> ReplicaCheck | None:
+    """The :class:`ReplicaCheck` of an index's :func:`check_rows`, or ``None`` when nothing is assumed.
+
+    Args:
+        rows: this rank's checked parameters.
+        device: where the check's tensors live.
+        columns: under pipeline parallelism, the names of every stage's checked parameters and what is assumed of
+            each (:class:`~gradkit.step.pp_stages.PipelineStages`), of which this rank's start at ``offset``.
+    """
+    names, assumed = columns if columns is not None else ([r[3] for r in rows], [r[4] for r in rows])
+    if not names:
         return None
     return ReplicaCheck(
         positions=host_to_device([r[0] for r in rows], torch.long, device),
         keys=host_to_device([float(r[1]) for r in rows], torch.float32, device),
         weights=host_to_device([r[2] for r in rows], torch.float32, device),
-        names=[r[3] for r in rows],
-        assumed=[r[4] for r in rows],
-        rank=rank,
-        world=world,
+        names=list(names),
+        assumed=list(assumed),
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        offset=offset,
     )
 
 
@@ -314,9 +342,11 @@ def _differing(table: Tensor) -> Tensor:
 
 
 def _disagreeing(table: Tensor) -> Tensor:
-    """``[C]`` bool: whether the ranks disagree on each checked parameter's shard weight."""
+    """``[C]`` bool: whether the ranks that hold each checked parameter disagree on its shard weight (NaN: a rank of
+    another pipeline stage, which does not hold it)."""
     weights = table[:, 2]
-    return (weights != weights[0]).any(0)
+    held = ~weights.isnan()
+    return weights.where(held, -math.inf).amax(0) > weights.where(held, math.inf).amin(0)
 
 
 def replica_mismatch(names: Sequence[str], assumed: Sequence[str], table: Tensor) -> str | None:
@@ -339,7 +369,8 @@ def replica_mismatch(names: Sequence[str], assumed: Sequence[str], table: Tensor
         c = disagree[0]
         return (
             f"gradkit: the ranks disagree on how many of them hold a copy of `{names[c]}` (shard weights "
-            f"{sorted(set(table[:, 2, c].tolist()))}): it is declared with `gradkit.expert_parallel` on some ranks "
+            f"{sorted({w for w in table[:, 2, c].tolist() if not math.isnan(w)})}): it is declared with "
+            "`gradkit.expert_parallel` on some ranks "
             "only. Declare it on every rank, with each rank's own expert-parallel group."
         )
     apart = _differing(table)
@@ -348,7 +379,8 @@ def replica_mismatch(names: Sequence[str], assumed: Sequence[str], table: Tensor
         return None
     c = differing[0]
     key = int(apart[c].nonzero()[0])
-    holders = (table[:, 1, c] == key).nonzero().flatten().tolist()  # the ranks holding the copies that differ
+    # The ranks holding the copies that differ (a NaN weight: another pipeline stage's rank, which holds none).
+    holders = ((table[:, 1, c] == key) & ~table[:, 2, c].isnan()).nonzero().flatten().tolist()
     shown = ", ".join(f"rank {r} {table[r, 0, c].item():.6g}" for r in holders)
     others = [names[d] for d in differing[1:]]
     also = (
@@ -365,8 +397,10 @@ def replica_mismatch(names: Sequence[str], assumed: Sequence[str], table: Tensor
         fix = (
             "If it differs across ranks by design (the local experts of expert parallelism), declare it before the "
             "first step: `gradkit.expert_parallel(module, group)` with the module that holds it and the process "
-            "group (or 1-D DeviceMesh) across which it differs. If it should be the same on every rank, its gradient "
-            "is not all-reduced: wrap the module in DDP or `fully_shard`, or all-reduce the gradient before the step."
+            "group (or 1-D DeviceMesh) across which it differs; if the ranks train different stages of a pipeline, "
+            "declare each rank's stage before the door starts: `gradkit.pipeline_parallel(stage_module, pp_group)`. "
+            "If it should be the same on every rank, its gradient is not all-reduced: wrap the module in DDP or "
+            "`fully_shard`, or all-reduce the gradient before the step."
         )
     return (
         f"gradkit: the gradient of `{names[c]}` differs between ranks that gradkit counts as holding copies of it, "

@@ -125,7 +125,8 @@ def _clamp_(tensors: list[Tensor], bound: float) -> None:
 
 
 def measure_grads(plan: StepPlan, norm_type: float) -> Tensor:
-    """Read the plan's gradients as they are now: global per-parameter norms, without the loss scale.
+    """Read the plan's gradients as they are now: global per-parameter norms (every stage's under pipeline
+    parallelism, as :func:`~gradkit.step.norms.reduce_sharded` returns them), without the loss scale.
 
     A second read of the gradients: only for post-clip values that cannot be derived (callers use it on logging steps
     only). Under sharding this performs a collective, so every rank must call it.
