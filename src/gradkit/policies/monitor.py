@@ -126,7 +126,8 @@ class GradNormMonitor:
             (:mod:`gradkit.report.loggers`): TensorBoard's Images and Text tabs, a W&B image and table, MLflow artifacts
             and a tag. The monitor keeps the values it logs (rank 0, on logging steps), so any logger, or none, will do.
             Drawing needs matplotlib (the ``report`` extra); without it the run warns once and the loggers get the
-        events only. report_every_n_logs: also log the report to the loggers (and rewrite the PNG) every this many
+            events only.
+        report_every_n_logs: also log the report to the loggers (and rewrite the PNG) every this many
             logging steps of the monitor, at the end of the step; ``None``: at the end only. Drawing takes about a
             second per report on a CPU, on the host: choose it so that a report comes every few minutes.
         log_every_n_steps: how often to log, in optimizer steps; defaults to the loop's period (the Trainer's
