@@ -42,7 +42,7 @@ from harness import Result, common_args, machine, run_table
 from gradkit.policies import rollback as core
 from gradkit.doors.loop import GradKit
 from gradkit.step.protocol import StepContext
-from gradkit.step.snapshot import StepSnapshot
+from gradkit.policies.rollback import StepSnapshot
 from lightning_gradkit import SpikeRollback
 from lightning_gradkit.demos import ByteDataset, GPTConfig, TinyGPT, TinyGPTModule, stdlib_text
 from lightning_gradkit.trainer_door import TrainerPipeline

@@ -72,7 +72,8 @@ nitpick_ignore = [
     # (`gradkit.ZClip`) or to the loop door links to its page (`_link_torch_root` below).
     ("py:class", "gradkit.step.accumulate.WindowScale"),
     ("py:class", "gradkit.step.host_lag.HostLag"),
-    ("py:class", "gradkit.step.snapshot.StepSnapshot"),
+    ("py:class", "gradkit.policies.rollback.StepSnapshot"),
+    ("py:class", "StepSnapshot"),
     ("py:class", "StepsToSkip"),
     ("py:func", "gradkit.step.replay.replay"),
     ("py:mod", "gradkit.policies.escalation"),
@@ -86,11 +87,16 @@ nitpick_ignore = [
     ("py:mod", "lightning_gradkit.activation_checkpointing.planner"),
     ("py:mod", "lightning_gradkit.diagnostics.autograd_graph"),
     ("py:data", "lightning_gradkit.diagnostics.host_sync.SYNC_CALLS"),
-    # the protocol's internals that the documented StepContext, StepPlan and Policy name: the contexts of each door,
-    # the roster and micro-batch records, the helpers of the protocol and of the callbacks' checks
+    # the protocol's internals that the documented StepContext, StepStats, Decision, StepOutcome and Policy name: the
+    # contexts of each door, the pipeline's record of a step, the roster and micro-batch records, the helpers of the
+    # protocol and of the callbacks' checks
     ("py:class", "gradkit.doors.loop.LoopContext"),
+    ("py:class", "gradkit.step.record.StepRecord"),
     ("py:class", "lightning_gradkit.trainer_door.TrainerContext"),
     ("py:class", "MicroBatch"),
+    ("py:class", "gradkit.step.protocol.MicroBatch"),
+    ("py:class", "gradkit.step.norms.ParamIndex"),
+    ("py:class", "gradkit.step.plan.UnitNorms"),
     ("py:class", "Snapshot"),
     ("py:class", "ReplicaCheck"),
     # torch documents ProcessGroup without an object entry of its own to link (expert_parallel's `group` type)
@@ -101,7 +107,7 @@ nitpick_ignore = [
     ("py:func", "find_inference_tensors"),
     ("py:func", "inference_mode_unsafe_reason"),
     # members named in a docstring in single backticks (the default role) that the reference does not list:
-    # StepPlan's methods, a callback's attributes, HFGradKit.kit
+    # the pipeline record's methods, a callback's attributes, HFGradKit.kit
     ("py:meth", "add_skip"),
     ("py:meth", "multiply_scale"),
     ("py:meth", "release_gradients"),

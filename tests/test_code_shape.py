@@ -131,14 +131,53 @@ def test_the_policy_facing_context_has_at_most_14_members() -> None:
     members = {name for name in dir(StepContext) if not name.startswith("_")}
     assert len(members) <= 14, sorted(members)
     assert {"model", "pipeline", "policies", "schedulers", "step_state", "trainer", "pl_module"}.isdisjoint(members)
-    assert {"model", "pipeline", "policies", "schedulers", "step_state", "flat_sharded", "folds_into"} <= set(dir(Door))
+    assert {"model", "steps", "policies", "schedulers", "step_state", "flat_sharded", "folds_into"} <= set(dir(Door))
+    # The door hands a policy its step accounting, not the pipeline (whose type would close an import cycle).
+    assert "pipeline" not in dir(Door)
 
 
 def test_the_decision_has_at_most_10_fields() -> None:
     """Issue 40: ``StepPlan`` had 36 members, measurements, decisions and lazy values together. What the policies
-    decide is a ``Decision`` of at most 10 fields, written through its methods."""
-    from gradkit.step.pipeline import Decision
+    decide is a ``Decision`` of at most 10 fields (private ones included), written through its methods."""
+    from gradkit.step.plan import Decision
 
-    fields = [name for name in Decision.__slots__ if not name.startswith("_")]
-    assert len(fields) <= 10, fields
-    assert {"scale", "clip_coef", "param_coefs", "clamp_value", "skip", "folded"} <= set(fields)
+    assert len(Decision.__slots__) <= 10, Decision.__slots__
+    assert not hasattr(Decision(), "__dict__")  # no field beyond the slots
+    assert {"scale", "clip_coef", "param_coefs", "clamp_value", "skip", "folded"} <= set(Decision.__slots__)
+
+
+def test_the_policy_facing_hooks_take_the_stats_and_the_decision_not_the_pipelines_record() -> None:
+    """Issue 40: ``StepPlan`` held the measurements, the decision and (privately) the gradients, and every hook got it
+    whole. ``decide`` reads a read-only ``StepStats`` and writes a ``Decision``; ``observe`` reads a ``StepOutcome``;
+    the gradients stay in the pipeline's ``StepRecord``, which no hook of ``Policy`` is given."""
+    import dataclasses
+    import inspect
+
+    from gradkit.step.plan import StepOutcome, StepStats
+    from gradkit.step.protocol import Policy
+
+    def annotations(name: str) -> list[str]:
+        parameters = inspect.signature(getattr(Policy, name)).parameters.values()
+        return [str(p.annotation) for p in parameters if p.name != "self"]
+
+    assert annotations("decide") == ["StepStats", "Decision", "StepContext"]
+    assert annotations("decide_again") == ["StepStats", "Decision", "Decision", "StepContext"]
+    assert annotations("observe") == ["StepStats", "StepOutcome", "StepContext"]
+    every = {a for name in _policy_hooks() for a in annotations(name)}
+    assert not {a for a in every if "StepRecord" in a or "StepPlan" in a}, every
+    # Read only: the statistics are frozen, and the outcome offers reads of the decision and of what came of it.
+    assert dataclasses.fields(StepStats) and StepStats.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert not any("grad" in f.name and f.name != "has_gradients" for f in dataclasses.fields(StepStats))
+    reads = {"decision", "post_clip_total", "skip_on_host", "flag_on_host_with_skip", "skip_known_on_host"}
+    assert {n for n in vars(StepOutcome) if not n.startswith("_")} == reads | {"was_skipped"}
+
+
+def test_the_step_gradients_are_read_only_by_the_pipeline_its_record_and_the_write() -> None:
+    """Issue 40: the gradients stay private to the pipeline. Only ``step/record.py`` holds them (``_grads``), and the
+    pipeline hands them to ``step/write.py``; no policy, door or adapter reads an attribute of that name."""
+    readers = []
+    for path in (ROOT / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "_grads":
+                readers.append(str(path.relative_to(ROOT)))
+    assert readers and set(readers) == {"src/gradkit/step/record.py"}, sorted(set(readers))

@@ -9,6 +9,8 @@ all batches, which tests/test_front_doors.py proves equal to the Trainer and to 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from gradkit import Decision, StepOutcome, StepStats
 from gradkit.doors.loop import GradKit
 from gradkit.step.protocol import Stage
 from helpers import make_trainer
@@ -292,8 +295,8 @@ class _HalvingPolicy:
 
     stage = Stage.GUARD
 
-    def decide(self, plan: Any, ctx: Any) -> None:
-        plan.decision.clip_by(torch.tensor(0.5))
+    def decide(self, stats: Any, decision: Any, ctx: Any) -> None:
+        decision.clip_by(torch.tensor(0.5))
 
 
 def test_a_second_clip_in_one_step_is_refused_not_overwritten() -> None:
@@ -309,3 +312,75 @@ def test_a_second_clip_in_one_step_is_refused_not_overwritten() -> None:
     nn.functional.mse_loss(model(x), y).backward()
     with pytest.raises(ValueError, match=r"`Decision.clip_by` got a second clip .* already holds a coefficient"):
         kit.step(opt)
+
+
+class _SkipsStepOne:
+    """A policy of the user's own, on the split contract: reads the statistics, skips step 1, observes the outcome."""
+
+    stage = Stage.GUARD
+
+    def __init__(self) -> None:
+        self.totals: list[float] = []
+        self.skipped: list[bool] = []
+
+    def decide(self, stats: StepStats, decision: Decision, ctx: Any) -> None:
+        self.totals.append(float(stats.primary.total))
+        decision.add_skip(torch.tensor(ctx.global_step == 1))
+
+    def observe(self, stats: StepStats, outcome: StepOutcome, ctx: Any) -> None:
+        self.skipped.append(outcome.was_skipped())
+
+
+def test_a_policy_reads_read_only_stats_writes_a_decision_and_observes_the_outcome() -> None:
+    """Issue 40: ``decide`` gets the step's measurements (frozen) and its decision, ``observe`` the outcome. Against
+    torch: the total is ``get_total_norm`` of the gradients, and the skipped step leaves the parameters as they were."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = _optimizer("sgd", model.parameters())
+    policy = _SkipsStepOne()
+    kit = GradKit(model, opt, [policy])
+    expected, changed = [], []
+    for x, y in _batches()[:3]:
+        nn.functional.mse_loss(model(x), y).backward()
+        expected.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+        before = [p.detach().clone() for p in model.parameters()]
+        kit.step(opt)
+        changed.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)))
+        opt.zero_grad(set_to_none=True)
+    assert policy.totals == pytest.approx(expected, rel=1e-6)
+    assert policy.skipped == [False, True, False] and changed == [True, False, True]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        kit.pipeline.last_records[id(opt)].stats.present = []  # type: ignore[misc]
+
+
+class _PlanGuard:
+    """A policy written for ``StepPlan``, before issue 40: ``decide(plan, ctx)``."""
+
+    stage = Stage.GUARD
+
+    def decide(self, plan: Any, ctx: Any) -> None:
+        plan.add_skip(torch.tensor(False))
+
+
+class _PlanObserver:
+    """An ``observe(plan, ctx)`` of before issue 40."""
+
+    stage = Stage.OBSERVE
+
+    def observe(self, plan: Any, ctx: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("policy", "fix"),
+    [(_PlanGuard(), "decide(self, stats, decision, ctx)"), (_PlanObserver(), "observe(self, stats, outcome, ctx)")],
+)
+def test_a_policy_written_for_step_plan_is_refused_naming_the_new_signature(policy: object, fix: str) -> None:
+    """Issue 40: an old hook would get the statistics where it expects the plan; it is refused when the door is built,
+    with the signature to write and where each old read went."""
+    model = Net()
+    opt = _optimizer("sgd", model.parameters())
+    with pytest.raises(
+        TypeError, match=rf"`{type(policy).__name__}\.\w+` has the signature .* Write `{re.escape(fix)}`"
+    ):
+        GradKit(model, opt, [policy])

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gradkit.step.write import measure_grads
 from helpers import MLPModule, loader, make_trainer
 from lightning_gradkit import (
     AdaptiveGradClip,
@@ -134,23 +133,23 @@ def test_previous_window_gradients_are_freed_with_manual_accumulator(tmp_path: P
     assert model.alive == [0] * 8
 
 
-def test_released_plan_measures_the_gradients_as_they_are_now(tmp_path: Path) -> None:
-    """After its step a plan no longer holds gradients; ``gradkit.step.write.measure_grads`` reads ``p.grad`` until
+def test_released_step_record_measures_the_gradients_as_they_are_now(tmp_path: Path) -> None:
+    """After its step the pipeline's record no longer holds gradients; its ``measure_grads`` reads ``p.grad`` until
     ``zero_grad``."""
     seen: dict[str, Any] = {}
 
     class _Probe(MLPModule):
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             opt = self.trainer.optimizers[0]
-            plan = TrainerPipeline.of(self.trainer).last_plans[id(opt)]
-            assert not plan.has_gradients
+            record = TrainerPipeline.of(self.trainer).last_records[id(opt)]
+            assert record.released
             expected = torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])
-            seen["measured"] = measure_grads(plan, 2.0).norm()
+            seen["measured"] = record.measure_grads(2.0).norm()
             seen["expected"] = expected
             grads = [p.grad for p in self.parameters()]
             opt.zero_grad(set_to_none=True)
             with pytest.raises(RuntimeError, match="zero_grad"):
-                measure_grads(plan, 2.0)
+                record.measure_grads(2.0)
             for p, g in zip(self.parameters(), grads, strict=True):
                 p.grad = g
 

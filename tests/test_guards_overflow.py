@@ -103,8 +103,8 @@ def test_loop_door_flag_is_isfinite_and_an_overflowing_norm_is_named_apart(
         warnings.simplefilter("always")
         applied = kit.step(opt)
         kit.finish()
-    plan = kit.pipeline.last_plans[id(opt)]
-    assert bool(plan.primary.finite) == reference
+    record = kit.pipeline.last_records[id(opt)]
+    assert bool(record.stats.primary.finite) == reference
     assert math.isinf(torch.nn.utils.get_total_norm([g.float() for g in grads]).item()) or math.isnan(value)
     (event,) = events(tmp_path)
     if reference:
@@ -156,9 +156,9 @@ class RecordingFaultModule(FaultModule):
         return self._loss
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        plan = TrainerPipeline.of(self.trainer).last_plans[id(optimizer)]
+        record = TrainerPipeline.of(self.trainer).last_records[id(optimizer)]
         reference = _isfinite(self._loss, *(p.grad for p in self.parameters()))
-        self.records.append((reference, bool(plan.primary.finite)))
+        self.records.append((reference, bool(record.stats.primary.finite)))
 
 
 def test_trainer_overflowing_fp32_gradient_is_a_norm_overflow_skipped_exactly(tmp_path: Path) -> None:

@@ -129,8 +129,8 @@ class SkipStep2:
     stage = Stage.GUARD
     def may_skip(self):
         return True
-    def decide(self, plan, ctx):
-        plan.add_skip(torch.tensor(ctx.global_step == 2))
+    def decide(self, stats, decision, ctx):
+        decision.add_skip(torch.tensor(ctx.global_step == 2))
 
 def ratio(before, after, prefix):
     names = [n for n in before if n.startswith(prefix)]

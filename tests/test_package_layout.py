@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -181,3 +182,106 @@ def test_a_moved_module_still_imports_with_a_deprecation_warning(old: str) -> No
         value = getattr(importlib.import_module(f"gradkit.{old}"), name)
     assert value is getattr(new, name)
     assert caught[0].filename == __file__
+
+
+def _module_graph(src: Path, package: str) -> dict[str, set[str]]:
+    """The module-level import graph of ``package`` under ``src``: each module -> the package's modules it imports
+    at its top level, ``if TYPE_CHECKING:`` blocks included (a type-level cycle is a cycle to a reader and to a
+    type checker), imports inside functions excluded (they run at call time, once every module is loaded)."""
+    modules = {}
+    for path in (src / package).rglob("*.py"):
+        name = ".".join(path.relative_to(src).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+
+    def imported(node: ast.AST) -> set[str]:
+        found: set[str] = set()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                found.update(
+                    f"{child.module}.{alias.name}" if f"{child.module}.{alias.name}" in modules else child.module
+                    for alias in child.names
+                )
+            elif isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            found |= imported(child)
+        return found
+
+    def known(name: str) -> str:
+        while name and name not in modules:  # `a.b.func` -> `a.b`; outside the package -> ""
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = {m for m in map(known, imported(ast.parse(path.read_text()))) if m and m != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan's algorithm), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_the_torch_root_has_no_import_cycle_not_even_a_type_level_one() -> None:
+    # Issue 40: an 8-module cycle around the pipeline (type-level) and norms <-> replicas. Each module's imports,
+    # `TYPE_CHECKING` ones included, point away from it: the graph is layered.
+    graph = _module_graph(TORCH_ROOT.parent, "gradkit")
+    assert len(graph) > 50 and "gradkit.step.protocol" in graph["gradkit.step.pipeline"]
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_walk_catches_a_type_level_cycle_and_leaves_function_imports_out(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import B\n")
+    (package / "b.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from pkg.a import A\nB = 1\n")
+    (package / "c.py").write_text("import pkg.a\n")
+    (package / "d.py").write_text("def late():\n    from pkg.c import x\n")
+    (package / "e.py").write_text("from pkg.d import late\n")
+    graph = _module_graph(tmp_path, "pkg")
+    assert graph["pkg.e"] == {"pkg.d"} and graph["pkg.d"] == set()
+    assert _cycles(graph) == [["pkg.a", "pkg.b"]]
+    (package / "d.py").write_text("from pkg.e import late\n")  # now at module level: a second cycle
+    assert _cycles(_module_graph(tmp_path, "pkg")) == [["pkg.a", "pkg.b"], ["pkg.d", "pkg.e"]]
+
+
+@pytest.mark.parametrize("root", [gradkit, lightning_gradkit])
+def test_step_plan_still_imports_for_one_release_with_a_deprecation_warning(root: ModuleType) -> None:
+    # Issue 40: `StepPlan` was split in `StepStats` and `Decision`; the old public name names the new ones.
+    with pytest.warns(DeprecationWarning, match=r"StepPlan` was split: .*`StepStats`.*`Decision`") as caught:
+        value = root.StepPlan
+    assert value.__name__ == "StepRecord" and caught[0].filename == __file__
+    assert "StepPlan" not in root.__all__ and {"StepStats", "Decision", "StepOutcome"} <= set(root.__all__)

@@ -282,7 +282,8 @@ NOT_GIVEN_TO_A_LOOP = {"WindowScale"}
 
 def _gradkit_policies() -> set[str]:
     """Every public policy class of every ``gradkit`` module (a class with a :class:`Stage`), found by walking the
-    package, so that a new one fails :func:`test_every_torch_policy_is_covered` until it is added here."""
+    package and its subpackages, so that a new one fails :func:`test_every_torch_policy_is_covered` until it is added
+    here."""
     found = set()
     for info in pkgutil.walk_packages(gradkit.__path__, "gradkit."):
         module = importlib.import_module(info.name)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gradkit._util.moved import register as _register_moved
+from gradkit._util.moved import step_plan_moved as _step_plan_moved
 from gradkit.doors.loop import GradKit
 from gradkit.policies.agc import AdaptiveGradClip
 from gradkit.policies.clipping import ClipGradNorm, ClipGradValue
@@ -36,7 +37,7 @@ from gradkit.policies.spike_guard import SpikeGuard
 from gradkit.policies.steps_to_skip import StepsToSkip
 from gradkit.policies.update_clip import UpdateClip
 from gradkit.step.norms import GradStats
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import Decision, StepOutcome, StepStats
 from gradkit.step.pp_stages import pipeline_parallel
 from gradkit.step.protocol import Policy, Stage, StepContext
 from gradkit.step.replicas import expert_parallel
@@ -52,6 +53,7 @@ __all__ = [
     "AutoClip",
     "ClipGradNorm",
     "ClipGradValue",
+    "Decision",
     "EarlyWarning",
     "FiniteCheck",
     "GradKit",
@@ -64,7 +66,8 @@ __all__ = [
     "SpikeRollback",
     "Stage",
     "StepContext",
-    "StepPlan",
+    "StepOutcome",
+    "StepStats",
     "StepsToSkip",
     "UpdateClip",
     "ZClip",
@@ -83,6 +86,12 @@ def install(
     from gradkit.doors.huggingface import install as install_hf
 
     return install_hf(trainer, policies, events=events, check_checkpoints=check_checkpoints)
+
+
+def __getattr__(name: str) -> object:
+    if name == "StepPlan":  # for one release: the plan was split in `StepStats` and `Decision`
+        return _step_plan_moved(__name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _register_moved(__name__)

@@ -14,9 +14,10 @@ Two import roots ship together:
 
 from __future__ import annotations
 
+from gradkit._util.moved import step_plan_moved as _step_plan_moved
 from gradkit.doors.loop import GradKit
 from gradkit.step.norms import GradStats
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import Decision, StepOutcome, StepStats
 from gradkit.step.protocol import Policy, Stage, StepContext
 from gradkit.step.replicas import expert_parallel
 from lightning_gradkit._compat import register_strategy_names
@@ -62,6 +63,7 @@ __all__ = [
     "CheckpointGuard",
     "ClipGradNorm",
     "ClipGradValue",
+    "Decision",
     "EarlyWarning",
     "GradKit",
     "GradKitCallback",
@@ -82,7 +84,8 @@ __all__ = [
     "SpikeRollback",
     "Stage",
     "StepContext",
-    "StepPlan",
+    "StepOutcome",
+    "StepStats",
     "StepsToSkip",
     "SyncAudit",
     "UpdateClip",
@@ -93,3 +96,9 @@ __all__ = [
 ]
 
 register_strategy_names()
+
+
+def __getattr__(name: str) -> object:
+    if name == "StepPlan":  # for one release: the plan was split in `StepStats` and `Decision`
+        return _step_plan_moved(__name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

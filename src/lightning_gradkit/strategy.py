@@ -11,10 +11,10 @@ A Lightning callback cannot cancel an optimizer step: ``on_before_optimizer_step
 - ``16-mixed`` (``MixedPrecision`` with a ``GradScaler``): closure, ``unscale_``, hooks, ``scaler.step(optimizer)``
   which calls ``optimizer.step()`` (the gate) unless the scaler found an overflow itself, then ``scaler.update()``.
 
-The gate reads the pipeline's decision ``StepPlan.skip`` (a device flag, identical on every rank because it is
+The gate reads the pipeline's decision ``Decision.skip`` (a device flag, identical on every rank because it is
 derived from all-reduced gradients and from per-rank flags summed in the pipeline's one collective), and only the
-plan of the current step's gradients (``TrainerPipeline.step_plan``): whoever ran the pipeline first for them
-(``on_before_optimizer_step``, or ``clip_gradients`` in manual optimization), never a plan of an earlier step.
+record of the current step's gradients (``TrainerPipeline.step_record``): whoever ran the pipeline first for them
+(``on_before_optimizer_step``, or ``clip_gradients`` in manual optimization), never a record of an earlier step.
 
 - ordinary optimizer: one host read of the flag, the only synchronization the design allows; on a skip the
   optimizer is not called (parameters and state bitwise unchanged) and the gradients are set to ``None``.
@@ -75,6 +75,7 @@ from gradkit._util.torch_compat import handles_found_inf
 from gradkit.step.closure import first_evaluation
 from gradkit.step.gate import close_step, shadowed, step_as_decided
 from gradkit.step.protocol import Roster
+from gradkit.step.record import StepRecord
 from gradkit.step.replay import replaying
 from gradkit.step.snapshot import Snapshot
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device
@@ -85,7 +86,7 @@ from lightning_gradkit._deepspeed import (
     refuse_under_deepspeed,
 )
 from lightning_gradkit._window import open_window
-from lightning_gradkit.trainer_door import GradKitCallback, StepPlan, TrainerPipeline, check_callback_instances
+from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline, check_callback_instances
 
 __all__ = [
     "GradKitDDPStrategy",
@@ -259,7 +260,7 @@ class GradKitStrategyMixin:
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # type: ignore[misc]
         self._gradkit_trainer = trainer
-        self._gradkit_pending: dict[int, tuple[int, int, StepPlan | None, bool]] = {}
+        self._gradkit_pending: dict[int, tuple[int, int, StepRecord | None, bool]] = {}
         self._gradkit_counts: dict[int, _ScheduleCount] = {}
         self._gradkit_frequencies: dict[int, int] = {}
         self._gradkit_gate_active = _any_policy_may_skip(trainer) and trainer.state.fn == TrainerFn.FITTING
@@ -347,9 +348,9 @@ class GradKitStrategyMixin:
             return output
         with shadowed(optimizer, step=self._gradkit_gate(optimizer, optimizer.step, engine)):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        plan = engine.step_plan(self._gradkit_trainer, optimizer)
-        self._gradkit_record(optimizer, plan)
-        close_step(optimizer, plan, self._gradkit_buffers)
+        record = engine.step_record(self._gradkit_trainer, optimizer)
+        self._gradkit_record(optimizer, record)
+        close_step(optimizer, record, self._gradkit_buffers)
         buffers = self._gradkit_buffers
         if buffers is not None and not self._gradkit_trainer.lightning_module.automatic_optimization:
             # In manual optimization the next window opens now: a second optimizer step in the same `training_step`
@@ -377,7 +378,7 @@ class GradKitStrategyMixin:
             if closure is not None:
                 # Decide on the first evaluation before the optimizer can apply anything (see `_closure`).
                 result, kwargs["closure"] = first_evaluation(closure)
-            return step_as_decided(optimizer, inner, engine.step_plan(trainer, optimizer), kwargs, result)
+            return step_as_decided(optimizer, inner, engine.step_record(trainer, optimizer), kwargs, result)
 
         return gated_step
 
@@ -387,14 +388,14 @@ class GradKitStrategyMixin:
         configs = self.lr_scheduler_configs  # type: ignore[attr-defined]
         return [c for c in configs if c.interval == "step" and not c.reduce_on_plateau]
 
-    def _gradkit_record(self, optimizer: Optimizer, plan: StepPlan | None, dropped: bool = False) -> None:
+    def _gradkit_record(self, optimizer: Optimizer, record: StepRecord | None, dropped: bool = False) -> None:
         """Note an optimizer step for the schedule counts; its skip flag is read only when a scheduler needs it."""
         if not self._gradkit_frequencies:
             return
         self._gradkit_settle()
         trainer = self._gradkit_trainer
         batches = trainer.fit_loop.epoch_loop.batch_idx + 1
-        self._gradkit_pending[id(optimizer)] = (trainer.current_epoch, batches, plan, dropped)
+        self._gradkit_pending[id(optimizer)] = (trainer.current_epoch, batches, record, dropped)
 
     def _gradkit_settle(self) -> None:
         """Fold the pending optimizer steps into the counts (a host read of a fused optimizer's skip flag)."""
@@ -402,9 +403,9 @@ class GradKitStrategyMixin:
             self._gradkit_counts = {i: _ScheduleCount(*values) for i, values in self._gradkit_restored.items()}
             self._gradkit_restored = None
         optimizers = self._gradkit_trainer.optimizers
-        for key, (epoch, batches, plan, dropped) in self._gradkit_pending.items():
+        for key, (epoch, batches, record, dropped) in self._gradkit_pending.items():
             index = next(i for i, opt in enumerate(optimizers) if id(opt) == key)
-            skipped = dropped or (plan.skip_on_host() if plan is not None else False)
+            skipped = dropped or (record.skip_on_host() if record is not None else False)
             self._gradkit_counts.setdefault(index, _ScheduleCount()).record(epoch, batches, not skipped)
         self._gradkit_pending.clear()
 

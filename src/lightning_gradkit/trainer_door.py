@@ -13,7 +13,7 @@ The pipeline itself (measure -> reduce -> decide -> apply -> observe) is Lightni
 - :class:`GradKitCallback`: the base every gradkit callback derives from, a
   :class:`~gradkit.Policy` with thin Lightning hooks.
 
-The strategy mixin (:mod:`lightning_gradkit.strategy`) reads ``StepPlan.skip`` to step the optimizer or not.
+The strategy mixin (:mod:`lightning_gradkit.strategy`) reads the step's ``Decision.skip`` to step the optimizer or not.
 
 One entry point: :meth:`TrainerPipeline.run`. Every caller goes through it: each :class:`GradKitCallback`'s
 ``on_before_optimizer_step``, :func:`~lightning_gradkit.clip_gradients` (manual optimization, with the clipper as an
@@ -50,9 +50,10 @@ from gradkit._util.torch_compat import gradients_still_scaled
 from gradkit.report.events import EventLog
 from gradkit.step.accounting import StepAccounting
 from gradkit.step.norms import loss_scale, world_size
-from gradkit.step.pipeline import Pipeline, StepPlan, UnitNorms
+from gradkit.step.pipeline import Pipeline
 from gradkit.step.protocol import Door, Policy, Roster, Stage, StatsRequest, fresh_state_note, values_to_host
 from gradkit.step.rank_check import verify_same_layout
+from gradkit.step.record import StepRecord
 from gradkit.step.snapshot import Snapshot
 from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
@@ -61,10 +62,8 @@ __all__ = [
     "GradKitCallback",
     "Stage",
     "StatsRequest",
-    "StepPlan",
     "TrainerContext",
     "TrainerPipeline",
-    "UnitNorms",
     "batches_that_stepped",
     "check_callback_instances",
     "events_dir",
@@ -292,8 +291,8 @@ class TrainerContext(Door):
 
     @property
     @override
-    def pipeline(self) -> Pipeline:
-        return TrainerPipeline.of(self.trainer).pipeline
+    def steps(self) -> StepAccounting:
+        return TrainerPipeline.of(self.trainer).pipeline.steps
 
     @override
     def policies(self) -> list[Policy]:
@@ -377,9 +376,9 @@ class TrainerPipeline:
         return engine
 
     @property
-    def last_plans(self) -> dict[int, StepPlan]:
-        """Per optimizer (``id``), the plan of its last step's first evaluation (:attr:`Pipeline.last_plans`)."""
-        return self.pipeline.last_plans
+    def last_records(self) -> dict[int, StepRecord]:
+        """Per optimizer (``id``), the record of its last step's first evaluation (:attr:`Pipeline.last_records`)."""
+        return self.pipeline.last_records
 
     @property
     def steps(self) -> StepAccounting:
@@ -433,9 +432,9 @@ class TrainerPipeline:
         """The Trainer's gradkit callbacks and ``extra``; the pipeline puts them in stage order."""
         return [*(cb for cb in trainer.callbacks if isinstance(cb, GradKitCallback)), *extra]
 
-    def step_plan(self, trainer: pl.Trainer, optimizer: Optimizer) -> StepPlan | None:
-        """The plan decided for ``optimizer``'s current step (its first evaluation), ``None`` if none ran yet."""
-        return self.pipeline.step_plan(self.context(trainer, trainer.lightning_module).step_key(), optimizer)
+    def step_record(self, trainer: pl.Trainer, optimizer: Optimizer) -> StepRecord | None:
+        """The record of ``optimizer``'s current step (its first evaluation), ``None`` if none ran yet."""
+        return self.pipeline.step_record(self.context(trainer, trainer.lightning_module).step_key(), optimizer)
 
     def run(
         self,
@@ -443,7 +442,7 @@ class TrainerPipeline:
         pl_module: pl.LightningModule,
         optimizer: Optimizer,
         extra: Sequence[Policy] = (),
-    ) -> StepPlan | None:
+    ) -> StepRecord | None:
         """Run the step's pipeline for the Trainer's gradkit callbacks and ``extra`` (policies that are not in
         ``trainer.callbacks``: the manual-optimization entry point); ``None`` when it already ran for these
         gradients."""

@@ -46,12 +46,13 @@ class Record(pl.Callback):
         self.steps: list[dict[str, Any]] = []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, opt: Optimizer) -> None:
-        plan = TrainerPipeline.of(trainer).last_plans[id(opt)]
+        record = TrainerPipeline.of(trainer).last_records[id(opt)]
+        decision = record.decision
         self.steps.append(
             {
-                "skip": bool(plan.skip) if plan.skip is not None else False,
-                "scale": float(plan.scale) if plan.scale is not None else 1.0,
-                "total": float(plan.pre_clip_total()),
+                "skip": bool(decision.skip) if decision.skip is not None else False,
+                "scale": float(decision.scale) if decision.scale is not None else 1.0,
+                "total": float(decision.scaled(record.stats.primary.total)),
             }
         )
 

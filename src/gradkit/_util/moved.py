@@ -84,3 +84,20 @@ def register(package: str, moved: Mapping[str, str] = MOVED) -> None:
     """Put each old path in ``sys.modules`` (no import hook: the import system finds them there)."""
     for old, new in moved.items():
         sys.modules.setdefault(f"{package}.{old}", MovedModule(f"{package}.{old}", f"{package}.{new}"))
+
+
+def step_plan_moved(package: str) -> type:
+    """The deprecated ``StepPlan`` of ``package`` (``gradkit``, ``lightning_gradkit``), for one release: the
+    pipeline's record of a step, with a ``DeprecationWarning`` at the reading line that says what a policy reads and
+    writes now."""
+    from gradkit.step.record import StepRecord  # at the first read only: this module loads before the step modules
+
+    warnings.warn(
+        f"`{package}.StepPlan` was split: a policy's `decide(self, stats, decision, ctx)` reads the step's "
+        "measurements in a read-only `StepStats` and writes through a `Decision`, and `observe(self, stats, outcome, "
+        f"ctx)` reads a `StepOutcome`. Import `StepStats`, `Decision` or `StepOutcome` from `{package}`; `StepPlan` "
+        "goes in the release after the next.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return StepRecord

@@ -21,7 +21,7 @@ __all__ = ["user_stacklevel", "warn_user"]
 # Lightning (the Trainer's loops, Fabric's wrappers, LightningCLI), torch (an optimizer step hook, a module hook), and
 # Hugging Face's Trainer and accelerate (the HF door's steps run inside `Trainer.train`): a warning names the user's
 # `trainer.train()` line, or a method of the user's own Trainer subclass when the warning comes from inside it.
-_GRADKIT_ROOT = Path(__file__).resolve().parents[1]  # gradkit/, this file being gradkit/_util/user_frame.py
+_GRADKIT_ROOT = Path(__file__).resolve().parents[1]  # this file is gradkit/_util/user_frame.py
 _INTERNAL_PACKAGES = (
     "lightning",
     "pytorch_lightning",

@@ -363,15 +363,16 @@ class HFGradKit(TrainerCallback):
         # `counted` tells a step the GradScaler skipped (fp16 overflow) from one it ran, as accelerate's patch does.
         with shadowed(inner, step=counted):
             kit.step(inner, **({} if closure is None else {"closure": closure}))
-        plan = kit.pipeline.last_plans.get(id(inner))
+        record = kit.pipeline.last_records.get(id(inner))
         # A fused optimizer's skip is only on device: one read, which HF's scheduler decision needs anyway.
-        skipped = not ran or (plan is not None and plan.skip is not None and plan.skip_on_host())
+        skipped = not ran or (record is not None and record.decision.skip is not None and record.skip_on_host())
         accelerated._is_overflow = skipped
         if self._scheduler is not None:
             self._scheduler.due = False  # HF steps (or holds) its scheduler next
-        if plan is not None and self._grad_norm is not None:
-            norm_type = 2.0 if 2.0 in plan.stats else plan.primary_norm_type
-            self._grad_norm.copy_(plan.pre_clip_total(norm_type))
+        if record is not None and self._grad_norm is not None:
+            stats = record.stats
+            norm_type = 2.0 if 2.0 in stats.norms else stats.primary_norm_type
+            self._grad_norm.copy_(record.decision.scaled(stats.norms[norm_type].total))
 
     # -- callback hooks ---------------------------------------------------------------------------------------------
     @override

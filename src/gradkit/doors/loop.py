@@ -52,10 +52,12 @@ from gradkit.doors.loop_setup import (
 )
 from gradkit.policies.culprit import MicroBatch
 from gradkit.report.events import EventLog
+from gradkit.step.accounting import StepAccounting
 from gradkit.step.gate import close_step, shadowed, step_as_decided
-from gradkit.step.pipeline import Pipeline, StepPlan
+from gradkit.step.pipeline import Pipeline
 from gradkit.step.protocol import Door, Policy, Roster, policy_key, unwrapped, values_to_host
 from gradkit.step.rank_check import verify_same_layout
+from gradkit.step.record import StepRecord
 from gradkit.step.replay import RNGState, capture_rng
 from gradkit.step.snapshot import Snapshot
 from gradkit.step.state_check import CHECKPOINT_REFUSED, FiniteCheck, checkpoint_is_finite, refusal_message
@@ -184,9 +186,14 @@ class LoopContext(Door):
         self._window_buffers = buffers
 
     @property
-    @override
     def pipeline(self) -> Pipeline:
+        """The loop's pipeline (the door's own: a policy reads its :attr:`steps`)."""
         return self._pipeline
+
+    @property
+    @override
+    def steps(self) -> StepAccounting:
+        return self._pipeline.steps
 
     @override
     def policies(self) -> list[Policy]:
@@ -464,11 +471,13 @@ class GradKit:
         dropped = bool(self._hooks.drops_batch) and self.drops_batch  # nothing to measure, nothing applied
         if self._loss_watchers and not ctx.micro_batches and not dropped:
             self._warn_no_loss()
-        plan = None if dropped else self.pipeline.run(ctx, inner, self.policies)
+        record = None if dropped else self.pipeline.run(ctx, inner, self.policies)
         # The gate stands in for `optimizer.step` (whatever calls it: Fabric's strategy, a `GradScaler`) only when the
-        # plan may skip the step or left a factor to the fused kernel; otherwise the optimizer steps as it is.
-        gated = plan is not None and (plan.skip is not None or plan.folded is not None)
-        with shadowed(inner, step=functools.partial(_gated_step, inner, inner.step, plan)) if gated else nullcontext():
+        # decision may skip the step or left a factor to the fused kernel; otherwise the optimizer steps as it is.
+        decision = None if record is None else record.decision
+        gated = decision is not None and (decision.skip is not None or decision.folded is not None)
+        gate = functools.partial(_gated_step, inner, inner.step, record) if gated else None
+        with shadowed(inner, step=gate) if gate is not None else nullcontext():
             if self._own_scaler and not dropped:
                 ctx.scaler.step(optimizer, **kwargs)  # type: ignore[union-attr]
                 ctx.scaler.update()  # type: ignore[union-attr]
@@ -477,9 +486,9 @@ class GradKit:
         if dropped:
             skipped: bool | None = self._drop(inner)
         else:
-            skipped = close_step(inner, plan, self._buffers) if gated or self._buffers is not None else False
+            skipped = close_step(inner, record, self._buffers) if gated or self._buffers is not None else False
         if self._schedulers_of and not dropped:
-            self._step_schedulers(inner, plan)
+            self._step_schedulers(inner, record)
         step = ctx.step
         ctx.step += 1  # the step is done: what follows sees it counted, as `on_train_batch_end` does
         for after_step in self._hooks.after_step:
@@ -508,14 +517,14 @@ class GradKit:
             self._buffers.close(True)
         return True
 
-    def _step_schedulers(self, optimizer: Optimizer, plan: StepPlan | None) -> None:
+    def _step_schedulers(self, optimizer: Optimizer, record: StepRecord | None) -> None:
         """Step ``optimizer``'s LR schedulers after its applied step only (a fused optimizer's skip flag is read here,
         when a scheduler needs it), as the Trainer's gate holds step-interval schedulers. The other optimizers'
         schedulers wait for their own steps: in a GAN loop each steps once per iteration."""
         schedulers = self._schedulers_of.get(id(optimizer))
         if not schedulers:
             return
-        if plan is not None and plan.skip is not None and plan.skip_on_host():
+        if record is not None and record.decision.skip is not None and record.skip_on_host():
             return
         for scheduler in schedulers:
             scheduler.step()
@@ -699,7 +708,7 @@ def _open_first_window(kit: weakref.ref[GradKit], handles: list[Any], module: nn
     handles.clear()
 
 
-def _gated_step(optimizer: Optimizer, inner: Callable[..., Any], plan: StepPlan | None, **kwargs: Any) -> Any:
+def _gated_step(optimizer: Optimizer, inner: Callable[..., Any], record: StepRecord | None, **kwargs: Any) -> Any:
     """``optimizer.step`` while :meth:`GradKit.step` runs: whatever calls it (Fabric's strategy, a ``GradScaler``)
-    meets the plan's decision."""
-    return step_as_decided(optimizer, inner, plan, kwargs)
+    meets the step's decision."""
+    return step_as_decided(optimizer, inner, record, kwargs)

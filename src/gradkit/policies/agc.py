@@ -2,7 +2,7 @@
 
 :func:`agc_coefficients` is the paper's rule on unit norms; :class:`AdaptiveGradClip` is the clipper: it asks the
 pipeline (:mod:`gradkit.step.pipeline`) for the unit-wise gradient norms of the parameters it selects, reads the weights
-once for theirs, and writes one coefficient per unit into the step's plan. What it keeps of its steps for logging
+once for theirs, and writes one coefficient per unit into the step's decision. What it keeps of its steps for logging
 and checkpoints is a :class:`~gradkit.policies.clipping.ClipLedger`, as every clipper's.
 """
 
@@ -36,7 +36,7 @@ from gradkit.step.norms import (
     world_size,
 )
 from gradkit.step.params import clean_name, replication
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import Decision, StepStats
 from gradkit.step.protocol import Door, Stage, StatsRequest, StepContext
 from gradkit.step.selection import NamePattern, no_match_hint, parameters_selected, parse_patterns
 from gradkit.step.write import measure_grads
@@ -191,52 +191,52 @@ class AdaptiveGradClip(LedgerHooks):
             self._sharded_1d_factors = host_to_device(factors, torch.float32, weights[0].device)
         return {self._REDUCE_KEY: per_tensor_norms(weights, 2.0).pow(2) * self._sharded_1d_factors}
 
-    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.has_gradients:
-            self._ledger.record(plan, self._clip(plan))
+    def decide(self, stats: StepStats, decision: Decision, ctx: StepContext) -> None:
+        if stats.has_gradients:
+            self._ledger.record(stats, decision, self._clip(stats, decision))
 
-    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+    def decide_again(self, stats: StepStats, decision: Decision, first: Decision, ctx: StepContext) -> None:
         # Every evaluation of a re-evaluating closure is clipped unit by unit, from its own gradients.
-        if plan.has_gradients:
-            self._clip(plan)
+        if stats.has_gradients:
+            self._clip(stats, decision)
 
     # -- one step ------------------------------------------------------------------------------------------------
-    def _cached(self, plan: StepPlan, key: tuple[Any, ...]) -> Any:
+    def _cached(self, stats: StepStats, key: tuple[Any, ...]) -> Any:
         """A value cached for the step's parameter index; the cache is emptied when the index is rebuilt (parameters
         joined or left the optimizer)."""
-        if plan.index is not self._cache_index:
+        if stats.index is not self._cache_index:
             self._cache = {}
-            self._cache_index = plan.index
+            self._cache_index = stats.index
         return self._cache.get(key)
 
-    def _one_dim_positions(self, plan: StepPlan) -> tuple[list[int], Tensor | None, list[int]]:
+    def _one_dim_positions(self, stats: StepStats) -> tuple[list[int], Tensor | None, list[int]]:
         """Selected parameters with at most one dim that have a gradient, an index tensor of them, and for each the
         slot of its reduced weight norm (-1: not sharded). Cached: the set only changes when gradients go missing."""
-        key = ("one_dim", tuple(plan.present))
-        cached = self._cached(plan, key)
+        key = ("one_dim", tuple(stats.present))
+        cached = self._cached(stats, key)
         if cached is None:
             assert self._selected is not None
-            index = plan.index
+            index = stats.index
             slots = {name: k for k, (name, _, _) in enumerate(self._sharded_1d)}
-            positions = [i for i in plan.present if index.params[i].ndim <= 1 and index.names[i] in self._selected]
+            positions = [i for i in stats.present if index.params[i].ndim <= 1 and index.names[i] in self._selected]
             tensor = host_to_device(positions, torch.long, index.shard_weight.device) if positions else None
             cached = self._cache[key] = (positions, tensor, [slots.get(index.names[i], -1) for i in positions])
         return cached
 
-    def _clip(self, plan: StepPlan) -> ClipDecision:
-        """Write one coefficient per unit into the plan (``param_coefs``); the decision for the logs."""
+    def _clip(self, stats: StepStats, decision: Decision) -> ClipDecision:
+        """Write one coefficient per unit into the decision (``param_coefs``); the clip for the logs."""
         if self._selected is None:
             raise RuntimeError(
                 "AdaptiveGradClip was not attached to a model: its `attach(ctx, model)` selects the clipped "
                 "parameters (every door calls it: the Trainer at `fit`, `GradKit(...)` when built)."
             )
-        index = plan.index
-        stats = plan.stats[2.0]
-        units = plan.unit_norms
+        index = stats.index
+        grads = stats.norms[2.0]
+        units = stats.unit_norms
         pos_nd = units.positions if units is not None else []
-        pos_1d, pos_1d_tensor, reduced_slots = self._one_dim_positions(plan)
+        pos_1d, pos_1d_tensor, reduced_slots = self._one_dim_positions(stats)
         if not pos_nd and not pos_1d:
-            pre = plan.pre_clip_total(2.0)
+            pre = decision.scaled(grads.total)
             return ClipDecision(pre, pre, functools.partial(torch.ones_like, pre), torch.zeros((), dtype=torch.bool))
 
         grad_parts: list[Tensor] = []
@@ -245,45 +245,45 @@ class AdaptiveGradClip(LedgerHooks):
             grad_parts.append(units.flat)
             weight_parts.extend(row_norms(local_tensor(index.params[i].detach())) for i in pos_nd)
         if pos_1d_tensor is not None:
-            grad_parts.append(stats.param_norms[pos_1d_tensor])
-            weight_parts.append(self._one_dim_weight_norms(plan, pos_1d, reduced_slots))
-        grad_units = plan.scaled(torch.cat(grad_parts))
+            grad_parts.append(grads.param_norms[pos_1d_tensor])
+            weight_parts.append(self._one_dim_weight_norms(stats, pos_1d, reduced_slots))
+        grad_units = decision.scaled(torch.cat(grad_parts))
         coefs = agc_coefficients(grad_units, torch.cat(weight_parts), self.clip_factor, self.eps)
 
         sizes = (units.sizes if units is not None else []) + [1] * len(pos_1d)
         pieces = list(coefs.split(sizes))
-        for k, shape in self._coef_shapes(plan, pos_nd, pos_1d):
+        for k, shape in self._coef_shapes(stats, pos_nd, pos_1d):
             pieces[k] = pieces[k].view(shape)
-        pre = plan.pre_clip_total(2.0)
+        pre = decision.scaled(grads.total)
         post = _Lazy(
             _post_clip_total,
             index,
-            plan.scale,
-            stats.param_norms,
+            decision.scale,
+            grads.param_norms,
             grad_units,
             coefs,
             pos_nd,
             sizes,
             pos_1d_tensor,
-            self._sharded_nd(plan),
+            self._sharded_nd(stats),
         )
-        if plan.index.pp is not None:
+        if stats.index.pp is not None:
             # Pipeline parallelism: the other stages' units are not here. The clipped gradients are measured once
             # (logging steps, after the write), every stage's through the reduction.
-            post = _Lazy(_measured_post_clip_total, plan)
+            post = _Lazy(_measured_post_clip_total, stats)
         # The clipper's own post-clip total stands for the primary norm type's only.
         per_param = dict(zip([*pos_nd, *pos_1d], pieces, strict=True))
-        plan.decision.clip_per_param(per_param, post if plan.primary_norm_type == 2.0 else None)
+        decision.clip_per_param(per_param, post if stats.primary_norm_type == 2.0 else None)
         return ClipDecision(pre, post, functools.partial(norm_ratio, post, pre), clipped=(coefs < 1).any())
 
-    def _sharded_nd(self, plan: StepPlan) -> Tensor | None:
+    def _sharded_nd(self, stats: StepStats) -> Tensor | None:
         """Positions of the selected parameters of several dims that are sharded or declared expert-parallel
         (cached per index): their post-clip units count through the ranks that hold their gradients, so a rank
         without one (its experts got no token) leaves them out of its own sum too."""
-        cached = self._cached(plan, ("sharded_nd",))
+        cached = self._cached(stats, ("sharded_nd",))
         if cached is None:
             assert self._selected is not None
-            index = plan.index
+            index = stats.index
             positions = [
                 i for i in index.sharded_positions if index.params[i].ndim > 1 and index.names[i] in self._selected
             ]
@@ -291,31 +291,32 @@ class AdaptiveGradClip(LedgerHooks):
             cached = self._cache[("sharded_nd",)] = (tensor,)
         return cached[0]
 
-    def _coef_shapes(self, plan: StepPlan, pos_nd: list[int], pos_1d: list[int]) -> list[tuple[int, tuple[int, ...]]]:
+    def _coef_shapes(self, stats: StepStats, pos_nd: list[int], pos_1d: list[int]) -> list[tuple[int, tuple[int, ...]]]:
         """``(k, shape)`` for the coefficient pieces that need a view to broadcast over their gradient: unit-wise ones
         of parameters with more than one dim, and scalar parameters (cached per layout; other pieces, of shape
         ``(1,)``, broadcast as they are)."""
         key = ("shapes", tuple(pos_nd), tuple(pos_1d))
-        shapes = self._cached(plan, key)
+        shapes = self._cached(stats, key)
         if shapes is None:
-            ndims = {i: plan.index.params[i].ndim for i in plan.present}  # a gradient has its parameter's shape
+            ndims = {i: stats.index.params[i].ndim for i in stats.present}  # a gradient has its parameter's shape
             shapes = [(k, (-1,) + (1,) * (ndims[i] - 1)) for k, i in enumerate(pos_nd)]
             shapes += [(len(pos_nd) + k, ()) for k, i in enumerate(pos_1d) if ndims[i] == 0]
             self._cache[key] = shapes
         return shapes
 
-    def _one_dim_weight_norms(self, plan: StepPlan, positions: list[int], reduced_slots: list[int]) -> Tensor:
-        local = per_tensor_norms([local_tensor(plan.index.params[i].detach()) for i in positions], 2.0)
-        reduced = plan.reduced.get(self._REDUCE_KEY)
+    def _one_dim_weight_norms(self, stats: StepStats, positions: list[int], reduced_slots: list[int]) -> Tensor:
+        local = per_tensor_norms([local_tensor(stats.index.params[i].detach()) for i in positions], 2.0)
+        reduced = stats.reduced.get(self._REDUCE_KEY)
         if reduced is None or all(s < 0 for s in reduced_slots):
             return local
         parts = [reduced[s].sqrt() if s >= 0 else local[k] for k, s in enumerate(reduced_slots)]
         return torch.stack(parts)
 
 
-def _measured_post_clip_total(plan: StepPlan) -> Tensor:
-    """The 2-norm of the clipped gradients, read again (pipeline parallelism: every stage's, through the reduction)."""
-    return total_norm(measure_grads(plan, 2.0), 2.0)
+def _measured_post_clip_total(stats: StepStats) -> Tensor:
+    """The 2-norm of the clipped gradients, read again from the parameters once the step's write is done (pipeline
+    parallelism: every stage's, through the reduction)."""
+    return total_norm(measure_grads(None, stats, 2.0), 2.0)
 
 
 def _post_clip_total(
@@ -335,7 +336,7 @@ def _post_clip_total(
     are summed across ranks (one scalar all-reduce, which every rank joins, also one without such a gradient); all
     other norms here are already global. ``sharded_nd`` are the positions of such parameters that AGC clips, present
     here or not (a rank whose experts got no token has no gradient for them, which the others count). ``scale`` is
-    the step's accumulation scale (``StepPlan.scale``), which ``grad_units`` already carry and the per-parameter
+    the step's accumulation scale (``Decision.scale``), which ``grad_units`` already carry and the per-parameter
     ``param_norms`` do not.
     """
     post_units = grad_units * coefs

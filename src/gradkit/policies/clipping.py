@@ -2,8 +2,8 @@
 
 Each clipper is a policy of the step pipeline (:mod:`gradkit.step.pipeline`): in ``decide`` it reads the total norm that
 the pipeline measured once (no second pass over the gradients), writes a coefficient or a bound into the step's
-plan, and the pipeline multiplies the gradients once, with no host sync. The same objects work behind every door: a
-plain loop or Fabric (:class:`~gradkit.GradKit`), and the Lightning ``Trainer``, whose callbacks of the same
+``Decision``, and the pipeline multiplies the gradients once, with no host sync. The same objects work behind every
+door: a plain loop or Fabric (:class:`~gradkit.GradKit`), and the Lightning ``Trainer``, whose callbacks of the same
 names (:mod:`lightning_gradkit.callbacks.clip_callbacks`) subclass these classes. One class per algorithm, no base
 class: what they share is a composed :class:`ClipLedger`, which each clipper's hooks call.
 
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from gradkit._util.arguments import check_float, validate_norm_type
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import Decision, StepOutcome, StepStats
 from gradkit.step.protocol import Stage, StatsRequest, StepContext
 
 __all__ = [
@@ -128,14 +128,15 @@ class ClipLedger:
         self.steps: dict[int, int] = {}
         self._uncounted: dict[tuple[int, float | None], list[Tensor]] = {}
 
-    def record(self, plan: StepPlan, decision: ClipDecision) -> None:
-        """Keep the step's decision and its clipped flag (the flags are summed every ``_COUNT_EVERY`` steps)."""
-        idx = plan.optimizer_idx
-        plan.decision.decide_clip()
-        self.last[idx] = decision
-        key = (idx, decision.clip_above if decision.clipped is None else None)
+    def record(self, stats: StepStats, decision: Decision, clip: ClipDecision) -> None:
+        """Keep the step's clip and its clipped flag (the flags are summed every ``_COUNT_EVERY`` steps); mark the
+        step's ``decision`` as decided by a clipper."""
+        idx = stats.optimizer_idx
+        decision.decide_clip()
+        self.last[idx] = clip
+        key = (idx, clip.clip_above if clip.clipped is None else None)
         pending = self._uncounted.setdefault(key, [])
-        pending.append(decision.pre if decision.clipped is None else decision.clipped)
+        pending.append(clip.pre if clip.clipped is None else clip.clipped)
         if len(pending) >= _COUNT_EVERY:
             self.count_now(idx)
         self.steps[idx] = self.steps.get(idx, 0) + 1
@@ -149,16 +150,15 @@ class ClipLedger:
             count = self.clipped.get(idx)
             self.clipped[idx] = added if count is None else count.to(added.device) + added
 
-    def clip_again(self, plan: StepPlan, norm_type: float) -> None:
+    def clip_again(self, stats: StepStats, decision: Decision, norm_type: float) -> None:
         """Clip a later evaluation of the step's closure to the norm its first evaluation was clipped to, without
         feeding the clipper's statistics again."""
-        decision = self.last.get(plan.optimizer_idx)
-        if decision is not None and decision.target is not None:
-            plan.decision.clip_by(clip_to_threshold(plan.pre_clip_total(norm_type), decision.target))
+        clip = self.last.get(stats.optimizer_idx)
+        if clip is not None and clip.target is not None:
+            decision.clip_by(clip_to_threshold(decision.scaled(stats.norms[norm_type].total), clip.target))
 
-    def log(self, plan: StepPlan, ctx: StepContext) -> None:
-        """Log the step's values (a logging step) and start a new clipped count."""
-        idx = plan.optimizer_idx
+    def log(self, idx: int, ctx: StepContext) -> None:
+        """Log the step's values of optimizer ``idx`` (a logging step) and start a new clipped count."""
         if idx not in self.last:
             return
         suffix = f"/opt{idx}" if len(ctx.optimizers) > 1 else ""
@@ -224,9 +224,9 @@ class LedgerHooks:
 
     _ledger: ClipLedger
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        if plan.logging_step:
-            self._ledger.log(plan, ctx)
+    def observe(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
+        if stats.logging_step:
+            self._ledger.log(stats.optimizer_idx, ctx)
 
     def metrics(self, optimizer_idx: int = 0) -> dict[str, Tensor]:
         """The values the class logs for the last step of an optimizer, as device tensors (no host sync)."""
@@ -285,20 +285,20 @@ class ClipGradNorm(LedgerHooks):
     def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(self.norm_type)
 
-    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not plan.has_gradients:
+    def decide(self, stats: StepStats, decision: Decision, ctx: StepContext) -> None:
+        if not stats.has_gradients:
             return
-        pre = plan.pre_clip_total(self.norm_type)
+        pre = decision.scaled(stats.norms[self.norm_type].total)
         coef = clip_coefficient(pre, self.max_norm)
-        plan.decision.clip_by(coef)
+        decision.clip_by(coef)
         # The clipped flag is `pre > max_norm`, compared for many steps at once when counted. No threshold is logged.
         post = functools.partial(operator.mul, pre, coef)
-        self._ledger.record(plan, ClipDecision(pre, post, coef, None, clip_above=self.max_norm))
+        self._ledger.record(stats, decision, ClipDecision(pre, post, coef, None, clip_above=self.max_norm))
 
-    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+    def decide_again(self, stats: StepStats, decision: Decision, first: Decision, ctx: StepContext) -> None:
         # Every evaluation of a re-evaluating closure is clipped, as Lightning's `gradient_clip_val` clips each one.
-        if plan.has_gradients:
-            plan.decision.clip_by(clip_coefficient(plan.pre_clip_total(self.norm_type), self.max_norm))
+        if stats.has_gradients:
+            decision.clip_by(clip_coefficient(decision.scaled(stats.norms[self.norm_type].total), self.max_norm))
 
 
 class ClipGradValue(LedgerHooks):
@@ -339,15 +339,15 @@ class ClipGradValue(LedgerHooks):
     def request_stats(self, request: StatsRequest) -> None:
         request.norm_types.add(self.norm_type)
 
-    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not plan.has_gradients:
+    def decide(self, stats: StepStats, decision: Decision, ctx: StepContext) -> None:
+        if not stats.has_gradients:
             return
-        pre = plan.pre_clip_total(math.inf)
-        plan.decision.clamp(self.clip_value)
+        pre = decision.scaled(stats.norms[math.inf].total)
+        decision.clamp(self.clip_value)
         post = torch.clamp(pre, max=self.clip_value)
         coef = functools.partial(norm_ratio, post, pre)
-        self._ledger.record(plan, ClipDecision(pre, post, coef, pre > self.clip_value))
+        self._ledger.record(stats, decision, ClipDecision(pre, post, coef, pre > self.clip_value))
 
-    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
-        if plan.has_gradients:
-            plan.decision.clamp(self.clip_value)
+    def decide_again(self, stats: StepStats, decision: Decision, first: Decision, ctx: StepContext) -> None:
+        if stats.has_gradients:
+            decision.clamp(self.clip_value)

@@ -7,8 +7,7 @@ every rank (the losses, the parameters with a non-finite gradient, the replay's 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
@@ -17,7 +16,8 @@ from torch import Tensor, nn
 from gradkit._util.arguments import name_list
 from gradkit.policies.forensics import Finding, describe_error, find_nonfinite_origin
 from gradkit.step.norms import world_size
-from gradkit.step.replay import RNGState, replay
+from gradkit.step.protocol import MicroBatch as MicroBatch  # re-exported: the doors built it from here
+from gradkit.step.replay import replay
 from gradkit.step.snapshot import Snapshot
 
 __all__ = [
@@ -57,26 +57,6 @@ _NO_MICRO_BATCH = (
     "no micro-batch to replay was handed over: in a loop of your own, pass "
     "`kit.note_loss(loss, replay=lambda: loss_fn(model(batch)))` each micro-batch"
 )
-
-
-@dataclass
-class MicroBatch:
-    """A micro-batch of the step as a door keeps it for the culprit replay.
-
-    Attributes:
-        batch_idx: its index, as the door counts it.
-        compute_loss: runs its forward again and returns its loss (``None``: it cannot be replayed, ``unavailable``
-            says why). Called inside :func:`~gradkit.step.replay.replay`, under ``torch.enable_grad()``.
-        rng: the torch RNG states before its forward (the replay repeats its dropout masks), or ``None``.
-        ids: the sample ids its batch carries (:func:`~gradkit.policies.culprit.sample_ids`), or ``None``.
-        unavailable: why there is no ``compute_loss``.
-    """
-
-    batch_idx: int
-    compute_loss: Callable[[], Tensor | None] | None = None
-    rng: RNGState | None = None
-    ids: Any = None
-    unavailable: str | None = None
 
 
 def replay_micro_batches(

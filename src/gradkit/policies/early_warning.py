@@ -18,7 +18,7 @@ from gradkit.policies.signals import Reading, StabilitySignals, signal_key
 from gradkit.policies.warning_rules import DEFAULT_FLOORS, DEFAULT_THRESHOLDS, Detector, Finding, checked_rules
 from gradkit.report.events import SIGNALS_EVENT, EventLog, write_metadata
 from gradkit.step.params import clean_name
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import StepOutcome, StepStats
 from gradkit.step.protocol import Door, Stage, StepContext, state_key
 from gradkit.step.selection import parse_patterns
 
@@ -242,15 +242,15 @@ class EarlyWarning:
     def note_loss(self, loss: Tensor, ctx: StepContext) -> None:
         self._signals.note_loss(loss)
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
         escalation = self._escalation
         ramping = escalation.ramp_start < 1.0 and escalation.ramp_done < escalation.rewarmup_steps
         if ramping or escalation.step_factor != 1.0:
             # During a ramp only: the step takes the ramp's multiplier unless skipped (a host read of a skip flag).
             escalation.step_factor = 1.0
-            if plan.skip is None or not plan.skip_on_host():
+            if outcome.decision.skip is None or not outcome.skip_on_host():
                 escalation.step_applied()
-        self._signals.observe(plan, ctx)
+        self._signals.observe(stats, outcome, ctx)
 
     def after_step(self, ctx: StepContext) -> None:
         reading = self._signals.read(ctx)

@@ -41,7 +41,7 @@ from torch.utils.hooks import RemovableHandle
 from gradkit._util.arguments import check_choice, check_float, check_int, name_list
 from gradkit.step.norms import ParamIndex, grouped_norms, host_to_device, local_tensor
 from gradkit.step.params import clean_name
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import Decision, StepStats
 from gradkit.step.protocol import StepContext, unwrapped
 from gradkit.step.running import RunningMoments, spike_decision
 from gradkit.step.selection import auto_module_keys, module_rows, repeated_blocks
@@ -257,11 +257,11 @@ class Escalation:
                 group["lr"] = lr
         self._saved_lrs = None
 
-    def track_modules(self, plan: StepPlan, flagged: Tensor) -> None:
+    def track_modules(self, stats: StepStats, decision: Decision, flagged: Tensor) -> None:
         """For ``"spiking"``: per-module gradient 2-norms against their running statistics; the largest z-score of
         each module over the run of flagged steps."""
-        names, row_of = self._module_rows(plan)
-        norms = grouped_norms(plan.scaled(plan.stats[2.0].param_norms), row_of, len(names), 2.0)
+        names, row_of = self._module_rows(stats.index)
+        norms = grouped_norms(decision.scaled(stats.norms[2.0].param_norms), row_of, len(names), 2.0)
         if self.module_stats.mean.shape != norms.shape:  # the first step, or the trained parameters changed
             self.module_stats = RunningMoments(self.alpha).to(norms.device)
             self.module_zmax = None
@@ -272,12 +272,12 @@ class Escalation:
         previous = self.module_zmax if self.module_zmax is not None else torch.full_like(z, -math.inf)
         self.module_zmax = torch.where(flagged, torch.maximum(previous, z), -math.inf)
 
-    def _module_rows(self, plan: StepPlan) -> tuple[list[str], Tensor]:
-        """The module (row) names and the row of every parameter of the plan's index, built once per index."""
-        if self._rows is None or self._rows[0] is not plan.index:
-            names = plan.index.names
+    def _module_rows(self, index: ParamIndex) -> tuple[list[str], Tensor]:
+        """The module (row) names and the row of every parameter of ``index``, built once per index."""
+        if self._rows is None or self._rows[0] is not index:
+            names = index.names
             rows, positions = module_rows(auto_module_keys(names, self._blocks), names, self._model_order)
-            self._rows = (plan.index, rows, host_to_device(positions, torch.long, plan.index.shard_weight.device))
+            self._rows = (index, rows, host_to_device(positions, torch.long, index.shard_weight.device))
         return self._rows[1], self._rows[2]
 
     def spiking_modules(self) -> _Spiking:

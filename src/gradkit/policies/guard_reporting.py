@@ -33,9 +33,10 @@ from torch import Tensor
 from gradkit._util.torch_compat import handles_found_inf
 from gradkit.policies.culprit import MicroBatch
 from gradkit.report.events import EventLog
+from gradkit.step.accounting import StepAccounting
 from gradkit.step.host_lag import HostLag
 from gradkit.step.norms import GradStats
-from gradkit.step.pipeline import Pipeline, StepPlan
+from gradkit.step.plan import StepOutcome
 from gradkit.step.protocol import Door, StepContext, unwrapped
 
 __all__ = ["Flagged", "Kept", "Ledger", "Period", "Reporter", "overflow_summary", "write_norm_overflow"]
@@ -159,7 +160,7 @@ class Reporter:
         self.events: EventLog | None = None
         self.fused = False
         self.restored_skips: float | None = None
-        self._pipeline: Pipeline | None = None
+        self._steps: StepAccounting | None = None
 
     def attach(self, ctx: Door) -> None:
         """The door is set up: open the event file, learn whether an optimizer skips on device, put back the saved
@@ -167,14 +168,14 @@ class Reporter:
         directory = ctx.log_dir
         self.events = EventLog(directory, rank=ctx.global_rank) if directory is not None else None
         self.fused = any(handles_found_inf(unwrapped(opt)) for opt in ctx.optimizers)
-        self._pipeline = ctx.pipeline
+        self._steps = ctx.steps
         self.restore_skips(ctx)
 
     def restore_skips(self, ctx: StepContext) -> None:
         """Put back the count of skipped steps a checkpoint held: at ``attach``, and again before the first forward
         (a Trainer whose strategy restores checkpoints after setup, FSDP or DeepSpeed, loads the state later)."""
-        if self.restored_skips is not None and self._pipeline is not None:  # the door's pipeline, kept at `attach`
-            self._pipeline.steps.restore(self.restored_skips, ctx.device)
+        if self.restored_skips is not None and self._steps is not None:  # the door's accounting, kept at `attach`
+            self._steps.restore(self.restored_skips, ctx.device)
             self.restored_skips = None
 
     @property
@@ -211,21 +212,21 @@ class Reporter:
         """Whether the door's micro-batches are kept for a replay: at the step, or one step late."""
         return self.reads_on_host() or self.replays_late()
 
-    def flagged_on_host(self, plan: StepPlan, flag: Tensor, within_skip: bool = True) -> bool:
+    def flagged_on_host(self, outcome: StepOutcome, flag: Tensor, within_skip: bool = True) -> bool:
         """Read the guard's flag when it acts at the step; shares the door's read of the skip decision.
 
-        ``within_skip``: the flag raised means the step is skipped, so a step the plan applies needs no read of the
-        flag. Otherwise (a flag whose steps the GradScaler skips, not the plan) both are read in one transfer.
+        ``within_skip``: the flag raised means the step is skipped, so a step the decision applies needs no read of
+        the flag. Otherwise (a flag whose steps the GradScaler skips, not the decision) both are read in one transfer.
         """
         if self.action != "skip":
             return bool(flag)
         if within_skip:
-            return plan.skip_on_host() and bool(flag)
-        return plan.flag_on_host_with_skip(flag)
+            return outcome.skip_on_host() and bool(flag)
+        return outcome.flag_on_host_with_skip(flag)
 
     def skipped_state(self) -> dict[str, float]:
         """The door's count of skipped steps, saved by every guard (all hold the same value)."""
-        count = self._pipeline.skipped_steps if self._pipeline is not None else None
+        count = self._steps.skipped if self._steps is not None else None
         return {"skipped_steps": float(count) if count is not None else 0.0}
 
 

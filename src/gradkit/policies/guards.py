@@ -37,7 +37,7 @@ from gradkit.policies.culprit import (
 from gradkit.policies.forensics import Finding
 from gradkit.policies.guard_reporting import Flagged, Kept, Ledger, Reporter, overflow_summary, write_norm_overflow
 from gradkit.step.norms import loss_scale, nonfinite_mask, world_size
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import Decision, StepOutcome, StepStats
 from gradkit.step.protocol import Door, Stage, StatsRequest, StepContext, served, state_key
 from gradkit.step.snapshot import Snapshot
 
@@ -316,31 +316,31 @@ class NonFiniteGuard:
             ranks[dist.get_rank()] = self._loss_bad.to(torch.float32)
         return {self._key: ranks}
 
-    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
+    def decide(self, stats: StepStats, decision: Decision, ctx: StepContext) -> None:
         loss_ranks = None  # per rank, 1.0 where a loss was non-finite (several processes only)
         loss_bad = None
-        if self.check_loss and self._key in plan.reduced:
-            loss_ranks = plan.reduced[self._key].to(plan.primary.total.device)
+        if self.check_loss and self._key in stats.reduced:
+            loss_ranks = stats.reduced[self._key].to(stats.primary.total.device)
             loss_bad = loss_ranks.sum() > 0
         elif self.check_loss and self._loss_bad is not None:
-            loss_bad = self._loss_bad.to(plan.primary.total.device)
+            loss_bad = self._loss_bad.to(stats.primary.total.device)
         # The step's norms NaN or Inf: a non-finite element, or a norm overflow (every element finite); both flag
         # the step, `found_nonfinite` (torch.isfinite, exactly) tells them apart for the report.
-        grads_bad = plan.primary.norms_nonfinite if self.check_grads else None
-        found = plan.primary.found_nonfinite if self.check_grads else None
+        grads_bad = stats.primary.norms_nonfinite if self.check_grads else None
+        found = stats.primary.found_nonfinite if self.check_grads else None
         if loss_bad is not None and grads_bad is not None:
             bad = loss_bad | grads_bad
         else:
             bad = next((t for t in (loss_bad, grads_bad) if t is not None), None)
             if bad is None:  # only the loss is checked, and no loss was handed over this step
-                bad = torch.zeros((), dtype=torch.bool, device=plan.primary.total.device)
+                bad = torch.zeros((), dtype=torch.bool, device=stats.primary.total.device)
         self._flags = (bad, loss_ranks, loss_bad, grads_bad, found)
         if self.action == "skip":
             # Non-finite gradients under a finite loss with a GradScaler are its routine overflow: the scaler skips
             # that step itself. It is the scaler's skip, not the guard's: not counted, buffers and schedulers as
             # without the guard. The guard still records it (an "fp16_overflow" event).
             overflow = self._overflow(loss_bad, found)
-            plan.add_skip(bad if overflow is None else bad & ~overflow)
+            decision.add_skip(bad if overflow is None else bad & ~overflow)
         if not self._reporter.reads_on_host():
             # [flag, loss non-finite, gradient elements non-finite] in one op; the per-rank losses when there are
             # ranks. The per-parameter norms are kept (a reference) to name the culprit if the step turns out flagged.
@@ -348,9 +348,9 @@ class NonFiniteGuard:
             flags = torch.stack([bad, bad if loss_bad is None else loss_bad, bad if grads is None else grads])
             if loss_ranks is not None:
                 flags = torch.cat([flags.to(loss_ranks.dtype), loss_ranks])
-            self._param_names = plan.primary.model_names  # every stage's under pipeline parallelism
+            self._param_names = stats.primary.model_names  # every stage's under pipeline parallelism
             # References, not copies: a clean step pays nothing for what a flagged one will need.
-            kept = Kept(plan.primary.model_norms, self._micro_batches, self._window, self._ids)
+            kept = Kept(stats.primary.model_norms, self._micro_batches, self._window, self._ids)
             self._late = self._ledger.record(ctx.global_step, flags, kept)
 
     def _overflow(self, loss_bad: Tensor | None, found: Tensor | None) -> Tensor | None:
@@ -361,29 +361,29 @@ class NonFiniteGuard:
         grads_bad = found > 0
         return grads_bad if loss_bad is None else grads_bad & ~loss_bad
 
-    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+    def decide_again(self, stats: StepStats, decision: Decision, first: Decision, ctx: StepContext) -> None:
         # A re-evaluated closure's micro-batch belongs to no decision: the step was decided on its first evaluation.
         self._forget_window()
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
         try:
             if self._reporter.reads_on_host():
-                self._act_at_step(plan, ctx)
+                self._act_at_step(stats, outcome, ctx)
                 return
             late, self._late = self._late, None
             if late is not None:
                 self._replay_late(late, ctx)
-            if plan.logging_step:
+            if stats.logging_step:
                 self._report_ledger(ctx)
         finally:
             self._forget_window()
 
     # -- acting at the step (host knows) -----------------------------------------------------------------------
-    def _act_at_step(self, plan: StepPlan, ctx: StepContext) -> None:
+    def _act_at_step(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
         assert self._flags is not None
         bad, loss_ranks, loss_bad, grads_bad, found = self._flags
         # Under a GradScaler the skip leaves the overflow out (see `decide`): the flag is read with it.
-        if not self._reporter.flagged_on_host(plan, bad, within_skip=not (self._scaler and self.check_grads)):
+        if not self._reporter.flagged_on_host(outcome, bad, within_skip=not (self._scaler and self.check_grads)):
             self._consecutive = []
             return
         step = ctx.global_step
@@ -394,10 +394,10 @@ class NonFiniteGuard:
             bad_ranks = [ctx.global_rank] if loss_bad is not None and bool(loss_bad) else []
         grads_nonfinite = bool(found > 0) if found is not None else grads_bad is not None and bool(grads_bad)
         if grads_bad is not None and not grads_nonfinite and not bad_ranks:
-            self._norm_overflow(plan, ctx)
+            self._norm_overflow(stats, ctx)
             return
-        stats = plan.primary
-        nonfinite = (~torch.isfinite(stats.param_norms)).cpu()
+        primary = stats.primary
+        nonfinite = (~torch.isfinite(primary.param_norms)).cpu()
         overflow = self._scaler and grads_nonfinite and not bad_ranks
         finding: Finding | None = None
         if self.replay_allowed(step) and not overflow:
@@ -407,7 +407,7 @@ class NonFiniteGuard:
             # As training_step returned them (Lightning divides by the accumulation count before the backward).
             "losses": [v * ctx.accumulate_grad_batches for t in self._losses for v in t.reshape(-1).tolist()],
             # Positions among the whole model's parameters (every stage's under pipeline parallelism).
-            "params": [stats.model_position(i) for i in nonfinite.nonzero().flatten().tolist()],
+            "params": [primary.model_position(i) for i in nonfinite.nonzero().flatten().tolist()],
             "finding": None
             if finding is None
             else {"culprit": finding.culprit, "phase": finding.phase, **finding.detail},
@@ -417,7 +417,7 @@ class NonFiniteGuard:
         per_rank = gather_ranks(local)
         # Gradients can differ between ranks (a rank's own hook after the all-reduce): report every rank's.
         positions = sorted({i for r in per_rank for i in r["params"]})
-        params = [stats.model_names[i] for i in positions]
+        params = [primary.model_names[i] for i in positions]
         grad_ranks = [r["rank"] for r in per_rank if r["params"]]
         culprit = locate_culprit(per_rank, bad_ranks, params, self._no_replay_reason())
         window = list(self._window) or [ctx.batch_idx]
@@ -435,7 +435,7 @@ class NonFiniteGuard:
             "grad_nonfinite_ranks": grad_ranks,
             "losses": {str(r["rank"]): r["losses"] for r in per_rank},
             "nonfinite_param_grads": params[:50],
-            "grad_norm": float(stats.total),
+            "grad_norm": float(primary.total),
             "consecutive": len(self._consecutive),
             "replay_reproduced_ranks": replay.reproduced_on,
         }
@@ -477,9 +477,9 @@ class NonFiniteGuard:
         if len(self._consecutive) >= self.max_consecutive:
             self._stop(ctx, len(self._consecutive), self._consecutive[0], ctx.global_step, summary)
 
-    def _norm_overflow(self, plan: StepPlan, ctx: StepContext) -> None:
+    def _norm_overflow(self, stats: StepStats, ctx: StepContext) -> None:
         """A flagged step whose gradient norm is inf, every element finite: its event, then as a non-finite step."""
-        summary = write_norm_overflow(self._reporter, ctx, plan.primary, len(self._consecutive))
+        summary = write_norm_overflow(self._reporter, ctx, stats.primary, len(self._consecutive))
         self._conclude(ctx, summary)
         verb = "skipped" if self.action == "skip" else "applied"
         ctx.warn(f"NonFiniteGuard: {summary} The optimizer step was {verb}.{self._reporter.note}")

@@ -2,7 +2,7 @@
 the past norms) and :class:`ZClip` (an EMA z-score), as plain torch objects.
 
 Like every clipper (:mod:`gradkit.policies.clipping`), each reads the total norm the pipeline measured once, writes a
-coefficient into the step's plan and keeps what it logs in a :class:`~gradkit.policies.clipping.ClipLedger`; the
+coefficient into the step's decision and keeps what it logs in a :class:`~gradkit.policies.clipping.ClipLedger`; the
 statistics are kept per optimizer and saved by ``state_dict`` so that a resumed run clips exactly as an uninterrupted
 one.
 """
@@ -30,7 +30,7 @@ from gradkit.policies.clipping import (
 )
 from gradkit.step.host_lag import HostLag, as_float32
 from gradkit.step.norms import finite_mask
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import Decision, StepOutcome, StepStats
 from gradkit.step.protocol import Stage, StatsRequest, StepContext
 
 __all__ = ["MAX_HISTORY", "AutoClip", "ZClip", "nan_percentile"]
@@ -131,17 +131,17 @@ class AutoClip(LedgerHooks):
             history.norms, history.count = history.norms.to(device), history.count.to(device)
         return history
 
-    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not plan.has_gradients:
+    def decide(self, stats: StepStats, decision: Decision, ctx: StepContext) -> None:
+        if not stats.has_gradients:
             return
-        pre = plan.pre_clip_total(2.0)
+        pre = decision.scaled(stats.norms[2.0].total)
         norm = pre.to(torch.float32)
-        history = self._history(plan.optimizer_idx, norm.device)
+        history = self._history(stats.optimizer_idx, norm.device)
         joins = finite_mask(norm)
-        if plan.skip is not None:
+        if decision.skip is not None:
             # Every skip is decided by now (the guards' stage runs before the clippers'): a skipped step's norm stays
             # out of the history, as if its batch never came (it is not clipped: the step is not applied).
-            joins = joins & ~plan.skip
+            joins = joins & ~decision.skip
         slot = (history.count % self.history_size).reshape(1)
         kept = history.norms.gather(0, slot)
         history.norms.scatter_(0, slot, torch.where(joins, norm.reshape(1), kept))
@@ -149,14 +149,15 @@ class AutoClip(LedgerHooks):
         threshold = nan_percentile(history.norms, self.percentile)
         # No finite norm seen yet: nothing to clip against.
         coef = torch.where(torch.isnan(threshold), torch.ones_like(norm), clip_coefficient(norm, threshold))
-        plan.decision.clip_by(coef)
+        decision.clip_by(coef)
         post = functools.partial(operator.mul, pre, coef)
-        self._ledger.record(plan, ClipDecision(pre, post, coef, norm > threshold, threshold, target=threshold))
+        clip = ClipDecision(pre, post, coef, norm > threshold, threshold, target=threshold)
+        self._ledger.record(stats, decision, clip)
 
-    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+    def decide_again(self, stats: StepStats, decision: Decision, first: Decision, ctx: StepContext) -> None:
         # A later evaluation of the step's closure is clipped to the first one's target; the history is fed once.
-        if plan.has_gradients:
-            self._ledger.clip_again(plan, self.norm_type)
+        if stats.has_gradients:
+            self._ledger.clip_again(stats, decision, self.norm_type)
 
     def state_dict(self) -> dict[str, Any]:
         """Per optimizer, the ``history`` (NaN: an empty slot) and the ``count`` of norms it took, on the CPU."""
@@ -184,16 +185,16 @@ class AutoClip(LedgerHooks):
 @dataclass
 class _ZStatistics:
     """One optimizer's ZClip statistics, host floats, and its last step: the norm on its way to the host
-    (:class:`~gradkit.step.host_lag.HostLag`), the step's plan (asked whether the step was skipped before its norm is
-    folded in), the spike threshold it was compared with, and the norm it was clipped to (the reciprocal rule's
-    ``g*``, or ``max_norm``; ``None``: not clipped), which a later evaluation of the same step's closure is clipped to
-    too."""
+    (:class:`~gradkit.step.host_lag.HostLag`), the step's outcome once it was applied (asked whether the step was
+    skipped before its norm is folded in), the spike threshold it was compared with, and the norm it was clipped to
+    (the reciprocal rule's ``g*``, or ``max_norm``; ``None``: not clipped), which a later evaluation of the same
+    step's closure is clipped to too."""
 
     mean: float = 0.0
     var: float = 0.0
     count: int = 0
     lag: HostLag = field(default_factory=HostLag)
-    plan: StepPlan | None = None
+    outcome: StepOutcome | None = None
     spike_above: float = math.inf
     target: Tensor | float | None = None
 
@@ -257,6 +258,8 @@ class ZClip(LedgerHooks):
         self.max_norm = None if max_norm is None else check_float("max_norm", max_norm, above=0.0)
         self._ledger = ClipLedger()
         self._statistics: dict[int, _ZStatistics] = {}
+        #: The statistics whose norm this step pushed, given the step's outcome at `observe`.
+        self._awaiting: _ZStatistics | None = None
 
     def __repr__(self) -> str:
         config = {"alpha": self.alpha, "z_threshold": self.z_threshold, "warmup_steps": self.warmup_steps}
@@ -269,8 +272,8 @@ class ZClip(LedgerHooks):
         """Update the statistics with the norm still on its way to the host (the previous step's), unless a policy
         skipped that step: the statistics stay as if its batch never came."""
         values = stats.lag.pop()
-        plan, stats.plan = stats.plan, None
-        if values is None or not math.isfinite(g := values[0]) or (plan is not None and plan.was_skipped()):
+        outcome, stats.outcome = stats.outcome, None
+        if values is None or not math.isfinite(g := values[0]) or (outcome is not None and outcome.was_skipped()):
             return
         if stats.count < self.warmup_steps:  # Welford: the population mean and variance of the first norms
             stats.count += 1
@@ -286,16 +289,14 @@ class ZClip(LedgerHooks):
         stats.mean = self.alpha * stats.mean + (1 - self.alpha) * g
         stats.var = self.alpha * stats.var + (1 - self.alpha) * (g - stats.mean) ** 2
 
-    def _clip(
-        self, stats: _ZStatistics, total_norm: Tensor, plan: StepPlan
-    ) -> tuple[Tensor | None, Tensor | None, float]:
-        """One step (``plan``'s), with as few device operations as the rule allows: ``(coef, clipped, threshold)``,
-        the coefficient (``None``: nothing to clip, in warm-up without ``max_norm``), the clipped flag (``None``: the
-        norm exceeded ``threshold``, compared when counted) and the threshold."""
+    def _clip(self, stats: _ZStatistics, total_norm: Tensor) -> tuple[Tensor | None, Tensor | None, float]:
+        """One step, with as few device operations as the rule allows: ``(coef, clipped, threshold)``, the
+        coefficient (``None``: nothing to clip, in warm-up without ``max_norm``), the clipped flag (``None``: the norm
+        exceeded ``threshold``, compared when counted) and the threshold."""
         self._fold(stats)
         g = total_norm if total_norm.dtype == torch.float32 else total_norm.to(torch.float32)
         stats.lag.push(g.reshape(1))
-        stats.plan = plan
+        self._awaiting = stats  # its outcome comes at `observe`
         ceiling = math.inf if self.max_norm is None else self.max_norm
         if stats.count < self.warmup_steps:  # only `max_norm` clips
             stats.spike_above = math.inf
@@ -317,31 +318,37 @@ class ZClip(LedgerHooks):
         coef = (target / (g + NORM_EPS)).masked_fill_(~clipped, 1.0)  # at or below the target: exactly 1
         return coef, clipped, min(stats.spike_above, ceiling)
 
-    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        if not plan.has_gradients:
+    def decide(self, stats: StepStats, decision: Decision, ctx: StepContext) -> None:
+        if not stats.has_gradients:
             return
-        stats = self._statistics.get(plan.optimizer_idx)
-        if stats is None:
-            stats = self._statistics[plan.optimizer_idx] = _ZStatistics()
-        pre = plan.pre_clip_total(2.0)
-        coef, clipped, above = self._clip(stats, pre, plan)
+        own = self._statistics.get(stats.optimizer_idx)
+        if own is None:
+            own = self._statistics[stats.optimizer_idx] = _ZStatistics()
+        pre = decision.scaled(stats.norms[2.0].total)
+        coef, clipped, above = self._clip(own, pre)
         if coef is not None:  # None: the warm-up, which leaves the gradients
-            plan.decision.clip_by(coef)
-        decision = ClipDecision(
+            decision.clip_by(coef)
+        clip = ClipDecision(
             pre=pre,
             post=pre if coef is None else functools.partial(operator.mul, pre, coef),
             coef=functools.partial(torch.ones_like, pre) if coef is None else coef,
             clipped=clipped,
             threshold=functools.partial(_host_scalar, above),
             clip_above=above if clipped is None else None,
-            target=stats.target,
+            target=own.target,
         )
-        self._ledger.record(plan, decision)
+        self._ledger.record(stats, decision, clip)
 
-    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+    def decide_again(self, stats: StepStats, decision: Decision, first: Decision, ctx: StepContext) -> None:
         # A later evaluation of the step's closure is clipped to the first one's target; the history is fed once.
-        if plan.has_gradients:
-            self._ledger.clip_again(plan, self.norm_type)
+        if stats.has_gradients:
+            self._ledger.clip_again(stats, decision, self.norm_type)
+
+    def observe(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
+        awaiting, self._awaiting = self._awaiting, None
+        if awaiting is not None:  # asked whether the step was skipped when its norm reaches the host
+            awaiting.outcome = outcome
+        super().observe(stats, outcome, ctx)
 
     def state_dict(self) -> dict[str, Any]:
         """Per optimizer, the ``mean`` and ``var`` (float64) and ``count`` of the statistics, every norm passed so far

@@ -32,7 +32,7 @@ from gradkit.step.norms import (
     total_norm,
 )
 from gradkit.step.params import clean_name, module_key
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import Decision, StepOutcome, StepStats
 from gradkit.step.protocol import Door, Stage, StatsRequest, StepContext, served, state_key, values_to_host
 from gradkit.step.selection import auto_module_keys, module_rows, repeated_blocks
 
@@ -57,18 +57,18 @@ PROG_BAR_KEYS = ("grad_norm", "clipped", "skipped")
 ZERO_GRADIENT_STEPS = 4
 
 
-def _clipped_flag(plan: StepPlan) -> Tensor | None:
+def _clipped_flag(stats: StepStats, decision: Decision) -> Tensor | None:
     """Whether a clipping callback scaled this step's gradients down (a bool device scalar), or None without one."""
     flags = []
-    if plan.clip_decided and not plan.clipped:  # a clipper that left this step alone (ZClip's warm-up)
-        return plan.primary.total < 0  # False, on device
-    if plan.clip_coef is not None:
-        flags.append(plan.clip_coef.reshape(()) < 1)
-    if plan.param_coefs:
-        coefs = list(plan.param_coefs.values())
+    if decision.clip_decided and not decision.clipped:  # a clipper that left this step alone (ZClip's warm-up)
+        return stats.primary.total < 0  # False, on device
+    if decision.clip_coef is not None:
+        flags.append(decision.clip_coef.reshape(()) < 1)
+    if decision.param_coefs:
+        coefs = list(decision.param_coefs.values())
         flags.append(torch.cat([c.reshape(-1).to(coefs[0].device) for c in coefs]).min() < 1)
-    if plan.clamp_value is not None and math.inf in plan.stats:
-        flags.append(plan.pre_clip_total(math.inf) > plan.clamp_value)
+    if decision.clamp_value is not None and math.inf in stats.norms:
+        flags.append(decision.scaled(stats.norms[math.inf].total) > decision.clamp_value)
     return torch.stack([f.to(flags[0].device) for f in flags]).any() if flags else None
 
 
@@ -398,10 +398,10 @@ class GradNormMonitor:
     def primary_norm_type(self) -> float | None:
         return self.norm_type
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        missing = plan.stats[self.norm_type].missing
-        if missing and plan.index is not self._missing_checked:
-            self._missing_checked = plan.index
+    def observe(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
+        missing = stats.norms[self.norm_type].missing
+        if missing and stats.index is not self._missing_checked:
+            self._missing_checked = stats.index
             missing = [n for n in missing if n not in self._reported_missing]
             self._reported_missing.update(missing)
             if missing:
@@ -410,23 +410,23 @@ class GradNormMonitor:
                     f"{ctx.global_step}: {name_list(missing)}. They are not connected to the loss (or the "
                     "forward ran under `torch.no_grad`). Freeze them (`requires_grad_(False)`) if that is intended."
                 )
-        idx = plan.optimizer_idx
+        idx = stats.optimizer_idx
         watch = self._zero_watch.get(idx)
-        if watch is None or watch.index is not plan.index:
-            watch = self._zero_watch[idx] = _ZeroWatch(plan.index)
-        watch.add(plan, self.norm_type)
+        if watch is None or watch.index is not stats.index:
+            watch = self._zero_watch[idx] = _ZeroWatch(stats.index)
+        watch.add(stats, self.norm_type)
         if self._record is not None or self.prog_bar:
-            self._count_clipped(plan)
+            self._count_clipped(stats, outcome.decision)
         on_period, extra = self._log_kind(ctx)
-        noise = self._noise_metrics(plan, on_period or extra)
+        noise = self._noise_metrics(stats, outcome.decision, on_period or extra)
         if not (on_period or extra):
             return
         self._first_pending = False
         suffix = f"/opt{idx}" if len(ctx.optimizers) > 1 else ""
-        metrics = {k + suffix: v for k, v in self.metrics(plan).items()}
+        metrics = {k + suffix: v for k, v in self.metrics(stats, outcome).items()}
         metrics.update(noise)
         if self.weight_norms:
-            metrics.update({k + suffix: v for k, v in self._weight_metrics(plan).items()})
+            metrics.update({k + suffix: v for k, v in self._weight_metrics(stats).items()})
         host = None if on_period else values_to_host(metrics)  # off the period (first, last step): now, on the host
         if host is None:
             ctx.log(metrics, self.log_every_n_steps)
@@ -436,29 +436,29 @@ class GradNormMonitor:
             self._warn_zero_gradients(watch, ctx)
         self._write_row_order(idx, suffix)
         if self._record is not None or self.prog_bar:
-            self._note(plan, ctx, metrics, host, suffix)
+            self._note(idx, metrics, host, suffix)
         if self.update_ratio:
-            self._keep_before(plan, ctx, suffix, on_period)
+            self._keep_before(stats, suffix, on_period)
 
-    def _noise_metrics(self, plan: StepPlan, logging: bool) -> dict[str, Tensor]:
+    def _noise_metrics(self, stats: StepStats, decision: Decision, logging: bool) -> dict[str, Tensor]:
         """The noise scale's values of a logging step (``noise_scale=True``); every step forgets what it measured."""
         if self._noise is None:
             return {}
         door = served(self._door, self)
         batch = self.noise_scale_batch_size or self._noise.counted(door.global_step)
-        return self._noise.take(plan, door, batch, logging)
+        return self._noise.take(stats, decision, door, batch, logging)
 
     # -- update-to-weight ratio (logging steps only) --------------------------------------------------------------
-    def _keep_before(self, plan: StepPlan, ctx: StepContext, suffix: str, on_period: bool) -> None:
+    def _keep_before(self, stats: StepStats, suffix: str, on_period: bool) -> None:
         """Copy the parameters before the step and arm the hook that measures the update after it."""
-        index = plan.index
+        index = stats.index
         before = [local_tensor(p.detach()).clone() for p in index.params]
         weight_norms = per_tensor_norms(before, 2.0, index.run_bounds).to(index.shard_weight.device)
-        idx, rows = plan.optimizer_idx, self._module_rows(plan)
+        idx, rows = stats.optimizer_idx, self._module_rows(stats)
         step = served(self._door, self).log_step
         self._before[idx] = _Before(index, before, weight_norms, rows, suffix, on_period, step)
         if idx not in self._step_hooks:
-            self._step_hooks[idx] = plan.optimizer.register_step_post_hook(functools.partial(self._after_step, idx))
+            self._step_hooks[idx] = stats.optimizer.register_step_post_hook(functools.partial(self._after_step, idx))
 
     def _after_step(self, idx: int, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """``optimizer.step()`` returned (a ``torch.optim`` step post-hook): measure the update of a logging step.
@@ -520,27 +520,24 @@ class GradNormMonitor:
         order = [name for i in sorted(self._written_rows) for name in self._written_rows[i]]
         write_metadata(self._metadata_dir, module_order=order)
 
-    def _count_clipped(self, plan: StepPlan) -> None:
+    def _count_clipped(self, stats: StepStats, decision: Decision) -> None:
         """Count clipped steps on device between logging steps (for the report and the progress bar)."""
-        flag = _clipped_flag(plan)
+        flag = _clipped_flag(stats, decision)
         if flag is None:
             return
-        idx = plan.optimizer_idx
+        idx = stats.optimizer_idx
         count = self._clipped.get(idx)
         self._clipped[idx] = flag.to(torch.float32) if count is None else count + flag
         self._steps_since_log[idx] = self._steps_since_log.get(idx, 0) + 1
 
-    def _note(
-        self, plan: StepPlan, ctx: StepContext, metrics: dict[str, Tensor], host: dict[str, float] | None, suffix: str
-    ) -> None:
+    def _note(self, idx: int, metrics: dict[str, Tensor], host: dict[str, float] | None, suffix: str) -> None:
         """Keep the logged values for the report and show them in the progress bar (one more host transfer)."""
-        idx = plan.optimizer_idx
         extra: dict[str, Tensor] = {}
         clipped = self._clipped.pop(idx, None)
         if clipped is not None:
             extra["grad_clip/clipped_fraction" + suffix] = clipped / self._steps_since_log.pop(idx)
         door = served(self._door, self)
-        skipped = door.pipeline.skipped_steps
+        skipped = door.steps.skipped
         if skipped is not None:
             extra["gradkit/skipped_steps"] = skipped
         values = {**(host or values_to_host(metrics)), **(values_to_host(extra) if extra else {})}
@@ -555,22 +552,23 @@ class GradNormMonitor:
             shown = zip(PROG_BAR_KEYS, keys, strict=True)
             door.progress_bar({name + suffix: values[key] for name, key in shown if key in values})
 
-    def metrics(self, plan: StepPlan) -> dict[str, Tensor]:
+    def metrics(self, stats: StepStats, outcome: StepOutcome) -> dict[str, Tensor]:
         """The gradient-norm metrics of one step, as device tensors (no host sync)."""
-        stats = plan.stats[self.norm_type]
-        out = {"grad_norm/total": plan.scaled(stats.total)}
-        if (plan.clipped or plan.clip_decided) and self.norm_type == plan.primary_norm_type:
-            out["grad_norm/total_post_clip"] = plan.post_clip_total()
-        rows = self._module_rows(plan)
+        decision = outcome.decision
+        grads = stats.norms[self.norm_type]
+        out = {"grad_norm/total": decision.scaled(grads.total)}
+        if (decision.clipped or decision.clip_decided) and self.norm_type == stats.primary_norm_type:
+            out["grad_norm/total_post_clip"] = outcome.post_clip_total()
+        rows = self._module_rows(stats)
         if rows is not None:
             names, index = rows
-            module_norms = plan.scaled(grouped_norms(stats.model_norms, index, len(names), self.norm_type))
+            module_norms = decision.scaled(grouped_norms(grads.model_norms, index, len(names), self.norm_type))
             out.update({f"grad_norm/module/{name}": module_norms[i] for i, name in enumerate(names)})
         if self.param_groups:
-            out.update({f"grad_norm/param_group_{i}": g for i, g in enumerate(plan.scaled(stats.group_norms))})
+            out.update({f"grad_norm/param_group_{i}": g for i, g in enumerate(decision.scaled(grads.group_norms))})
         return out
 
-    def _module_rows(self, plan: StepPlan) -> tuple[list[str], Tensor] | None:
+    def _module_rows(self, stats: StepStats) -> tuple[list[str], Tensor] | None:
         """The per-module rows of this optimizer's parameters, in model order, built once per parameter layout.
 
         Module norms are grouped here, from the per-parameter norms, on logging steps only: the pipeline need not
@@ -579,17 +577,17 @@ class GradNormMonitor:
         """
         if self.depth == 0:
             return None
-        cached = self._rows.get(plan.optimizer_idx)
-        if cached is not None and cached[0] is plan.index:
+        cached = self._rows.get(stats.optimizer_idx)
+        if cached is not None and cached[0] is stats.index:
             return cached[1], cached[2]
-        names = plan.primary.model_names
+        names = stats.primary.model_names
         if self.depth == "auto":
             keys = auto_module_keys(names, self._blocks)
         else:
             keys = [module_key(n, self.depth) for n in names]
-        rows, positions = module_rows(keys, names, self._model_order if plan.index.pp is None else ())
-        index = host_to_device(positions, torch.long, plan.index.shard_weight.device)
-        self._rows[plan.optimizer_idx] = (plan.index, rows, index)
+        rows, positions = module_rows(keys, names, self._model_order if stats.index.pp is None else ())
+        index = host_to_device(positions, torch.long, stats.index.shard_weight.device)
+        self._rows[stats.optimizer_idx] = (stats.index, rows, index)
         return rows, index
 
     def _warn_zero_gradients(self, watch: _ZeroWatch, ctx: StepContext) -> None:
@@ -603,14 +601,14 @@ class GradNormMonitor:
                 "the loss depends on them."
             )
 
-    def _weight_metrics(self, plan: StepPlan) -> dict[str, Tensor]:
-        index = plan.index
+    def _weight_metrics(self, stats: StepStats) -> dict[str, Tensor]:
+        index = stats.index
         p = self.norm_type
         weights = [local_tensor(param.detach()) for param in index.params]
         local = per_tensor_norms(weights, p).to(index.shard_weight.device)
         norms = reduce_sharded(index, {p: local})[0][p]
         out = {"weight_norm/total": total_norm(norms, p)}
-        rows = self._module_rows(plan)
+        rows = self._module_rows(stats)
         if rows is not None:
             names, row_index = rows
             module_norms = grouped_norms(norms, row_index, len(names), p)
@@ -637,15 +635,15 @@ class _ZeroWatch:
     def ready(self) -> bool:
         return self.steps >= ZERO_GRADIENT_STEPS and not self.done
 
-    def add(self, plan: StepPlan, norm_type: float) -> None:
+    def add(self, stats: StepStats, norm_type: float) -> None:
         if self.steps >= ZERO_GRADIENT_STEPS:
             return
-        zero = plan.stats[norm_type].param_norms == 0
+        zero = stats.norms[norm_type].param_norms == 0
         self.zero = zero if self.zero is None else self.zero & zero
         if self.present is None:
-            self.present = set(plan.present)
-        elif len(plan.present) != self.index.num_params:  # with every gradient there, the set stays as it is
-            self.present.intersection_update(plan.present)
+            self.present = set(stats.present)
+        elif len(stats.present) != self.index.num_params:  # with every gradient there, the set stays as it is
+            self.present.intersection_update(stats.present)
         self.steps += 1
 
     def read(self) -> list[str]:

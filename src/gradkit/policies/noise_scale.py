@@ -40,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradkit._util.torch_compat import loss_scale
 from gradkit.step.norms import per_tensor_norms, world_size
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import Decision, StepStats
 from gradkit.step.protocol import Door, StepContext, unwrapped
 
 __all__ = [
@@ -170,7 +170,7 @@ class DDPNoiseProbe:
         self._global_sq = per_tensor_norms([p.grad.detach() for p in params], 2.0).square().sum()
         return {_LOCAL_KEY: local.square().sum()}
 
-    def take(self, plan: StepPlan, door: Door, batch: int, logging: bool) -> dict[str, Tensor]:
+    def take(self, stats: StepStats, decision: Decision, door: Door, batch: int, logging: bool) -> dict[str, Tensor]:
         """The step's values on a logging step (none on others), then forget the step.
 
         ``batch``: this rank's examples in the step (``B_small``). The values are those of the gradients the optimizer
@@ -178,7 +178,7 @@ class DDPNoiseProbe:
         """
         armed, syncs, global_sq = bool(self._local), self._syncs, self._global_sq
         self.reset()
-        if not (logging and armed) or global_sq is None or _LOCAL_KEY not in plan.reduced or batch <= 0:
+        if not (logging and armed) or global_sq is None or _LOCAL_KEY not in stats.reduced or batch <= 0:
             return {}
         if syncs > 1:
             if not self.unsynced_warned:
@@ -191,14 +191,14 @@ class DDPNoiseProbe:
                 )
             return {}
         world = world_size()
-        g_small_sq = plan.reduced[_LOCAL_KEY].to(global_sq.device) / world  # the mean over ranks
+        g_small_sq = stats.reduced[_LOCAL_KEY].to(global_sq.device) / world  # the mean over ranks
         backward_scale = loss_scale(door.loss_scale_source())  # the AMP scale every gradient carried in `backward`
         if backward_scale is not None:
             g_small_sq = g_small_sq / backward_scale.to(g_small_sq.device).square()
-        if plan.loss_scale is not None:  # the all-reduced gradients were still scaled at the measure
-            global_sq = global_sq / plan.loss_scale.to(global_sq.device).square()
-        if plan.scale is not None:
-            factor = plan.scale.to(global_sq.device).square()
+        if stats.loss_scale is not None:  # the all-reduced gradients were still scaled at the measure
+            global_sq = global_sq / stats.loss_scale.to(global_sq.device).square()
+        if decision.scale is not None:
+            factor = decision.scale.to(global_sq.device).square()
             g_small_sq, global_sq = g_small_sq * factor, global_sq * factor
         b_big = float(world * batch)
         g2, s = noise_estimates(g_small_sq, global_sq, float(batch), b_big)

@@ -27,7 +27,7 @@ from gradkit.policies.attention_heads import (
 )
 from gradkit.step.norms import local_tensor, world_size
 from gradkit.step.params import clean_name
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import StepOutcome, StepStats
 from gradkit.step.protocol import Stage, StepContext, state_key
 from gradkit.step.replay import replaying
 from gradkit.step.selection import no_match_hint, parse_patterns
@@ -291,7 +291,7 @@ class QKClip:
         self._maxima[name] = value if previous is None else torch.maximum(previous, value)
 
     # -- the step -----------------------------------------------------------------------------------------------
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
         """An optimizer step happens: rescale after it (the Trainer calls ``after_step`` after every micro-batch)."""
         self._stepped = True
         self._logging = ctx.is_logging_step(self.log_every_n_steps)

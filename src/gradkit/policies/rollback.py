@@ -3,13 +3,15 @@
 Large-model teams do this by hand from disk checkpoints, hours later (PaLM, Chowdhery et al. 2022, section 5.1:
 "we re-started training from a checkpoint roughly 100 steps before the spike started, and skipped roughly 200-500
 data batches"; the OPT-175B and BLOOM logbooks describe the same). :class:`SpikeRollback` does it inside the run,
-from snapshots in host memory (:class:`~gradkit.step.snapshot.StepSnapshot`), on every rank alike, behind every door: a
+from snapshots in host memory (:class:`StepSnapshot`), on every rank alike, behind every door: a
 ``Trainer`` (``lightning_gradkit.SpikeRollback``), Fabric or a plain loop (:class:`~gradkit.GradKit`).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,14 +21,25 @@ from torch import Tensor, nn
 from gradkit._util.arguments import check_bool, check_choice, check_float, check_int
 from gradkit.policies.escalation import Escalation
 from gradkit.report.events import EventLog
+from gradkit.step.accounting import StepAccounting
 from gradkit.step.norms import nonfinite_mask
-from gradkit.step.pipeline import Pipeline, StepPlan
-from gradkit.step.protocol import Door, Roster, Stage, StatsRequest, StepContext, policy_key, served, state_key
+from gradkit.step.plan import Decision, StepOutcome, StepStats
+from gradkit.step.protocol import (
+    Door,
+    Roster,
+    Stage,
+    StatsRequest,
+    StepContext,
+    policy_key,
+    served,
+    state_key,
+    unwrapped,
+)
 from gradkit.step.running import RunningMoments
-from gradkit.step.snapshot import Snapshot, StepSnapshot
+from gradkit.step.snapshot import RNGState, Snapshot, capture_rng, restore_rng
 from gradkit.step.watch import WatchedValue
 
-__all__ = ["SpikeRollback"]
+__all__ = ["SpikeRollback", "StepSnapshot"]
 
 
 # How a snapshot came to be: at the start of training, every `snapshot_every_n_steps` steps, or at a resume from a
@@ -44,7 +57,7 @@ class SpikeRollback:
 
     **Snapshots.** At the start of training and after every ``snapshot_every_n_steps`` optimizer steps (a step that
     applied its update and was not flagged, else the next such step), everything a training step may change is
-    copied into a ring of ``keep`` snapshots in host memory (:class:`~gradkit.step.snapshot.StepSnapshot`): the trained
+    copied into a ring of ``keep`` snapshots in host memory (:class:`StepSnapshot`): the trained
     parameters, the module buffers, the optimizer state, the LR schedulers and the GradKit strategy's counts for
     their ``frequency``, the RNG states, the ``state_dict`` of the other stateful gradkit policies (``ZClip``,
     ``SpikeGuard``: their counters rewind too, the events they wrote stay), the count of skipped steps and this
@@ -223,7 +236,7 @@ class SpikeRollback:
         self._ring: list[StepSnapshot] = []
         self._events: EventLog | None = None
         self._events_note = ""
-        self._pipeline: Pipeline | None = None  # the loop's pipeline, whose count of skipped steps the state saves
+        self._steps: StepAccounting | None = None  # the loop's step accounting, whose count of skipped steps is saved
         self._door: Door | None = None
         self._starting = False
         # What the step found, on device (read to the host only when the step is skipped): whether it fires, whether it
@@ -276,7 +289,7 @@ class SpikeRollback:
             raise ValueError(f"{where} more than one SpikeRollback; each would restore its own snapshots. Keep one.")
         self._events = EventLog(ctx.log_dir, rank=ctx.global_rank) if ctx.log_dir is not None else None
         self._events_note = f" Events: {self._events.path}." if self._events is not None else _NO_EVENTS
-        self._pipeline = ctx.pipeline
+        self._steps = ctx.steps
         self._door = ctx  # the model, the LR schedulers, the other policies and the step state a snapshot holds
         self._escalation.read_model(model)
         self._starting = True
@@ -295,7 +308,7 @@ class SpikeRollback:
         self._run = torch.tensor(float(self._run), device=device)
         self._nonfinite_run = torch.tensor(float(self._nonfinite_run), device=device)
         if self._restored_skips is not None:
-            served(self._door, self).pipeline.steps.restore(self._restored_skips, device)
+            served(self._door, self).steps.restore(self._restored_skips, device)
             self._restored_skips = None
         self._ring = [StepSnapshot(Snapshot(served(self._door, self).model, host=True)) for _ in range(self.keep)]
         self._pending = None
@@ -350,37 +363,37 @@ class SpikeRollback:
     def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         return self._watch.reduce_request(ctx)
 
-    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
+    def decide(self, stats: StepStats, decision: Decision, ctx: StepContext) -> None:
         if self._skip_left > 0:
             # Stepping over a batch after a rollback: no statistics, no trigger; the door skips the step.
-            plan.add_skip(torch.ones((), dtype=torch.bool, device=plan.primary.total.device))
+            decision.add_skip(torch.ones((), dtype=torch.bool, device=stats.primary.total.device))
             self._trigger = None
             return
-        x = self._watch.value(plan)
+        x = self._watch.value(stats, decision)
         modules = self._escalation.module_stats
         self._before_step = (self._stats.moments(), modules, modules.moments())
         spike, z, mean, std = self._stats.spike_step(x, self.z_threshold, self.warmup_steps)
         # No loss handed over this window (no `note_loss` behind the loop door): the NaN stands for "no value", not
         # a non-finite loss; the statistics mask it either way.
-        nonfinite = (nonfinite_mask(x) | ~plan.primary.finite) if self._watch.had_loss else ~plan.primary.finite
+        nonfinite = (nonfinite_mask(x) | ~stats.primary.finite) if self._watch.had_loss else ~stats.primary.finite
         flagged = spike | nonfinite
         run = torch.where(flagged, self._run + 1, 0.0)
         nonfinite_run = torch.where(nonfinite, self._nonfinite_run + 1, 0.0)
         self._run, self._nonfinite_run = run, nonfinite_run
         fire = (run >= self.patience) | (nonfinite_run >= self.nonfinite_patience)
-        plan.add_skip(fire)
+        decision.add_skip(fire)
         if self.escalate_reset_moments == "spiking":
-            self._escalation.track_modules(plan, flagged)
+            self._escalation.track_modules(stats, decision, flagged)
         self._trigger = (fire, flagged, [run, nonfinite_run, x.float(), z, mean, std])
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
         step = ctx.global_step
         t = self._trigger
         self._escalation.step_factor = 1.0
         if t is None:
             self._pending = {"kind": "skip"}
             return
-        if not plan.skip_on_host():
+        if not outcome.skip_on_host():
             # An applied step: it takes the ramp's multiplier (set on the optimizer by the step pre-hook).
             self._escalation.step_applied()
         elif self._before_step is not None:
@@ -392,7 +405,7 @@ class SpikeRollback:
             modules.mean, modules.var, modules.count = m_mean, m_var, m_count
         self._before_step = None
         fire, flagged, read = t
-        if plan.skip_on_host() and bool(fire):
+        if outcome.skip_on_host() and bool(fire):
             run, nonfinite_run, value, z, mean, std = torch.stack(read).tolist()
             reason = "nonfinite" if nonfinite_run >= self.nonfinite_patience else "spike"
             start = step - int(run) + 1
@@ -420,7 +433,7 @@ class SpikeRollback:
                 "escalate": escalate,
                 "spiking": self._escalation.spiking_modules() if spiking else None,
             }
-        elif step + 1 >= self._next_snapshot_at and not plan.skip_on_host() and not bool(flagged):
+        elif step + 1 >= self._next_snapshot_at and not outcome.skip_on_host() and not bool(flagged):
             self._pending = {"kind": "snapshot"}
 
     # -- snapshots ---------------------------------------------------------------------------------------------
@@ -496,7 +509,7 @@ class SpikeRollback:
         from_step = ctx.global_step
         previous_end, self._resumed_at = self._resumed_at, from_step + self.skip_batches
         # The rewound steps join the skipped ones: `global_step - skipped_steps` stays the optimizer's step count.
-        served(self._door, self).pipeline.steps.rewind(slot.skipped, from_step - slot.step, device)
+        served(self._door, self).steps.rewind(slot.skipped, from_step - slot.step, device)
         record = {
             "step": pending["step"],
             "from_step": from_step,
@@ -538,7 +551,7 @@ class SpikeRollback:
         """The stepped-over batches are done: the run resumes from the restored state, which is the snapshot's, so the
         snapshot counts as taken here (a later rollback to it rewinds only the steps trained from now on)."""
         slot.step = ctx.global_step
-        skipped = served(self._door, self).pipeline.skipped_steps
+        skipped = served(self._door, self).steps.skipped
         slot.skipped = None if skipped is None else skipped.clone()
 
     def _event(self, ctx: StepContext, what: str, values: dict[str, Any], culprit: Any = None, **fields: Any) -> None:
@@ -562,8 +575,8 @@ class SpikeRollback:
     # -- state ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         skipped = self._restored_skips
-        if skipped is None and self._pipeline is not None:
-            skipped = self._pipeline.skipped_steps
+        if skipped is None and self._steps is not None:
+            skipped = self._steps.skipped
         state = {
             "stats": self._stats_state(),
             "run": float(self._run),
@@ -610,3 +623,90 @@ def _resume_note(slot: StepSnapshot, pending: dict[str, Any]) -> str:
         "(`save_snapshots=True` keeps them), so this rollback may differ from the uninterrupted run's, which restores "
         "the newest snapshot of its schedule taken before the spike began."
     )
+
+
+# -- a step's whole state, as a snapshot of the ring holds it ------------------------------------------------------
+@dataclass
+class StepSnapshot:
+    """Everything a training step may change, as the loop (a :class:`~gradkit.step.protocol.Door`) holds it.
+
+    The model's buffers and the optimizers' parameters and states (``tensors``, in host memory: a
+    :class:`~gradkit.step.snapshot.Snapshot`), the LR schedulers, the door's own step state (``strategy``: the GradKit
+    strategy's schedule counts), the RNG states, the other policies' states (``callbacks``), the owner's statistics
+    (``stats``) and the door's count of skipped steps (``skipped``). ``SpikeRollback`` keeps a ring of them (``id``:
+    its order of capture, -1 for an empty one).
+    """
+
+    tensors: Snapshot
+    id: int = -1
+    step: int = -1
+    origin: str = "schedule"
+    schedulers: list[dict[str, Any]] = field(default_factory=list)
+    strategy: dict[str, Any] = field(default_factory=dict)
+    rng: RNGState | None = None
+    callbacks: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
+    stats: dict[str, Tensor] = field(default_factory=dict)
+    skipped: Tensor | None = None
+
+    @property
+    def valid(self) -> bool:
+        return self.id >= 0
+
+    def capture(self, ctx: Door, policies: Sequence[Any], stats: dict[str, Tensor]) -> None:
+        """Take the step's state: ``policies`` are the other stateful policies (one whose state is empty has nothing
+        to rewind), ``stats`` the owner's (copied)."""
+        # The host-side states first: their `state_dict` calls read device values (a synchronization), which then
+        # does not wait for the tensor copies queued below.
+        states = [(policy, policy.state_dict()) for policy in policies]
+        self.callbacks = [(policy, copy.deepcopy(state)) for policy, state in states if state]
+        self.stats = copy.deepcopy(stats)
+        self.schedulers = [copy.deepcopy(scheduler.state_dict()) for scheduler in ctx.schedulers()]
+        self.strategy = ctx.step_state()
+        self.rng = capture_rng(full=True)
+        skipped = ctx.steps.skipped
+        self.skipped = None if skipped is None else skipped.clone()
+        self.tensors.capture([unwrapped(opt) for opt in ctx.optimizers])
+        self.step = ctx.global_step
+
+    def restore(self, ctx: Door, full: bool) -> None:
+        """Put the state back: everything but ``stats`` and ``skipped`` (``full``), or what a stepped-over batch may
+        have touched besides the module buffers, which the door puts back for every skipped step: the RNG states and
+        the other policies' states."""
+        if full:
+            self.tensors.restore([unwrapped(opt) for opt in ctx.optimizers])
+            for scheduler, state in zip(ctx.schedulers(), self.schedulers, strict=True):
+                scheduler.load_state_dict(copy.deepcopy(state))
+            ctx.load_step_state(self.strategy)
+        assert self.rng is not None
+        restore_rng(self.rng)
+        for policy, state in self.callbacks:
+            policy.load_state_dict(copy.deepcopy(state))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values and host tensors (they load with ``torch.load(weights_only=True)``); reads ``skipped``."""
+        assert self.rng is not None
+        return {
+            "id": self.id,
+            "step": self.step,
+            "origin": self.origin,
+            "tensors": self.tensors.state_dict(),
+            "schedulers": self.schedulers,
+            "strategy": self.strategy,
+            "rng": self.rng.state_dict(),
+            "callbacks": {policy_key(policy): state for policy, state in self.callbacks},
+            "stats": self.stats,
+            "skipped": None if self.skipped is None else float(self.skipped),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], policies: dict[str, Any], device: torch.device) -> None:
+        """Adopt a :meth:`state_dict`; ``policies`` are the other stateful policies by their
+        :func:`~gradkit.step.protocol.policy_key`."""
+        self.id, self.step, self.origin = int(state["id"]), int(state["step"]), state["origin"]
+        self.tensors.load_state_dict(state["tensors"])
+        self.schedulers = list(state["schedulers"])
+        self.strategy = dict(state["strategy"])
+        self.rng = RNGState.from_state_dict(state["rng"])
+        self.callbacks = [(policies[key], value) for key, value in state["callbacks"].items() if key in policies]
+        self.stats = dict(state["stats"])
+        skipped = state["skipped"]
+        self.skipped = None if skipped is None else torch.tensor(skipped, device=device)

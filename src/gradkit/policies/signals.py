@@ -62,7 +62,7 @@ from gradkit.report.events import SIGNALS_PREFIX as PREFIX
 from gradkit.step.accumulate import mean_window_scale
 from gradkit.step.norms import ParamIndex, host_to_device, local_tensor, per_tensor_norms, world_size
 from gradkit.step.params import clean_name
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import StepOutcome, StepStats
 from gradkit.step.protocol import Door, StepContext
 from gradkit.step.replay import replaying
 from gradkit.step.selection import NamePattern, auto_module_keys, module_rows, no_match_hint, repeated_blocks
@@ -269,38 +269,38 @@ class StabilitySignals:
         if self.spike_score_on:
             self._window.append(loss if detached else loss.detach())
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
         """Every step: keep references for the SpikeScore. A logging step: the g^2/v sums, the parameters before
         the step for the update ratios."""
         self._observed = True
         if self.spike_score_on:  # its losses join at the step's end (a Trainer hands the last one over then)
-            self._pending.append(_Pending([], 1.0, plan.primary.total, plan.scale))
+            self._pending.append(_Pending([], 1.0, stats.primary.total, outcome.decision.scale))
         if not ctx.is_logging_step(self.log_every_n_steps):
             return
         self._logging = True
         self._step = ctx.global_step
-        rows = self._module_rows(plan)
+        rows = self._module_rows(stats)
         if self.adam:
-            params = [plan.index.params[i] for i in plan.present]
-            grads = [local_tensor(p.grad) for p in params]  # as the write left them (the plan's own are the pipeline's)
-            factor = plan.folded
-            if plan.loss_scale is not None:
-                factor = (1.0 / plan.loss_scale) if factor is None else factor / plan.loss_scale
+            params = [stats.index.params[i] for i in stats.present]
+            grads = [local_tensor(p.grad) for p in params]  # as the write left them (the step's own are the pipeline's)
+            factor = outcome.decision.folded
+            if stats.loss_scale is not None:
+                factor = (1.0 / stats.loss_scale) if factor is None else factor / stats.loss_scale
             with torch.no_grad():
-                sums = adam_ratio_sums(grads, plan.optimizer, params, factor, self.theta)
+                sums = adam_ratio_sums(grads, stats.optimizer, params, factor, self.theta)
             if sums is not None:
                 per_row = torch.zeros(4, len(rows[0]), dtype=torch.float32, device=sums.device)
-                present_rows = rows[1][host_to_device(plan.present, torch.long, rows[1].device)]
+                present_rows = rows[1][host_to_device(stats.present, torch.long, rows[1].device)]
                 per_row.index_add_(1, present_rows.to(sums.device), sums)
                 self._adam.append((rows[0], per_row))
         if self.update_spread:
-            index = plan.index
+            index = stats.index
             with torch.no_grad():
                 before = [local_tensor(p.detach()).clone() for p in index.params]
                 weights = per_tensor_norms(before, 2.0, index.run_bounds).to(index.shard_weight.device)
-            self._before[plan.optimizer_idx] = (index, before, weights, rows)
-            post = functools.partial(self._after_optimizer_step, plan.optimizer_idx)
-            self._step_hooks.append(plan.optimizer.register_step_post_hook(post))
+            self._before[stats.optimizer_idx] = (index, before, weights, rows)
+            post = functools.partial(self._after_optimizer_step, stats.optimizer_idx)
+            self._step_hooks.append(stats.optimizer.register_step_post_hook(post))
 
     def _after_optimizer_step(self, idx: int, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         kept = self._before.pop(idx, None)
@@ -312,14 +312,14 @@ class StabilitySignals:
         names = rows[0]
         self._ratios[idx] = (names, torch.stack([ratios[f"update_ratio/module/{n}"] for n in names]))
 
-    def _module_rows(self, plan: StepPlan) -> tuple[list[str], Tensor]:
+    def _module_rows(self, stats: StepStats) -> tuple[list[str], Tensor]:
         """The rows of ``GradNormMonitor(depth="auto")`` and the row of every parameter, once per parameter index."""
-        cached = self._rows.get(plan.optimizer_idx)
-        if cached is None or cached[0] is not plan.index:
-            names = plan.index.names
+        cached = self._rows.get(stats.optimizer_idx)
+        if cached is None or cached[0] is not stats.index:
+            names = stats.index.names
             rows, positions = module_rows(auto_module_keys(names, self._blocks), names, self._model_order)
-            cached = (plan.index, rows, host_to_device(positions, torch.long, plan.index.shard_weight.device))
-            self._rows[plan.optimizer_idx] = cached
+            cached = (stats.index, rows, host_to_device(positions, torch.long, stats.index.shard_weight.device))
+            self._rows[stats.optimizer_idx] = cached
         return cached[1], cached[2]
 
     def read(self, ctx: StepContext) -> Reading | None:

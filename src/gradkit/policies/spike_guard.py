@@ -18,7 +18,7 @@ from torch import Tensor
 from gradkit._util.arguments import check_choice, check_float, check_int
 from gradkit.policies.guard_reporting import Reporter
 from gradkit.step.host_lag import HostLag, as_float32
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import Decision, StepOutcome, StepStats
 from gradkit.step.protocol import Door, Stage, StatsRequest, StepContext, state_key
 from gradkit.step.running import HostMoments
 from gradkit.step.watch import WatchedValue
@@ -29,12 +29,14 @@ __all__ = ["SpikeGuard"]
 @dataclass
 class _SpikeStatistics:
     """One optimizer's SpikeGuard statistics (host floats) and its step whose value is on its way to them: the value
-    (:class:`~gradkit.step.host_lag.HostLag`), then ``(step, threshold, plan)``: the step, the threshold its value was
-    compared with, and its plan (asked whether the step was skipped before the value is folded in)."""
+    (:class:`~gradkit.step.host_lag.HostLag`), then ``(step, threshold)``: the step and the threshold its value was
+    compared with, and the step's ``outcome`` once it was applied (asked whether the step was skipped before the
+    value is folded in)."""
 
     moments: HostMoments
     lag: HostLag = field(default_factory=HostLag)
-    pending: tuple[int, float, StepPlan] | None = None
+    pending: tuple[int, float] | None = None
+    outcome: StepOutcome | None = None
 
 
 class SpikeGuard:
@@ -181,20 +183,20 @@ class SpikeGuard:
     def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         return self._watched.reduce_request(ctx)
 
-    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        x = self._watched.value(plan)
-        stats = self._statistics.get(plan.optimizer_idx)
-        if stats is None:
-            stats = self._statistics[plan.optimizer_idx] = _SpikeStatistics(HostMoments(self.alpha, self.window))
-        self._fold(stats)
-        threshold = self._threshold(stats.moments)
+    def decide(self, stats: StepStats, decision: Decision, ctx: StepContext) -> None:
+        x = self._watched.value(stats, decision)
+        own = self._statistics.get(stats.optimizer_idx)
+        if own is None:
+            own = self._statistics[stats.optimizer_idx] = _SpikeStatistics(HostMoments(self.alpha, self.window))
+        self._fold(own)
+        threshold = self._threshold(own.moments)
         # A finite value above the threshold; NaN and Inf never are (they are NonFiniteGuard's).
         spike = torch.nan_to_num(x, nan=-math.inf, posinf=-math.inf) > threshold
-        stats.lag.push(x.reshape(1))
-        stats.pending = (ctx.global_step, threshold, plan)
+        own.lag.push(x.reshape(1))
+        own.pending, own.outcome = (ctx.global_step, threshold), None  # the outcome comes at `observe`
         self._step = (spike, x)
         if self.action == "skip":
-            plan.add_skip(spike)
+            decision.add_skip(spike)
 
     def _threshold(self, moments: HostMoments) -> float:
         """``mean + max(z_threshold * std, relative_floor * |mean|)``; ``inf`` during warm-up."""
@@ -211,37 +213,38 @@ class SpikeGuard:
         values = stats.lag.pop()
         if values is None or stats.pending is None:
             return
-        (x,), (step, threshold, plan) = values, stats.pending
-        stats.pending = None
+        (x,), (step, threshold), outcome = values, stats.pending, stats.outcome
+        stats.pending = stats.outcome = None
         # The device compared the fp32 value with the fp32 rounding of the threshold: the same test here.
         spike = math.isfinite(x) and x > as_float32(threshold)
         moments = stats.moments
         if spike and not self._reporter.reads_on_host():
             mean, std = moments.moments()[0], moments.std()
             self._flagged.append((step, x, (x - mean) / std, mean, std))
-        if not plan.was_skipped():  # a skipped step leaves the statistics as if its batch never came
+        if outcome is None or not outcome.was_skipped():  # a skipped step leaves the statistics as if it never came
             moments.record(x, spike, self.z_threshold)
 
     def _fold_all(self) -> None:
         for stats in self._statistics.values():
             self._fold(stats)
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
         assert self._step is not None
         spike, x = self._step
+        own = self._statistics[stats.optimizer_idx]
+        own.outcome = outcome  # asked whether the step was skipped when its value reaches the host
         if self._reporter.reads_on_host():
-            if not self._reporter.flagged_on_host(plan, spike):
+            if not self._reporter.flagged_on_host(outcome, spike):
                 return
             self._spikes += 1
             value = float(x)  # a flagged step: the host reads its decision anyway
-            moments = self._statistics[plan.optimizer_idx].moments
-            mean, std = moments.moments()[0], moments.std()
+            mean, std = own.moments.moments()[0], own.moments.std()
             culprit = None
             if self.monitor == "grad_norm":
-                norms = plan.stats[2.0].model_norms  # every stage's under pipeline parallelism
-                culprit = plan.stats[2.0].model_names[int(norms.argmax())] if norms.numel() else None
+                norms = stats.norms[2.0].model_norms  # every stage's under pipeline parallelism
+                culprit = stats.norms[2.0].model_names[int(norms.argmax())] if norms.numel() else None
             self._report(ctx, [(ctx.global_step, value, (value - mean) / std, mean, std)], culprit)
-        elif plan.logging_step:
+        elif stats.logging_step:
             self._report_ledger(ctx)
 
     def _report_ledger(self, ctx: StepContext) -> None:

@@ -27,7 +27,7 @@ from gradkit.step.norms import (
     total_norm,
 )
 from gradkit.step.params import clean_name
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import StepOutcome, StepStats
 from gradkit.step.protocol import Door, Stage, StepContext, state_key, unwrapped
 from gradkit.step.selection import (
     NamePattern,
@@ -310,13 +310,14 @@ class UpdateClip:
         return self._pending.pop(idx, None)
 
     # -- the step -----------------------------------------------------------------------------------------------
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
+    def observe(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
         """An optimizer step is about to run: copy its parameters, and rescale its update once it returns."""
-        if not plan.has_gradients:
+        if not stats.has_gradients:
             return  # nothing for the optimizer to step
-        suffix = f"/opt{plan.optimizer_idx}" if len(ctx.optimizers) > 1 else ""
+        suffix = f"/opt{stats.optimizer_idx}" if len(ctx.optimizers) > 1 else ""
         logging = ctx.is_logging_step(self.log_every_n_steps)
-        self._arm(unwrapped(plan.optimizer), plan.optimizer_idx, plan.index, plan.skip, logging, suffix)
+        skip = outcome.decision.skip
+        self._arm(unwrapped(stats.optimizer), stats.optimizer_idx, stats.index, skip, logging, suffix)
 
     def _arm(
         self, optimizer: Optimizer, idx: int, index: ParamIndex, skip: Tensor | None, logging: bool, suffix: str

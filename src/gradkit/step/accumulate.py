@@ -30,7 +30,7 @@ from gradkit.step.norms import local_tensor, per_tensor_norms, world_size
 from gradkit.step.protocol import Stage, StepContext
 
 if TYPE_CHECKING:
-    from gradkit.step.pipeline import StepPlan
+    from gradkit.step.plan import Decision, StepStats
 
 __all__ = [
     "TOKENS_KEY",
@@ -158,12 +158,12 @@ class WindowScale:
     def reduce_request(self, ctx: StepContext) -> dict[str, Tensor]:
         return {} if self.tokens is None else {self._key: self.tokens}
 
-    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
+    def decide(self, stats: StepStats, decision: Decision, ctx: StepContext) -> None:
         self.applied = True
-        device = plan.index.shard_weight.device
+        device = stats.index.shard_weight.device
         if self.normalize == "tokens":
-            plan.multiply_scale(token_window_scale(plan.reduced[self._key].to(device), world_size(), 1))
+            decision.multiply_scale(token_window_scale(stats.reduced[self._key].to(device), world_size(), 1))
         elif self.micro_batches > 1:
             # A fill kernel, no host-to-device copy.
             factor = mean_window_scale(1, self.micro_batches)
-            plan.multiply_scale(torch.full((), factor, dtype=torch.float32, device=device))
+            decision.multiply_scale(torch.full((), factor, dtype=torch.float32, device=device))

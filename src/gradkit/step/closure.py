@@ -32,24 +32,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from gradkit.step.pipeline import StepPlan
+    from gradkit.step.plan import Decision, StepStats
     from gradkit.step.protocol import StepContext
 
 __all__ = ["decide_again", "first_evaluation"]
 
 
 def decide_again(
-    plan: StepPlan,
-    first: StepPlan,
-    hooks: list[Callable[[StepPlan, StepPlan, StepContext], None]],
+    stats: StepStats,
+    decision: Decision,
+    first: Decision,
+    hooks: list[Callable[[StepStats, Decision, Decision, StepContext], None]],
     ctx: StepContext,
 ) -> None:
-    """The decide phase of a later evaluation (``plan``): the accumulation scale of the step's first evaluation
-    (``first``), then each policy's ``decide_again`` (``hooks``, in stage order)."""
+    """The decide phase of a later evaluation (its ``stats`` and ``decision``): the accumulation scale of the step's
+    first evaluation (``first``), then each policy's ``decide_again`` (``hooks``, in stage order)."""
     if first.scale is not None:
-        plan.multiply_scale(first.scale)
+        decision.multiply_scale(first.scale)
     for decide_again_ in hooks:
-        decide_again_(plan, first, ctx)
+        decide_again_(stats, decision, first, ctx)
 
 
 def first_evaluation(closure: Callable[[], Any]) -> tuple[Any, Callable[[], Any]]:

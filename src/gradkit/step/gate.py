@@ -1,20 +1,21 @@
-"""Step the optimizer, or do not, as the step's plan decided: the one rule behind every front door.
+"""Step the optimizer, or do not, as the step's policies decided: the one rule behind every front door.
 
 The Lightning strategy mixin (:class:`~lightning_gradkit.GradKitStrategyMixin`) and the Fabric / plain-PyTorch door
 (:class:`~gradkit.GradKit`) both put :func:`step_as_decided` in place of ``optimizer.step`` for the
 duration of the step, so that whatever calls it (the precision plugin, a ``GradScaler``, Fabric's strategy) reaches
 the same decision:
 
-- no policy asked for a skip (``plan.skip is None``): the optimizer steps, nothing is read;
+- no policy asked for a skip (``Decision.skip is None``): the optimizer steps, nothing is read;
 - fused optimizer (``Adam/AdamW/SGD/Adagrad(fused=True)``): the flag is passed as the optimizer's ``found_inf``
   (combined with the ``GradScaler``'s), and the fused kernel skips the update on device: no host synchronization;
-  the plan's common factor (clip coefficient times accumulation scale), when the pipeline left it unwritten
-  (:attr:`StepPlan.folded`), goes in as the kernel's ``grad_scale``: no write pass over the gradients. One
+  the decision's common factor (clip coefficient times accumulation scale), when the pipeline left it unwritten
+  (``Decision.folded``), goes in as the kernel's ``grad_scale``: no write pass over the gradients. One
   exception, a step that creates optimizer state (the first step, or the first after a moment reset): torch's fused
   step keeps the state it created even when ``found_inf`` skipped the kernel (``_fused_sgd``'s momentum buffers are
   ``torch.empty_like``, garbage), so there the flag is read on the host once and a skipped step's new state removed
   (:func:`_forget_state_of_skipped_step`);
-- otherwise one host read of the flag (shared with whoever asks next, :meth:`StepPlan.skip_on_host`): on a skip
+- otherwise one host read of the flag (shared with whoever asks next,
+  :meth:`~gradkit.step.record.StepRecord.skip_on_host`): on a skip
   the optimizer is not called, so parameters and optimizer state stay bitwise as they were.
 """
 
@@ -22,15 +23,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from gradkit._util.torch_compat import handles_found_inf
-from gradkit.step.pipeline import StepPlan
-from gradkit.step.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from gradkit.step.record import StepRecord
+    from gradkit.step.snapshot import Snapshot
 
 __all__ = ["close_step", "fused_step", "shadowed", "step_as_decided"]
 
@@ -40,35 +43,35 @@ _MISSING = object()
 def step_as_decided(
     optimizer: Optimizer,
     inner: Callable[..., Any],
-    plan: StepPlan | None,
+    record: StepRecord | None,
     kwargs: dict[str, Any],
     skipped_result: Any = None,
 ) -> Any:
     """Call ``inner`` (``optimizer``'s own ``step``; the optimizer itself, not a wrapper) with ``kwargs`` unless
-    ``plan`` (``None``: the pipeline did not run for the step) skips the step; a skipped step returns
+    ``record``'s decision (``None``: the pipeline did not run for the step) skips the step; a skipped step returns
     ``skipped_result`` (PyTorch's optimizers return the closure's result)."""
     fused = handles_found_inf(optimizer)
-    if plan is None or (plan.skip is None and plan.folded is None):  # no skip asked, gradients written: step
+    if record is None or (record.decision.skip is None and record.decision.folded is None):  # no skip, all written
         if fused and optimizer.__dict__.get("found_inf") is not None:  # a GradScaler's own skip, same exposure
             return fused_step(optimizer, inner, None, kwargs)
         return inner(**kwargs)
     if fused:
         # The kernel reads the flag on device: no host sync, and the skip is as exact as the GradScaler's.
-        return fused_step(optimizer, inner, plan.skip, kwargs, plan.folded)
-    if plan.skip_on_host():  # the one host read the design allows, shared with whoever asks next
+        return fused_step(optimizer, inner, record.decision.skip, kwargs, record.decision.folded)
+    if record.skip_on_host():  # the one host read the design allows, shared with whoever asks next
         return skipped_result
     return inner(**kwargs)
 
 
-def close_step(optimizer: Optimizer, plan: StepPlan | None, window: Snapshot | None) -> bool | None:
+def close_step(optimizer: Optimizer, record: StepRecord | None, window: Snapshot | None) -> bool | None:
     """The tail of a gated optimizer step, the same behind every door: whether it was skipped (``None`` when only
     the device knows, a fused optimizer's skip), the skipped step's gradients freed, and the buffers the step's
     forwards wrote put back on a skip (on device from the flag when only the device knows)."""
-    skipped = plan.skip_known_on_host() if plan is not None else False
+    skipped = record.skip_known_on_host() if record is not None else False
     if skipped:
         optimizer.zero_grad(set_to_none=True)
     if window is not None:
-        window.close(skipped, plan.skip if plan is not None else None)
+        window.close(skipped, record.decision.skip if record is not None else None)
     return skipped
 
 
@@ -80,7 +83,7 @@ def fused_step(
     factor: Tensor | None = None,
 ) -> Any:
     """Step a fused optimizer with ``found_inf`` raised on a skip (its kernel then leaves parameters and state alone)
-    and the gradients' pending ``factor`` (:attr:`StepPlan.folded`) folded into ``grad_scale``, which the kernel
+    and the gradients' pending ``factor`` (``Decision.folded``) folded into ``grad_scale``, which the kernel
     divides every gradient by as it reads it. A ``GradScaler`` sets both attributes for the duration of its
     ``step``; its values are combined with ours, and whatever the instance had is put back afterwards."""
     attributes: dict[str, Tensor] = {}

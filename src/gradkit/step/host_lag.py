@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["HostLag", "as_float32"]
+__all__ = ["HostLag", "as_float32", "host_to_device"]
 
 
 class HostLag:
@@ -93,3 +94,22 @@ def as_float32(value: float) -> float:
         (False, 0.10000000149011612)
     """
     return struct.unpack("f", struct.pack("f", value))[0] if math.isfinite(value) else value
+
+
+def host_to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """A tensor of host ``values`` on ``device``, without making the host wait for the device.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable host memory: a blocking copy, which synchronizes
+    (and raises under ``torch.cuda.set_sync_debug_mode("error")``). Here the values go to pinned memory and the copy
+    is queued with ``non_blocking=True``; PyTorch's caching host allocator keeps the pinned buffer alive until the
+    copy has run. Other devices get an ordinary copy.
+
+    Example::
+
+        >>> host_to_device([0, 2], torch.long, "cpu")
+        tensor([0, 2])
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from gradkit._util.torch_compat import loss_scale as loss_scale  # re-exported: callers import it here
 from gradkit.step._multi_norm import found_nonfinite, multi_tensor_norms
+from gradkit.step.host_lag import host_to_device as host_to_device  # re-exported: callers import it here
 
 if TYPE_CHECKING:
     from gradkit.step.pp_stages import PipelineStages
@@ -85,25 +86,6 @@ def local_tensor(t: Tensor) -> Tensor:
     """
     local = getattr(t, "_local_tensor", None)
     return local if local is not None else t
-
-
-def host_to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device | str) -> Tensor:
-    """A tensor of host ``values`` on ``device``, without making the host wait for the device.
-
-    ``torch.tensor(values, device="cuda")`` copies from pageable host memory: a blocking copy, which synchronizes
-    (and raises under ``torch.cuda.set_sync_debug_mode("error")``). Here the values go to pinned memory and the copy
-    is queued with ``non_blocking=True``; PyTorch's caching host allocator keeps the pinned buffer alive until the
-    copy has run. Other devices get an ordinary copy.
-
-    Example::
-
-        >>> host_to_device([0, 2], torch.long, "cpu")
-        tensor([0, 2])
-    """
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,14 +10,17 @@ protocol of :mod:`gradkit.step.protocol`. :meth:`Pipeline.run` is the list of th
 2. **reduce** (same method): at most ONE all-reduce carries the sharded norm contributions, the per-rank scalars the
    policies name (window loss, token counts) and, when a guard asks, each rank's flag of non-finite local gradients,
    so every skip decision is the same on every rank (:func:`~gradkit.step.norms.reduce_sharded`; a sharded inf-norm
-   takes a second one). The result is the :class:`StepPlan`.
-3. **decide**: each policy's ``decide`` in stage order, ``SCALE`` -> ``GUARD`` -> ``CLIP`` -> ``OBSERVE``; each reads
-   the plan and writes its decision into it; none reads the gradients.
-4. **apply** (:meth:`StepPlan.apply`): one ``torch._foreach_mul_`` per (device, dtype) group with the product of all
-   factors in fp32, or none at all when a fused optimizer takes the factor as its ``grad_scale``.
+   takes a second one). The result is the step's :class:`~gradkit.step.plan.StepStats`, kept with the gradients in
+   the pipeline's own :class:`~gradkit.step.record.StepRecord`.
+3. **decide**: each policy's ``decide(stats, decision, ctx)`` in stage order, ``SCALE`` -> ``GUARD`` -> ``CLIP`` ->
+   ``OBSERVE``; each reads the statistics and writes through the step's :class:`~gradkit.step.plan.Decision`; none
+   reads the gradients.
+4. **apply** (:meth:`~gradkit.step.record.StepRecord.apply`): one ``torch._foreach_mul_`` per (device, dtype) group
+   with the product of all factors in fp32, or none at all when a fused optimizer takes the factor as its
+   ``grad_scale``.
 5. **observe** (:meth:`Pipeline.observe`): the skip count (a fused optimizer's skip flag starts its way to the host,
-   for the policies that ask at the next step whether the step was skipped, :meth:`StepPlan.was_skipped`), and each
-   policy's ``observe`` (logging steps only).
+   for the policies that ask at the next step whether the step was skipped, ``StepOutcome.was_skipped``), and each
+   policy's ``observe(stats, outcome, ctx)``.
 
 A phase with nothing to do costs nothing: no unit norms unless asked, no collective in a single process (nor without
 sharded gradients and per-rank scalars), no write when no policy scales or clips.
@@ -28,15 +31,15 @@ gradient versions with several optimizers, tell them apart). A closure evaluated
 SAM) gives new gradients within the step: they are scaled and clipped, never decided again (:mod:`gradkit.step.closure`
 states the rule).
 
-The gate that steps an optimizer, or does not, as the plan decided is :mod:`gradkit.step.gate`.
+The gate that steps an optimizer, or does not, as the policies decided is :mod:`gradkit.step.gate`.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -60,353 +63,17 @@ from gradkit.step.norms import (
     positions_tensor,
     reduce_sharded,
     row_norms,
-    total_norm,
 )
 from gradkit.step.params import build_param_index, resolve_partial_grads, steps_in_optimizer
-from gradkit.step.protocol import Door, Policy, Roster
-from gradkit.step.write import measure_grads, write
+from gradkit.step.plan import StepStats, UnitNorms
+from gradkit.step.protocol import Door, Policy, Roster, StatsRequest
+from gradkit.step.record import StepRecord
 
-__all__ = ["Decision", "Pipeline", "StepPlan", "UnitNorms"]
+__all__ = ["Pipeline"]
 
-# Key in `StepPlan.reduced` of the per-rank flags, `[2, world_size]`: row 0 is 1.0 where a rank's own norms were NaN or
+# Key in `StepStats.reduced` of the per-rank flags, `[2, world_size]`: row 0 is 1.0 where a rank's own norms were NaN or
 # Inf, row 1 where its gradients held a NaN or an infinity (measured on request: `StatsRequest.finite_check`).
 _NONFINITE_GRAD_RANKS = "gradkit/nonfinite_grad_ranks"
-
-
-# -- the plan ----------------------------------------------------------------------------------------------------------
-@dataclass
-class UnitNorms:
-    """Unit-wise 2-norms of some gradients (AGC): one norm per slice along dim 0, i.e. per output unit.
-
-    Measured in the engine's single read of the gradients, for the parameters a callback named in
-    ``StatsRequest.unit_norm_names`` whose gradient has more than one dimension; the per-parameter norms in
-    ``StepPlan.stats`` are derived from them, so those gradients are read once. Values are local to the rank (a
-    sharded gradient holds whole rows under FSDP2's dim-0 sharding) and already divided by ``StepPlan.loss_scale``,
-    but not multiplied by ``StepPlan.scale``.
-
-    Attributes:
-        positions: index positions (in ``ParamIndex.params``) of the parameters, in order.
-        sizes: number of (local) units of each.
-        flat: ``[sum(sizes)]`` the unit norms of all of them, concatenated in that order.
-    """
-
-    positions: list[int]
-    sizes: list[int]
-    flat: Tensor
-
-
-class Decision:
-    """What the policies decided for one optimizer step: written only through its methods, one clip form at most.
-
-    The accumulation scale multiplies in (:meth:`multiply_scale`), the skip flags OR in (:meth:`add_skip`); the clip is
-    ONE of a coefficient for every gradient (:meth:`clip_by`), a coefficient per parameter (:meth:`clip_per_param`,
-    AGC) or a value clamp (:meth:`clamp`), and a second clip is refused: each would rescale the gradients the other
-    already clipped. The pipeline keeps the common factor a fused optimizer applies (:meth:`fold`).
-
-    Attributes:
-        scale: the product of the policies' factors for every gradient (``None``: 1).
-        clip_coef: the clip coefficient for every gradient, or ``None``.
-        param_coefs: per parameter position (``ParamIndex``), its clip coefficient(s) (AGC; empty: none).
-        clamp_value: the value clip (in the units without the AMP loss scale), or ``None``.
-        skip: a bool device scalar, true when the optimizer step must not apply (``None``: no policy may skip).
-        clip_decided: whether a clipping policy decided this step, even to leave the gradients alone (ZClip's warm-up).
-        post_clip_total_fn: the clipper's own total norm after the clip (primary norm type), without a read of the
-            gradients, or ``None``.
-        folded: the common factor left for a fused optimizer's ``grad_scale`` (``None``: the gradients were written).
-    """
-
-    __slots__ = (
-        "clamp_value",
-        "clip_coef",
-        "clip_decided",
-        "folded",
-        "param_coefs",
-        "post_clip_total_fn",
-        "scale",
-        "skip",
-    )
-
-    def __init__(self) -> None:
-        self.scale: Tensor | None = None
-        self.clip_coef: Tensor | None = None
-        self.param_coefs: dict[int, Tensor] = {}
-        self.clamp_value: float | None = None
-        self.skip: Tensor | None = None
-        self.clip_decided = False
-        self.post_clip_total_fn: Callable[[], Tensor] | None = None
-        self.folded: Tensor | None = None
-
-    @property
-    def clipped(self) -> bool:
-        """Whether a clip form was written (a coefficient, per-parameter coefficients or a value clamp)."""
-        return self.clip_coef is not None or bool(self.param_coefs) or self.clamp_value is not None
-
-    def multiply_scale(self, factor: Tensor) -> None:
-        """Fold a factor for every gradient (e.g. accumulation normalization) into the single multiply."""
-        self.scale = factor if self.scale is None else self.scale * factor
-
-    def add_skip(self, flag: Tensor) -> None:
-        """Ask the door not to step the optimizer when ``flag`` (a bool device scalar) is true."""
-        self.skip = flag if self.skip is None else self.skip | flag
-
-    def decide_clip(self) -> None:
-        """A clipping policy decided this step (with or without a clip: ZClip's warm-up leaves the gradients)."""
-        self.clip_decided = True
-
-    def clip_by(self, coef: Tensor) -> None:
-        """Clip every gradient by ``coef`` (a device scalar, at most 1).
-
-        Raises:
-            ValueError: a clip was already written this step (a second clipper).
-        """
-        self._refuse_second_clip("clip_by")
-        self.clip_coef = coef
-        self.clip_decided = True
-
-    def clip_per_param(self, coefs: dict[int, Tensor], post_total: Callable[[], Tensor] | None = None) -> None:
-        """Clip each parameter's gradient by its coefficient(s) (``coefs``: position in the index -> a tensor that
-        broadcasts against its gradient); ``post_total`` gives the total norm after the clip without a read.
-
-        Raises:
-            ValueError: a clip was already written this step (a second clipper).
-        """
-        self._refuse_second_clip("clip_per_param")
-        self.param_coefs = dict(coefs)
-        self.post_clip_total_fn = post_total
-        self.clip_decided = True
-
-    def clamp(self, value: float) -> None:
-        """Clamp every gradient element to ``[-value, value]`` (units without the AMP loss scale).
-
-        Raises:
-            ValueError: a clip was already written this step (a second clipper).
-        """
-        self._refuse_second_clip("clamp")
-        self.clamp_value = value
-        self.clip_decided = True
-
-    def fold(self, factor: Tensor) -> None:
-        """Leave the common ``factor`` to a fused optimizer's ``grad_scale`` (the pipeline's apply phase)."""
-        self.folded = factor
-
-    def _refuse_second_clip(self, method: str) -> None:
-        if self.clipped:
-            form = "a coefficient" if self.clip_coef is not None else "per-parameter coefficients"
-            form = "a value clamp" if self.clamp_value is not None else form
-            raise ValueError(
-                f"`Decision.{method}` got a second clip for this step, which already holds {form}: each clipper would "
-                "rescale the gradients the other already clipped. Keep exactly one clipping policy."
-            )
-
-
-@dataclass
-class StepPlan:
-    """Everything measured and decided for one optimizer step. All values are device tensors.
-
-    What was decided is ``decision`` (a ``Decision``, written through its methods: one clip form at most);
-    ``scale``, ``clip_coef``, ``param_coefs``, ``clamp_value``, ``skip``, ``clip_decided``, ``post_clip_total_fn``
-    and ``folded`` read it. The engine applies it in one pass.
-
-    The gradients of the parameters at ``present`` (positions in ``index``) stay private to the pipeline and its
-    write (``gradkit.step.write``): the policies decide from the statistics (``has_gradients`` says whether the
-    step has any). ``run_ids`` gives the (device, dtype) group of each (``ParamIndex.run_of``), ``-1`` for a sparse
-    one. Sparse COO gradients are coalesced by the engine's read (``p.grad`` is replaced by its coalesced version), so
-    their values are the gradient. The engine drops them once the plan is applied (:meth:`release_gradients`): a plan
-    kept after its step must not keep the step's gradients alive once the optimizer's ``zero_grad`` drops them.
-
-    ``loss_scale`` is set when the gradients are still multiplied by the AMP loss scale (fused optimizers under
-    16-mixed); every norm in ``stats`` and ``unit_norms`` is already expressed without it, and ``clamp_value`` is
-    meant in those unscaled units too.
-    """
-
-    optimizer: Optimizer
-    optimizer_idx: int
-    index: ParamIndex
-    _grads: list[Tensor]
-    present: list[int]
-    stats: dict[float, GradStats]
-    reduced: dict[str, Tensor]
-    primary_norm_type: float
-    logging_step: bool
-    loss_scale: Tensor | None = None
-    unit_norms: UnitNorms | None = None
-    run_ids: list[int] = field(default_factory=list)
-    run_bounds: list[tuple[int, int]] | None = None
-    #: What the policies decided (``Decision``).
-    decision: Decision = field(default_factory=Decision)
-    _post_clip_total: Tensor | None = None
-    _skip_host: bool | None = None
-    #: The copy of a skip flag only the device knows on its way to the host (:meth:`was_skipped`).
-    _skip_lag: HostLag | None = None
-    #: Whether the step's gradients were dropped from the plan (:meth:`release_gradients`).
-    released: bool = False
-
-    # -- the decision, read ------------------------------------------------------------------------------------------
-    @property
-    def scale(self) -> Tensor | None:
-        return self.decision.scale
-
-    @property
-    def clip_coef(self) -> Tensor | None:
-        return self.decision.clip_coef
-
-    @property
-    def param_coefs(self) -> dict[int, Tensor]:
-        return self.decision.param_coefs
-
-    @property
-    def clamp_value(self) -> float | None:
-        return self.decision.clamp_value
-
-    @property
-    def skip(self) -> Tensor | None:
-        return self.decision.skip
-
-    @property
-    def clip_decided(self) -> bool:
-        return self.decision.clip_decided
-
-    @property
-    def post_clip_total_fn(self) -> Callable[[], Tensor] | None:
-        return self.decision.post_clip_total_fn
-
-    @property
-    def folded(self) -> Tensor | None:
-        """The common factor (accumulation scale times clip coefficient) left for a fused optimizer to apply through
-        its ``grad_scale`` (see :meth:`apply`); ``None`` when the gradients were written."""
-        return self.decision.folded
-
-    @property
-    def primary(self) -> GradStats:
-        """Statistics at the primary norm type (the monitor's, 2.0 by default)."""
-        return self.stats[self.primary_norm_type]
-
-    def scaled(self, value: Tensor) -> Tensor:
-        """A norm of the raw gradients expressed for the gradients after the accumulation scale."""
-        return value if self.scale is None else value * self.scale
-
-    def pre_clip_total(self, norm_type: float | None = None) -> Tensor:
-        """Total norm of the gradients as the optimizer would see them without clipping."""
-        total = self.stats[self.primary_norm_type if norm_type is None else norm_type].total
-        return total if self.scale is None else total * self.scale  # `scaled`, inlined: every clipper's step calls it
-
-    def multiply_scale(self, factor: Tensor) -> None:
-        """Fold a factor for every gradient (e.g. accumulation normalization) into the single multiply
-        (:meth:`Decision.multiply_scale`)."""
-        self.decision.multiply_scale(factor)
-
-    def add_skip(self, flag: Tensor) -> None:
-        """Ask the strategy not to step the optimizer when ``flag`` (a bool device scalar) is true
-        (:meth:`Decision.add_skip`)."""
-        self.decision.add_skip(flag)
-
-    def skip_on_host(self) -> bool:
-        """The skip decision as a Python bool: one host read per step, shared by everyone who asks."""
-        if self._skip_host is None:
-            self._skip_host = bool(self.skip) if self.skip is not None else False
-        return self._skip_host
-
-    def flag_on_host_with_skip(self, flag: Tensor) -> bool:
-        """``flag`` (a device bool) as a Python bool, read in the same transfer as the skip decision when that is not
-        on the host yet (which :meth:`skip_on_host` then returns without another read)."""
-        if self._skip_host is not None or self.skip is None:
-            return bool(flag)
-        skip, value = torch.stack([self.skip, flag.to(self.skip.device)]).tolist()
-        self._skip_host = bool(skip)
-        return bool(value)
-
-    def skip_known_on_host(self) -> bool | None:
-        """The skip decision if it was already read to the host this step, else ``None`` (never synchronizes)."""
-        if self.skip is None:
-            return False
-        return self._skip_host
-
-    def was_skipped(self) -> bool:
-        """Whether the step was skipped, asked once it is over: by a policy that folds the step's values into its
-        statistics one step late (:mod:`gradkit.step.host_lag`) and leaves out a skipped step's, as if its batch never
-        came.
-
-        The door's read of the decision when it made one (an ordinary optimizer's gate reads it at the step), else the
-        copy of the flag the pipeline started at the step (a fused optimizer skips on device, through ``found_inf``),
-        arrived by then: no sync. Asked before the step is over (a logging step's report), it reads the flag then:
-        it waits for that copy, or makes the read the gate makes anyway.
-        """
-        if self._skip_host is None and self._skip_lag is not None:
-            values, self._skip_lag = self._skip_lag.pop(), None
-            if values is not None:
-                self._skip_host = values[0] > 0
-        return self.skip_on_host()
-
-    def post_clip_total(self) -> Tensor:
-        """Total norm (primary norm type) of the gradients after scaling and clipping.
-
-        Derived without touching the gradients when the clip is a scalar coefficient or the clipping policy supplied
-        ``post_clip_total_fn`` (for the primary norm type); measured once (on logging steps only, by the callers)
-        after a value clamp or per-parameter coefficients otherwise.
-        """
-        if self._post_clip_total is not None:
-            return self._post_clip_total
-        p = self.primary_norm_type
-        if self.post_clip_total_fn is not None:
-            result = self.post_clip_total_fn()
-        elif self.clamp_value is not None or self.param_coefs:
-            result = total_norm(measure_grads(self, p), p)
-        else:
-            result = self.pre_clip_total()
-            if self.clip_coef is not None:
-                result = result * self.clip_coef
-        self._post_clip_total = result
-        return result
-
-    def release_gradients(self) -> None:
-        """Drop the references to the step's gradient tensors (the engine calls it once the plan is applied).
-
-        Everything decided stays; a later :func:`~gradkit.step.write.measure_grads` reads the parameters' gradients as
-        they are then. Without this, a plan kept after its step (the pipeline's last plan, a clipper's last decision)
-        would hold the gradients through the next backward after ``zero_grad(set_to_none=True)`` dropped them: one more
-        set of gradients at the memory peak.
-        """
-        self._grads = []
-        self.released = True
-
-    @property
-    def clipped(self) -> bool:
-        return self.decision.clipped
-
-    @property
-    def has_gradients(self) -> bool:
-        """Whether the step has gradients to decide on (and, once it is over, whether the plan still holds them)."""
-        return bool(self._grads)
-
-    def apply(self, fold: bool = False) -> None:
-        """Write the gradients once: multiply by the product of all factors, then clamp for value clipping.
-
-        With ``fold`` (the door steps a fused optimizer through :func:`~gradkit.step.gate.step_as_decided`)
-        a plan whose only write is one common factor makes no pass over the gradients: the factor is kept in
-        :attr:`folded` and the fused kernel, which reads every gradient anyway, divides it by ``1 / factor`` (its
-        ``grad_scale``) and stores the result back, as it does for a ``GradScaler``'s unscale. The step then reads the
-        gradients twice (the norm, the optimizer) instead of three times, in one launch fewer per group. What the
-        kernel reads, and leaves in ``p.grad``, is within 1 ulp (fp32) of the written gradient (``g / fl(1/c)``
-        against ``fl(g * c)``).
-
-        The common factor (accumulation scale times clip coefficient) stays fp32 and multiplies each (device, dtype)
-        run of gradients as it is, as ``torch.nn.utils.clip_grad_norm_`` does: rounding it to a low-precision dtype
-        would move the clip by up to 0.4% (bf16). Per-parameter factors (AGC), value clamps and sparse gradients are
-        written by :func:`~gradkit.step.write.write`. A plan that asks for no write (the monitor alone) touches nothing.
-        """
-        if self.scale is None and self.clip_coef is None and not self.param_coefs and self.clamp_value is None:
-            return
-        common = self.scale
-        if self.clip_coef is not None:
-            common = self.clip_coef if common is None else common * self.clip_coef
-        if self.clamp_value is not None or self.param_coefs or self.run_bounds is None:
-            write(self, common)
-        elif fold:
-            self.decision.fold(common)
-        else:
-            for start, stop in self.run_bounds:
-                run = self._grads[start:stop]
-                torch._foreach_mul_(run, common.to(run[0].device))
 
 
 # -- the pipeline ------------------------------------------------------------------------------------------------------
@@ -414,7 +81,7 @@ class Pipeline:
     """The step pipeline of one loop (Trainer, Fabric, plain): its caches across steps, and the run of one step.
 
     Attributes:
-        last_plans: per optimizer (``id``), the plan of its last step's first evaluation (what the gate reads).
+        last_records: per optimizer (``id``), the record of its last step's first evaluation (what the gate reads).
         steps: the loop's step accounting (:class:`~gradkit.step.accounting.StepAccounting`), the one owner of the count
             of attempted steps the model does not hold; :attr:`skipped_steps` reads it.
         generation: backward passes so far (the doors count them): tells a closure's later evaluation from the first.
@@ -424,7 +91,7 @@ class Pipeline:
         self._indexes: dict[tuple[int, int], _CachedIndex] = {}
         #: Per optimizer: (step key, generation, gradient versions or None) of its last run.
         self._runs: dict[int, tuple[tuple[int, ...], int, tuple[tuple[int, int], ...] | None]] = {}
-        self.last_plans: dict[int, StepPlan] = {}
+        self.last_records: dict[int, StepRecord] = {}
         self.steps = StepAccounting()
         self.generation = 0
         self._pending_scales: list[tuple[Policy, Optimizer | None]] = []
@@ -442,7 +109,7 @@ class Pipeline:
         """Forget the parameter indexes (parameters may be replaced between fits, e.g. by sharding)."""
         self._indexes.clear()
         self._runs.clear()
-        self.last_plans.clear()
+        self.last_records.clear()
         self.steps.reset()
         self._pending_scales.clear()
         self._warned_frozen.clear()
@@ -457,16 +124,16 @@ class Pipeline:
         """Forget ``policy`` if no run has used it."""
         self._pending_scales = [(p, o) for p, o in self._pending_scales if p is not policy]
 
-    def step_plan(self, step: tuple[int, ...], optimizer: Optimizer) -> StepPlan | None:
-        """The plan decided for ``optimizer`` at ``step`` (its first evaluation), ``None`` if none ran yet."""
+    def step_record(self, step: tuple[int, ...], optimizer: Optimizer) -> StepRecord | None:
+        """The record of ``optimizer``'s step ``step`` (its first evaluation), ``None`` if none ran yet."""
         run = self._runs.get(id(optimizer))
-        return self.last_plans.get(id(optimizer)) if run is not None and run[0] == step else None
+        return self.last_records.get(id(optimizer)) if run is not None and run[0] == step else None
 
-    def run(self, ctx: Door, optimizer: Optimizer, policies: Sequence[Policy]) -> StepPlan | None:
+    def run(self, ctx: Door, optimizer: Optimizer, policies: Sequence[Policy]) -> StepRecord | None:
         """Run the step's phases once per set of gradients of an optimizer step; ``None`` when they already ran.
 
-        A closure evaluated again within the step (new gradients) gets a plan that only scales and clips them; the
-        step's decision stays in :attr:`last_plans`.
+        A closure evaluated again within the step (new gradients) gets a decision that only scales and clips them;
+        the step's record stays in :attr:`last_records`.
 
         Args:
             ctx: the loop the step runs in.
@@ -479,23 +146,24 @@ class Pipeline:
         if last is not None and last[0] == step:
             if last[1] == self.generation or (last[2] is not None and last[2] == _grad_versions(optimizer)):
                 return None  # the gradients this pipeline already wrote for the step
-            first = self.last_plans[id(optimizer)]  # a later evaluation of the step's closure
+            first = self.last_records[id(optimizer)]  # a later evaluation of the step's closure
         with torch.no_grad():
             roster = self._roster(optimizer, policies)
-            plan, cached = self._measure(ctx, optimizer, roster)
+            record, cached = self._measure(ctx, optimizer, roster)
+            stats, decision = record.stats, record.decision
             if first is not None:
-                decide_again(plan, first, roster.decide_again, ctx)
+                decide_again(stats, decision, first.decision, roster.decide_again, ctx)
             else:
                 for decide in roster.decide:
-                    decide(plan, ctx)
+                    decide(stats, decision, ctx)
             # Only a first evaluation's dense, plain-tensor gradients are left to a fused kernel (one `grad_scale`).
-            plan.apply(fold=first is None and cached.folds and plan.run_bounds is not None)
+            record.apply(fold=first is None and cached.folds and record.dense_runs)
             # After the write, which bumps the gradients' versions: a later call must find these written ones the same.
             self._runs[id(optimizer)] = (step, self.generation, _grad_versions(optimizer) if cached.shared else None)
             if first is None:
-                self.observe(plan, roster, ctx)
-            plan.release_gradients()  # a plan kept after its step must not keep its gradients alive
-        return plan
+                self.observe(record, roster, ctx)
+            record.release_gradients()  # a record kept after its step must not keep its gradients alive
+        return record
 
     def _roster(self, optimizer: Optimizer, policies: Sequence[Policy]) -> Roster:
         """The step's :class:`~gradkit.step.protocol.Roster`: ``policies`` and the pending scales for ``optimizer``
@@ -554,9 +222,9 @@ class Pipeline:
             )
         return cached
 
-    def _measure(self, ctx: Door, optimizer: Optimizer, roster: Roster) -> tuple[StepPlan, _CachedIndex]:
+    def _measure(self, ctx: Door, optimizer: Optimizer, roster: Roster) -> tuple[StepRecord, _CachedIndex]:
         """Measure and reduce: every gradient read once into per-parameter norms (unscaled), one collective at most,
-        the plan's statistics."""
+        the step's statistics, in the step's record with its gradients."""
         request = roster.request
         cached = self._index(ctx, optimizer, request.depth)
         index = cached.index
@@ -572,83 +240,56 @@ class Pipeline:
                 return self._measure(ctx, optimizer, roster)
             missing = [index.names[i] for i in absent]
         scale = ctx.loss_scale(optimizer)
-        units = _measure_units(index, grads, present, request.unit_norm_names) if request.unit_norm_names else None
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         # Exact finiteness (`GradStats.found_nonfinite`) when a policy asks; under several processes only when it
         # travels in the collective too: a rank's own answer alone could split the ranks' decisions.
         check = request.finite_check and (request.rank_flags or not distributed)
-        found: Tensor | None = None
-        local: dict[float, Tensor] = {}
-        for p in request.norm_types:
-            want = check and found is None  # one norm type's read is enough
-            if units is None:
-                norms, mark = checked_norms(grads, p, bounds) if want else (per_tensor_norms(grads, p, bounds), None)
-            else:  # the unit norms already read the gradients AGC names: their 2-norms derive from them
-                norms, mark = _param_norms(grads, p, units if p == 2.0 else None, want)
-                norms = norms.to(index.shard_weight.device)
-            found = found if mark is None else mark
-            if scale is not None:
-                norms = norms / scale
-            local[p] = norms if bounds is not None else fill_present(norms, present, len(index.params))
-        if units is not None:
-            flat = units.flat if scale is None else units.flat / scale
-            units = UnitNorms([present[j] for j in units.positions], units.sizes, flat)
-        extras: dict[str, Tensor] = {}
-        for reduce_request in roster.reduce_request:
-            extras.update(reduce_request(ctx))
-        if request.rank_flags and distributed:
-            # A rank's gradients can turn non-finite after the DDP all-reduce (a hook, `on_after_backward`, a faulty
-            # kernel): its flags then differ from the others'. Summed in the one collective, every rank sees them all.
-            extras[_NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(local, found, index.shard_weight.device)
-        reduced = extras
-        if distributed:
-            local, reduced = reduce_sharded(index, local, extras)
-        stats = {p: derive_stats(index, norms, p, missing, found) for p, norms in local.items()}
+        local, found, units = _local_norms(index, grads, present, bounds, request, scale, check)
+        local, reduced = _reduce(ctx, roster, index, local, found, distributed)
+        norms = {p: derive_stats(index, values, p, missing, found) for p, values in local.items()}
         if _NONFINITE_GRAD_RANKS in reduced:
-            _merge_rank_flags(stats, reduced[_NONFINITE_GRAD_RANKS], found is not None)
-        plan = StepPlan(
+            _merge_rank_flags(norms, reduced[_NONFINITE_GRAD_RANKS], found is not None)
+        stats = StepStats(
             optimizer=optimizer,
             optimizer_idx=cached.optimizer_idx,
             index=index,
-            _grads=grads,
             present=present,
-            stats=stats,
+            norms=norms,
             reduced=reduced,
-            primary_norm_type=roster.primary if roster.primary is not None else min(stats),
+            primary_norm_type=roster.primary if roster.primary is not None else min(norms),
             logging_step=ctx.is_logging_step(None),
             loss_scale=scale,
             unit_norms=units,
-            run_ids=run_ids,
-            run_bounds=bounds,
+            has_gradients=bool(grads),
         )
-        return plan, cached
+        return StepRecord(stats, grads, run_ids, bounds), cached
 
-    def observe(self, plan: StepPlan, roster: Roster, ctx: Door) -> None:
-        """Observe (a step's first evaluation only): keep the decision for the gate, count a skip, let the policies
+    def observe(self, record: StepRecord, roster: Roster, ctx: Door) -> None:
+        """Observe (a step's first evaluation only): keep the record for the gate, count a skip, let the policies
         log. Off logging steps nothing here reads a value to the host."""
-        if plan.skip is not None:
-            self.steps.add_skip(plan.skip)
-            if handles_found_inf(plan.optimizer):  # skipped on device: no door reads the flag at the step
-                self._send_skip(plan, plan.skip)
-        self.last_plans[id(plan.optimizer)] = plan
+        stats, skip = record.stats, record.decision.skip
+        if skip is not None:
+            self.steps.add_skip(skip)
+            if handles_found_inf(stats.optimizer):  # skipped on device: no door reads the flag at the step
+                self._send_skip(record)
+        self.last_records[id(stats.optimizer)] = record
         for observe in roster.observe:
-            observe(plan, ctx)
-        if self.skipped_steps is not None and plan.logging_step:
+            observe(stats, record, ctx)
+        if self.skipped_steps is not None and stats.logging_step:
             ctx.log({"gradkit/skipped_steps": self.skipped_steps})
 
-    def _send_skip(self, plan: StepPlan, skip: Tensor) -> None:
-        """Start the non-blocking copy of ``plan``'s ``skip`` flag to the host, for the policies that ask at the next
-        step whether it was skipped (:meth:`StepPlan.was_skipped`). The optimizer's previous plan takes its own copy
+    def _send_skip(self, record: StepRecord) -> None:
+        """Start the non-blocking copy of ``record``'s skip flag to the host, for the policies that ask at the next
+        step whether it was skipped (``StepOutcome.was_skipped``). The optimizer's previous record takes its own copy
         first: the pinned buffer is the optimizer's, reused every step."""
-        key = id(plan.optimizer)
-        previous = self.last_plans.get(key)
-        if previous is not None and previous._skip_lag is not None:
-            previous.was_skipped()
+        key = id(record.stats.optimizer)
+        previous = self.last_records.get(key)
+        if previous is not None:
+            previous.settle_skip()
         lag = self._skip_lags.get(key)
         if lag is None:
             lag = self._skip_lags[key] = HostLag()
-        lag.push(skip)
-        plan._skip_lag = lag
+        record.send_skip(lag)
 
 
 @dataclass(frozen=True)
@@ -674,6 +315,56 @@ def _grad_versions(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
 
 
 # -- the gradient read ---------------------------------------------------------------------------------------------
+def _local_norms(
+    index: ParamIndex,
+    grads: list[Tensor],
+    present: list[int],
+    bounds: list[tuple[int, int]] | None,
+    request: StatsRequest,
+    scale: Tensor | None,
+    check: bool,
+) -> tuple[dict[float, Tensor], Tensor | None, UnitNorms | None]:
+    """This rank's per-parameter norms of the step's read, per norm type (divided by the AMP ``scale``), the flag of a
+    non-finite element (``check``: from the first norm type's read) and the unit norms AGC asks for."""
+    names = request.unit_norm_names
+    units = _measure_units(index, grads, present, names) if names else None
+    found: Tensor | None = None
+    local: dict[float, Tensor] = {}
+    for p in request.norm_types:
+        want = check and found is None  # one norm type's read is enough
+        if units is None:
+            norms, mark = checked_norms(grads, p, bounds) if want else (per_tensor_norms(grads, p, bounds), None)
+        else:  # the unit norms already read the gradients AGC names: their 2-norms derive from them
+            norms, mark = _param_norms(grads, p, units if p == 2.0 else None, want)
+            norms = norms.to(index.shard_weight.device)
+        found = found if mark is None else mark
+        if scale is not None:
+            norms = norms / scale
+        local[p] = norms if bounds is not None else fill_present(norms, present, len(index.params))
+    if units is not None:
+        flat = units.flat if scale is None else units.flat / scale
+        units = UnitNorms([present[j] for j in units.positions], units.sizes, flat)
+    return local, found, units
+
+
+def _reduce(
+    ctx: Door, roster: Roster, index: ParamIndex, local: dict[float, Tensor], found: Tensor | None, distributed: bool
+) -> tuple[dict[float, Tensor], dict[str, Tensor]]:
+    """The step's one collective (several processes): the sharded norm contributions, the per-rank scalars the
+    policies name and, when a guard asks, each rank's flags of non-finite gradients. Returns the norms and the
+    reduced scalars (as they are in one process)."""
+    extras: dict[str, Tensor] = {}
+    for reduce_request in roster.reduce_request:
+        extras.update(reduce_request(ctx))
+    if roster.request.rank_flags and distributed:
+        # A rank's gradients can turn non-finite after the DDP all-reduce (a hook, `on_after_backward`, a faulty
+        # kernel): its flags then differ from the others'. Summed in the one collective, every rank sees them all.
+        extras[_NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(local, found, index.shard_weight.device)
+    if distributed:
+        return reduce_sharded(index, local, extras)
+    return local, extras
+
+
 def _grad_norms(
     grads: list[Tensor], norm_type: float, bounds: list[tuple[int, int]] | None, check: bool
 ) -> tuple[Tensor, Tensor | None]:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from gradkit.step.norms import host_to_device
+from gradkit.step.host_lag import host_to_device
 
 __all__ = ["PipelineStages", "declared_pipeline", "pipeline_parallel", "pipeline_stages", "ranks_per_stage"]
 

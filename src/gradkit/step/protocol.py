@@ -3,17 +3,22 @@
 - :class:`Policy`: what a policy is to the pipeline (a plain object with a ``stage`` and any of the hooks); gradkit's
   policies are plain torch classes that do not derive from it.
 - :class:`StepContext`: what the policies read of the loop at every hook (14 members); :class:`Door`: the same and
-  the services a door keeps on its side (the model, the pipeline, the schedulers, the loggers, ...), which the
+  the services a door keeps on its side (the model, the step accounting, the schedulers, the loggers, ...), which the
   pipeline reads and a policy receives at ``attach`` (one subclass per front door: the Trainer's in
   :mod:`lightning_gradkit.trainer_door`, the loop door's in :mod:`gradkit.doors.loop`).
 - :class:`Stage` (the order of decisions within a step), :class:`StatsRequest` (what the measure phase reads for the
-  policies), :class:`Roster` (a step's policies and each phase's hooks).
+  policies), :class:`Roster` (a step's policies and each phase's hooks), :class:`MicroBatch` (what a door keeps of
+  a micro-batch for the culprit replay).
 
-The pipeline that runs a step on them is :mod:`gradkit.step.pipeline`. Nothing here imports Lightning.
+What a policy reads and writes at each step (``StepStats``, ``Decision``, ``StepOutcome``) is
+:mod:`gradkit.step.plan`; the pipeline that runs a step on them is :mod:`gradkit.step.pipeline`. Nothing here imports
+Lightning, and nothing here imports the modules that import it (no cycle, not even a type-level one).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -31,12 +36,13 @@ from gradkit._util.user_frame import warn_user
 from gradkit.step.norms import world_size
 
 if TYPE_CHECKING:
-    from gradkit.policies.culprit import MicroBatch
-    from gradkit.step.pipeline import Pipeline, StepPlan
-    from gradkit.step.snapshot import Snapshot
+    from gradkit.step.accounting import StepAccounting
+    from gradkit.step.plan import Decision, StepOutcome, StepStats
+    from gradkit.step.snapshot import RNGState, Snapshot
 
 __all__ = [
     "Door",
+    "MicroBatch",
     "Policy",
     "Roster",
     "Stage",
@@ -93,12 +99,32 @@ def values_to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
     return {k: values[k] if k in values else float(v) for k, v in metrics.items()}
 
 
+@dataclass
+class MicroBatch:
+    """A micro-batch of the step as a door keeps it for the culprit replay (:mod:`gradkit.policies.culprit`).
+
+    Attributes:
+        batch_idx: its index, as the door counts it.
+        compute_loss: runs its forward again and returns its loss (``None``: it cannot be replayed, ``unavailable``
+            says why). Called inside :func:`~gradkit.step.replay.replay`, under ``torch.enable_grad()``.
+        rng: the torch RNG states before its forward (the replay repeats its dropout masks), or ``None``.
+        ids: the sample ids its batch carries (:func:`~gradkit.policies.culprit.sample_ids`), or ``None``.
+        unavailable: why there is no ``compute_loss``.
+    """
+
+    batch_idx: int
+    compute_loss: Callable[[], Tensor | None] | None = None
+    rng: RNGState | None = None
+    ids: Any = None
+    unavailable: str | None = None
+
+
 # -- what the pipeline reads of the loop and of the policies --------------------------------------------------------
 class StepContext:
     """The loop a step runs in, as the policies read it at every hook: 14 members, the same behind every door.
 
-    The door's own services (the model, the pipeline, the other policies, the LR schedulers, the AMP scaler, the
-    loggers, ...) are not here: they are on :class:`~gradkit.step.protocol.Door`, which a policy that needs one
+    The door's own services (the model, the step accounting, the other policies, the LR schedulers, the AMP scaler,
+    the loggers, ...) are not here: they are on :class:`~gradkit.step.protocol.Door`, which a policy that needs one
     receives, typed, as the ``ctx`` of ``Policy.attach`` (and keeps). The Lightning ``Trainer`` door answers from the
     Trainer (:class:`~lightning_gradkit.trainer_door.TrainerContext`), the Fabric and plain-PyTorch door from its own
     step counter (:class:`~gradkit.doors.loop.LoopContext`).
@@ -178,9 +204,9 @@ class Door(StepContext):
 
     The pipeline reads these (the AMP scale, the sharding, the fused fold); a policy that needs one (the monitor's
     loggers and progress bar, a guard's replay of the model, a rollback's snapshots of the model, the LR schedulers,
-    the other policies and the step state) gets the door as the ``ctx`` of ``Policy.attach``, typed, and keeps
-    it. One subclass per door: :class:`~lightning_gradkit.trainer_door.TrainerContext`,
-    :class:`~gradkit.doors.loop.LoopContext`.
+    the other policies, the step state and the count of skipped steps) gets the door as the ``ctx`` of
+    ``Policy.attach``, typed, and keeps it. One subclass per door:
+    :class:`~lightning_gradkit.trainer_door.TrainerContext`, :class:`~gradkit.doors.loop.LoopContext`.
 
     """
 
@@ -228,7 +254,7 @@ class Door(StepContext):
         return False
 
     def folds_into(self, optimizer: Optimizer) -> bool:
-        """Whether a plan's common factor can go to ``optimizer``'s fused kernel (its ``grad_scale``) instead of a
+        """Whether a decision's common factor can go to ``optimizer``'s fused kernel (its ``grad_scale``) instead of a
         write pass: the door gates the step and the optimizer is fused."""
         return self.steps_through_gate() and handles_found_inf(optimizer)
 
@@ -246,8 +272,9 @@ class Door(StepContext):
         raise NotImplementedError
 
     @property
-    def pipeline(self) -> Pipeline:
-        """The loop's pipeline (its count of skipped steps is part of a step's state)."""
+    def steps(self) -> StepAccounting:
+        """The loop's step accounting (:class:`~gradkit.step.accounting.StepAccounting`): its count of skipped steps
+        is part of a step's state, which a guard restores and a rollback rewinds."""
         raise NotImplementedError
 
     def policies(self) -> list[Policy]:
@@ -318,9 +345,11 @@ class Policy(Protocol):
     - ``note_loss(loss, ctx)``: a micro-batch loss (before any division, without the AMP scale).
     - ``request_stats(request)``, ``primary_norm_type()``, ``reduce_request(ctx)``: what the measure and reduce
       phases read for it.
-    - ``decide(plan, ctx)`` / ``decide_again(plan, first, ctx)``: its decision, written into the plan; no gradient
-      is read, nothing syncs.
-    - ``observe(plan, ctx)``: after the write; logs on logging steps.
+    - ``decide(stats, decision, ctx)`` / ``decide_again(stats, decision, first, ctx)``: reads the step's
+      measurements (:class:`~gradkit.step.plan.StepStats`) and writes its decision through the step's
+      :class:`~gradkit.step.plan.Decision`; no gradient is read, nothing syncs.
+    - ``observe(stats, outcome, ctx)``: after the write, with the decision and what came of it
+      (:class:`~gradkit.step.plan.StepOutcome`, read only); logs on logging steps.
     - ``after_step(ctx)``: after the optimizer step (applied or skipped) and the LR schedulers of the batch.
     - ``finish(ctx)``: the loop ended.
     - ``may_skip()``: whether it may ask for a step to be skipped (the door must be able to skip).
@@ -345,18 +374,20 @@ class Policy(Protocol):
         """Reduce: per-rank scalars to be summed across ranks in the step's single collective (keys must be unique)."""
         return {}
 
-    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
-        """Decide: read the plan's statistics and write a decision into it. Must not read gradients or sync."""
+    def decide(self, stats: StepStats, decision: Decision, ctx: StepContext) -> None:
+        """Decide: read the step's statistics and write through ``decision`` (its methods: one clip form per step).
+        Must not read gradients or sync."""
 
-    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+    def decide_again(self, stats: StepStats, decision: Decision, first: Decision, ctx: StepContext) -> None:
         """Decide, for a later evaluation of the closure within the same optimizer step (``LBFGS``, SAM; see
-        :mod:`gradkit.step.closure`): ``plan`` holds the fresh gradients' statistics and the step's accumulation
-        scale, ``first`` the step's decision. Write what applies to every evaluation's gradients (clipping); forget
-        what this evaluation's micro-batch hooks collected for a decision (the step was decided on the first
-        evaluation). Must not read gradients or sync."""
+        :mod:`gradkit.step.closure`): ``stats`` are the fresh gradients' statistics, ``decision`` (already holding
+        the step's accumulation scale) is this evaluation's, ``first`` the step's decision. Write what applies to
+        every evaluation's gradients (clipping); forget what this evaluation's micro-batch hooks collected for a
+        decision (the step was decided on the first evaluation). Must not read gradients or sync."""
 
-    def observe(self, plan: StepPlan, ctx: StepContext) -> None:
-        """Observe, after the gradients are written: log on logging steps."""
+    def observe(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
+        """Observe, after the gradients are written: ``outcome`` is the step's decision and what came of it (the
+        post-clip norm, the skip on the host). Log on logging steps."""
 
     def note_loss(self, loss: Tensor, ctx: StepContext) -> None:
         """A micro-batch loss as the loop computed it (before any division, without the AMP scale)."""
@@ -378,8 +409,8 @@ class Policy(Protocol):
 
     def attach(self, ctx: Door, model: torch.nn.Module) -> None:
         """The door is set up: prepare what needs the model. ``ctx`` is the door itself, with its services (the
-        policy-facing context of the other hooks, and the model, the pipeline, the loggers, ...): a policy that needs
-        one of them later keeps it.
+        policy-facing context of the other hooks, and the model, the step accounting, the loggers, ...): a policy that
+        needs one of them later keeps it.
 
         Raises:
             ValueError: if the policy, as configured, cannot work behind this door.
@@ -447,7 +478,46 @@ def hook(policy: object, name: str) -> Callable[..., Any] | None:
 
 
 def _bound(policies: Sequence[object], name: str) -> list[Any]:
-    return [m for p in policies if (m := hook(p, name)) is not None]
+    found = [m for p in policies if (m := hook(p, name)) is not None]
+    if name in _STEP_HOOKS:
+        for method in found:
+            function = getattr(method, "__func__", None)  # a bound method: its `self` is not an argument
+            _refuse_plan_signature(method if function is None else function, name, function is not None)
+    return found
+
+
+#: The step hooks: how many arguments each takes, its signature, and the signature before `StepPlan` was split.
+_STEP_HOOKS = {
+    "decide": (3, "decide(self, stats, decision, ctx)", "decide(self, plan, ctx)"),
+    "decide_again": (4, "decide_again(self, stats, decision, first, ctx)", "decide_again(self, plan, first, ctx)"),
+    "observe": (3, "observe(self, stats, outcome, ctx)", "observe(self, plan, ctx)"),
+}
+
+
+@functools.lru_cache(maxsize=256)
+def _refuse_plan_signature(function: Callable[..., Any], name: str, bound: bool) -> None:
+    """Refuse a step hook written for ``StepPlan`` (one argument fewer), once per function: the old ``plan`` is split
+    in the read-only ``StepStats`` and the ``Decision`` the hook writes, so an old hook cannot be called right.
+
+    Raises:
+        TypeError: ``function`` takes fewer positional arguments than the hook ``name`` is given.
+    """
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):  # a builtin or a C callable: nothing to read, the call itself will say
+        return
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    arity, new, old = _STEP_HOOKS[name]
+    if len(positional) - bound < arity:
+        raise TypeError(
+            f"`{getattr(function, '__qualname__', name)}` has the signature of gradkit before `StepPlan` was split, "
+            f"`{old}`. Write `{new}`: the measurements are the read-only `stats` (`gradkit.StepStats`; `plan.stats` "
+            "is `stats.norms`), the decision is written through `decision` (`gradkit.Decision`; `plan.add_skip(flag)` "
+            "is `decision.add_skip(flag)`, `plan.pre_clip_total(p)` is `decision.scaled(stats.norms[p].total)`), and "
+            "`observe` reads `outcome` (`outcome.decision`, `outcome.post_clip_total()`, `outcome.was_skipped()`)."
+        )
 
 
 class Roster:
@@ -488,9 +558,11 @@ class Roster:
         given = list(policies)
         self.policies: list[Policy] = sorted(given, key=lambda policy: policy.stage)  # type: ignore[attr-defined]
         ordered = self.policies
-        self.decide: list[Callable[[StepPlan, StepContext], None]] = _bound(ordered, "decide")
-        self.decide_again: list[Callable[[StepPlan, StepPlan, StepContext], None]] = _bound(ordered, "decide_again")
-        self.observe: list[Callable[[StepPlan, StepContext], None]] = _bound(ordered, "observe")
+        self.decide: list[Callable[[StepStats, Decision, StepContext], None]] = _bound(ordered, "decide")
+        self.decide_again: list[Callable[[StepStats, Decision, Decision, StepContext], None]] = _bound(
+            ordered, "decide_again"
+        )
+        self.observe: list[Callable[[StepStats, StepOutcome, StepContext], None]] = _bound(ordered, "observe")
         self.reduce_request: list[Callable[[StepContext], dict[str, Tensor]]] = _bound(ordered, "reduce_request")
         self.finish: list[Callable[[StepContext], None]] = _bound(ordered, "finish")
         self.attach: list[Callable[[Door, torch.nn.Module], None]] = _bound(given, "attach")

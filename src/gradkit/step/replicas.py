@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from gradkit._util.arguments import name_list
-from gradkit.step.norms import host_to_device
+from gradkit.step.host_lag import host_to_device
 
 __all__ = [
     "CheckRow",

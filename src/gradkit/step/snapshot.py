@@ -7,7 +7,8 @@ rollback share.
   codebook, a step counter). A NaN batch makes every BatchNorm statistic NaN, and every later eval-mode forward NaN.
 - A replay of ``training_step`` (:func:`gradkit.step.replay.replay`: the culprit search, the checkpointing measurement)
   writes the same buffers and draws from the RNGs.
-- A rollback (``SpikeRollback``) puts back everything a step changes (:class:`StepSnapshot`).
+- A rollback (``SpikeRollback``) puts back everything a step changes
+  (:class:`~gradkit.policies.rollback.StepSnapshot`, which holds a :class:`Snapshot`).
 
 :class:`Snapshot` copies the tensors. **Buffers by slot**: every buffer *slot* (the owning module and the name) with
 the tensor object it held and a copy of its values; putting it back puts the object back in its slot (a buffer the
@@ -43,9 +44,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from gradkit.step.norms import local_tensor
-from gradkit.step.protocol import Door, policy_key, unwrapped
 
-__all__ = ["RNGState", "Snapshot", "StepSnapshot", "capture_rng", "restore_rng", "trained_parameters"]
+__all__ = ["RNGState", "Snapshot", "capture_rng", "restore_rng", "trained_parameters"]
 
 # The integer type of each element size: the bytes of any tensor, viewed as integers, for an exact device select.
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -466,89 +466,3 @@ def restore_rng(state: RNGState) -> None:
     np = sys.modules.get("numpy")
     if state.numpy is not None and np is not None:
         np.random.set_state(state.numpy)
-
-
-# -- a step's whole state ------------------------------------------------------------------------------------------
-@dataclass
-class StepSnapshot:
-    """Everything a training step may change, as the loop (a :class:`~gradkit.step.protocol.Door`) holds it.
-
-    The model's buffers and the optimizers' parameters and states (``tensors``, in host memory), the LR schedulers,
-    the door's own step state (``strategy``: the GradKit strategy's schedule counts), the RNG states, the other
-    policies' states (``callbacks``), the owner's statistics (``stats``) and the pipeline's count of skipped steps
-    (``skipped``). ``SpikeRollback`` keeps a ring of them (``id``: its order of capture, -1 for an empty one).
-    """
-
-    tensors: Snapshot
-    id: int = -1
-    step: int = -1
-    origin: str = "schedule"
-    schedulers: list[dict[str, Any]] = field(default_factory=list)
-    strategy: dict[str, Any] = field(default_factory=dict)
-    rng: RNGState | None = None
-    callbacks: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
-    stats: dict[str, Tensor] = field(default_factory=dict)
-    skipped: Tensor | None = None
-
-    @property
-    def valid(self) -> bool:
-        return self.id >= 0
-
-    def capture(self, ctx: Door, policies: Sequence[Any], stats: dict[str, Tensor]) -> None:
-        """Take the step's state: ``policies`` are the other stateful policies (one whose state is empty has nothing
-        to rewind), ``stats`` the owner's (copied)."""
-        # The host-side states first: their `state_dict` calls read device values (a synchronization), which then
-        # does not wait for the tensor copies queued below.
-        states = [(policy, policy.state_dict()) for policy in policies]
-        self.callbacks = [(policy, copy.deepcopy(state)) for policy, state in states if state]
-        self.stats = copy.deepcopy(stats)
-        self.schedulers = [copy.deepcopy(scheduler.state_dict()) for scheduler in ctx.schedulers()]
-        self.strategy = ctx.step_state()
-        self.rng = capture_rng(full=True)
-        skipped = ctx.pipeline.skipped_steps
-        self.skipped = None if skipped is None else skipped.clone()
-        self.tensors.capture([unwrapped(opt) for opt in ctx.optimizers])
-        self.step = ctx.global_step
-
-    def restore(self, ctx: Door, full: bool) -> None:
-        """Put the state back: everything but ``stats`` and ``skipped`` (``full``), or what a stepped-over batch may
-        have touched besides the module buffers, which the door puts back for every skipped step: the RNG states and
-        the other policies' states."""
-        if full:
-            self.tensors.restore([unwrapped(opt) for opt in ctx.optimizers])
-            for scheduler, state in zip(ctx.schedulers(), self.schedulers, strict=True):
-                scheduler.load_state_dict(copy.deepcopy(state))
-            ctx.load_step_state(self.strategy)
-        assert self.rng is not None
-        restore_rng(self.rng)
-        for policy, state in self.callbacks:
-            policy.load_state_dict(copy.deepcopy(state))
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain values and host tensors (they load with ``torch.load(weights_only=True)``); reads ``skipped``."""
-        assert self.rng is not None
-        return {
-            "id": self.id,
-            "step": self.step,
-            "origin": self.origin,
-            "tensors": self.tensors.state_dict(),
-            "schedulers": self.schedulers,
-            "strategy": self.strategy,
-            "rng": self.rng.state_dict(),
-            "callbacks": {policy_key(policy): state for policy, state in self.callbacks},
-            "stats": self.stats,
-            "skipped": None if self.skipped is None else float(self.skipped),
-        }
-
-    def load_state_dict(self, state: dict[str, Any], policies: dict[str, Any], device: torch.device) -> None:
-        """Adopt a :meth:`state_dict`; ``policies`` are the other stateful policies by their
-        :func:`~gradkit.step.protocol.policy_key`."""
-        self.id, self.step, self.origin = int(state["id"]), int(state["step"]), state["origin"]
-        self.tensors.load_state_dict(state["tensors"])
-        self.schedulers = list(state["schedulers"])
-        self.strategy = dict(state["strategy"])
-        self.rng = RNGState.from_state_dict(state["rng"])
-        self.callbacks = [(policies[key], value) for key, value in state["callbacks"].items() if key in policies]
-        self.stats = dict(state["stats"])
-        skipped = state["skipped"]
-        self.skipped = None if skipped is None else torch.tensor(skipped, device=device)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from gradkit.step.accumulate import mean_window_scale
 from gradkit.step.norms import world_size
-from gradkit.step.pipeline import StepPlan
+from gradkit.step.plan import Decision, StepStats
 from gradkit.step.protocol import StatsRequest, StepContext
 
 __all__ = ["WatchedValue", "WindowLoss"]
@@ -77,9 +77,10 @@ class WatchedValue:
         self.had_loss = self.window.count > 0
         return {self.key: self.window.take(ctx)}
 
-    def value(self, plan: StepPlan) -> Tensor:
-        """The step's watched value (a device scalar), the same on every rank."""
+    def value(self, stats: StepStats, decision: Decision) -> Tensor:
+        """The step's watched value (a device scalar), the same on every rank: the loss, or the total gradient 2-norm
+        with the step's accumulation scale."""
         if self.monitor == "loss":
-            x = plan.reduced[self.key].reshape(()).to(plan.primary.total.device)
+            x = stats.reduced[self.key].reshape(()).to(stats.primary.total.device)
             return x / world_size() if world_size() > 1 else x
-        return plan.scaled(plan.stats[2.0].total)
+        return decision.scaled(stats.norms[2.0].total)

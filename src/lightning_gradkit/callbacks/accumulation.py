@@ -3,7 +3,7 @@
 It fixes short last windows, normalizes per token, frees old gradients early and checks that windows start clean
 (manual optimization: :class:`~lightning_gradkit.ManualAccumulator`). The scale math is in
 :mod:`gradkit.step.accumulate`; the guard is a ``Stage.SCALE`` policy of the pipeline: its ``decide`` multiplies the
-plan's scale (applied in the one gradient write), its ``decide_again`` forgets the token count of a later closure
+decision's scale (applied in the one gradient write), its ``decide_again`` forgets the token count of a later closure
 evaluation.
 """
 
@@ -30,6 +30,7 @@ from gradkit.step.accumulate import (
     token_window_scale,
 )
 from gradkit.step.norms import local_tensor
+from gradkit.step.plan import Decision, StepStats
 from gradkit.step.protocol import StepContext
 from gradkit.step.replay import replaying
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
@@ -38,7 +39,6 @@ from lightning_gradkit.callbacks.manual_accumulation import ManualAccumulator
 from lightning_gradkit.trainer_door import (
     GradKitCallback,
     Stage,
-    StepPlan,
     TrainerContext,
     is_logging_step,
     world_size,
@@ -450,22 +450,22 @@ class AccumulationGuard(GradKitCallback):
             return {}
         return {_TOKENS_REDUCE_KEY: self._tokens.total(ctx.device)}
 
-    def decide(self, plan: StepPlan, ctx: StepContext) -> None:
+    def decide(self, stats: StepStats, decision: Decision, ctx: StepContext) -> None:
         door = _trainer_door(ctx)
         if not door.pl_module.automatic_optimization:
             return
         window = door.trainer.accumulate_grad_batches
-        device = plan.index.shard_weight.device
+        device = stats.index.shard_weight.device
         if self.normalize == "tokens":
-            tokens = plan.reduced[_TOKENS_REDUCE_KEY].to(device)
-            plan.multiply_scale(token_window_scale(tokens, world_size(), window))
+            tokens = stats.reduced[_TOKENS_REDUCE_KEY].to(device)
+            decision.multiply_scale(token_window_scale(tokens, world_size(), window))
             self._tokens.reset()
             return
         factor = mean_window_scale(window, micro_batches_in_window(self._batch_idx, window))
         if factor != 1.0:
-            plan.multiply_scale(self._scalar(factor, device))
+            decision.multiply_scale(self._scalar(factor, device))
 
-    def decide_again(self, plan: StepPlan, first: StepPlan, ctx: StepContext) -> None:
+    def decide_again(self, stats: StepStats, decision: Decision, first: Decision, ctx: StepContext) -> None:
         # A later closure evaluation (LBFGS, SAM) ran `training_step` again: the step was normalized by the first
         # evaluation's tokens, and these must not count toward the next window.
         self._tokens.reset()

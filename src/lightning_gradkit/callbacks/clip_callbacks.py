@@ -238,7 +238,8 @@ def clip_gradients(module: pl.LightningModule, optimizer: Optimizer, clipper: Po
         if attached_for is None or attached_for() is not trainer:
             attach[0](engine.context(trainer, module), module)
             _ATTACHED_FOR[clipper] = weakref.ref(trainer)
-    plan = engine.run(trainer, module, raw, extra=() if attached else (clipper,))
-    if plan is None:
-        plan = engine.last_plans[id(raw)]
-    return plan.pre_clip_total(getattr(clipper, "norm_type", None))
+    record = engine.run(trainer, module, raw, extra=() if attached else (clipper,))
+    if record is None:
+        record = engine.last_records[id(raw)]
+    stats, norm_type = record.stats, getattr(clipper, "norm_type", None)
+    return record.decision.scaled((stats.primary if norm_type is None else stats.norms[norm_type]).total)
