@@ -29,6 +29,7 @@ from gradkit.policies.clipping import ClipGradNorm, ClipGradValue
 from gradkit.policies.early_warning import EarlyWarning
 from gradkit.policies.guards import NonFiniteGuard
 from gradkit.policies.history_clipping import AutoClip, ZClip
+from gradkit.policies.ladder import EscalationLadder, TrainingStopped
 from gradkit.policies.monitor import GradNormMonitor
 from gradkit.policies.qk_clip import QKClip
 from gradkit.policies.rollback import SpikeRollback
@@ -52,6 +53,7 @@ __all__ = [
     "ClipGradNorm",
     "ClipGradValue",
     "EarlyWarning",
+    "EscalationLadder",
     "FiniteCheck",
     "GradKit",
     "GradNormMonitor",
@@ -65,6 +67,7 @@ __all__ = [
     "StepContext",
     "StepPlan",
     "StepsToSkip",
+    "TrainingStopped",
     "UpdateClip",
     "ZClip",
     "checkpoint_is_finite",

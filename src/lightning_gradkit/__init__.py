@@ -15,6 +15,7 @@ Two import roots ship together:
 from __future__ import annotations
 
 from gradkit.doors.loop import GradKit
+from gradkit.policies.ladder import TrainingStopped
 from gradkit.step.norms import GradStats
 from gradkit.step.pipeline import StepPlan
 from gradkit.step.protocol import Policy, Stage, StepContext
@@ -37,7 +38,13 @@ from lightning_gradkit.callbacks.manual_accumulation import ManualAccumulator
 from lightning_gradkit.callbacks.monitor_callback import GradNormMonitor
 from lightning_gradkit.callbacks.rollback_callback import SpikeRollback
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
-from lightning_gradkit.callbacks.warning_callbacks import EarlyWarning, QKClip, StepsToSkip, UpdateClip
+from lightning_gradkit.callbacks.warning_callbacks import (
+    EarlyWarning,
+    EscalationLadder,
+    QKClip,
+    StepsToSkip,
+    UpdateClip,
+)
 from lightning_gradkit.diagnostics.graph_leak import GraphLeakGuard
 from lightning_gradkit.diagnostics.sync_audit import SyncAudit
 from lightning_gradkit.strategy import (
@@ -63,6 +70,7 @@ __all__ = [
     "ClipGradNorm",
     "ClipGradValue",
     "EarlyWarning",
+    "EscalationLadder",
     "GradKit",
     "GradKitCallback",
     "GradKitDDPStrategy",
@@ -85,6 +93,7 @@ __all__ = [
     "StepPlan",
     "StepsToSkip",
     "SyncAudit",
+    "TrainingStopped",
     "UpdateClip",
     "ZClip",
     "clip_gradients",
