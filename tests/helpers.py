@@ -195,15 +195,16 @@ def make_trainer(tmp_path: Path, **kwargs: Any) -> pl.Trainer:
 
 
 def run_fresh(
-    code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+    code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None, returncode: int = 0
 ) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter (``python -c``, ``args`` as its ``sys.argv[1:]``) with this test run's
-    ``sys.path`` and the extra environment variables ``env``; assert that it exits with status 0 and return it."""
+    ``sys.path`` and the extra environment variables ``env``; assert that it exits with status ``returncode`` and
+    return it."""
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **(env or {})}
     done = subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, env=full_env, timeout=timeout
     )
-    assert done.returncode == 0, done.stderr[-8000:]
+    assert done.returncode == returncode, done.stderr[-8000:]
     return done
 
 

@@ -26,6 +26,7 @@ from lightning_gradkit import (
     ClipGradNorm,
     ClipGradValue,
     EarlyWarning,
+    EscalationLadder,
     GradNormMonitor,
     GraphLeakGuard,
     InferenceModeValidation,
@@ -96,6 +97,12 @@ BAD = [
     (lambda: UpdateClip(modules=3), "modules", "3"),  # type: ignore[arg-type]
     (lambda: UpdateClip(modules=[]), "modules", "[]"),
     (lambda: UpdateClip(divide_by_lr="yes"), "divide_by_lr", "'yes'"),  # type: ignore[arg-type]
+    (lambda: QKClip(enabled="no"), "enabled", "'no'"),  # type: ignore[arg-type]
+    (lambda: EscalationLadder(rungs=["warn", "panic"]), "rungs", "['warn', 'panic']"),  # type: ignore[list-item]
+    (lambda: EscalationLadder(climb_findings=0), "climb_findings", "0"),
+    (lambda: EscalationLadder(calm_steps=1.5), "calm_steps", "1.5"),  # type: ignore[arg-type]
+    (lambda: EscalationLadder(z_loss="1e-4"), "z_loss", "'1e-4'"),  # type: ignore[arg-type]
+    (lambda: EscalationLadder(exit_code=0), "exit_code", "0"),
 ]
 
 

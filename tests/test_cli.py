@@ -109,6 +109,7 @@ CALLBACK_ARGS: dict[str, dict[str, object]] = {
     "SpikeGuard": {"monitor": "grad_norm", "window": 30},
     "SpikeRollback": {"skip_batches": 10, "keep": 3},
     "EarlyWarning": {"growth_steps": 10, "action": "escalate"},
+    "EscalationLadder": {"rungs": ["warn", "lr_cut", "stop"], "calm_steps": 500, "exit_code": 70},
     "StepsToSkip": {"steps": [[5, 7]]},
     "QKClip": {"threshold": 50.0, "attention": ["CausalSelfAttention"]},
     "UpdateClip": {"sigma_factor": 2.0, "history_size": 64, "modules": ["Block"], "divide_by_lr": False},

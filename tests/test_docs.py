@@ -140,6 +140,10 @@ def _early_warning(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningM
     assert "signals/attn_logit_max/model.blocks.0.attn" in (run / "metrics.csv").read_text().splitlines()[0]
     assert (run / "gradient_report.png").is_file()
     assert ns["watch"].thresholds["spike_score"] == 0.01
+    ladder = ns["ladder"]  # a healthy run: calm, QK-Clip still off, the z-loss weight 0
+    assert (ns["guarded"].global_step, ladder.rung, ladder.transitions) == (4, "calm", [])
+    clip = next(cb for cb in ns["guarded"].callbacks if type(cb).__name__ == "QKClip")
+    assert clip.attention_modules and not clip.active and float(ladder.z_loss_weight) == 0.0
     assert (ns["skipping"].global_step, ns["declared"].dropped, ns["kit"].skipped_steps) == (6, 2, 2)
     fresh = [w for w in caught if str(w.message).startswith("Resuming with no saved state for StepsToSkip: ")]
     assert len(fresh) == 1 and ns["restarted"].state_dict()["step"] == 0  # the restart loaded, StepsToSkip fresh

@@ -83,7 +83,7 @@ def test_a_policy_callbacks_docstring_holds_its_torch_policys_text() -> None:
     # One text for both roots: the callback's docstring holds the torch class's text up to its sections and its Args
     # section verbatim; the loop-door example stays the torch class's, the callback shows a Trainer.
     policies = {cls.__name__: torch_policy(cls) for cls in public_callbacks() if torch_policy(cls) is not None}
-    assert len(policies) == 13, sorted(policies)
+    assert len(policies) == 14, sorted(policies)
     for name, policy in policies.items():
         callback = inspect.cleandoc(getattr(lightning_gradkit, name).__doc__)
         torch_doc = inspect.cleandoc(policy.__doc__)
@@ -300,7 +300,11 @@ def test_the_lists_of_what_works_in_a_loop_name_every_policy_the_loop_door_takes
         return True
 
     policies = {name for name in gradkit.__all__ if hasattr(getattr(gradkit, name), "stage")}
-    built = {"EarlyWarning": {"attention": None, "output": None}, "StepsToSkip": {"steps": [[5, 6]]}}
+    built = {
+        "EarlyWarning": {"attention": None, "output": None},
+        "StepsToSkip": {"steps": [[5, 6]]},
+        "EscalationLadder": {"rungs": ["warn", "lr_cut", "stop"]},  # its 'rollback' and 'mitigate' need other policies
+    }
     works = {name for name in policies if accepted(getattr(gradkit, name)(*required(name), **built.get(name, {})))}
     assert works == policies
     refused = ["AccumulationGuard", "ActivationCheckpointing", "InferenceModeValidation"]

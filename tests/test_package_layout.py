@@ -72,7 +72,7 @@ def test_the_torch_root_exports_every_policy_under_its_callbacks_name() -> None:
     # for the Trainer, the same name and arguments. `WindowScale` is ManualAccumulator's scale of one window, built by
     # it, never by a user.
     policies = {name: module for name, module in _torch_policies().items() if name != "WindowScale"}
-    assert len(policies) == 13, sorted(policies)
+    assert len(policies) == 14, sorted(policies)
     for name, module in policies.items():
         assert name in gradkit.__all__, f"`from gradkit import {name}` fails"
         assert getattr(gradkit, name) is getattr(importlib.import_module(module), name)

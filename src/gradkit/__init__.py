@@ -30,6 +30,7 @@ from gradkit.policies.clipping import ClipGradNorm, ClipGradValue
 from gradkit.policies.early_warning import EarlyWarning
 from gradkit.policies.guards import NonFiniteGuard
 from gradkit.policies.history_clipping import AutoClip, ZClip
+from gradkit.policies.ladder import EscalationLadder, TrainingStopped
 from gradkit.policies.monitor import GradNormMonitor
 from gradkit.policies.qk_clip import QKClip
 from gradkit.policies.rollback import SpikeRollback
@@ -55,6 +56,7 @@ __all__ = [
     "ClipGradValue",
     "Decision",
     "EarlyWarning",
+    "EscalationLadder",
     "FiniteCheck",
     "GradKit",
     "GradNormMonitor",
@@ -69,6 +71,7 @@ __all__ = [
     "StepOutcome",
     "StepStats",
     "StepsToSkip",
+    "TrainingStopped",
     "UpdateClip",
     "ZClip",
     "checkpoint_is_finite",

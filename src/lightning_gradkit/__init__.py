@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from gradkit._util.moved import step_plan_moved as _step_plan_moved
 from gradkit.doors.loop import GradKit
+from gradkit.policies.ladder import TrainingStopped
 from gradkit.step.norms import GradStats
 from gradkit.step.plan import Decision, StepOutcome, StepStats
 from gradkit.step.protocol import Policy, Stage, StepContext
@@ -38,7 +39,13 @@ from lightning_gradkit.callbacks.manual_accumulation import ManualAccumulator
 from lightning_gradkit.callbacks.monitor_callback import GradNormMonitor
 from lightning_gradkit.callbacks.rollback_callback import SpikeRollback
 from lightning_gradkit.callbacks.validation import InferenceModeValidation
-from lightning_gradkit.callbacks.warning_callbacks import EarlyWarning, QKClip, StepsToSkip, UpdateClip
+from lightning_gradkit.callbacks.warning_callbacks import (
+    EarlyWarning,
+    EscalationLadder,
+    QKClip,
+    StepsToSkip,
+    UpdateClip,
+)
 from lightning_gradkit.diagnostics.graph_leak import GraphLeakGuard
 from lightning_gradkit.diagnostics.sync_audit import SyncAudit
 from lightning_gradkit.strategy import (
@@ -65,6 +72,7 @@ __all__ = [
     "ClipGradValue",
     "Decision",
     "EarlyWarning",
+    "EscalationLadder",
     "GradKit",
     "GradKitCallback",
     "GradKitDDPStrategy",
@@ -88,6 +96,7 @@ __all__ = [
     "StepStats",
     "StepsToSkip",
     "SyncAudit",
+    "TrainingStopped",
     "UpdateClip",
     "ZClip",
     "clip_gradients",

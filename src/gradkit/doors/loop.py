@@ -272,7 +272,8 @@ class GradKit:
     closures given to :meth:`note_loss`), ``SpikeGuard``, ``SpikeRollback`` (its snapshots hold the model's
     parameters and buffers, the optimizer state, the ``schedulers`` given here, RNG and the other policies' state),
     ``EarlyWarning`` (its SpikeScore reads the losses given to :meth:`note_loss`), ``StepsToSkip`` (ask
-    :attr:`drops_batch` before the forward), ``QKClip`` and ``UpdateClip`` (they rescale after the optimizer step).
+    :attr:`drops_batch` before the forward), ``QKClip`` and ``UpdateClip`` (they rescale after the optimizer step),
+    ``EscalationLadder`` (its stop, raised out of :meth:`step`, ends the process with its exit code).
     Callbacks that drive the Trainer's loop (``AccumulationGuard``, ``ActivationCheckpointing``, ...) are refused with
     the reason.
 

@@ -7,20 +7,22 @@ moments of the modules concerned (:mod:`gradkit.policies.escalation`), before th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch  # noqa: F401  (the docstring example uses it)
 from torch import Tensor, nn
 
-from gradkit._util.arguments import check_bool, check_choice, check_float, check_int
-from gradkit.policies.escalation import Escalation
+from gradkit._util.arguments import check_bool, check_choice, check_float, check_int, name_list
+from gradkit.policies.escalation import Escalation, module_params
 from gradkit.policies.signals import Reading, StabilitySignals, signal_key
 from gradkit.policies.warning_rules import DEFAULT_FLOORS, DEFAULT_THRESHOLDS, Detector, Finding, checked_rules
 from gradkit.report.events import SIGNALS_EVENT, EventLog, write_metadata
-from gradkit.step.params import clean_name
 from gradkit.step.plan import StepOutcome, StepStats
 from gradkit.step.protocol import Door, Stage, StepContext, state_key
 from gradkit.step.selection import parse_patterns
+
+if TYPE_CHECKING:
+    from gradkit.policies.ladder import EscalationLadder
 
 __all__ = ["ADVICE", "SIGNALS_EVENT", "EarlyWarning"]
 
@@ -74,8 +76,10 @@ class EarlyWarning:
     is cut by ``escalate_lr_factor`` and ramps back to the schedule over ``escalate_rewarmup_steps`` applied optimizer
     steps (compounding when it fires again during a ramp), and the optimizer moments of the modules concerned
     (``escalate_reset_moments="spiking"``: the attention module, the module row, the output module, the module with
-    the largest update ratio), or of ``"all"`` parameters, are reset; an ``escalation`` event records it. At the end
-    of training the logged series are one ``signals`` event (what the report draws, whatever the logger).
+    the largest update ratio), or of ``"all"`` parameters, are reset; an ``escalation`` event records it. With an
+    :class:`~gradkit.EscalationLadder` in the loop, each step with findings is reported to it, which acts (keep
+    ``action="warn"``: the ladder owns the escalation). At the end of training the logged series are one ``signals``
+    event (what the report draws, whatever the logger).
 
     Args:
         attention: the attention modules: ``"auto"`` (the outermost modules whose class name ends in
@@ -187,6 +191,8 @@ class EarlyWarning:
             log_every_n_steps,
         )
         self._detector = Detector(self.thresholds, self.floors, self.growth, self.growth_steps)
+        #: The loop's EscalationLadder, which hears of every step with findings (set by the ladder's ``attach``).
+        self._ladder: EscalationLadder | None = None
         self._start_run_state()
 
     def _start_run_state(self) -> None:
@@ -312,6 +318,9 @@ class EarlyWarning:
             )
         if escalate:  # during a ramp it compounds: the signal grew by `growth` again despite the cut
             self._escalate(ctx, reading.step, modules, {f.module or f.signal: f.value for f in findings})
+        if self._ladder is not None:  # last: the ladder's rung may roll back this policy's state
+            keys = name_list([signal_key(f.signal, f.module) for f in findings])
+            self._ladder.report(f"EarlyWarning at step {reading.step}: {keys}", source="EarlyWarning", modules=modules)
 
     def _escalate(self, ctx: StepContext, step: int, modules: list[str], values: dict[str, float]) -> None:
         # "spiking": the modules the findings point at ("all": every trained parameter, chosen by the escalation).
@@ -326,12 +335,7 @@ class EarlyWarning:
     def _params_of(self, modules: list[str]) -> list[Tensor]:
         """The parameters of the named modules (a module row, an attention or output module, or a parameter's name)."""
         assert self._model is not None
-        prefixes = [m + "." for m in modules]
-        return [
-            p
-            for n, p in self._model.named_parameters()
-            if (name := clean_name(n)) in modules or any(name.startswith(prefix) for prefix in prefixes)
-        ]
+        return module_params(self._model, modules)
 
     def _event(
         self, ctx: StepContext, step: int, what: str, values: dict[str, Any], culprit: str | None, **fields: Any

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ from gradkit.step.running import RunningMoments, spike_decision
 from gradkit.step.selection import auto_module_keys, module_rows, repeated_blocks
 from gradkit.step.snapshot import trained_parameters
 
-__all__ = ["Escalation", "reset_optimizer_state_", "rewarmup_factor"]
+__all__ = ["Escalation", "module_params", "reset_optimizer_state_", "rewarmup_factor"]
 
 #: What :meth:`Escalation.spiking_modules` returns: the modules, their parameters and their largest z-scores.
 _Spiking = tuple[list[str], list[Tensor], dict[str, float]]
@@ -130,6 +130,17 @@ def _fresh_state(optimizer: Optimizer, p: Tensor, group: dict[str, Any]) -> dict
     except (TypeError, ValueError):
         return {}
     return dict(fresh.state.get(alias, {}))
+
+
+def module_params(model: nn.Module, modules: Sequence[str]) -> list[Tensor]:
+    """The parameters of the named modules of ``model`` (a module's qualified name, cleaned as the pipeline cleans it,
+    or a parameter's own name): what ``escalate_reset_moments="spiking"`` resets for the modules a finding names."""
+    prefixes = [m + "." for m in modules]
+    return [
+        p
+        for n, p in model.named_parameters()
+        if (name := clean_name(n)) in modules or any(name.startswith(prefix) for prefix in prefixes)
+    ]
 
 
 def _same_layout(a: Tensor, b: Tensor) -> bool:
@@ -232,6 +243,15 @@ class Escalation:
         """The current optimizer step applies: it takes the ramp's multiplier, and the ramp moves on."""
         self.step_factor = rewarmup_factor(self.ramp_start, self.ramp_done, self.rewarmup_steps)
         self.ramp_done += 1
+
+    def ramp_step(self, skipped: Callable[[], bool]) -> None:
+        """Before an optimizer step (a policy's ``observe``): during a ramp, the step takes the ramp's multiplier unless
+        ``skipped()`` (a host read of the step's skip flag, made during a ramp only)."""
+        ramping = self.ramp_start < 1.0 and self.ramp_done < self.rewarmup_steps
+        if ramping or self.step_factor != 1.0:
+            self.step_factor = 1.0
+            if not skipped():
+                self.step_applied()
 
     def _cut_lr(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         """Step pre-hook: every param group's ``lr`` (what the schedule set) times this step's multiplier."""

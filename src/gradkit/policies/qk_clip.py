@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from gradkit._util.arguments import check_float, check_int
+from gradkit._util.arguments import check_bool, check_float, check_int
 from gradkit.policies.attention_heads import (
     Heads,
     ModuleScopedMode,
@@ -100,7 +100,9 @@ class QKClip:
     maxima are read in Python, inside their forward).
 
     **Logged** on logging steps only (read there, in the loop's one transfer): ``qk_clip/max_logit``, the largest
-    logit over every head of the step, and ``qk_clip/clipped_heads``, how many heads it rescaled.
+    logit over every head of the step, and ``qk_clip/clipped_heads``, how many heads it rescaled. Built with
+    ``enabled=False`` it reads and rescales nothing until an :class:`~gradkit.EscalationLadder` switches it on (its
+    ``mitigate`` rung; off again below it): a step whose forwards ran while it was off is not rescaled.
 
     Args:
         threshold: ``tau``, the largest logit a head may keep (> 0); Kimi K2 uses 100.
@@ -108,6 +110,8 @@ class QKClip:
             ``Attention``), or class names or ``re:`` patterns (:mod:`gradkit.step.selection`).
         log_every_n_steps: how often to log, in optimizer steps; defaults to the loop's period (the rescale runs
             every step).
+        enabled: rescale from the first step; ``False`` builds it switched off (no logit read, no rescale, no cost)
+            until an :class:`~gradkit.EscalationLadder` in the loop reaches its ``mitigate`` rung.
 
     Raises:
         ValueError: at construction, naming the argument; at ``attach``, a pattern that selects no module, a
@@ -138,6 +142,7 @@ class QKClip:
         threshold: float = 100.0,
         attention: list[str] | Literal["auto"] = "auto",
         log_every_n_steps: int | None = None,
+        enabled: bool = True,
     ) -> None:
         self.threshold = check_float("threshold", threshold, above=0.0, hint="Kimi K2 uses `threshold=100`.")
         self.attention = attention
@@ -145,6 +150,9 @@ class QKClip:
         if log_every_n_steps is not None:
             check_int("log_every_n_steps", log_every_n_steps, 1, hint="None follows the loop's logging period.")
         self.log_every_n_steps = log_every_n_steps
+        self.enabled = check_bool("enabled", enabled)
+        #: Whether it reads the logits and rescales now: ``enabled``, until an EscalationLadder switches it.
+        self.active = self.enabled
         self._heads: dict[str, Heads] = {}
         self._hooks: list[RemovableHandle] = []
         self._modes: dict[str, _LogitMode] = {}
@@ -248,8 +256,9 @@ class QKClip:
 
     # -- the forwards -------------------------------------------------------------------------------------------
     def _reads(self, module: nn.Module) -> bool:
-        """Whether the forward under way is a training forward of the step (Python only: no device work)."""
-        return module.training and torch.is_grad_enabled() and not replaying()
+        """Whether the forward under way is a training forward of the step (Python only: no device work), while it is
+        active (a step whose forwards ran inactive rescales nothing, whenever a ladder switches it on)."""
+        return self.active and module.training and torch.is_grad_enabled() and not replaying()
 
     def _enter(self, name: str, module: nn.Module, args: Any) -> None:
         if self._reads(module):

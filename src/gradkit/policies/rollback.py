@@ -13,7 +13,7 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +38,9 @@ from gradkit.step.protocol import (
 from gradkit.step.running import RunningMoments
 from gradkit.step.snapshot import RNGState, Snapshot, capture_rng, restore_rng
 from gradkit.step.watch import WatchedValue
+
+if TYPE_CHECKING:
+    from gradkit.policies.ladder import EscalationLadder
 
 __all__ = ["SpikeRollback", "StepSnapshot"]
 
@@ -115,7 +118,10 @@ class SpikeRollback:
     and/or resets optimizer moments, as PaLM, OPT, BLOOM and SPAM did; :mod:`gradkit.policies.escalation` says how. It
     cures a fault the restored state carries (a learning-rate schedule that the rollback rewinds into the fault again);
     on a fault that recurs on its own schedule a cut learning rate measured worse than none (``benchmarks/RESULTS.md``,
-    issue 39), hence off.
+    issue 39), hence off. With an :class:`~gradkit.EscalationLadder` in the loop the ladder owns the escalation: each
+    rollback is reported to it, its ``rollback`` rung rolls back through :meth:`roll_back_now` (counted in
+    :attr:`rollbacks`), and a trigger after ``max_rollbacks`` stops through its ``stop`` rung (its exit code) where it
+    has one; the ladder's state is left out of the snapshots.
 
     **Resume.** The ``state_dict`` holds the statistics, counters, the count of skipped steps and the batches left to
     step over, so a run checkpointed after a rollback resumes exactly. With ``save_snapshots=True`` it holds the
@@ -227,6 +233,8 @@ class SpikeRollback:
         self.escalate_rewarmup_steps = self._escalation.rewarmup_steps
         self.escalate_reset_moments = self._escalation.reset_moments
         self.escalate_within_steps = self._escalation.within_steps
+        #: The loop's EscalationLadder, which hears of every rollback and of a stop (set by the ladder's ``attach``).
+        self._ladder: EscalationLadder | None = None
         self._start_run_state()
 
     def _start_run_state(self) -> None:
@@ -252,6 +260,7 @@ class SpikeRollback:
         self._rollbacks = 0
         self._next_id = 0
         self._last_restored_id = -1
+        self._rolled_back_at: int | None = None  # the door's step count at the last rollback
         self._next_snapshot_at: int | None = None
         self._history: list[dict[str, Any]] = []
         # The end of the previous rollback (global step of its first trained step): when a spike comes back soon after.
@@ -442,10 +451,15 @@ class SpikeRollback:
         return (step // n + 1) * n
 
     def _stateful(self) -> list[Any]:
-        """The loop's other policies that keep a state (``state_dict`` / ``load_state_dict``)."""
+        """The loop's other policies that keep a state (``state_dict`` / ``load_state_dict``), but those whose state is
+        the run's history rather than the model's (``survives_rollback``: the EscalationLadder's rung)."""
         hooks = Roster(served(self._door, self).policies())
         loads = set(map(id, hooks.loads_state))
-        return [p for p in hooks.saves_state if p is not self and id(p) in loads]
+        return [
+            p
+            for p in hooks.saves_state
+            if p is not self and id(p) in loads and getattr(p, "survives_rollback", False) is not True
+        ]
 
     def _capture(self, ctx: StepContext, origin: _Origin = "schedule") -> None:
         entry = min(self._ring, key=lambda s: s.id)  # an empty entry (id -1), else the oldest snapshot
@@ -485,6 +499,8 @@ class SpikeRollback:
 
     def _stop(self, ctx: StepContext, step: int, values: dict[str, Any], why: str) -> None:
         self._event(ctx, "rollback_stopped", values, step=step, rollbacks=self._rollbacks)
+        if self._ladder is not None:  # the ladder's 'stop' rung ends the process with its exit code
+            self._ladder.stop(f"SpikeRollback cannot roll back: {why}", source=type(self).__name__, step=step)
         raise RuntimeError(
             f"SpikeRollback: the {values['reason']} at step {step} persisted {values['consecutive']} step(s) "
             f"({self.monitor} {values['value']:.6g}, z {values['z']:.1f}), and cannot roll back: {why} "
@@ -504,6 +520,7 @@ class SpikeRollback:
         self._escalation.module_zmax = None
         self._rollbacks += 1
         self._last_restored_id = slot.id
+        self._rolled_back_at = ctx.global_step
         self._skip_left = self.skip_batches
         self._next_snapshot_at = self._next_multiple(ctx.global_step + self.skip_batches)
         from_step = ctx.global_step
@@ -537,6 +554,23 @@ class SpikeRollback:
                 f"(escalation {self._escalation.count}): {actions}.{self._events_note}"
             )
         v = pending["values"]
+        if v["reason"] == "escalation_ladder":
+            ctx.warn(
+                f"SpikeRollback: the escalation ladder rolled back from step {from_step} to the snapshot of step "
+                f"{slot.step} ({record['rewound_steps']} steps rewound) and steps over {self.skip_batches} more "
+                f"batch(es): {v['ladder']}.{_resume_note(slot, pending)} {self._events_note}"
+            )
+        else:
+            self._warn_rollback(ctx, pending, record)
+            if self._ladder is not None:
+                self._ladder.report(
+                    f"SpikeRollback rolled back at step {pending['step']} ({v['reason']})", source=type(self).__name__
+                )
+        if self.skip_batches == 0:
+            self._resume_from(slot, ctx)
+
+    def _warn_rollback(self, ctx: StepContext, pending: dict[str, Any], record: dict[str, Any]) -> None:
+        v, slot, from_step = pending["values"], pending["slot"], record["from_step"]
         ctx.warn(
             f"SpikeRollback: {v['reason']} for {v['consecutive']} step(s) since step {pending['start']} "
             f"({self.monitor} {v['value']:.6g}, z {v['z']:.1f}); rolled back from step {from_step} to the snapshot "
@@ -544,8 +578,31 @@ class SpikeRollback:
             f"batch(es). Rollback {self._rollbacks} of at most {self.max_rollbacks}.{_resume_note(slot, pending)} "
             f"{self._events_note}"
         )
-        if self.skip_batches == 0:
-            self._resume_from(slot, ctx)
+
+    def roll_back_now(self, ctx: StepContext, start: int, reason: str) -> bool:
+        """Roll back at once, after a step (the EscalationLadder's ``rollback`` rung): restore the newest snapshot taken
+        before step ``start`` (the ladder's first finding: the state that step trained from showed it), else the
+        oldest kept, and step over ``skip_batches`` batches, as a rollback of its own does; counted in
+        :attr:`rollbacks`.
+
+        Returns:
+            Whether it rolled back: not when this step rolls back already (its own trigger), while stepping over a
+            rollback's batches (the state is a snapshot's), or before the first snapshot.
+        """
+        pending = self._pending or {}
+        if self._skip_left > 0 or self._rolled_back_at == ctx.global_step or pending.get("kind") == "rollback":
+            return False
+        usable = [s for s in self._ring if s.valid]
+        if not usable:
+            return False
+        before = [s for s in usable if s.step < start]
+        slot = max(before, key=lambda s: s.id) if before else min(usable, key=lambda s: s.id)
+        self._pending = None  # a snapshot due at this step would hold the state the rollback gives up
+        values = {"reason": "escalation_ladder", "ladder": reason}
+        step = ctx.global_step - 1  # the step just done
+        rollback = {"step": step, "start": start, "slot": slot, "values": values, "escalate": False, "spiking": None}
+        self._roll_back(ctx, rollback)
+        return True
 
     def _resume_from(self, slot: StepSnapshot, ctx: StepContext) -> None:
         """The stepped-over batches are done: the run resumes from the restored state, which is the snapshot's, so the

@@ -1,5 +1,5 @@
-"""The Trainer callbacks of :class:`gradkit.EarlyWarning`, :class:`gradkit.QKClip`, :class:`gradkit.UpdateClip` and
-:class:`gradkit.StepsToSkip`: their Lightning-only hooks."""
+"""The Trainer callbacks of :class:`gradkit.EarlyWarning`, :class:`gradkit.QKClip`, :class:`gradkit.UpdateClip`,
+:class:`gradkit.EscalationLadder` and :class:`gradkit.StepsToSkip`: their Lightning-only hooks."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 from torch import Tensor
 
 import gradkit.policies.early_warning
+import gradkit.policies.ladder
 import gradkit.policies.qk_clip
 import gradkit.policies.steps_to_skip
 import gradkit.policies.update_clip
@@ -18,7 +19,7 @@ from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.strategy import require_gradkit_step
 from lightning_gradkit.trainer_door import GradKitCallback
 
-__all__ = ["EarlyWarning", "QKClip", "StepsToSkip", "UpdateClip"]
+__all__ = ["EarlyWarning", "EscalationLadder", "QKClip", "StepsToSkip", "UpdateClip"]
 
 
 @with_policy_docstring
@@ -162,4 +163,45 @@ class UpdateClip(gradkit.UpdateClip, GradKitCallback):
                 "it rescales the parameters after the optimizer step, and the DeepSpeed engine owns the step and the "
                 "parameters (partitioned under ZeRO)",
                 "Use Lightning's DDP or FSDP strategies for UpdateClip.",
+            )
+
+
+@with_policy_docstring
+class EscalationLadder(gradkit.EscalationLadder, GradKitCallback):
+    r"""The Trainer callback of :class:`gradkit.EscalationLadder`: its docstring, then what follows.
+
+    Under a Trainer the ``stop`` rung raises :class:`~lightning_gradkit.TrainingStopped` from the callback hook:
+    Lightning calls the callbacks' ``on_exception`` and finalizes the loggers, then lets it through ``trainer.fit``,
+    and the script (a ``LightningCLI`` one too) exits with ``exit_code``. ``ModelCheckpoint`` saves nothing at the
+    stop (resume from its last checkpoint). Keep a reference to the ladder for the z-loss: ``self.trainer.callbacks``
+    holds it. Not under DeepSpeed, whose engine owns the optimizer state its ``lr_cut`` resets.
+
+    Raises:
+        RuntimeError: at setup, under ``DeepSpeedStrategy``.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradkit import EarlyWarning, EscalationLadder, QKClip, SpikeRollback
+        >>> trainer = Trainer(
+        ...     strategy="gradkit",
+        ...     accelerator="cpu",
+        ...     callbacks=[
+        ...         EarlyWarning(output="model.lm_head"),
+        ...         QKClip(threshold=100.0, enabled=False),
+        ...         SpikeRollback("loss", snapshot_every_n_steps=100),
+        ...         EscalationLadder(z_loss=1e-4),
+        ...     ],
+        ... )
+    """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            refuse_under_deepspeed(
+                trainer,
+                "`EscalationLadder(...)`",
+                "its 'lr_cut' rung cuts the learning rate inside the optimizer step and resets the optimizer state, "
+                "but the DeepSpeed engine owns the optimizer state (partitioned under ZeRO) and its step",
+                "Use Lightning's DDP or FSDP strategies for EscalationLadder.",
             )
