@@ -7,22 +7,19 @@ moments of the modules concerned (:mod:`gradkit.policies.escalation`), before th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch  # noqa: F401  (the docstring example uses it)
 from torch import Tensor, nn
 
 from gradkit._util.arguments import check_bool, check_choice, check_float, check_int, name_list
-from gradkit.policies.escalation import Escalation, module_params
+from gradkit.policies.escalation import Escalation, FindingSink, module_params
 from gradkit.policies.signals import Reading, StabilitySignals, signal_key
 from gradkit.policies.warning_rules import DEFAULT_FLOORS, DEFAULT_THRESHOLDS, Detector, Finding, checked_rules
 from gradkit.report.events import SIGNALS_EVENT, EventLog, write_metadata
 from gradkit.step.plan import StepOutcome, StepStats
 from gradkit.step.protocol import Door, Stage, StepContext, state_key
 from gradkit.step.selection import parse_patterns
-
-if TYPE_CHECKING:
-    from gradkit.policies.ladder import EscalationLadder
 
 __all__ = ["ADVICE", "SIGNALS_EVENT", "EarlyWarning"]
 
@@ -192,7 +189,7 @@ class EarlyWarning:
         )
         self._detector = Detector(self.thresholds, self.floors, self.growth, self.growth_steps)
         #: The loop's EscalationLadder, which hears of every step with findings (set by the ladder's ``attach``).
-        self._ladder: EscalationLadder | None = None
+        self._ladder: FindingSink | None = None
         self._start_run_state()
 
     def _start_run_state(self) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -47,7 +47,7 @@ from gradkit.step.running import RunningMoments, spike_decision
 from gradkit.step.selection import auto_module_keys, module_rows, repeated_blocks
 from gradkit.step.snapshot import trained_parameters
 
-__all__ = ["Escalation", "module_params", "reset_optimizer_state_", "rewarmup_factor"]
+__all__ = ["Escalation", "FindingSink", "module_params", "reset_optimizer_state_", "rewarmup_factor"]
 
 #: What :meth:`Escalation.spiking_modules` returns: the modules, their parameters and their largest z-scores.
 _Spiking = tuple[list[str], list[Tensor], dict[str, float]]
@@ -146,6 +146,15 @@ def module_params(model: nn.Module, modules: Sequence[str]) -> list[Tensor]:
 def _same_layout(a: Tensor, b: Tensor) -> bool:
     la, lb = local_tensor(a), local_tensor(b)
     return la.shape == lb.shape and la.dtype == lb.dtype and la.device == lb.device
+
+
+class FindingSink(Protocol):
+    """What :class:`~gradkit.EarlyWarning` and :class:`~gradkit.SpikeRollback` tell the loop's
+    :class:`~gradkit.EscalationLadder` (which sets itself on them at its ``attach``): a finding, and a stop."""
+
+    def report(self, reason: str, source: str = "user", modules: Sequence[str] = ()) -> None: ...
+
+    def stop(self, reason: str, source: str = "user", step: int | None = None) -> None: ...
 
 
 class Escalation:

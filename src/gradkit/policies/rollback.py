@@ -13,13 +13,13 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from gradkit._util.arguments import check_bool, check_choice, check_float, check_int
-from gradkit.policies.escalation import Escalation
+from gradkit.policies.escalation import Escalation, FindingSink
 from gradkit.report.events import EventLog
 from gradkit.step.accounting import StepAccounting
 from gradkit.step.norms import nonfinite_mask
@@ -38,9 +38,6 @@ from gradkit.step.protocol import (
 from gradkit.step.running import RunningMoments
 from gradkit.step.snapshot import RNGState, Snapshot, capture_rng, restore_rng
 from gradkit.step.watch import WatchedValue
-
-if TYPE_CHECKING:
-    from gradkit.policies.ladder import EscalationLadder
 
 __all__ = ["SpikeRollback", "StepSnapshot"]
 
@@ -234,7 +231,7 @@ class SpikeRollback:
         self.escalate_reset_moments = self._escalation.reset_moments
         self.escalate_within_steps = self._escalation.within_steps
         #: The loop's EscalationLadder, which hears of every rollback and of a stop (set by the ladder's ``attach``).
-        self._ladder: EscalationLadder | None = None
+        self._ladder: FindingSink | None = None
         self._start_run_state()
 
     def _start_run_state(self) -> None:
