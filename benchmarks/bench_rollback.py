@@ -39,10 +39,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import Result, common_args, machine, run_table
 
-from gradkit.policies import rollback as core
 from gradkit.doors.loop import GradKit
-from gradkit.step.protocol import StepContext
+from gradkit.policies import rollback as core
 from gradkit.policies.rollback import StepSnapshot
+from gradkit.step.protocol import StepContext
 from lightning_gradkit import SpikeRollback
 from lightning_gradkit.demos import ByteDataset, GPTConfig, TinyGPT, TinyGPTModule, stdlib_text
 from lightning_gradkit.trainer_door import TrainerPipeline

@@ -137,6 +137,7 @@ def test_plain_lightning_trainer_pickles_and_deep_copies_after_fit(tmp_path: Pat
 
 
 @pytest.mark.filterwarnings("ignore:QKClip found no attention module:UserWarning")  # the models have none
+@pytest.mark.filterwarnings("ignore:EscalationLadder. no EarlyWarning or SpikeRollback:UserWarning")  # alone on purpose
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_callback_and_its_trainer_pickle_and_deep_copy_before_and_after_fit(tmp_path: Path, name: str) -> None:
     make, trainer_kwargs = CASES[name]

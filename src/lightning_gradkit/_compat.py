@@ -45,9 +45,12 @@ state), a DTensor's ``_local_tensor`` (``to_local()`` without its autograd node)
 and the autograd node's ``_sequence_nr()`` / ``torch.autograd.graph``'s ``_get_sequence_nr`` (forensics, the planner,
 the graph audit), ``torch._C`` for the CUDA event and pinned-memory calls of :mod:`gradkit.step.host_lag`, and the
 FSDP2/composable-checkpoint lookups that fall back to private paths on torch < 2.6 (``callbacks/validation.py``,
-``activation_checkpointing/injection.py``). From the standard library: ``sys._getframe`` (the source line of a sync or a
-culprit), ``functools._lru_cache_wrapper`` (the type of an ``lru_cache``, whose cache the inference-tensor search reads)
-and a namedtuple's ``_fields`` (public API).
+``activation_checkpointing/injection.py``). Two more torch reads, each guarded by a type check with a fallback:
+``Optimizer._optimizer_step_post_hooks`` (``policies/update_clip.py``: UpdateClip's post-hook moved first, so the
+monitor's update ratio sees the clipped update) and Fabric's ``_FabricModule._forward_module``
+(``policies/noise_scale.py``: the DDP module under Fabric's wrapper). From the standard library: ``sys._getframe``
+(the source line of a sync or a culprit), ``functools._lru_cache_wrapper`` (the type of an ``lru_cache``, whose cache
+the inference-tensor search reads) and a namedtuple's ``_fields`` (public API).
 
 **Runtime patches**. Each shadows an INSTANCE attribute (never a class attribute) and puts back what was there;
 the short-lived ones go through :func:`~gradkit.step.gate.shadowed` (Lightning-free, so the Fabric and

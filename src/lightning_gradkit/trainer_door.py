@@ -581,7 +581,7 @@ class GradKitCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = TrainerPipeline.of(trainer)
         engine.verify_layout(trainer, pl_module)
-        for attach in Roster.of(self).attach:
+        for attach in self._gradkit_roster().attach:
             attach(engine.context(trainer, pl_module), pl_module)
         self._first_forward_done = False
 
@@ -591,13 +591,13 @@ class GradKitCallback(Callback):
     ) -> None:
         if not self._first_forward_done:
             self._first_forward_done = True
-            for before_first_forward in Roster.of(self).before_first_forward:
+            for before_first_forward in self._gradkit_roster().before_first_forward:
                 before_first_forward(self._context(trainer, pl_module))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         # The unscaled loss costs a `detach` per micro-batch: only for a policy that reads it.
-        for note_loss in Roster.of(self).note_loss:
+        for note_loss in self._gradkit_roster().note_loss:
             note_loss(unscaled_loss(trainer, loss), TrainerPipeline.of(trainer).context(trainer, pl_module))
 
     @override
@@ -615,26 +615,33 @@ class GradKitCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        for after_step in Roster.of(self).after_step:
+        for after_step in self._gradkit_roster().after_step:
             after_step(self._context(trainer, pl_module))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for finish in Roster.of(self).finish:
+        for finish in self._gradkit_roster().finish:
             finish(self._context(trainer, pl_module))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # The hooks a policy put on the model and the optimizers leave them, as `GradKit.close()` removes them behind
         # the loop door.
-        for detach in Roster.of(self).detach:
+        for detach in self._gradkit_roster().detach:
             detach(self._context(trainer, pl_module))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # After an error Lightning calls neither `on_train_end` nor `teardown`: the hooks leave here.
-        for detach in Roster.of(self).detach:
+        for detach in self._gradkit_roster().detach:
             detach(self._context(trainer, pl_module))
+
+    def _gradkit_roster(self) -> Roster:
+        """This policy's hooks, looked up once (Lightning calls some of them every micro-batch)."""
+        hooks = self.__dict__.get("_gradkit_hooks")
+        if hooks is None:
+            hooks = self.__dict__["_gradkit_hooks"] = Roster.of(self)
+        return hooks
 
     @staticmethod
     def _context(trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainerContext:

@@ -96,7 +96,7 @@ class Pipeline:
         self.generation = 0
         self._pending_scales: list[tuple[Policy, Optimizer | None]] = []
         self._warned_frozen: set[str] = set()
-        self._cached_roster: tuple[list[Policy], Roster] | None = None
+        self._cached_roster: tuple[list[Policy], Roster, StatsRequest, float | None] | None = None
         #: Per optimizer (``id``): the pinned buffer its skip flags travel to the host in (fused optimizers only).
         self._skip_lags: dict[int, HostLag] = {}
 
@@ -148,8 +148,8 @@ class Pipeline:
                 return None  # the gradients this pipeline already wrote for the step
             first = self.last_records[id(optimizer)]  # a later evaluation of the step's closure
         with torch.no_grad():
-            roster = self._roster(optimizer, policies)
-            record, cached = self._measure(ctx, optimizer, roster)
+            roster, request, primary = self._roster(optimizer, policies)
+            record, cached = self._measure(ctx, optimizer, roster, request, primary)
             stats, decision = record.stats, record.decision
             if first is not None:
                 decide_again(stats, decision, first.decision, roster.decide_again, ctx)
@@ -165,17 +165,19 @@ class Pipeline:
             record.release_gradients()  # a record kept after its step must not keep its gradients alive
         return record
 
-    def _roster(self, optimizer: Optimizer, policies: Sequence[Policy]) -> Roster:
-        """The step's :class:`~gradkit.step.protocol.Roster`: ``policies`` and the pending scales for ``optimizer``
-        (taken: each is used by one run), built again only when that set changes."""
+    def _roster(self, optimizer: Optimizer, policies: Sequence[Policy]) -> tuple[Roster, StatsRequest, float | None]:
+        """The step's :class:`~gradkit.step.protocol.Roster` (``policies`` and the pending scales for ``optimizer``,
+        taken: each is used by one run) with what they ask of the measure, built again only when that set changes."""
         if self._pending_scales:
             taken = [p for p, o in self._pending_scales if o is None or o is optimizer]
             self._pending_scales = [(p, o) for p, o in self._pending_scales if not (o is None or o is optimizer)]
             policies = [*policies, *taken]
         cached = self._cached_roster
         if cached is None or len(cached[0]) != len(policies) or any(map(operator.is_not, cached[0], policies)):
-            cached = self._cached_roster = (list(policies), Roster(policies))
-        return cached[1]
+            roster = Roster(policies)
+            # What the policies ask of the measure, read once per set of policies (after their `attach`).
+            cached = self._cached_roster = (list(policies), roster, roster.request, roster.primary)
+        return cached[1], cached[2], cached[3]
 
     def _index(self, ctx: Door, optimizer: Optimizer, depth: int) -> _CachedIndex:
         """The index of the parameters ``optimizer`` steps now (with what the loop says of the optimizer), rebuilt
@@ -222,10 +224,11 @@ class Pipeline:
             )
         return cached
 
-    def _measure(self, ctx: Door, optimizer: Optimizer, roster: Roster) -> tuple[StepRecord, _CachedIndex]:
+    def _measure(
+        self, ctx: Door, optimizer: Optimizer, roster: Roster, request: StatsRequest, primary: float | None
+    ) -> tuple[StepRecord, _CachedIndex]:
         """Measure and reduce: every gradient read once into per-parameter norms (unscaled), one collective at most,
         the step's statistics, in the step's record with its gradients."""
-        request = roster.request
         cached = self._index(ctx, optimizer, request.depth)
         index = cached.index
         if index.replicated_dtensors:
@@ -237,7 +240,7 @@ class Pipeline:
             absent = [i for i in range(len(index.params)) if i not in have]
             if any(not steps_in_optimizer(index.params[i]) for i in absent):  # frozen since the index was built
                 del self._indexes[(id(optimizer), request.depth)]
-                return self._measure(ctx, optimizer, roster)
+                return self._measure(ctx, optimizer, roster, request, primary)
             missing = [index.names[i] for i in absent]
         scale = ctx.loss_scale(optimizer)
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -245,7 +248,9 @@ class Pipeline:
         # travels in the collective too: a rank's own answer alone could split the ranks' decisions.
         check = request.finite_check and (request.rank_flags or not distributed)
         local, found, units = _local_norms(index, grads, present, bounds, request, scale, check)
-        local, reduced = _reduce(ctx, roster, index, local, found, distributed)
+        reduced: dict[str, Tensor] = {}
+        if distributed or roster.reduce_request:  # a phase with nothing to do costs nothing
+            local, reduced = _reduce(ctx, roster, request, index, local, found, distributed)
         norms = {p: derive_stats(index, values, p, missing, found) for p, values in local.items()}
         if _NONFINITE_GRAD_RANKS in reduced:
             _merge_rank_flags(norms, reduced[_NONFINITE_GRAD_RANKS], found is not None)
@@ -256,7 +261,7 @@ class Pipeline:
             present=present,
             norms=norms,
             reduced=reduced,
-            primary_norm_type=roster.primary if roster.primary is not None else min(norms),
+            primary_norm_type=primary if primary is not None else min(norms),
             logging_step=ctx.is_logging_step(None),
             loss_scale=scale,
             unit_norms=units,
@@ -275,7 +280,7 @@ class Pipeline:
         self.last_records[id(stats.optimizer)] = record
         for observe in roster.observe:
             observe(stats, record, ctx)
-        if self.skipped_steps is not None and stats.logging_step:
+        if stats.logging_step and self.skipped_steps is not None:
             ctx.log({"gradkit/skipped_steps": self.skipped_steps})
 
     def _send_skip(self, record: StepRecord) -> None:
@@ -348,7 +353,13 @@ def _local_norms(
 
 
 def _reduce(
-    ctx: Door, roster: Roster, index: ParamIndex, local: dict[float, Tensor], found: Tensor | None, distributed: bool
+    ctx: Door,
+    roster: Roster,
+    request: StatsRequest,
+    index: ParamIndex,
+    local: dict[float, Tensor],
+    found: Tensor | None,
+    distributed: bool,
 ) -> tuple[dict[float, Tensor], dict[str, Tensor]]:
     """The step's one collective (several processes): the sharded norm contributions, the per-rank scalars the
     policies name and, when a guard asks, each rank's flags of non-finite gradients. Returns the norms and the
@@ -356,7 +367,7 @@ def _reduce(
     extras: dict[str, Tensor] = {}
     for reduce_request in roster.reduce_request:
         extras.update(reduce_request(ctx))
-    if roster.request.rank_flags and distributed:
+    if request.rank_flags and distributed:
         # A rank's gradients can turn non-finite after the DDP all-reduce (a hook, `on_after_backward`, a faulty
         # kernel): its flags then differ from the others'. Summed in the one collective, every rank sees them all.
         extras[_NONFINITE_GRAD_RANKS] = _local_nonfinite_flags(local, found, index.shard_weight.device)
