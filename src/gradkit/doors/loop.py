@@ -384,6 +384,12 @@ class GradKit:
         self._hooks = Roster(self.policies)  # every hook this door calls, looked up once
         for attach in self._hooks.attach:
             attach(self.ctx, root)
+        self._start_run_state(model)
+        if self._hooks.any_may_skip():
+            self._keep_buffers(root)
+
+    def _start_run_state(self, model: nn.Module) -> None:
+        """What the door keeps of the run it serves: nothing yet."""
         # What a loop that bypasses the door would not notice: no `kit.step` at all, no `note_loss` for a loss watcher.
         self._steps_through_kit = 0
         self._finished = False
@@ -396,8 +402,6 @@ class GradKit:
         self._called = model
         # The torch RNG state where the next micro-batch's forward starts, kept while the loop hands over replays.
         self._rng: RNGState | None = None
-        if self._hooks.any_may_skip():
-            self._keep_buffers(root)
 
     def _keep_buffers(self, root: nn.Module) -> None:
         """What a skipped step's forwards wrote into the buffers (BatchNorm statistics) is put back: a window opens

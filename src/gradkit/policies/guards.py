@@ -21,6 +21,7 @@ from torch import Tensor
 
 from gradkit._util.arguments import check_bool, check_choice, check_int
 from gradkit.policies.culprit import (
+    Culprit,
     MicroBatch,
     bad_sample_ids,
     culprit_text,
@@ -36,7 +37,7 @@ from gradkit.policies.culprit import (
 )
 from gradkit.policies.forensics import Finding
 from gradkit.policies.guard_reporting import Flagged, Kept, Ledger, Reporter, overflow_summary, write_norm_overflow
-from gradkit.step.norms import loss_scale, nonfinite_mask, world_size
+from gradkit.step.norms import GradStats, loss_scale, nonfinite_mask, world_size
 from gradkit.step.plan import Decision, StepOutcome, StepStats
 from gradkit.step.protocol import Door, Stage, StatsRequest, StepContext, served, state_key
 from gradkit.step.snapshot import Snapshot
@@ -396,13 +397,19 @@ class NonFiniteGuard:
         if grads_bad is not None and not grads_nonfinite and not bad_ranks:
             self._norm_overflow(stats, ctx)
             return
-        primary = stats.primary
-        nonfinite = (~torch.isfinite(primary.param_norms)).cpu()
-        overflow = self._scaler and grads_nonfinite and not bad_ranks
+        overflow = bool(self._scaler and grads_nonfinite and not bad_ranks)
         finding: Finding | None = None
         if self.replay_allowed(step) and not overflow:
             finding = self._replay(ctx, self._micro_batches, step)
-        local = {
+        # Gradients can differ between ranks (a rank's own hook after the all-reduce): every rank's is reported.
+        per_rank = gather_ranks(self._local_report(ctx, stats.primary, finding))
+        what = "fp16_overflow" if overflow else nonfinite_kind(bool(bad_ranks), grads_nonfinite)
+        self._report_flagged(ctx, stats.primary, per_rank, bad_ranks, what, finding is not None)
+
+    def _local_report(self, ctx: StepContext, primary: GradStats, finding: Finding | None) -> dict[str, Any]:
+        """What this rank knows of a flagged step: its losses, its non-finite gradients, its replay's finding."""
+        nonfinite = (~torch.isfinite(primary.param_norms)).cpu()
+        return {
             "rank": ctx.global_rank,
             # As training_step returned them (Lightning divides by the accumulation count before the backward).
             "losses": [v * ctx.accumulate_grad_batches for t in self._losses for v in t.reshape(-1).tolist()],
@@ -414,22 +421,25 @@ class NonFiniteGuard:
             "described": None if finding is None else finding.describe(),
             "ids": [id_list(ids) for ids in self._ids],
         }
-        per_rank = gather_ranks(local)
-        # Gradients can differ between ranks (a rank's own hook after the all-reduce): report every rank's.
-        positions = sorted({i for r in per_rank for i in r["params"]})
-        params = [primary.model_names[i] for i in positions]
+
+    def _report_flagged(
+        self,
+        ctx: StepContext,
+        primary: GradStats,
+        per_rank: list[dict[str, Any]],
+        bad_ranks: list[int],
+        what: str,
+        found_by_replay: bool,
+    ) -> None:
+        """The event, the console summary and the warning of a flagged step, from every rank's report."""
+        step = ctx.global_step
+        params = [primary.model_names[i] for i in sorted({i for r in per_rank for i in r["params"]})]
         grad_ranks = [r["rank"] for r in per_rank if r["params"]]
         culprit = locate_culprit(per_rank, bad_ranks, params, self._no_replay_reason())
         window = list(self._window) or [ctx.batch_idx]
         batch = culprit.batch if culprit.batch is not None else first_bad_batch(per_rank, window)
         replay = reproducibility(per_rank)
-        position = window.index(batch) if batch in window else -1
-        ids = {
-            str(r["rank"]): bad_sample_ids(r["ids"][position], r["finding"])
-            for r in per_rank
-            if -len(r["ids"]) <= position < len(r["ids"]) and r["ids"][position] is not None
-        }
-        what = "fp16_overflow" if overflow else nonfinite_kind(bool(bad_ranks), grads_nonfinite)
+        ids = _sample_ids(per_rank, window.index(batch) if batch in window else -1)
         values = {
             "loss_nonfinite_ranks": bad_ranks,
             "grad_nonfinite_ranks": grad_ranks,
@@ -455,11 +465,11 @@ class NonFiniteGuard:
             sample_ids=ids or None,
             values=values,
         )
-        summary = step_summary(step, batch, window, what, bad_ranks, grad_ranks, params, culprit, replay, ids)
-        if finding is not None and self._first_finding is None:
+        if found_by_replay and self._first_finding is None:
             self._first_finding = {"step": step, "culprit": culprit.name, "described": culprit.text}
+        summary = step_summary(step, batch, window, what, bad_ranks, grad_ranks, params, culprit, replay, ids)
         self._conclude(ctx, summary)
-        if not overflow:
+        if what != "fp16_overflow":
             # A short first line; the details below it, the parameters' names only in the event.
             verb = "skipped" if self.action == "skip" else "applied"
             first = f"NonFiniteGuard: {what_text(what)} at step {step}, {culprit_text(culprit)}"
@@ -563,11 +573,7 @@ class NonFiniteGuard:
         bad_ranks, grads = self._late_flags(record.flags, ctx)
         norm_overflow = self.check_grads and not grads and not bad_ranks  # flagged by its norm alone
         kept: Kept = record.keep
-        params: list[str] = []
-        if grads and self._param_names:  # the first parameter with a non-finite gradient (a logging step: may read)
-            params = [self._param_names[int(nonfinite_mask(kept.param_norms).to(torch.float32).argmax())]]
-        elif norm_overflow and self._param_names:  # the largest norm
-            params = [self._param_names[int(kept.param_norms.argmax())]]
+        params = self._late_params(kept, grads, norm_overflow)
         what = "norm_overflow" if norm_overflow else nonfinite_kind(bool(bad_ranks), grads)
         if self._scaler and grads and not bad_ranks:
             what = "fp16_overflow"
@@ -579,17 +585,7 @@ class NonFiniteGuard:
         findings = [dict(r["finding"], rank=r["rank"]) for r in per_rank if r["finding"] is not None]
         if findings:
             values.update(forensics=findings, replay_reproduced_ranks=replay.reproduced_on)
-        where: dict[str, Any] = {}
-        if culprit.batch in kept.window:  # the replayed micro-batch that made it: its step's micro-batches, its ids
-            position = kept.window.index(culprit.batch)
-            ids = {
-                str(r["rank"]): bad_sample_ids(r["ids"][position], r["finding"]) for r in per_rank if r["ids"][position]
-            }
-            where = {
-                "batch_idx": culprit.batch,
-                "batches": [kept.window[0], kept.window[-1]],
-                "sample_ids": ids or None,
-            }
+        where = _late_where(kept, per_rank, culprit)
         self._reporter.write(
             ctx,
             step=first,  # the flagged step, also when reported one step late (a fused skip): one number per event
@@ -621,6 +617,17 @@ class NonFiniteGuard:
         if what != "fp16_overflow":
             ctx.warn(f"NonFiniteGuard: {summary}{self._reporter.note}")
 
+    def _late_params(self, kept: Kept, grads: bool, norm_overflow: bool) -> list[str]:
+        """The parameter a late report names: the first with a non-finite gradient, or the largest norm when the norm
+        alone overflowed (a logging step: may read)."""
+        if not self._param_names:
+            return []
+        if grads:
+            return [self._param_names[int(nonfinite_mask(kept.param_norms).to(torch.float32).argmax())]]
+        if norm_overflow:
+            return [self._param_names[int(kept.param_norms.argmax())]]
+        return []
+
     # -- state -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -640,3 +647,23 @@ class NonFiniteGuard:
             last = self._first_finding["step"]  # saved before the budget: the one replay ran at the first finding
         self._last_replay = None if last is None else int(last)
         self._reporter.restored_skips = float(state_dict.get("skipped_steps", 0.0))
+
+
+def _late_where(kept: Kept, per_rank: list[dict[str, Any]], culprit: Culprit) -> dict[str, Any]:
+    """Where a late report's culprit came from: the replayed micro-batch that made it, its step's micro-batches and
+    its sample ids (empty when the culprit is not in the kept window)."""
+    if culprit.batch not in kept.window:
+        return {}
+    position = kept.window.index(culprit.batch)
+    ids = {str(r["rank"]): bad_sample_ids(r["ids"][position], r["finding"]) for r in per_rank if r["ids"][position]}
+    return {"batch_idx": culprit.batch, "batches": [kept.window[0], kept.window[-1]], "sample_ids": ids or None}
+
+
+def _sample_ids(per_rank: list[dict[str, Any]], position: int) -> dict[str, Any]:
+    """Per rank, the ids of the samples of its micro-batch at ``position`` in the window that made the non-finite
+    value (all of the micro-batch's where the replay does not narrow them down)."""
+    return {
+        str(r["rank"]): bad_sample_ids(r["ids"][position], r["finding"])
+        for r in per_rank
+        if -len(r["ids"]) <= position < len(r["ids"]) and r["ids"][position] is not None
+    }

@@ -237,6 +237,11 @@ class GradNormMonitor:
                     "`noise_scale=False` measures none. Set `noise_scale=True` too, or leave it None."
                 )
         self.noise_scale_batch_size = noise_scale_batch_size
+        self.prog_bar = check_bool("prog_bar", prog_bar)
+        self._start_run_state()
+
+    def _start_run_state(self) -> None:
+        """What a run finds and keeps (checks, rows, counts, the report's record, the update-ratio hooks): empty."""
         self._noise: DDPNoiseProbe | None = None
         self._noise_warned = False
         # The parameter index each check was done for (re-armed when parameters join or leave the optimizer), and
@@ -245,7 +250,6 @@ class GradNormMonitor:
         self._zero_watch: dict[int, _ZeroWatch] = {}
         self._reported_missing: set[str] = set()
         self._reported_zero: set[str] = set()
-        self.prog_bar = check_bool("prog_bar", prog_bar)
         self._first_pending = True
         self._model_order: list[str] = []
         self._blocks: list[str] = []

@@ -539,17 +539,8 @@ class SpikeRollback:
         self._history.append(record)
         self._event(ctx, "rollback", pending["values"], **record)
         if pending["escalate"]:
-            # The spike came back: cut the learning rate and/or reset optimizer moments of the restored state.
             assert previous_end is not None
-            since = pending["step"] - previous_end
-            fields, actions = self._escalation.escalate(
-                ctx, pending["spiking"], pending["step"], self._rollbacks, since, slot.step
-            )
-            self._event(ctx, "escalation", pending["values"], next(iter(fields["reset_modules"]), None), **fields)
-            ctx.warn(
-                f"SpikeRollback: the spike came back {since} step(s) after the previous rollback; escalating "
-                f"(escalation {self._escalation.count}): {actions}.{self._events_note}"
-            )
+            self._escalate(ctx, pending, pending["step"] - previous_end, slot.step)
         v = pending["values"]
         if v["reason"] == "escalation_ladder":
             ctx.warn(
@@ -565,6 +556,18 @@ class SpikeRollback:
                 )
         if self.skip_batches == 0:
             self._resume_from(slot, ctx)
+
+    def _escalate(self, ctx: StepContext, pending: dict[str, Any], since: int, restored_step: int) -> None:
+        """The spike came back ``since`` steps after the previous rollback: cut the learning rate and/or reset the
+        optimizer moments of the restored state."""
+        fields, actions = self._escalation.escalate(
+            ctx, pending["spiking"], pending["step"], self._rollbacks, since, restored_step
+        )
+        self._event(ctx, "escalation", pending["values"], next(iter(fields["reset_modules"]), None), **fields)
+        ctx.warn(
+            f"SpikeRollback: the spike came back {since} step(s) after the previous rollback; escalating "
+            f"(escalation {self._escalation.count}): {actions}.{self._events_note}"
+        )
 
     def _warn_rollback(self, ctx: StepContext, pending: dict[str, Any], record: dict[str, Any]) -> None:
         v, slot, from_step = pending["values"], pending["slot"], record["from_step"]
