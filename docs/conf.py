@@ -92,6 +92,7 @@ nitpick_ignore = [
     # protocol and of the callbacks' checks
     ("py:class", "gradkit.doors.loop.LoopContext"),
     ("py:class", "gradkit.step.record.StepRecord"),
+    ("py:class", "gradkit.step.pp_stages.PipelineStages"),
     ("py:class", "lightning_gradkit.trainer_door.TrainerContext"),
     ("py:class", "MicroBatch"),
     ("py:class", "gradkit.step.protocol.MicroBatch"),

@@ -35,7 +35,7 @@ _CALM = "calm"  # the ladder on no rung
 
 
 class TrainingStopped(SystemExit):
-    """Training stopped by :class:`EscalationLadder`'s ``stop`` rung. A :class:`SystemExit` whose ``code`` is the
+    """Training stopped by :class:`~gradkit.EscalationLadder`'s ``stop`` rung. A :class:`SystemExit` whose ``code`` is the
     ladder's ``exit_code``: uncaught, it ends the process with that status (and no traceback); ``except Exception``
     does not catch it. The Lightning ``Trainer`` lets it through after its ``on_exception`` hooks.
 
@@ -73,7 +73,7 @@ class EscalationLadder:
       PaLM's z-loss) to your loss, and the mitigation reaches your loss without a change of your forward;
     - ``rollback``: ``SpikeRollback`` restores its newest snapshot taken before the first finding since the ladder
       left calm (else its oldest), and steps over its ``skip_batches``, as its own rollbacks do;
-    - ``stop``: a warning, an event, then :class:`TrainingStopped` (a ``SystemExit`` with ``exit_code``): the
+    - ``stop``: a warning, an event, then :class:`~gradkit.TrainingStopped` (a ``SystemExit`` with ``exit_code``): the
       process ends with that status behind every door, for a job scheduler to act on (``docs/jobs/early_warning.md``
       shows Slurm and Kubernetes). ``SpikeRollback`` out of rollbacks (``max_rollbacks``) stops here too.
 
@@ -95,7 +95,7 @@ class EscalationLadder:
     Every transition is an ``escalation_ladder`` event in ``gradkit_events.jsonl`` (``from_rung``, ``to_rung``,
     ``direction``: ``"climb"``, ``"descend"`` or ``"repeat"``, ``source``, the ``reason`` in ``values`` and the
     rung's action: ``lr_factor`` and ``reset_params``, ``qk_clip`` and ``z_loss_weight``, ``rolled_back``,
-    ``exit_code``), a warning, and an entry of :attr:`transitions`.
+    ``exit_code``), a warning, and an entry of ``transitions``.
 
     Args:
         rungs: the rungs to climb, a subset of ``["warn", "lr_cut", "mitigate", "rollback", "stop"]`` in this
@@ -216,8 +216,8 @@ class EscalationLadder:
 
     @property
     def z_loss_weight(self) -> Tensor:
-        """The z-loss weight (a scalar on the model's device once attached): 0, and ``z_loss`` from the ``mitigate``
-        rung up. Read it at every step (the ladder changes it in place)."""
+        """The weight of the z-loss, a scalar on the model's device once attached, 0 below the ``mitigate`` rung and
+        ``z_loss`` from it up. Read it at every step (the ladder changes it in place)."""
         self._z_read = True
         return self._z_weight
 

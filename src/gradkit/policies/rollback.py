@@ -116,8 +116,8 @@ class SpikeRollback:
     cures a fault the restored state carries (a learning-rate schedule that the rollback rewinds into the fault again);
     on a fault that recurs on its own schedule a cut learning rate measured worse than none (``benchmarks/RESULTS.md``,
     issue 39), hence off. With an :class:`~gradkit.EscalationLadder` in the loop the ladder owns the escalation: each
-    rollback is reported to it, its ``rollback`` rung rolls back through :meth:`roll_back_now` (counted in
-    :attr:`rollbacks`), and a trigger after ``max_rollbacks`` stops through its ``stop`` rung (its exit code) where it
+    rollback is reported to it, its ``rollback`` rung rolls back through ``roll_back_now`` (counted in
+    ``rollbacks``), and a trigger after ``max_rollbacks`` stops through its ``stop`` rung (its exit code) where it
     has one; the ladder's state is left out of the snapshots.
 
     **Resume.** The ``state_dict`` holds the statistics, counters, the count of skipped steps and the batches left to

@@ -29,9 +29,9 @@ from torch import Tensor
 from gradkit._util.torch_compat import loss_scale as loss_scale  # re-exported: callers import it here
 from gradkit.step._multi_norm import found_nonfinite, multi_tensor_norms
 from gradkit.step.host_lag import host_to_device as host_to_device  # re-exported: callers import it here
+from gradkit.step.pp_stages import PipelineStages
 
 if TYPE_CHECKING:
-    from gradkit.step.pp_stages import PipelineStages
     from gradkit.step.replicas import ReplicaCheck
 
 __all__ = [
@@ -446,7 +446,7 @@ class GradStats:
         missing: names of trainable parameters that had no gradient at this step.
         pp: under pipeline parallelism (:func:`~gradkit.pipeline_parallel`), where this stage's parameters sit among
             every stage's: ``param_norms`` and ``names`` are this stage's, ``total``, ``module_norms`` and
-            ``group_norms`` the whole model's, as :attr:`model_norms` and :attr:`model_names` are.
+            ``group_norms`` the whole model's, as ``model_norms`` and ``model_names`` are.
     """
 
     norm_type: float

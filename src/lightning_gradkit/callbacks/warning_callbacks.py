@@ -170,7 +170,7 @@ class UpdateClip(gradkit.UpdateClip, GradKitCallback):
 class EscalationLadder(gradkit.EscalationLadder, GradKitCallback):
     r"""The Trainer callback of :class:`gradkit.EscalationLadder`: its docstring, then what follows.
 
-    Under a Trainer the ``stop`` rung raises :class:`~lightning_gradkit.TrainingStopped` from the callback hook:
+    Under a Trainer the ``stop`` rung raises :class:`~gradkit.TrainingStopped` from the callback hook:
     Lightning calls the callbacks' ``on_exception`` and finalizes the loggers, then lets it through ``trainer.fit``,
     and the script (a ``LightningCLI`` one too) exits with ``exit_code``. ``ModelCheckpoint`` saves nothing at the
     stop (resume from its last checkpoint). Keep a reference to the ladder for the z-loss: ``self.trainer.callbacks``
