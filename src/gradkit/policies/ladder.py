@@ -35,8 +35,8 @@ _CALM = "calm"  # the ladder on no rung
 
 
 class TrainingStopped(SystemExit):
-    """Training stopped by :class:`~gradkit.EscalationLadder`'s ``stop`` rung. A :class:`SystemExit` whose ``code`` is the
-    ladder's ``exit_code``: uncaught, it ends the process with that status (and no traceback); ``except Exception``
+    """Training stopped by :class:`~gradkit.EscalationLadder`'s ``stop`` rung. A :class:`SystemExit` whose ``code`` is
+    the ladder's ``exit_code``: uncaught, it ends the process with that status (and no traceback); ``except Exception``
     does not catch it. The Lightning ``Trainer`` lets it through after its ``on_exception`` hooks.
 
     Attributes:
