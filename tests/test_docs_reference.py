@@ -283,6 +283,7 @@ def _named_policies(text: str, start: str, end: str, clippers: set[str]) -> set[
 
 
 @pytest.mark.filterwarnings("ignore:QKClip found no attention module:UserWarning")  # on a Linear
+@pytest.mark.filterwarnings("ignore:EscalationLadder. no EarlyWarning or SpikeRollback:UserWarning")  # alone here
 def test_the_lists_of_what_works_in_a_loop_name_every_policy_the_loop_door_takes() -> None:
     # The reference: what `GradKit(...)` accepts. Every policy of the torch root builds a door; a Trainer-only
     # callback is refused at construction, naming why.

@@ -140,8 +140,11 @@ def test_a_firing_writes_an_early_warning_event_and_warns_what_to_do(tmp_path: P
     model = TinyGPT(CONFIG)
     warning = EarlyWarning(thresholds={"attn_logit_max": 0.0}, **QUIET)
     kit = _kit(model, warning, log_dir=tmp_path)
-    with pytest.warns(UserWarning, match=r"attn_logit_max/blocks.0.attn.* at step 0 \(above 0\): .*qk-layernorm"):
+    with pytest.warns(
+        UserWarning, match=r"attn_logit_max/blocks\.[01]\.attn.* at step 0 \(above 0\): .*qk-layernorm"
+    ) as caught:
         _train(kit, model, _batches(1))
+    assert sum("qk-layernorm" in str(w.message) for w in caught) == 2  # one per attention module
     found = [e for e in events(tmp_path) if e["what"] == "early_warning"]
     assert [(e["step"], e["culprit"], e["action"], e["source"]) for e in found] == [
         (0, "blocks.0.attn", "warn", "EarlyWarning"),
@@ -167,8 +170,10 @@ def test_escalate_cuts_the_learning_rate_inside_the_next_steps_and_resets_the_mo
     optimizer = kit.ctx.optimizers[0]
     seen: list[float] = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(opt.param_groups[0]["lr"]))
-    with pytest.warns(UserWarning, match="escalation 1 at step 0: learning rate x0.1"):
+    finding, action = "Escalating: see the next warning", "escalation 1 at step 0: learning rate x0.1"
+    with pytest.warns(UserWarning, match=f"{finding}|{action}") as caught:
         _train(kit, model, _batches(1))
+    assert [finding in str(w.message) for w in caught] == [True, False]  # the finding, then the action
     attention = {id(p) for p in model.blocks[1].attn.parameters()}
     assert all(optimizer.state[p] == {} or p not in optimizer.state for p in model.parameters() if id(p) in attention)
     _train(kit, model, _batches(5, seed=1))
