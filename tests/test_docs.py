@@ -194,6 +194,7 @@ def _scale(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage])
     assert ns["HSDPModule"].configure_model is not LightningModule.configure_model
     assert ns["MoEModule"].configure_model is not LightningModule.configure_model
     assert callable(ns["train_stage"])  # a pipeline needs 2 processes: tests/test_pipeline_parallel_distributed.py
+    assert callable(ns["train_context_parallel"])  # ring attention needs 2 GPUs: tests/test_context_parallel_gpu.py
 
 
 def _hf_door(ns: dict[str, Any], cwd: Path, caught: list[warnings.WarningMessage]) -> None:

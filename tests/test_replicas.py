@@ -41,6 +41,18 @@ def test_copies_within_a_thousandth_pass_and_differing_ones_name_the_parameter_r
     assert "gradkit.expert_parallel(module, group)" in message and "a plain tensor" in message
 
 
+def test_copies_left_unreduced_over_context_parallel_ranks_are_refused_with_the_cp_fix() -> None:
+    """Context parallelism gives each cp rank the gradient of its part of the sequence; FSDP2 over ``mesh["dp"]``
+    alone (a DTensor on a sub-mesh) or no reduction (a plain tensor) leaves the cp copies apart. The GPU run under
+    torch's ring attention is ``tests/test_context_parallel_gpu.py``; here the norms of its two ranks, by hand."""
+    sub_mesh = "a DTensor on a device mesh of 1 of the 2 ranks, so gradkit counts the ranks of the other meshes ..."
+    for assumed in (sub_mesh, PLAIN[0]):
+        message = replica_mismatch(["tok.weight"], [assumed], table([0.152178, 0.138075], [0, 0]))
+        assert message is not None and "rank 0 0.152178, rank 1 0.138075" in message
+        assert "Under context parallelism" in message and "mesh['dp', 'cp']._flatten('dp_shard_cp')" in message
+        assert "DDP over the cp group" in message
+
+
 def test_only_ranks_with_the_same_piece_key_are_compared() -> None:
     # Expert-parallel ranks 0 and 1 hold different experts (keys 0 and 1); their data-parallel copies (2 and 3) agree.
     declared = ["declared expert-parallel over a group of 2 ranks, so gradkit counts the ranks ..."]

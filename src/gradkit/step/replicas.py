@@ -400,7 +400,11 @@ def replica_mismatch(names: Sequence[str], assumed: Sequence[str], table: Tensor
             "group (or 1-D DeviceMesh) across which it differs; if the ranks train different stages of a pipeline, "
             "declare each rank's stage before the door starts: `gradkit.pipeline_parallel(stage_module, pp_group)`. "
             "If it should be the same on every rank, its gradient is not all-reduced: wrap the module in DDP or "
-            "`fully_shard`, or all-reduce the gradient before the step."
+            "`fully_shard`, or all-reduce the gradient before the step. Under context parallelism every "
+            "context-parallel rank holds a copy too (each computes the gradient of its part of the sequence): reduce "
+            "over the cp ranks as well, with `fully_shard` over the flattened data x context mesh "
+            "(`mesh['dp', 'cp']._flatten('dp_shard_cp')`, as torchtitan does) rather than `mesh['dp']`, or DDP "
+            "over the cp group."
         )
     return (
         f"gradkit: the gradient of `{names[c]}` differs between ranks that gradkit counts as holding copies of it, "
