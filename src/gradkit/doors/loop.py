@@ -451,7 +451,8 @@ class GradKit:
         for note_loss in self._hooks.note_loss:
             note_loss(loss, ctx)
         ctx.micro_batch = None
-        self._rng = capture_rng(full=False) if replay is not None else None
+        # Where the next micro-batch's replay would start; only a policy that reads the losses keeps a replay.
+        self._rng = capture_rng(full=False) if replay is not None and self._hooks.note_loss else None
 
     def step(self, optimizer: Optimizer | None = None, **kwargs: Any) -> bool | None:
         """Run the pipeline for ``optimizer``'s gradients and step it, unless a policy decided to skip the step.
