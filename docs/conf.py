@@ -77,6 +77,8 @@ nitpick_ignore = [
     ("py:class", "StepsToSkip"),
     ("py:func", "gradkit.step.replay.replay"),
     ("py:mod", "gradkit.policies.escalation"),
+    ("py:mod", "gradkit.doors.distributed_checkpoint"),
+    ("py:class", "gradkit.doors.distributed_checkpoint.DistributedState"),
     ("py:mod", "gradkit.policies.forensics"),
     ("py:mod", "gradkit.report.loggers"),
     ("py:mod", "gradkit.step.selection"),

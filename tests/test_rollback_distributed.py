@@ -1,6 +1,8 @@
 """SpikeRollback on 2 CPU processes (gloo), DDP and FSDP2, with the spike on rank 1 only: every rank rolls back at
 the same step, its local state (FSDP2: its own shards) after the rollback equals the snapshot bitwise, and the run
-ends like a single-process Adam loop that never saw the rewound and stepped-over global batches."""
+ends like a single-process Adam loop that never saw the rewound and stepped-over global batches. Under FSDP2 with
+``save_snapshots=True`` a distributed checkpoint keeps each rank's snapshots, so a run resumed from it (behind the
+Trainer and behind the loop door) ends as the uninterrupted one, bitwise."""
 
 from __future__ import annotations
 
@@ -18,6 +20,12 @@ from test_rollback import assert_bitwise
 pytestmark = pytest.mark.distributed
 
 N_BATCHES, BAD, FACTOR = 16, (9, 10), 50.0
+#: The SpikeRollback of the job (``distributed/rollback_script.py``), and the step of its distributed checkpoints:
+#: after the snapshot of step 8, before the spike (a resumed run must restore step 8's state from the checkpoint).
+ROLLBACK: dict[str, Any] = dict(
+    z_threshold=4.0, alpha=0.9, warmup_steps=4, patience=2, snapshot_every_n_steps=4, skip_batches=2
+)
+SAVE_AT = 9
 
 
 def spiky_global_data() -> TensorDataset:
@@ -45,10 +53,23 @@ def reference_params(kept: list[int]) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def test_rollback_is_identical_on_every_rank_and_exact_under_ddp_and_fsdp2(tmp_path: Path) -> None:
-    ranks = run_distributed("rollback_script.py", tmp_path, timeout=300)
-    # Rewound: global batches 8-10 (the snapshot of step 8 is from before batch 8); stepped over: 11 and 12.
-    expected = reference_params([*range(8), *range(13, N_BATCHES)])
+@pytest.fixture(scope="module")
+def rollback_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """One launch of ``rollback_script.py``: its output folder (the checkpoints) and each rank's results."""
+    out = tmp_path_factory.mktemp("rollback")
+    return out, run_distributed("rollback_script.py", out, timeout=300)
+
+
+def kept_batches() -> list[int]:
+    """Rewound: global batches 8-10 (the snapshot of step 8 is from before batch 8); stepped over: 11 and 12."""
+    return [*range(8), *range(13, N_BATCHES)]
+
+
+def test_rollback_is_identical_on_every_rank_and_exact_under_ddp_and_fsdp2(
+    rollback_job: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, ranks = rollback_job
+    expected = reference_params(kept_batches())
     for case in ("ddp", "fsdp2"):
         first, second = ranks[0][case], ranks[1][case]
         (event,) = first["events"]
@@ -60,11 +81,77 @@ def test_rollback_is_identical_on_every_rank_and_exact_under_ddp_and_fsdp2(tmp_p
         assert_bitwise(first["params"], second["params"], case)  # every rank ends with the same model
         for name, values in first["params"].items():
             torch.testing.assert_close(torch.tensor(values), expected[name], rtol=1e-5, atol=1e-6, msg=case)
-    # FSDP2: each rank holds its shards only, so its snapshot is about half of the DDP one; a checkpoint (rank 0's
-    # callback state) could not hold them, so `save_snapshots=True` is refused at setup on every rank.
+    # FSDP2: each rank holds its shards only, so its snapshot is about half of the DDP one; a checkpoint that is one
+    # file from rank 0 (`save_distributed_checkpoint=False`) could not hold them: refused at setup on every rank.
     assert ranks[0]["fsdp2"]["snapshot_bytes"] < ranks[0]["ddp"]["snapshot_bytes"]
     for r in ranks:
-        assert "save_snapshots=False" in r["fsdp2_save_snapshots"], r["fsdp2_save_snapshots"]
+        assert (
+            "`save_distributed_checkpoint=False` Lightning writes the checkpoint from rank 0"
+            in (r["fsdp2_save_snapshots"])
+        ), r["fsdp2_save_snapshots"]
+
+
+def test_a_trainer_resumed_from_a_distributed_checkpoint_rolls_back_as_the_uninterrupted_fsdp2_run(
+    rollback_job: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """``GradKitModelParallelStrategy`` (``save_distributed_checkpoint=True``): the checkpoint of step 9 keeps each
+    rank's snapshots (its own shards) in its ``gradkit_rank_local`` folder, written by that rank, not in rank 0's
+    ``meta.pt``; the run resumed from it restores the snapshot of step 8 (a resume without the ring would restore the
+    state of step 9) and ends with every rank's shards, Adam state and LR schedule equal to the uninterrupted run's."""
+    _, ranks = rollback_job
+    for rank, r in enumerate(ranks):
+        resumed = r["fsdp2_resumed"]
+        assert resumed["history"] == r["fsdp2"]["history"] and resumed["history"][0]["to_step"] == 8
+        assert resumed["same_end_state"], rank  # bitwise
+        assert not resumed["meta_has_snapshots"] and resumed["written_by"] == f"__{rank}_0.distcp"
+
+
+def test_a_plain_loop_resumed_through_distributed_state_rolls_back_as_the_uninterrupted_fsdp2_loop(
+    rollback_job: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """``GradKit.distributed_state()`` in ``torch.distributed.checkpoint.save/load`` beside the model's and the
+    optimizer's state: each rank's snapshots saved by that rank; the resumed loop (from step 9) rolls back to step 8
+    and ends with every rank's local state equal to the uninterrupted loop's bitwise, whose parameters are those of
+    the single-process Adam loop without the rewound and stepped-over batches."""
+    _, ranks = rollback_job
+    expected = reference_params(kept_batches())
+    for rank, r in enumerate(ranks):
+        straight, resumed = r["loop"], r["loop_resumed"]
+        assert resumed["first_step"] == SAVE_AT and resumed["same_end_state"], rank
+        assert resumed["history"] == straight["history"] and straight["history"][0]["to_step"] == 8
+        assert straight["written_by"] == resumed["written_by"] == f"__{rank}_0.distcp"
+        assert_bitwise(resumed["params"], straight["params"], "loop")
+    for name, values in ranks[0]["loop"]["params"].items():
+        torch.testing.assert_close(torch.tensor(values), expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_resume_on_another_number_of_ranks_is_refused_with_rank_local_state_and_works_without(
+    rollback_job: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """The loop's 2-rank checkpoint loaded by one process: with ``save_snapshots=True`` the kit refuses (each rank's
+    snapshots hold its own shards), naming both world sizes; without, the states the ranks share load (the
+    statistics, as rank 0 saved them)."""
+    import torch.distributed.checkpoint as dcp
+
+    from gradkit import GradKit
+    from gradkit.policies.rollback import SpikeRollback
+
+    out, ranks = rollback_job
+
+    def kit(save_snapshots: bool) -> tuple[GradKit, SpikeRollback]:
+        model = MLPModule(lr=0.01)
+        rollback = SpikeRollback("loss", **ROLLBACK, save_snapshots=save_snapshots)
+        return GradKit(model, torch.optim.Adam(model.parameters()), [rollback], log_dir=False), rollback
+
+    refused, _ = kit(True)
+    with pytest.raises(ValueError, match=r"saved by 2 rank\(s\), and this run has 1") as info:
+        dcp.load({"gradkit": refused.distributed_state()}, checkpoint_id=out / "loop_ckpt")
+    assert "Resume with 2 ranks, or with `save_snapshots=False`" in str(info.value)
+    resumed, rollback = kit(False)
+    dcp.load({"gradkit": resumed.distributed_state()}, checkpoint_id=out / "loop_ckpt")
+    assert resumed.state_dict()["step"] == SAVE_AT
+    saved = ranks[0]["loop"]["saved_stats"]
+    assert {k: v.tolist() for k, v in rollback.state_dict()["stats"].items()} == saved and saved["count"] > 0
 
 
 @pytest.fixture(scope="module")

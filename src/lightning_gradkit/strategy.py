@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -72,6 +73,13 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 
 from gradkit._util.torch_compat import handles_found_inf
+from gradkit.doors.distributed_checkpoint import (
+    RANK_LOCAL_FOLDER,
+    load_rank_local,
+    merge_rank_local,
+    save_rank_local,
+    split_rank_local,
+)
 from gradkit.step.closure import first_evaluation
 from gradkit.step.gate import close_step, shadowed, step_as_decided
 from gradkit.step.protocol import Roster
@@ -96,8 +104,10 @@ __all__ = [
     "GradKitStrategyMixin",
     "gradkit_strategy_hint",
     "handles_found_inf",
+    "rank_zero_checkpoint_reason",
     "register_strategies",
     "require_gradkit_step",
+    "saves_rank_local_state",
 ]
 
 
@@ -143,6 +153,35 @@ def require_gradkit_step(
             f"{who} needs automatic optimization (one optimizer step per batch, which the GradKit strategy {does}), "
             f"but the LightningModule sets `automatic_optimization = False`.{' ' + manual if manual else ''}"
         )
+
+
+def saves_rank_local_state(strategy: object) -> bool:
+    """Whether ``strategy`` saves each rank's own callback state (``SpikeRollback(save_snapshots=True)``'s snapshots):
+    a GradKit strategy on ``ModelParallelStrategy(save_distributed_checkpoint=True)`` (the default) does, into its
+    distributed checkpoint (:mod:`gradkit.doors.distributed_checkpoint`)."""
+    # Lightning keeps the argument private; without it, the strategy writes one file from rank 0.
+    distributed = getattr(strategy, "_save_distributed_checkpoint", False)
+    return isinstance(strategy, GradKitStrategyMixin) and isinstance(strategy, ModelParallelStrategy) and distributed
+
+
+def rank_zero_checkpoint_reason(strategy: object) -> str | None:
+    """Why ``strategy``'s checkpoints cannot hold each rank's own callback state (its shards), or ``None`` when they
+    can (:func:`saves_rank_local_state`) or the ranks hold the same state (DDP)."""
+    if saves_rank_local_state(strategy):
+        return None
+    if isinstance(strategy, ModelParallelStrategy):
+        return (
+            "with `save_distributed_checkpoint=False` Lightning writes the checkpoint from rank 0 only; keep the "
+            "default `save_distributed_checkpoint=True` on a GradKit strategy (`GradKitModelParallelStrategy`), whose "
+            "distributed checkpoint saves every rank's snapshots"
+        )
+    if isinstance(strategy, FSDPStrategy):
+        return (
+            "Lightning saves callback states from rank 0 only (`meta.pt` of a sharded checkpoint too); train FSDP2 "
+            "with `GradKitModelParallelStrategy` (`save_distributed_checkpoint=True`, the default), whose distributed "
+            "checkpoint saves every rank's snapshots"
+        )
+    return None
 
 
 @dataclass
@@ -291,6 +330,13 @@ class GradKitStrategyMixin:
         super().teardown()  # type: ignore[misc]
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        local: dict[str, dict[str, Any]] = {}
+        keys = self._gradkit_rank_local_keys()
+        if keys:
+            # Lightning writes the callbacks' states from rank 0 only (`meta.pt`): each rank's own entries go into a
+            # distributed checkpoint of their own beside it, written by every rank.
+            callbacks, local = split_rank_local(checkpoint.get("callbacks", {}), keys)
+            checkpoint = {**checkpoint, "callbacks": callbacks}
         if self._gradkit_gate_active and self._gradkit_frequencies:
             checkpoint = {**checkpoint, _SCHEDULE_KEY: self._gradkit_schedule_state()}
         buffers = self._gradkit_buffers
@@ -299,14 +345,31 @@ class GradKitStrategyMixin:
             # run that skips this window puts back what an uninterrupted one would.
             checkpoint = {**checkpoint, _WINDOW_BUFFERS_KEY: buffers.buffers_state_dict()}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+        if keys:
+            path = Path(self.broadcast(filepath))  # type: ignore[attr-defined]  # rank 0's path, as Lightning saved
+            save_rank_local(local, path / RANK_LOCAL_FOLDER)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+        keys = self._gradkit_rank_local_keys()
+        if keys:
+            folder = Path(self.broadcast(checkpoint_path)) / RANK_LOCAL_FOLDER  # type: ignore[attr-defined]
+            if folder.is_dir():  # else saved without rank-local state: the callbacks start without it
+                local = load_rank_local(folder, list(keys))
+                checkpoint["callbacks"] = merge_rank_local(checkpoint.get("callbacks", {}), local)
         # Adopted at the next optimizer step (the window buffers at the next window start): Lightning may load before
         # or after `setup`.
         self._gradkit_restored = checkpoint.get(_SCHEDULE_KEY)
         self._gradkit_window_buffers = checkpoint.get(_WINDOW_BUFFERS_KEY)
         return checkpoint
+
+    def _gradkit_rank_local_keys(self) -> dict[str, tuple[str, ...]]:
+        """The gradkit callbacks' rank-local state entries, by state key, where this strategy saves each rank's
+        (:func:`saves_rank_local_state`); empty elsewhere."""
+        trainer = getattr(self, "_gradkit_trainer", None)  # set at `setup`, which comes before any save or load
+        if trainer is None or not saves_rank_local_state(self):
+            return {}
+        return Roster([cb for cb in trainer.callbacks if isinstance(cb, GradKitCallback)]).rank_local()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._gradkit_drops():

@@ -4,6 +4,11 @@ Global batches 9 and 10 spike (rank 1's targets x50); with ``patience=2`` the ro
 rank, restores the snapshot of step 8 and steps over 2 more batches. Each rank records its own *local* state
 (FSDP2: its shards) at the end of every batch and compares the state after the rollback with the snapshot's
 bitwise; it also reports the final parameters (gathered whole) for the single-process reference.
+
+Distributed checkpoints (``torch.distributed.checkpoint``) with ``save_snapshots=True`` under FSDP2: the Trainer's
+FSDP2 run saves one at step 9 (``ModelCheckpoint``; between the snapshot of step 8 and the spike, so only the saved
+ring lets a resumed run restore step 8's state), and a plain loop (``GradKit.distributed_state()``) does the same;
+each is resumed from it in a new run, whose local state at the end is compared with the uninterrupted run's bitwise.
 """
 
 from __future__ import annotations
@@ -15,14 +20,22 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Subset
 
+from gradkit import GradKit
+from gradkit.doors.distributed_checkpoint import RANK_LOCAL_FOLDER
 from gradkit.step.norms import local_tensor
 from helpers import MLPModule, ShardedMLP, distributed_trainer, pg_timeout, script_parser, write_rank_result
 from lightning_gradkit import GradKitDDPStrategy, GradKitModelParallelStrategy, SpikeRollback
 from test_guards import events
-from test_rollback_distributed import N_BATCHES, spiky_global_data
+from test_rollback import ResumableLoader
+from test_rollback_distributed import N_BATCHES, ROLLBACK, SAVE_AT, spiky_global_data
 
 
 def rank_loader(rank: int) -> DataLoader:
@@ -30,9 +43,14 @@ def rank_loader(rank: int) -> DataLoader:
     return DataLoader(Subset(data, range(rank, len(data), 2)), batch_size=4)
 
 
-def local_state(module: pl.LightningModule) -> dict[str, Any]:
-    trainer = module.trainer
-    opt = trainer.optimizers[0]
+class RankBatches(ResumableLoader):
+    """This rank's batches, resumable mid-epoch (Lightning restores the loader's ``state_dict``)."""
+
+    def __init__(self, rank: int) -> None:
+        self.batches, self.drawn, self.start = list(rank_loader(rank)), 0, 0
+
+
+def local_state(module: nn.Module, opt: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
     return {
         "params": [local_tensor(p.detach()).clone() for p in module.parameters()],
         "optimizer": [
@@ -41,7 +59,7 @@ def local_state(module: pl.LightningModule) -> dict[str, Any]:
             if p in opt.state
         ],
         "lr": [g["lr"] for g in opt.param_groups],
-        "scheduler": copy.deepcopy(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
+        "scheduler": copy.deepcopy(scheduler.state_dict()),
     }
 
 
@@ -68,21 +86,35 @@ class RollbackMLP(MLPModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.records[self.trainer.global_step] = local_state(self)
+        trainer = self.trainer
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        self.records[trainer.global_step] = local_state(self, trainer.optimizers[0], scheduler)
 
 
 class ShardedRollbackMLP(RollbackMLP, ShardedMLP):
     """The same, with the encoder and the head sharded by FSDP2 in ``configure_model``."""
 
 
-def run(out: Path, name: str, model: RollbackMLP, strategy: Any) -> dict[str, Any]:
-    callback = SpikeRollback(
-        "loss", z_threshold=4.0, alpha=0.9, warmup_steps=4, patience=2, snapshot_every_n_steps=4, skip_batches=2
+def fit(
+    out: Path, name: str, model: RollbackMLP, strategy: Any, loader: Any, saving: bool = False, ckpt: Path | None = None
+) -> tuple[pl.Trainer, SpikeRollback]:
+    """``model`` trained on ``loader`` with the job's SpikeRollback; ``saving``: with ``save_snapshots=True`` and a
+    checkpoint at step ``SAVE_AT`` (``<out>/<name>/mid.ckpt``); ``ckpt``: resumed from that checkpoint."""
+    callback = SpikeRollback("loss", **ROLLBACK, save_snapshots=saving or ckpt is not None)
+    callbacks: list[Any] = [callback]
+    if saving:
+        callbacks.append(ModelCheckpoint(out / name, "mid", every_n_train_steps=SAVE_AT, save_top_k=-1))
+    trainer = distributed_trainer(
+        strategy=strategy, default_root_dir=out / name, callbacks=callbacks, enable_checkpointing=saving
     )
-    trainer = distributed_trainer(strategy=strategy, default_root_dir=out / name, callbacks=[callback])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(model, rank_loader(trainer.global_rank))
+        trainer.fit(model, loader(trainer.global_rank), ckpt_path=ckpt)
+    return trainer, callback
+
+
+def run(out: Path, name: str, model: RollbackMLP, strategy: Any, saving: bool = False) -> dict[str, Any]:
+    trainer, callback = fit(out, name, model, strategy, RankBatches if saving else rank_loader, saving)
     found = [e for e in events(trainer.default_root_dir) if e["what"] == "rollback"] if trainer.global_rank == 0 else []
     # The test checks (rank 0's event) that the rollback fired at step 10 and restored the snapshot of step 8.
     return {
@@ -95,14 +127,89 @@ def run(out: Path, name: str, model: RollbackMLP, strategy: Any) -> dict[str, An
             for n, p in model.named_parameters()
         },
         "events": found,
+        "history": callback.state_dict()["history"],
         "global_step": trainer.global_step,
         "snapshot_bytes": callback.snapshot_bytes,
+        "final": model.records[N_BATCHES],
+    }
+
+
+def written_by(folder: Path, key: str) -> str:
+    """The file of the checkpoint ``folder`` that holds the item ``key`` (``__<rank>_0.distcp``: the rank that wrote
+    it)."""
+    storage = dcp.FileSystemReader(folder).read_metadata().storage_data
+    (path,) = {info.relative_path for index, info in storage.items() if index.fqn == key}
+    return path
+
+
+def resumed_trainer(out: Path, straight: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer's FSDP2 run resumed from its checkpoint of step ``SAVE_AT``: its end state against the
+    uninterrupted run's (``straight``), and where the checkpoint keeps each rank's snapshots."""
+    torch.manual_seed(0)
+    strategy = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=pg_timeout())
+    model, ckpt = ShardedRollbackMLP(), out / "fsdp2" / "mid.ckpt"
+    trainer, callback = fit(out, "fsdp2_resumed", model, strategy, RankBatches, ckpt=ckpt)
+    rank = trainer.global_rank
+    meta = torch.load(ckpt / "meta.pt", weights_only=True)["callbacks"][callback.state_key]
+    return {
+        "same_end_state": equal(model.records[N_BATCHES], straight["final"]),
+        "history": callback.state_dict()["history"],
+        "meta_has_snapshots": "snapshots" in meta,
+        "written_by": written_by(ckpt / RANK_LOCAL_FOLDER, f"rank_local.rank{rank}"),
+    }
+
+
+def loop(out: Path, rank: int, resume: bool = False) -> dict[str, Any]:
+    """The plain loop door on FSDP2 (``fully_shard``): the job's SpikeRollback with ``save_snapshots=True`` and a DCP
+    checkpoint (``GradKit.distributed_state()``) at step ``SAVE_AT``; ``resume``: from that checkpoint."""
+    torch.manual_seed(0)
+    model = MLPModule(lr=0.01)
+    mesh = init_device_mesh("cpu", (2,))
+    for module in (model.encoder, model.head):
+        fully_shard(module, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    rollback = SpikeRollback("loss", **ROLLBACK, save_snapshots=True)
+    kit = GradKit(model, opt, [rollback], schedulers=sched, log_every_n_steps=0, log_dir=False)
+    ckpt = out / "loop_ckpt"
+
+    def state() -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(model, opt)
+        return {"model": model_state, "optim": optim_state, "sched": sched, "gradkit": kit.distributed_state()}
+
+    first, saved = 0, {}
+    if resume:
+        loaded = state()
+        dcp.load(loaded, checkpoint_id=ckpt)
+        set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        first = kit.state_dict()["step"]
+    for step, (x, y) in enumerate(rank_loader(rank)):
+        if step < first:
+            continue
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        kit.note_loss(loss)
+        kit.step(opt)
+        opt.zero_grad(set_to_none=True)
+        if step + 1 == SAVE_AT and not resume:
+            dcp.save(state(), checkpoint_id=ckpt)
+            saved = {k: v.tolist() for k, v in rollback.state_dict()["stats"].items()}
+    kit.finish()
+    return {
+        "first_step": first,
+        "end": local_state(model, opt, sched),
+        "history": rollback.state_dict()["history"],
+        "params": {n: p.full_tensor().tolist() for n, p in model.named_parameters()},
+        "saved_stats": saved,
+        "written_by": written_by(ckpt, f"gradkit.rank_local.rank{rank}"),
     }
 
 
 def refused_save_snapshots(out: Path) -> str:
-    """The setup error of ``save_snapshots=True`` under FSDP2 (each rank's snapshots hold its own shards)."""
-    strategy = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=pg_timeout())
+    """The setup error of ``save_snapshots=True`` under FSDP2 whose checkpoint is one file from rank 0."""
+    strategy = GradKitModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False, timeout=pg_timeout()
+    )
     callback = SpikeRollback(save_snapshots=True)
     trainer = distributed_trainer(strategy=strategy, default_root_dir=out / "refused", callbacks=[callback])
     try:
@@ -119,9 +226,17 @@ def main() -> None:
     results["ddp"] = run(args.out, "ddp", RollbackMLP(), GradKitDDPStrategy(timeout=pg_timeout()))
     torch.manual_seed(0)
     fsdp2 = GradKitModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=pg_timeout())
-    results["fsdp2"] = run(args.out, "fsdp2", ShardedRollbackMLP(), fsdp2)
+    results["fsdp2"] = run(args.out, "fsdp2", ShardedRollbackMLP(), fsdp2, saving=True)
+    results["fsdp2_resumed"] = resumed_trainer(args.out, results["fsdp2"])
     results["fsdp2_save_snapshots"] = refused_save_snapshots(args.out)
-    write_rank_result(args.out, results["ddp"]["rank"], results)
+    rank = results["ddp"]["rank"]
+    results["loop"] = loop(args.out, rank)
+    resumed = loop(args.out, rank, resume=True)
+    resumed["same_end_state"] = equal(resumed.pop("end"), results["loop"].pop("end"))
+    results["loop_resumed"] = resumed
+    for case in ("ddp", "fsdp2"):
+        del results[case]["final"]  # tensors: compared here, not written
+    write_rank_result(args.out, rank, results)
 
 
 if __name__ == "__main__":

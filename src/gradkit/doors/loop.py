@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from gradkit._util.arguments import check_int
 from gradkit._util.torch_compat import gradients_still_scaled, loss_scale
+from gradkit.doors.distributed_checkpoint import DistributedState
 from gradkit.doors.loop_setup import (
     checked_door_arguments,
     checked_policies,
@@ -574,13 +575,42 @@ class GradKit:
         """The door's state for a checkpoint: the step counter, the skip count and every policy's state.
 
         Each policy's state is keyed by its ``state_key``, the key a Lightning ``Trainer`` checkpoint keeps it under
-        (``checkpoint["callbacks"][state_key]``): a state saved behind either door loads behind the other.
+        (``checkpoint["callbacks"][state_key]``): a state saved behind either door loads behind the other. For
+        ``torch.save``; in a ``torch.distributed.checkpoint`` state dict put :meth:`distributed_state` instead.
         """
         return {
             "step": self.ctx.step,
             "skipped_steps": self.skipped_steps,
             "policies": {policy_key(p): p.state_dict() for p in self._hooks.saves_state},
         }
+
+    def distributed_state(self) -> DistributedState:
+        """The door's state as a ``torch.distributed.checkpoint`` ``Stateful``: put it in the state dict you give
+        ``torch.distributed.checkpoint.save`` and ``load``, beside the model's and the optimizers'.
+
+        :meth:`state_dict` itself is not one: DCP loads into the state a fresh door returns, whose shape is not that
+        of a trained door's (a policy's history, a snapshot ring), so every policy state goes into one item here. What
+        each rank holds its own of (``SpikeRollback(save_snapshots=True)``'s snapshots: under FSDP2 its shards, its
+        buffers and RNG states) is saved per rank, by that rank, and loaded back on the same rank: a resumed FSDP2 run
+        rolls back as the uninterrupted one (whatever the mesh: the items are per rank). The rest is the same on every
+        rank and saved once. A resume on another number of ranks is refused when rank-local state was saved
+        (:mod:`gradkit.doors.distributed_checkpoint` says why); without it, it resumes.
+
+        Example::
+
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optim": optim_state, "gradkit": kit.distributed_state()}
+            dcp.save(state, checkpoint_id=path)
+            # at the resume, with the model, the optimizer and the kit built as before:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optim": optim_state, "gradkit": kit.distributed_state()}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        """
+        return DistributedState(self)
 
     def checkpoint_is_finite(self) -> FiniteCheck:
         """Whether a checkpoint of the model and the optimizers now would hold only finite values: call it before you

@@ -127,7 +127,11 @@ class SpikeRollback:
     inside a run of flagged steps. With ``save_snapshots=False`` (the default) a resumed run takes its first snapshot
     of the state it resumed from (``snapshot_origin="resume"``, else ``"start"`` or ``"schedule"``) and differs from
     the uninterrupted run there only: a rollback restores that state where the uninterrupted run would take an older
-    snapshot or stop, and the warning says so.
+    snapshot or stop, and the warning says so. With several ranks each rank's ring is its own (under FSDP2: its
+    shards, buffers and RNG states), saved per rank in a distributed checkpoint (``torch.distributed.checkpoint``):
+    ``GradKitModelParallelStrategy(save_distributed_checkpoint=True)`` behind the Trainer, ``kit.distributed_state()``
+    in a loop of your own (:mod:`gradkit.doors.distributed_checkpoint`); such a checkpoint resumes on the same number
+    of ranks only.
 
     Cost: one host read of the step's skip flag (shared with the strategy's read, which an ordinary optimizer does
     anyway; with a fused optimizer, this read is the one host synchronization per step), a second read on skipped
@@ -651,6 +655,12 @@ class SpikeRollback:
         if self.save_snapshots:
             state["snapshots"] = [slot.state_dict() for slot in self._ring if slot.valid]
         return state
+
+    def rank_local_keys(self) -> tuple[str, ...]:
+        """``("snapshots",)`` with ``save_snapshots=True``: each rank's snapshots hold its own FSDP2 shards, module
+        buffers and RNG states, so a distributed checkpoint saves each rank's ring (``GradKit.distributed_state()``,
+        ``GradKitModelParallelStrategy``); the rest of the state is the same on every rank."""
+        return ("snapshots",) if self.save_snapshots else ()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._load_stats(state_dict["stats"])

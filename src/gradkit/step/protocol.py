@@ -353,7 +353,9 @@ class Policy(Protocol):
     - ``after_step(ctx)``: after the optimizer step (applied or skipped) and the LR schedulers of the batch.
     - ``finish(ctx)``: the loop ended.
     - ``may_skip()``: whether it may ask for a step to be skipped (the door must be able to skip).
-    - ``state_dict()`` / ``load_state_dict(state)`` and ``state_key``: its state, one format behind every door.
+    - ``state_dict()`` / ``load_state_dict(state)`` and ``state_key``: its state, one format behind every door;
+      ``rank_local_keys()``: the entries of that state each rank holds its own values of (a distributed checkpoint
+      saves them per rank: :mod:`gradkit.doors.distributed_checkpoint`).
     - ``detach(ctx)``: remove what ``attach`` registered (hooks on the model); the loop door's ``close`` calls it.
     """
 
@@ -427,6 +429,11 @@ class Policy(Protocol):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the state :meth:`state_dict` returned."""
+
+    def rank_local_keys(self) -> tuple[str, ...]:
+        """The keys of :meth:`state_dict` whose values differ from rank to rank (``SpikeRollback``'s snapshots: each
+        rank's own FSDP2 shards, buffers and RNG states). The others are the same on every rank, saved once."""
+        return ()
 
 
 def state_key(policy: object, **identity: object) -> str:
@@ -576,6 +583,11 @@ class Roster:
         self.loads_state: list[Policy] = [p for p in given if hook(p, "load_state_dict") is not None]  # type: ignore[misc]
         self._request: StatsRequest | None = None
         self._primary: list[float | None] = []
+
+    def rank_local(self) -> dict[str, tuple[str, ...]]:
+        """Each policy's :meth:`Policy.rank_local_keys`, by its :func:`policy_key` (those with none left out)."""
+        found = ((policy_key(p), keys()) for p in self.saves_state if (keys := hook(p, "rank_local_keys")) is not None)
+        return {key: tuple(names) for key, names in found if names}
 
     @classmethod
     def of(cls, policy: object) -> Roster:

@@ -4,11 +4,10 @@ checks and hooks only a Trainer has."""
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from gradkit.policies import rollback
 from lightning_gradkit._docstring import with_policy_docstring
-from lightning_gradkit.strategy import require_gradkit_step
+from lightning_gradkit.strategy import rank_zero_checkpoint_reason, require_gradkit_step
 from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
 
 __all__ = ["SpikeRollback"]
@@ -26,8 +25,11 @@ class SpikeRollback(rollback.SpikeRollback, GradKitCallback):
     when skipping did not cure the run, with its own ``patience``, thresholds and budget.
 
     Raises:
-        ValueError: at setup, for ``save_snapshots=True`` under FSDP/FSDP2 with several ranks (each rank's
-            snapshots hold its own shards, and Lightning saves callback states from rank 0 only).
+        ValueError: at setup, for ``save_snapshots=True`` with several ranks under ``FSDPStrategy`` or
+            ``ModelParallelStrategy(save_distributed_checkpoint=False)``: each rank's snapshots hold its own shards,
+            and there Lightning saves callback states from rank 0 only. ``GradKitModelParallelStrategy`` with
+            ``save_distributed_checkpoint=True`` (the default) saves every rank's snapshots in its distributed
+            checkpoint (sub-folder ``gradkit_rank_local``), and a resume on another number of ranks is refused.
         RuntimeError: at setup, on a strategy that cannot skip an optimizer step (the message names the GradKit
             strategy to use), under manual optimization or DeepSpeed.
 
@@ -63,12 +65,12 @@ class SpikeRollback(rollback.SpikeRollback, GradKitCallback):
             ),
             manual="",
         )
-        sharded = isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)) and trainer.world_size > 1
-        if self.save_snapshots and sharded:
+        why = rank_zero_checkpoint_reason(trainer.strategy) if trainer.world_size > 1 else None
+        if self.save_snapshots and why is not None:
             raise ValueError(
-                f"SpikeRollback(save_snapshots=True) saves the snapshots in its checkpoint state, which Lightning "
-                f"saves from rank 0 only, but under {type(trainer.strategy).__name__} every rank's snapshots hold its "
-                "own shards. Use `save_snapshots=False`: a resumed run then takes its first snapshot at the resume."
+                f"SpikeRollback(save_snapshots=True) saves the snapshots in its checkpoint state, and under "
+                f"{type(trainer.strategy).__name__} every rank's snapshots hold its own shards, but {why}. Or use "
+                "`save_snapshots=False`: a resumed run then takes its first snapshot at the resume."
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
