@@ -125,6 +125,7 @@ def test_a_plain_loop_resumed_through_distributed_state_rolls_back_as_the_uninte
         torch.testing.assert_close(torch.tensor(values), expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning")
 def test_a_resume_on_another_number_of_ranks_is_refused_with_rank_local_state_and_works_without(
     rollback_job: tuple[Path, list[dict[str, Any]]],
 ) -> None:

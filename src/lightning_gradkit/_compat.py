@@ -28,6 +28,10 @@ says where releases differ.
 - ``Callback._legacy_state_key`` (``trainer_door.py``, the note on callbacks added at a restart): the key Lightning
   itself still accepts when it loads a callback's state (``Trainer._checkpoint_connector``), so a callback whose state
   a checkpoint holds under it is not reported as new.
+- ``ModelParallelStrategy._save_distributed_checkpoint`` (``strategy.py``, ``saves_rank_local_state``): whether the
+  strategy writes a distributed checkpoint, where each rank's own callback state can go (the constructor argument
+  ``save_distributed_checkpoint`` has no public getter); read with ``getattr`` and a default of ``False`` (one file
+  from rank 0: the rank-local state is then refused with the reason).
 - torch and torchmetrics, in :mod:`gradkit._util.torch_compat` (the Lightning-free pipeline needs them too):
   torchmetrics' ``Metric._defaults`` (``metric_state_names``), ``GradScaler._scale``
   (:func:`~gradkit._util.torch_compat.loss_scale`), ``GradScaler._per_optimizer_states`` (``gradients_still_scaled``),
