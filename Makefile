@@ -21,12 +21,13 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) examples/tiny_gpt.py fit --config examples/configs/demo.yaml --trainer.enable_progress_bar=false
 
 # `make test` runs every test, in two pytest-xdist workers (one per core of a 2-core machine: most tests are short
-# single-process Trainer runs, bound by Python, not by torch's threads; one torch thread each, and in every process a
-# distributed test starts: two threads a process oversubscribe the cores: 9m40s against 6m29s, measured), the 8-process HSDP x TP job included: no marker
-# leaves one out, so a newcomer's run and CI's are the same proof and no second entry point can collect nothing. A
-# distributed job (tests/helpers.py) is robust to a busy machine instead: its timeout, set for an idle 2-core machine,
-# grows with the load at launch (`launch_timeout`), and so does its process group's; a job that still times out is
-# started once more, a job that fails never is. Any non-zero pytest status fails, 5 (no test collected) included.
+# single-process Trainer runs, bound by Python, not by torch's threads), one torch thread in each and in every process
+# a distributed test starts (two threads a process oversubscribe the cores: 9m40s against 6m29s, measured), the
+# 8-process HSDP x TP job included: no marker leaves one out, so a newcomer's run and CI's are the same proof and no
+# second entry point can collect nothing. A distributed job (tests/helpers.py) is robust to a busy machine instead: its
+# timeout, set for an idle 2-core machine, grows with the load at launch (`launch_timeout`), and so does its process
+# group's; a job that still times out is started once more, a job that fails never is. Any non-zero pytest status
+# fails, 5 (no test collected) included.
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q -n 2 --dist worksteal
 
