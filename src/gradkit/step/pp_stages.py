@@ -27,35 +27,13 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from gradkit.step.host_lag import host_to_device
+from gradkit.step.replicas import mesh_group
 
 __all__ = ["PipelineStages", "declared_pipeline", "pipeline_parallel", "pipeline_stages", "ranks_per_stage"]
 
 # Where `pipeline_parallel` writes the stage's pipeline group, on the module (it survives FSDP2's `fully_shard` and
 # DDP, which keep the module object).
 _ATTRIBUTE = "_gradkit_pipeline_group"
-
-
-def _pipeline_group(group: object) -> dist.ProcessGroup:
-    """The process group of ``group`` (a ``ProcessGroup`` or a 1-D ``DeviceMesh``), which must hold this rank."""
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(
-                f"`group` must be a process group or a 1-D DeviceMesh, got a {group.ndim}-D mesh {group!r}: pass the "
-                "pipeline dimension, e.g. `mesh['pp']`."
-            )
-        group = group.get_group()
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"`group` must be a torch.distributed ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__} "
-            f"{group!r}. Pass the group that holds one rank per pipeline stage, the one your `PipelineStage` was "
-            "given, e.g. `init_device_mesh(...)['pp'].get_group()` or `dist.new_group(ranks)`."
-        )
-    if dist.get_rank(group) < 0:
-        raise ValueError(
-            f"`group` does not hold this rank ({dist.get_rank()}): pass the pipeline group this rank's stage belongs "
-            "to (every rank passes its own group)."
-        )
-    return group
 
 
 def pipeline_parallel(stage_module: nn.Module, group: dist.ProcessGroup | DeviceMesh) -> None:
@@ -100,7 +78,13 @@ def pipeline_parallel(stage_module: nn.Module, group: dist.ProcessGroup | Device
             f"`stage_module` must be the nn.Module of this rank's stage, got {type(stage_module).__name__} "
             f"{stage_module!r}: pass the module you gave `PipelineStage` (not the stage object)."
         )
-    setattr(stage_module, _ATTRIBUTE, _pipeline_group(group))
+    group = mesh_group(
+        group,
+        "the pipeline dimension, e.g. `mesh['pp']`",
+        "the pipeline group (one rank per stage, the one your `PipelineStage` was given)",
+        "`init_device_mesh(...)['pp'].get_group()` or `dist.new_group(ranks)`",
+    )
+    setattr(stage_module, _ATTRIBUTE, group)
 
 
 def declared_pipeline(model: nn.Module | None) -> dist.ProcessGroup | None:

@@ -35,6 +35,7 @@ __all__ = [
     "declared_groups",
     "declared_replication",
     "expert_parallel",
+    "mesh_group",
     "mesh_pieces",
     "replica_check",
     "replica_mismatch",
@@ -51,25 +52,26 @@ _RTOL = 1e-3
 _ATOL_FRACTION = 1e-6
 
 
-def _as_group(group: object) -> dist.ProcessGroup:
-    """The process group of ``group`` (a ``ProcessGroup`` or a 1-D ``DeviceMesh``), which must hold this rank."""
+def mesh_group(group: object, dimension: str, which: str, example: str) -> dist.ProcessGroup:
+    """The process group of ``group`` (a ``ProcessGroup`` or a 1-D ``DeviceMesh``), which must hold this rank; the
+    errors name the mesh ``dimension`` to pass (``"the dimension over which the experts differ, e.g. `mesh['ep']`"``),
+    ``which`` group it is and an ``example`` of building one."""
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(
-                f"`group` must be a process group or a 1-D DeviceMesh, got a {group.ndim}-D mesh {group!r}: pass the "
-                "dimension over which the experts differ, e.g. `mesh['ep']`."
+                f"`group` must be a process group or a 1-D DeviceMesh, got a {group.ndim}-D mesh {group!r}: pass "
+                f"{dimension}."
             )
         group = group.get_group()
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"`group` must be a torch.distributed ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__} "
-            f"{group!r}. Pass the group over which the experts differ, e.g. `dist.new_group(ranks)` or "
-            "`init_device_mesh(...)['ep']`."
+            f"{group!r}. Pass {which}, e.g. {example}."
         )
     if dist.get_rank(group) < 0:
         raise ValueError(
-            f"`group` does not hold this rank ({dist.get_rank()}): pass the expert-parallel group this rank belongs "
-            "to (every rank passes its own group)."
+            f"`group` does not hold this rank ({dist.get_rank()}): pass {which} this rank belongs to (every rank "
+            "passes its own group)."
         )
     return group
 
@@ -109,7 +111,12 @@ def expert_parallel(
         self.experts = LocalExperts(num_experts // ep)   # w1: [E_local, d, h], the same names on every rank
         gradkit.expert_parallel(self.experts, mesh["ep"])
     """
-    group = _as_group(group)
+    group = mesh_group(
+        group,
+        "the dimension over which the experts differ, e.g. `mesh['ep']`",
+        "the expert-parallel group",
+        "`dist.new_group(ranks)` or `init_device_mesh(...)['ep']`",
+    )
     items = [modules_or_params] if isinstance(modules_or_params, nn.Module | Tensor) else list(modules_or_params)
     if not items:
         raise ValueError("`modules_or_params` is empty: pass the module that holds the experts, or its parameters.")
