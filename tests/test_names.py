@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel
@@ -93,18 +92,6 @@ def test_ddp_prefix_is_dropped_only_as_the_leading_component_of_a_ddp_root() -> 
     # DDP(torch.compile(m)) and torch.compile(DDP(m)).
     assert clean_name("module._orig_mod.1.module.weight", ddp_root=True) == "1.module.weight"
     assert clean_name("_orig_mod.module.1.module.weight", ddp_root=True) == "1.module.weight"
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    """A 1-process gloo group (DistributedDataParallel needs one), destroyed afterwards."""
-    assert not dist.is_initialized()
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_real_ddp_names_clean_to_the_unwrapped_names(one_rank_group: None) -> None:

@@ -9,9 +9,6 @@ the table) holds no copy to compare. The declaration itself is read from a real 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,16 +22,6 @@ from gradkit.step.replicas import replica_mismatch
 
 NAN = float("nan")
 PLAIN = ["a plain tensor, so gradkit counts it as one copy held by every rank (as DDP keeps it)"]
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[dist.ProcessGroup]:
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_pipeline_parallel_refuses_what_is_not_a_stage_module_or_a_group() -> None:

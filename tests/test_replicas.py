@@ -9,9 +9,6 @@ FSDP2's ``fully_shard`` has put new parameters in place (on a 1-rank gloo group)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -80,16 +77,6 @@ def test_expert_parallel_is_exported_by_both_roots_and_refuses_what_is_not_a_gro
     assert lightning_gradkit.expert_parallel is gradkit.expert_parallel
     with pytest.raises(TypeError, match=r"`group` must be a torch.distributed ProcessGroup .* got list \[0, 1\]"):
         gradkit.expert_parallel(nn.Linear(2, 2), [0, 1])
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[dist.ProcessGroup]:
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_module_declaration_covers_the_parameters_fsdp2_puts_in_place(one_rank_group: dist.ProcessGroup) -> None:
