@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from gradkit.doors.loop import GradKit
 from gradkit.policies.early_warning import EarlyWarning
-from gradkit.policies.signal_math import SpikeScore, adam_ratio_sums, sampled_positions, sdpa_logit_max
+from gradkit.policies.signal_math import MIN_MOMENT_STEPS, SpikeScore, adam_ratio_sums, sampled_positions, sdpa_logit_max
 from helpers import count_syncs
 from lightning_gradkit.demos import GPTConfig, TinyGPT
 from lightning_gradkit.diagnostics.op_count import OpCounter
@@ -165,22 +165,26 @@ def test_adam_g2_over_v_per_module_equals_the_optimizer_state_by_hand() -> None:
     logged: list[dict] = []
     theta = 2.0  # low enough that some coordinates count
     warning = EarlyWarning(attention=None, update_spread=False, spike_score=False, theta=theta)
-    kit = GradKit(model, optimizer, warning, log_every_n_steps=3, log_dir=False, log=lambda m, s: logged.append(m))
+    steps = MIN_MOMENT_STEPS + 1  # the first step whose second moments average enough steps to be measured
+    kit = GradKit(model, optimizer, warning, log_every_n_steps=steps, log_dir=False, log=lambda m, s: logged.append(m))
     reference: dict[str, tuple[float, float]] = {}
-    for step in range(3):
+    unseen = 0
+    for step in range(steps):
         x = torch.randint(256, (4, 16))
         F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
-        if step == 2:  # the logging step: v before the optimizer's step, the gradient it steps with
+        if step == steps - 1:  # the logging step: v before the optimizer's step, the gradient it steps with
             rows: dict[str, list[float]] = {}
             for name, p in model.named_parameters():
                 state = optimizer.state[p]
                 v_hat = state["exp_avg_sq"] / (1 - 0.95 ** float(state["step"]))
+                seen = v_hat > 0  # an embedding row no batch has used yet is left out
+                unseen += int((~seen).sum())
                 row = name.split(".")[0] if not name.startswith("blocks") else ".".join(name.split(".")[:2])
                 sums = rows.setdefault(row, [0.0, 0.0, 0.0, 0.0])
-                sums[0] += float(p.grad.square().sum())
+                sums[0] += float(p.grad.square()[seen].sum())
                 sums[1] += float(v_hat.sum())
-                sums[2] += float((p.grad.square() > theta * v_hat).sum())
-                sums[3] += p.numel()
+                sums[2] += float((p.grad.square() > theta * v_hat)[seen].sum())
+                sums[3] += int(seen.sum())
             reference = {row: (g2 / v, count / n) for row, (g2, v, count, n) in rows.items()}
         kit.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -190,6 +194,25 @@ def test_adam_g2_over_v_per_module_equals_the_optimizer_state_by_hand() -> None:
         assert values[f"signals/adam_g2_v/{row}"] == pytest.approx(ratio, rel=1e-4)
         assert values[f"signals/adam_spike_frac/{row}"] == pytest.approx(fraction, abs=1e-7)
     assert any(values[f"signals/adam_spike_frac/{row}"] > 0 for row in reference)
+    assert unseen > 0  # the case of a coordinate whose v is still 0 is exercised
+
+
+def test_adam_signals_wait_for_second_moments_of_enough_steps() -> None:
+    # After one step g^2/v_hat is the ratio of two gradient samples: ~1% of Gaussian coordinates exceed 5000, so the
+    # spike fraction would read 0.01 on any healthy run at step 1. Nothing is measured before MIN_MOMENT_STEPS.
+    model = _tiny()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    logged: list[tuple[int, dict]] = []
+    warning = EarlyWarning(attention=None, update_spread=False, spike_score=False)
+    kit = GradKit(model, optimizer, warning, log_every_n_steps=1, log_dir=False, log=lambda m, s: logged.append((s, m)))
+    for _ in range(MIN_MOMENT_STEPS + 2):
+        x = torch.randint(256, (4, 16))
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        kit.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    measured = [step for step, metrics in logged if any("adam_spike_frac" in k for k in metrics)]
+    # From the step (0-based) whose optimizer state holds MIN_MOMENT_STEPS steps before it on.
+    assert measured == [MIN_MOMENT_STEPS, MIN_MOMENT_STEPS + 1]
 
 
 def test_adam_ratio_sums_skip_an_optimizer_without_a_second_moment() -> None:

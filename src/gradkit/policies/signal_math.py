@@ -22,7 +22,10 @@ from torch.optim import Optimizer
 
 from gradkit.step.norms import host_to_device, local_tensor
 
-__all__ = ["SpikeScore", "adam_ratio_sums", "sampled_positions", "sdpa_logit_max"]
+__all__ = ["MIN_MOMENT_STEPS", "SpikeScore", "adam_ratio_sums", "sampled_positions", "sdpa_logit_max"]
+
+#: Optimizer steps a parameter's second moment must average before its ``g^2 / v`` signals are measured.
+MIN_MOMENT_STEPS = 10
 
 # Parameters per chunk of the g^2/v pass: bounds its temporaries (two gradient-sized copies of a chunk).
 _CHUNK_ELEMENTS = 1 << 25
@@ -96,12 +99,16 @@ def sdpa_logit_max(
 def adam_ratio_sums(
     grads: list[Tensor], optimizer: Optimizer, params: list[Tensor], factor: Tensor | None, theta: float
 ) -> Tensor | None:
-    r"""Per parameter: ``[sum g^2, sum v_hat, count(g^2 > theta * v_hat), numel]`` from Adam's state, ``[4, P]``.
+    r"""Per parameter: ``[sum g^2, sum v_hat, count(g^2 > theta * v_hat), count(v_hat > 0)]`` from Adam's state,
+    ``[4, P]``, over the coordinates whose ``v_hat`` is not 0.
 
     ``v_hat = exp_avg_sq / (1 - beta2 ** step)`` is the bias-corrected second moment before the optimizer's step;
-    ``g = grad * factor``. A parameter without ``exp_avg_sq`` yet (its first step) counts zero everywhere. ``None``
-    when no parameter has one (not an Adam-family optimizer). Reads the state's step counts on the host (a CPU
-    tensor for a plain Adam; a device one, read once, for a fused or capturable one).
+    ``g = grad * factor``. Left out, as not yet a baseline to measure a gradient against: a parameter whose
+    second moment averages fewer than :data:`MIN_MOMENT_STEPS` steps (after one step ``g^2 / v_hat`` is the ratio
+    of two gradient samples, Cauchy-like: 1% of the coordinates of any Gaussian gradient exceed 5000), counting zero
+    everywhere, and a coordinate whose ``v`` is still 0 (an embedding row no batch has used: its first gradient is
+    not a spike). ``None`` when no parameter has a second moment (not an Adam-family optimizer). Reads the state's
+    step counts on the host (a CPU tensor for a plain Adam; a device one, read once, for a fused or capturable one).
     """
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     found: list[tuple[int, Tensor, Tensor, float, Any]] = []
@@ -118,7 +125,7 @@ def adam_ratio_sums(
         same = len({t.device for t in tensors}) == 1
         read = iter(torch.stack([t.reshape(()).float() for t in tensors]).tolist() if same else map(float, tensors))
         counts = [next(read) if isinstance(c, Tensor) else float(c) for c in counts]
-    kept = [(f, n) for f, n in zip(found, counts, strict=True) if n >= 1]  # a first step has no v yet
+    kept = [(f, n) for f, n in zip(found, counts, strict=True) if n >= MIN_MOMENT_STEPS]
     rows = [i for (i, *_), _ in kept]
     gs = [g for (_, g, *_), _ in kept]
     vs = [v for (_, _, v, *_), _ in kept]
@@ -134,7 +141,9 @@ def adam_ratio_sums(
             size += gs[stop].numel()
             stop += 1
         g, v = gs[start:stop], vs[start:stop]
+        present = torch._foreach_sign(v)  # 1 where v > 0 (v >= 0): the coordinates measured
         squares = torch._foreach_mul(g, g)
+        torch._foreach_mul_(squares, present)
         if factor is not None:
             torch._foreach_mul_(squares, (factor * factor).to(device))
         # v_hat = v / c: sum v_hat and the count of g^2 - theta * v_hat > 0 (the sign of its positive part, summed).
@@ -148,7 +157,7 @@ def adam_ratio_sums(
         torch._foreach_clamp_min_(squares, 0.0)
         torch._foreach_sign_(squares)
         count = torch.stack(torch._foreach_norm(squares, 1)).float()
-        numel = host_to_device([float(t.numel()) for t in g], torch.float32, device)
+        numel = torch.stack(torch._foreach_norm(present, 1)).float()
         cols = host_to_device(rows[start:stop], torch.long, device)
         out[:, cols] = torch.cat([sums, count[None], numel[None]])
         start = stop
