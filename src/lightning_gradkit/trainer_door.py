@@ -50,10 +50,9 @@ from gradkit._util.torch_compat import gradients_still_scaled
 from gradkit.report.events import EventLog
 from gradkit.step.accounting import StepAccounting
 from gradkit.step.norms import loss_scale, world_size
-from gradkit.step.pipeline import Pipeline
+from gradkit.step.pipeline import Pipeline, StepRecord
 from gradkit.step.protocol import Door, Policy, Roster, Stage, StatsRequest, fresh_state_note, values_to_host
 from gradkit.step.rank_check import verify_same_layout
-from gradkit.step.record import StepRecord
 from gradkit.step.snapshot import Snapshot
 from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._window import note_window_on_load, note_window_on_save

@@ -55,10 +55,9 @@ from gradkit.policies.culprit import MicroBatch
 from gradkit.report.events import EventLog
 from gradkit.step.accounting import StepAccounting
 from gradkit.step.gate import close_step, shadowed, step_as_decided
-from gradkit.step.pipeline import Pipeline
+from gradkit.step.pipeline import Pipeline, StepRecord
 from gradkit.step.protocol import Door, Policy, Roster, policy_key, unwrapped, values_to_host
 from gradkit.step.rank_check import verify_same_layout
-from gradkit.step.record import StepRecord
 from gradkit.step.replay import RNGState, capture_rng
 from gradkit.step.snapshot import Snapshot
 from gradkit.step.state_check import CHECKPOINT_REFUSED, FiniteCheck, checkpoint_is_finite, refusal_message
