@@ -157,8 +157,8 @@ class Pipeline:
             else:
                 for decide in roster.decide:
                     decide(stats, decision, ctx)
-            # Only a first evaluation's dense, plain-tensor gradients are left to a fused kernel (one `grad_scale`).
-            record.apply(grads, fold=first is None and cached.folds and record.dense_runs)
+            # Only a first evaluation's factor is left to a fused kernel (its `grad_scale`; dense gradients only).
+            record.apply(grads, fold=first is None and cached.folds)
             # After the write, which bumps the gradients' versions: a later call must find these written ones the same.
             self._runs[id(optimizer)] = (step, self.generation, _grad_versions(optimizer) if cached.shared else None)
             if first is None:
@@ -327,12 +327,6 @@ class StepRecord:
         self._skip_host: bool | None = None
         #: The copy of a skip flag only the device knows on its way to the host (:meth:`was_skipped`).
         self._skip_lag: HostLag | None = None
-
-    @property
-    def dense_runs(self) -> bool:
-        """Whether every parameter has a dense gradient, in the index's (device, dtype) runs: the gradients a fused
-        kernel can take the common factor for."""
-        return self._run_bounds is not None
 
     # -- the skip on the host ----------------------------------------------------------------------------------------
     def skip_on_host(self) -> bool:
