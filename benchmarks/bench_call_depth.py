@@ -3,8 +3,10 @@
 Counts, with ``sys.setprofile``, the distinct gradkit functions (``src/gradkit`` and ``src/lightning_gradkit``) that
 one steady-state ``ClipGradNorm`` step calls, and their files, behind each of the four doors: the loop door, Fabric
 (the loop door on Fabric's wrappers), the Hugging Face Trainer (the loop door inside HF's optimizer step) and the
-Lightning Trainer. The targets (issues 31 and 40): at most 25 functions in at most 5 files behind each door; a
-measurement, not a test.
+Lightning Trainer. Behind the Trainer and HF the count covers the whole step, the door's hooks around the forward and
+the backward included (behind the loop door the user's forward and backward call nothing of gradkit's); functions of
+Lightning, Transformers or torch are never counted. The targets (issues 31 and 40): at most 25 functions in at most 5
+files behind each door; a measurement, not a test.
 
     python benchmarks/bench_call_depth.py
 """

@@ -93,7 +93,7 @@ nitpick_ignore = [
     # contexts of each door, the pipeline's record of a step, the roster and micro-batch records, the helpers of the
     # protocol and of the callbacks' checks
     ("py:class", "gradkit.doors.loop.LoopContext"),
-    ("py:class", "gradkit.step.record.StepRecord"),
+    ("py:class", "gradkit.step.pipeline.StepRecord"),
     ("py:class", "gradkit.step.pp_stages.PipelineStages"),
     ("py:class", "lightning_gradkit.trainer_door.TrainerContext"),
     ("py:class", "MicroBatch"),

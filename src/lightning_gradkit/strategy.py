@@ -82,8 +82,8 @@ from gradkit.doors.distributed_checkpoint import (
 )
 from gradkit.step.closure import first_evaluation
 from gradkit.step.gate import close_step, shadowed, step_as_decided
+from gradkit.step.pipeline import StepRecord
 from gradkit.step.protocol import Roster
-from gradkit.step.record import StepRecord
 from gradkit.step.replay import replaying
 from gradkit.step.snapshot import Snapshot
 from lightning_gradkit._compat import ddp_start_method, register_strategy_names, set_root_device

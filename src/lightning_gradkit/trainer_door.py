@@ -25,7 +25,7 @@ call ``GradScaler.unscale_`` before ``on_before_optimizer_step``: the gradients 
 by the loss scale (:func:`_pending_loss_scale` says so, and the pipeline works in unscaled units).
 
 Map of this file, in order: what the pipeline reads of the Trainer (:func:`_pending_loss_scale`,
-:func:`is_logging_step`, :func:`flat_sharded`, :class:`TrainerContext`); :class:`TrainerPipeline`;
+:func:`flat_sharded`, :class:`TrainerContext`); :class:`TrainerPipeline`;
 :class:`GradKitCallback` and :func:`log_metrics`.
 """
 
@@ -50,10 +50,9 @@ from gradkit._util.torch_compat import gradients_still_scaled
 from gradkit.report.events import EventLog
 from gradkit.step.accounting import StepAccounting
 from gradkit.step.norms import loss_scale, world_size
-from gradkit.step.pipeline import Pipeline
+from gradkit.step.pipeline import Pipeline, StepRecord
 from gradkit.step.protocol import Door, Policy, Roster, Stage, StatsRequest, fresh_state_note, values_to_host
 from gradkit.step.rank_check import verify_same_layout
-from gradkit.step.record import StepRecord
 from gradkit.step.snapshot import Snapshot
 from lightning_gradkit._compat import epoch_ends_with_this_batch, publish_callback_metrics
 from lightning_gradkit._window import note_window_on_load, note_window_on_save
@@ -69,7 +68,6 @@ __all__ = [
     "events_dir",
     "flat_sharded",
     "instance_hook",
-    "is_logging_step",
     "log_metrics",
     "unscaled_loss",
     "world_size",
@@ -102,15 +100,6 @@ def batches_that_stepped(trainer: pl.Trainer) -> int:
     the batch end; reading Lightning's own counter keeps gradkit's steps equal to Lightning's in every release.
     """
     return trainer.fit_loop.epoch_loop._batches_that_stepped
-
-
-def is_logging_step(trainer: pl.Trainer, every_n_steps: int | None) -> bool:
-    """Lightning's own rule (``_LoggerConnector.should_update_logs``) with an optional own period."""
-    n = trainer.log_every_n_steps if every_n_steps is None else every_n_steps
-    if n == 0:
-        return False
-    # `batches_that_stepped`, read inline: every step of the Trainer door asks.
-    return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % n == 0 or trainer.should_stop
 
 
 def flat_sharded(trainer: pl.Trainer) -> bool:
@@ -233,7 +222,11 @@ class TrainerContext(Door):
 
     @override
     def is_logging_step(self, every_n_steps: int | None = None) -> bool:
-        return is_logging_step(self.trainer, every_n_steps)
+        # Lightning's own rule (`_LoggerConnector.should_update_logs`) with an optional own period; the step is
+        # `batches_that_stepped`, read inline: every step of the Trainer door asks.
+        trainer = self.trainer
+        n = trainer.log_every_n_steps if every_n_steps is None else every_n_steps
+        return n != 0 and ((trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % n == 0 or trainer.should_stop)
 
     @override
     def is_last_step(self) -> bool:
@@ -603,7 +596,7 @@ class GradKitCallback(Callback):
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning calls it after every backward (`manual_backward` and closure re-evaluations included).
-        TrainerPipeline.of(trainer).generation += 1
+        TrainerPipeline.of(trainer).pipeline.generation += 1
 
     @override
     def on_before_optimizer_step(

@@ -53,6 +53,8 @@ MOVED: dict[str, str] = {
     "report_loggers": "report.loggers",
     "report_signals": "report.signal_panels",
     "events": "report.events",
+    # Not a flat-layout path: the pipeline's record of a step had a module of its own earlier in this release.
+    "step.record": "step.pipeline",
 }
 
 
@@ -90,7 +92,7 @@ def step_plan_moved(package: str) -> type:
     """The deprecated ``StepPlan`` of ``package`` (``gradkit``, ``lightning_gradkit``), for one release: the
     pipeline's record of a step, with a ``DeprecationWarning`` at the reading line that says what a policy reads and
     writes now."""
-    from gradkit.step.record import StepRecord  # at the first read only: this module loads before the step modules
+    from gradkit.step.pipeline import StepRecord  # at the first read only: this module loads before the step modules
 
     warnings.warn(
         f"`{package}.StepPlan` was split: a policy's `decide(self, stats, decision, ctx)` reads the step's "

@@ -55,10 +55,9 @@ from gradkit.policies.culprit import MicroBatch
 from gradkit.report.events import EventLog
 from gradkit.step.accounting import StepAccounting
 from gradkit.step.gate import close_step, shadowed, step_as_decided
-from gradkit.step.pipeline import Pipeline
+from gradkit.step.pipeline import Pipeline, StepRecord
 from gradkit.step.protocol import Door, Policy, Roster, policy_key, unwrapped, values_to_host
 from gradkit.step.rank_check import verify_same_layout
-from gradkit.step.record import StepRecord
 from gradkit.step.replay import RNGState, capture_rng
 from gradkit.step.snapshot import Snapshot
 from gradkit.step.state_check import CHECKPOINT_REFUSED, FiniteCheck, checkpoint_is_finite, refusal_message
@@ -242,10 +241,6 @@ class LoopContext(Door):
     def log_values(self, values: dict[str, float]) -> None:
         if self._log is not None:
             self._logged_host.update(values)
-
-    def pending_log(self) -> bool:
-        """Whether the step logged values that :meth:`flush_log` has not sent yet."""
-        return self._log is not None and bool(self._logged or self._logged_host)
 
     def flush_log(self, step: int) -> None:
         """Send what every policy logged during the step in one call of ``log`` (one row of Fabric's CSV per step,
@@ -448,12 +443,15 @@ class GradKit:
         """
         ctx = self.ctx
         ctx.micro_batches += 1  # the policies that keep the loss detach it (none may keep it)
+        if not self._hooks.note_loss:  # no policy reads the losses: none keeps a replay
+            self._rng = None
+            return
         ctx.micro_batch = None if replay is None else MicroBatch(ctx.batch_idx, replay, self._rng)
         for note_loss in self._hooks.note_loss:
             note_loss(loss, ctx)
         ctx.micro_batch = None
-        # Where the next micro-batch's replay would start; only a policy that reads the losses keeps a replay.
-        self._rng = capture_rng(full=False) if replay is not None and self._hooks.note_loss else None
+        # Where the next micro-batch's replay would start.
+        self._rng = capture_rng(full=False) if replay is not None else None
 
     def step(self, optimizer: Optimizer | None = None, **kwargs: Any) -> bool | None:
         """Run the pipeline for ``optimizer``'s gradients and step it, unless a policy decided to skip the step.
@@ -500,8 +498,7 @@ class GradKit:
         ctx.step += 1  # the step is done: what follows sees it counted, as `on_train_batch_end` does
         for after_step in self._hooks.after_step:
             after_step(ctx)
-        if ctx.pending_log():
-            ctx.flush_log(step)
+        ctx.flush_log(step)
         if self._buffers is not None and not self._first_forward:
             # The next window opens now, after everything this step changed (a rollback's restore included): a
             # skipped next step puts the buffers back to this.

@@ -316,7 +316,7 @@ class AdaptiveGradClip(LedgerHooks):
 def _measured_post_clip_total(stats: StepStats) -> Tensor:
     """The 2-norm of the clipped gradients, read again from the parameters once the step's write is done (pipeline
     parallelism: every stage's, through the reduction)."""
-    return total_norm(measure_grads(None, stats, 2.0), 2.0)
+    return total_norm(measure_grads(stats, 2.0), 2.0)
 
 
 def _post_clip_total(

@@ -15,7 +15,7 @@ the same decision:
   ``torch.empty_like``, garbage), so there the flag is read on the host once and a skipped step's new state removed
   (:func:`_forget_state_of_skipped_step`);
 - otherwise one host read of the flag (shared with whoever asks next,
-  :meth:`~gradkit.step.record.StepRecord.skip_on_host`): on a skip
+  :meth:`~gradkit.step.pipeline.StepRecord.skip_on_host`): on a skip
   the optimizer is not called, so parameters and optimizer state stay bitwise as they were.
 """
 
@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from gradkit._util.torch_compat import handles_found_inf
 
 if TYPE_CHECKING:
-    from gradkit.step.record import StepRecord
+    from gradkit.step.pipeline import StepRecord
     from gradkit.step.snapshot import Snapshot
 
 __all__ = ["close_step", "fused_step", "shadowed", "step_as_decided"]

@@ -10,12 +10,12 @@ protocol of :mod:`gradkit.step.protocol`. :meth:`Pipeline.run` is the list of th
 2. **reduce** (same method): at most ONE all-reduce carries the sharded norm contributions, the per-rank scalars the
    policies name (window loss, token counts) and, when a guard asks, each rank's flag of non-finite local gradients,
    so every skip decision is the same on every rank (:func:`~gradkit.step.norms.reduce_sharded`; a sharded inf-norm
-   takes a second one). The result is the step's :class:`~gradkit.step.plan.StepStats`, kept with the gradients in
-   the pipeline's own :class:`~gradkit.step.record.StepRecord`.
+   takes a second one). The result is the step's :class:`~gradkit.step.plan.StepStats`, kept in the pipeline's own
+   :class:`StepRecord` (the gradients themselves stay in :meth:`Pipeline.run`, which hands them to the write).
 3. **decide**: each policy's ``decide(stats, decision, ctx)`` in stage order, ``SCALE`` -> ``GUARD`` -> ``CLIP`` ->
    ``OBSERVE``; each reads the statistics and writes through the step's :class:`~gradkit.step.plan.Decision`; none
    reads the gradients.
-4. **apply** (:meth:`~gradkit.step.record.StepRecord.apply`): one ``torch._foreach_mul_`` per (device, dtype) group
+4. **apply** (:meth:`StepRecord.apply`): one ``torch._foreach_mul_`` per (device, dtype) group
    with the product of all factors in fp32, or none at all when a fused optimizer takes the factor as its
    ``grad_scale``.
 5. **observe** (:meth:`Pipeline.observe`): the skip count (a fused optimizer's skip flag starts its way to the host,
@@ -63,13 +63,14 @@ from gradkit.step.norms import (
     positions_tensor,
     reduce_sharded,
     row_norms,
+    total_norm,
 )
 from gradkit.step.params import build_param_index, resolve_partial_grads, steps_in_optimizer
-from gradkit.step.plan import StepStats, UnitNorms
+from gradkit.step.plan import Decision, StepStats, UnitNorms
 from gradkit.step.protocol import Door, Policy, Roster, StatsRequest
-from gradkit.step.record import StepRecord
+from gradkit.step.write import measure_grads, write
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "StepRecord"]
 
 # Key in `StepStats.reduced` of the per-rank flags, `[2, world_size]`: row 0 is 1.0 where a rank's own norms were NaN or
 # Inf, row 1 where its gradients held a NaN or an infinity (measured on request: `StatsRequest.finite_check`).
@@ -149,20 +150,19 @@ class Pipeline:
             first = self.last_records[id(optimizer)]  # a later evaluation of the step's closure
         with torch.no_grad():
             roster, request, primary = self._roster(optimizer, policies)
-            record, cached = self._measure(ctx, optimizer, roster, request, primary)
+            record, grads, cached = self._measure(ctx, optimizer, roster, request, primary)
             stats, decision = record.stats, record.decision
             if first is not None:
                 decide_again(stats, decision, first.decision, roster.decide_again, ctx)
             else:
                 for decide in roster.decide:
                     decide(stats, decision, ctx)
-            # Only a first evaluation's dense, plain-tensor gradients are left to a fused kernel (one `grad_scale`).
-            record.apply(fold=first is None and cached.folds and record.dense_runs)
+            # Only a first evaluation's factor is left to a fused kernel (its `grad_scale`; dense gradients only).
+            record.apply(grads, fold=first is None and cached.folds)
             # After the write, which bumps the gradients' versions: a later call must find these written ones the same.
             self._runs[id(optimizer)] = (step, self.generation, _grad_versions(optimizer) if cached.shared else None)
             if first is None:
                 self.observe(record, roster, ctx)
-            record.release_gradients()  # a record kept after its step must not keep its gradients alive
         return record
 
     def _roster(self, optimizer: Optimizer, policies: Sequence[Policy]) -> tuple[Roster, StatsRequest, float | None]:
@@ -226,9 +226,9 @@ class Pipeline:
 
     def _measure(
         self, ctx: Door, optimizer: Optimizer, roster: Roster, request: StatsRequest, primary: float | None
-    ) -> tuple[StepRecord, _CachedIndex]:
+    ) -> tuple[StepRecord, list[Tensor], _CachedIndex]:
         """Measure and reduce: every gradient read once into per-parameter norms (unscaled), one collective at most,
-        the step's statistics, in the step's record with its gradients."""
+        the step's statistics, in the step's record; and the gradients read (:meth:`StepRecord.apply` writes them)."""
         cached = self._index(ctx, optimizer, request.depth)
         index = cached.index
         if index.replicated_dtensors:
@@ -267,7 +267,7 @@ class Pipeline:
             unit_norms=units,
             has_gradients=bool(grads),
         )
-        return StepRecord(stats, grads, run_ids, bounds), cached
+        return StepRecord(stats, run_ids, bounds), grads, cached
 
     def observe(self, record: StepRecord, roster: Roster, ctx: Door) -> None:
         """Observe (a step's first evaluation only): keep the record for the gate, count a skip, let the policies
@@ -295,6 +295,151 @@ class Pipeline:
         if lag is None:
             lag = self._skip_lags[key] = HostLag()
         record.send_skip(lag)
+
+
+# -- the record of a step ----------------------------------------------------------------------------------------------
+class StepRecord:
+    """One optimizer step as the pipeline keeps it: the measurements, the decision and what came of it (its host
+    reads, the skip flag on its way to the host, the post-clip total). Every value is a device tensor.
+
+    The policies never hold it as such: ``decide`` gets the :class:`~gradkit.step.plan.StepStats` and the
+    :class:`~gradkit.step.plan.Decision`, ``observe`` the statistics and the record as a read-only
+    :class:`~gradkit.step.plan.StepOutcome`; the doors' gate (:mod:`gradkit.step.gate`) reads its decision to step
+    the optimizer. The step's gradients are not kept here: :meth:`Pipeline.run` hands them from its read to
+    :meth:`apply`, so a record kept after its step (the pipeline's last record, a policy's outcome kept for one step)
+    never holds them through the next backward after ``zero_grad(set_to_none=True)`` dropped them. ``_run_ids`` gives
+    the (device, dtype) group of each gradient of the read (``ParamIndex.run_of``), ``-1`` for a sparse one;
+    ``_run_bounds`` the dense runs when every parameter has a dense gradient (the common step), else ``None``.
+
+    Attributes:
+        stats: what the step measured.
+        decision: what the policies decided.
+    """
+
+    __slots__ = ("_post_clip_total", "_run_bounds", "_run_ids", "_skip_host", "_skip_lag", "decision", "stats")
+
+    def __init__(self, stats: StepStats, run_ids: list[int], run_bounds: list[tuple[int, int]] | None) -> None:
+        self.stats = stats
+        self.decision = Decision()
+        self._run_ids = run_ids
+        self._run_bounds = run_bounds
+        self._post_clip_total: Tensor | None = None
+        self._skip_host: bool | None = None
+        #: The copy of a skip flag only the device knows on its way to the host (:meth:`was_skipped`).
+        self._skip_lag: HostLag | None = None
+
+    # -- the skip on the host ----------------------------------------------------------------------------------------
+    def skip_on_host(self) -> bool:
+        """The skip decision as a Python bool: one host read per step, shared by everyone who asks."""
+        if self._skip_host is None:
+            skip = self.decision.skip
+            self._skip_host = bool(skip) if skip is not None else False
+        return self._skip_host
+
+    def flag_on_host_with_skip(self, flag: Tensor) -> bool:
+        """``flag`` (a device bool) as a Python bool, read in the same transfer as the skip decision when that is not
+        on the host yet (which :meth:`skip_on_host` then returns without another read)."""
+        skip = self.decision.skip
+        if self._skip_host is not None or skip is None:
+            return bool(flag)
+        skipped, value = torch.stack([skip, flag.to(skip.device)]).tolist()
+        self._skip_host = bool(skipped)
+        return bool(value)
+
+    def skip_known_on_host(self) -> bool | None:
+        """The skip decision if it was already read to the host this step, else ``None`` (never synchronizes)."""
+        if self.decision.skip is None:
+            return False
+        return self._skip_host
+
+    def send_skip(self, lag: HostLag) -> None:
+        """Start the non-blocking copy of the skip flag to the host through ``lag`` (a fused optimizer skips on
+        device: no door reads the flag at the step), for :meth:`was_skipped` at the next step."""
+        assert self.decision.skip is not None
+        lag.push(self.decision.skip)
+        self._skip_lag = lag
+
+    def settle_skip(self) -> None:
+        """Answer :meth:`was_skipped` now if the copy :meth:`send_skip` started is in flight: its pinned buffer is the
+        optimizer's, and the next step's copy reuses it."""
+        if self._skip_lag is not None:
+            self.was_skipped()
+
+    def was_skipped(self) -> bool:
+        """Whether the step was skipped, asked once it is over: by a policy that folds the step's values into its
+        statistics one step late (:mod:`gradkit.step.host_lag`) and leaves out a skipped step's, as if its batch never
+        came.
+
+        The door's read of the decision when it made one (an ordinary optimizer's gate reads it at the step), else the
+        copy of the flag the pipeline started at the step (a fused optimizer skips on device, through ``found_inf``),
+        arrived by then: no sync. Asked before the step is over (a logging step's report), it reads the flag then:
+        it waits for that copy, or makes the read the gate makes anyway.
+        """
+        if self._skip_host is None and self._skip_lag is not None:
+            values, self._skip_lag = self._skip_lag.pop(), None
+            if values is not None:
+                self._skip_host = values[0] > 0
+        return self.skip_on_host()
+
+    # -- the gradients -----------------------------------------------------------------------------------------------
+    def post_clip_total(self) -> Tensor:
+        """Total norm (primary norm type) of the gradients after scaling and clipping.
+
+        Derived without touching the gradients when the clip is a scalar coefficient or the clipping policy supplied
+        ``post_clip_total_fn`` (for the primary norm type); measured once (on logging steps only, by the callers)
+        after a value clamp or per-parameter coefficients otherwise.
+        """
+        if self._post_clip_total is not None:
+            return self._post_clip_total
+        decision, p = self.decision, self.stats.primary_norm_type
+        if decision.post_clip_total_fn is not None:
+            result = decision.post_clip_total_fn()
+        elif decision.clamp_value is not None or decision.param_coefs:
+            result = total_norm(self.measure_grads(p), p)
+        else:
+            result = decision.scaled(self.stats.primary.total)
+            if decision.clip_coef is not None:
+                result = result * decision.clip_coef
+        self._post_clip_total = result
+        return result
+
+    def measure_grads(self, norm_type: float) -> Tensor:
+        """The step's gradients as they are now, read again: :func:`~gradkit.step.write.measure_grads`."""
+        return measure_grads(self.stats, norm_type)
+
+    def apply(self, grads: list[Tensor], fold: bool = False) -> None:
+        """Write the step's gradients (``grads``: the pipeline's read, in ``stats.present`` order) once: multiply by
+        the product of all factors, then clamp for value clipping.
+
+        With ``fold`` (the door steps a fused optimizer through :func:`~gradkit.step.gate.step_as_decided`)
+        a decision whose only write is one common factor makes no pass over the gradients: the factor is kept in
+        ``Decision.folded`` and the fused kernel, which reads every gradient anyway, divides it by ``1 / factor`` (its
+        ``grad_scale``) and stores the result back, as it does for a ``GradScaler``'s unscale. The step then reads the
+        gradients twice (the norm, the optimizer) instead of three times, in one launch fewer per group. What the
+        kernel reads, and leaves in ``p.grad``, is within 1 ulp (fp32) of the written gradient (``g / fl(1/c)``
+        against ``fl(g * c)``).
+
+        The common factor (accumulation scale times clip coefficient) stays fp32 and multiplies each (device, dtype)
+        run of gradients as it is, as ``torch.nn.utils.clip_grad_norm_`` does: rounding it to a low-precision dtype
+        would move the clip by up to 0.4% (bf16). Per-parameter factors (AGC), value clamps and sparse gradients are
+        written by :func:`~gradkit.step.write.write`. A decision that asks for no write (the monitor alone) touches
+        nothing.
+        """
+        decision = self.decision
+        coef = decision.clip_coef
+        if decision.scale is None and coef is None and not decision.param_coefs and decision.clamp_value is None:
+            return
+        common = decision.scale
+        if coef is not None:
+            common = coef if common is None else common * coef
+        if decision.clamp_value is not None or decision.param_coefs or self._run_bounds is None:
+            write(grads, self._run_ids, self.stats, decision, common)
+        elif fold:
+            decision.fold(common)
+        else:
+            for start, stop in self._run_bounds:
+                run = grads[start:stop]
+                torch._foreach_mul_(run, common.to(run[0].device))
 
 
 @dataclass(frozen=True)

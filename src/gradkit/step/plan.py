@@ -4,8 +4,9 @@
 
 The pipeline (:mod:`gradkit.step.pipeline`) measures the step into a ``StepStats``, hands every policy's ``decide``
 the statistics and the one ``Decision`` of the step, applies the decision to the gradients, and hands ``observe``
-the statistics and the outcome. The gradients themselves are never here: they stay in the pipeline's own record of
-the step (:class:`~gradkit.step.record.StepRecord`), which only the pipeline and the doors' gate hold.
+the statistics and the outcome. The gradients themselves are never here: the pipeline hands them from its read to
+its write, and keeps its own record of the step (:class:`~gradkit.step.pipeline.StepRecord`), which only the pipeline
+and the doors' gate hold.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class Decision:
         param_coefs: per parameter position (``ParamIndex``), its clip coefficient(s) (AGC; empty: none).
         clamp_value: the value clip (in the units without the AMP loss scale), or ``None``.
         skip: a bool device scalar, true when the optimizer step must not apply (``None``: no policy may skip).
+        clipped: whether a clip form was written (a coefficient, per-parameter coefficients or a value clamp).
         clip_decided: whether a clipping policy decided this step, even to leave the gradients alone (ZClip's warm-up).
         post_clip_total_fn: the clipper's own total norm after the clip (primary norm type), without a read of the
             gradients, or ``None``.
@@ -107,6 +109,7 @@ class Decision:
         "clamp_value",
         "clip_coef",
         "clip_decided",
+        "clipped",
         "folded",
         "param_coefs",
         "post_clip_total_fn",
@@ -120,14 +123,10 @@ class Decision:
         self.param_coefs: dict[int, Tensor] = {}
         self.clamp_value: float | None = None
         self.skip: Tensor | None = None
+        self.clipped = False
         self.clip_decided = False
         self.post_clip_total_fn: Callable[[], Tensor] | None = None
         self.folded: Tensor | None = None
-
-    @property
-    def clipped(self) -> bool:
-        """Whether a clip form was written (a coefficient, per-parameter coefficients or a value clamp)."""
-        return self.clip_coef is not None or bool(self.param_coefs) or self.clamp_value is not None
 
     def scaled(self, value: Tensor) -> Tensor:
         """A norm of the measured gradients (``StepStats.norms``) expressed for the gradients after the accumulation
@@ -152,9 +151,10 @@ class Decision:
         Raises:
             ValueError: a clip was already written this step (a second clipper).
         """
-        self._refuse_second_clip("clip_by")
+        if self.clipped:
+            raise self._second_clip("clip_by")
         self.clip_coef = coef
-        self.clip_decided = True
+        self.clipped = self.clip_decided = True
 
     def clip_per_param(self, coefs: dict[int, Tensor], post_total: Callable[[], Tensor] | None = None) -> None:
         """Clip each parameter's gradient by its coefficient(s) (``coefs``: position in the index -> a tensor that
@@ -163,10 +163,11 @@ class Decision:
         Raises:
             ValueError: a clip was already written this step (a second clipper).
         """
-        self._refuse_second_clip("clip_per_param")
+        if self.clipped:
+            raise self._second_clip("clip_per_param")
         self.param_coefs = dict(coefs)
         self.post_clip_total_fn = post_total
-        self.clip_decided = True
+        self.clipped = self.clip_decided = True
 
     def clamp(self, value: float) -> None:
         """Clamp every gradient element to ``[-value, value]`` (units without the AMP loss scale).
@@ -174,27 +175,28 @@ class Decision:
         Raises:
             ValueError: a clip was already written this step (a second clipper).
         """
-        self._refuse_second_clip("clamp")
+        if self.clipped:
+            raise self._second_clip("clamp")
         self.clamp_value = value
-        self.clip_decided = True
+        self.clipped = self.clip_decided = True
 
     def fold(self, factor: Tensor) -> None:
         """Leave the common ``factor`` to a fused optimizer's ``grad_scale`` (the pipeline's apply phase)."""
         self.folded = factor
 
-    def _refuse_second_clip(self, method: str) -> None:
-        if self.clipped:
-            form = "a coefficient" if self.clip_coef is not None else "per-parameter coefficients"
-            form = "a value clamp" if self.clamp_value is not None else form
-            raise ValueError(
-                f"`Decision.{method}` got a second clip for this step, which already holds {form}: each clipper would "
-                "rescale the gradients the other already clipped. Keep exactly one clipping policy."
-            )
+    def _second_clip(self, method: str) -> ValueError:
+        """The error of a second clip form in one step (``method`` received it), naming the form already written."""
+        form = "a coefficient" if self.clip_coef is not None else "per-parameter coefficients"
+        form = "a value clamp" if self.clamp_value is not None else form
+        return ValueError(
+            f"`Decision.{method}` got a second clip for this step, which already holds {form}: each clipper would "
+            "rescale the gradients the other already clipped. Keep exactly one clipping policy."
+        )
 
 
 class StepOutcome(Protocol):
     """What ``Policy.observe`` reads of a step once its decision was applied: the decision and what came of it, read
-    only (the pipeline's :class:`~gradkit.step.record.StepRecord` answers). Off logging steps, ask only what the
+    only (the pipeline's :class:`~gradkit.step.pipeline.StepRecord` answers). Off logging steps, ask only what the
     step already knows on the host: every read below but :meth:`skip_known_on_host` may wait for the device."""
 
     @property

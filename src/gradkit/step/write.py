@@ -1,9 +1,10 @@
 """The gradient writes a step needs beyond one common factor: per-parameter factors (AGC), value clamps, sparse
 gradients, and the post-clip norms a logging step measures when they cannot be derived.
 
-:meth:`~gradkit.step.record.StepRecord.apply` multiplies dense gradients by the decision's common factor itself (the
-write of most steps); it calls :func:`write` when the decision asks for more. The gradients come from the pipeline's
-record of the step, the one holder of them; what the policies decided comes from the ``Decision`` they wrote.
+:meth:`~gradkit.step.pipeline.StepRecord.apply` multiplies dense gradients by the decision's common factor itself
+(the write of most steps); it calls :func:`write` when the decision asks for more. The gradients come from the
+pipeline's read of the step, the one holder of them; what the policies decided comes from the ``Decision`` they
+wrote.
 """
 
 from __future__ import annotations
@@ -128,11 +129,10 @@ def _clamp_(tensors: list[Tensor], bound: float) -> None:
         torch._foreach_clamp_max_(tensors, bound)
 
 
-def measure_grads(grads: list[Tensor] | None, stats: StepStats, norm_type: float) -> Tensor:
-    """Read a step's gradients as they are now: global per-parameter norms (every stage's under pipeline
-    parallelism, as :func:`~gradkit.step.norms.reduce_sharded` returns them), without the loss scale. ``grads`` are
-    the step's own (the pipeline's record holds them until the step is applied); ``None`` once the record dropped
-    them: the parameters' gradients are read then, until the optimizer's ``zero_grad``.
+def measure_grads(stats: StepStats, norm_type: float) -> Tensor:
+    """Read a step's gradients as they are now, from the parameters, until the optimizer's ``zero_grad``: global
+    per-parameter norms (every stage's under pipeline parallelism, as :func:`~gradkit.step.norms.reduce_sharded`
+    returns them), without the loss scale.
 
     A second read of the gradients: only for post-clip values that cannot be derived (callers use it on logging steps
     only). Under sharding this performs a collective, so every rank must call it.
@@ -140,17 +140,15 @@ def measure_grads(grads: list[Tensor] | None, stats: StepStats, norm_type: float
     Raises:
         RuntimeError: if the step's gradients are gone (the optimizer's ``zero_grad`` ran since the step).
     """
-    present = stats.present
-    if grads is None:
-        params = stats.index.params
-        present = [i for i, p in enumerate(params) if p.grad is not None]
-        if present != stats.present:
-            raise RuntimeError(
-                "The gradients of this optimizer step are no longer there (`zero_grad` ran since the step): post-clip "
-                "norms can only be measured until the next `zero_grad`. Read them on the step itself, as the gradkit "
-                "callbacks log them."
-            )
-        grads = [local_tensor(g.coalesce() if g.is_sparse else g) for g in (params[i].grad for i in present)]
+    params = stats.index.params
+    present = [i for i, p in enumerate(params) if p.grad is not None]
+    if present != stats.present:
+        raise RuntimeError(
+            "The gradients of this optimizer step are no longer there (`zero_grad` ran since the step): post-clip "
+            "norms can only be measured until the next `zero_grad`. Read them on the step itself, as the gradkit "
+            "callbacks log them."
+        )
+    grads = [local_tensor(g.coalesce() if g.is_sparse else g) for g in (params[i].grad for i in present)]
     local = per_tensor_norms(grads, norm_type).to(stats.index.shard_weight.device)
     local = fill_present(local, present, stats.index.num_params)
     if stats.loss_scale is not None:

@@ -40,7 +40,6 @@ from lightning_gradkit.trainer_door import (
     GradKitCallback,
     Stage,
     TrainerContext,
-    is_logging_step,
     world_size,
 )
 
@@ -373,7 +372,7 @@ class AccumulationGuard(GradKitCallback):
             for opt in trainer.optimizers:
                 opt.zero_grad(set_to_none=True)
         self._stepped = False
-        if self._pending and is_logging_step(trainer, None):
+        if self._pending and self._context(trainer, pl_module).is_logging_step():
             self._report_dirty()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

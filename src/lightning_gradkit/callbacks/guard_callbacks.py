@@ -24,7 +24,7 @@ from gradkit.step.replay import capture_rng
 from lightning_gradkit._deepspeed import SKIPPING_INSTEAD, deepspeed_step, refuse_under_deepspeed, uses_deepspeed
 from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.strategy import GradKitStrategyMixin, gradkit_strategy_hint
-from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline, is_logging_step
+from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
 
 __all__ = ["NonFiniteGuard", "SpikeGuard", "training_step_batch"]
 
@@ -203,7 +203,7 @@ class NonFiniteGuard(gradkit.NonFiniteGuard, GradKitCallback):
             return
         bad = bad.to(torch.float32)
         self._ds_flagged = bad if self._ds_flagged is None else self._ds_flagged + bad
-        if is_logging_step(trainer, None):
+        if self._context(trainer, pl_module).is_logging_step():
             self._report_deepspeed(trainer, pl_module)
 
     def _deepspeed_flagged(self, trainer: pl.Trainer, pl_module: pl.LightningModule, what: str, applied: str) -> None:
