@@ -17,7 +17,13 @@ from torch import Tensor, nn
 
 from gradkit.doors.loop import GradKit
 from gradkit.policies.early_warning import EarlyWarning
-from gradkit.policies.signal_math import MIN_MOMENT_STEPS, SpikeScore, adam_ratio_sums, sampled_positions, sdpa_logit_max
+from gradkit.policies.signal_math import (
+    MIN_MOMENT_STEPS,
+    SpikeScore,
+    adam_ratio_sums,
+    sampled_positions,
+    sdpa_logit_max,
+)
 from helpers import count_syncs
 from lightning_gradkit.demos import GPTConfig, TinyGPT
 from lightning_gradkit.diagnostics.op_count import OpCounter
