@@ -37,12 +37,22 @@ __all__ = ["QKClip"]
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SOFTMAX = (torch.softmax, F.softmax, Tensor.softmax)
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights")
+# FlexAttention's operator (what `flex_attention` calls, compiled or not): `(query, key, value, score_mod, block_mask,
+# scale, kernel_options, ...)`, returning `(out, lse, max_scores)` (max_scores since torch 2.9).
+_FLEX = getattr(torch.ops.higher_order, "flex_attention", None)
+_FLEX_OPTIONS = 6
 
 
 class _LogitMode(ModuleScopedMode):
     """Active inside one attention module's training forward: reads the exact per-head maxima of its logits."""
 
     owner: QKClip
+
+    def __init__(self, owner: QKClip, name: str) -> None:
+        super().__init__(owner, name)
+        #: Each FlexAttention call's largest score per row ``(batch, heads, queries)``, in the kernel's log2 units: read
+        #: at the end of the forward (the call may run inside ``torch.compile``, where nothing else should happen).
+        self.flex: list[Tensor] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -60,7 +70,25 @@ class _LogitMode(ModuleScopedMode):
             if isinstance(scores, Tensor) and scores.ndim == 4 and dim in (-1, 3):  # (batch, heads, queries, keys)
                 with torch.no_grad():
                     self.owner.note(self.name, scores.detach().transpose(0, 1).reshape(scores.shape[1], -1).amax(1))
+        elif func is _FLEX and _FLEX is not None:
+            return self._flex(func, list(args), kwargs)
         return func(*args, **kwargs)
+
+    def _flex(self, func: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """A FlexAttention call, asked for its rows' largest scores too (``OUTPUT_MAX``, which ``return_aux`` sets; the
+        CPU's eager path computes them anyway). Dynamo traces this inside ``flex_attention``'s compile: plain Python."""
+        options = args[_FLEX_OPTIONS] if len(args) > _FLEX_OPTIONS else kwargs.get("kernel_options", {})
+        wants = options.get("BACKEND") != "FLASH"  # its FLASH backend has no max scores to give
+        if wants:
+            options = {**options, "OUTPUT_MAX": True}
+            if len(args) > _FLEX_OPTIONS:
+                args[_FLEX_OPTIONS] = options
+            else:
+                kwargs = {**kwargs, "kernel_options": options}
+        out = func(*args, **kwargs)
+        if wants and len(out) > 2:
+            self.flex.append(out[2])
+        return out
 
 
 class QKClip:
@@ -269,6 +297,10 @@ class QKClip:
         mode = self._modes.get(name)
         if mode is not None:
             mode.stop()
+            for scores in mode.flex:  # (batch, heads, queries) in log2 units: the kernel's softmax runs on exp2
+                if scores.numel():
+                    self.note(name, scores.detach().float().transpose(0, 1).flatten(1).amax(1) * math.log(2))
+            mode.flex.clear()
 
     def _mha_hook(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if not self._reads(module):
@@ -348,11 +380,29 @@ def _rescale(heads: Heads, gamma: Tensor) -> None:
         _scale_rows(slab, query_scale, heads.head_dim)
     for slab in heads.k:
         _scale_rows(slab, key_scale, heads.head_dim)
+    for slab in heads.q_rope:  # its key is every head's: the query rows take the whole gamma (Kimi K2, MLA)
+        _scale_rows(slab, gamma, heads.head_dim)
 
 
 def _scale_rows(slab: Slab, per_head: Tensor, head_dim: int) -> None:
+    if slab.period:
+        _scale_interleaved_rows(slab, per_head, head_dim)
+        return
     rows = per_head.repeat_interleave(head_dim).to(slab.param.device, slab.param.dtype)
     target = slab.param.narrow(slab.dim, slab.start, rows.numel())
     shape = [1] * target.ndim
     shape[slab.dim] = -1
+    target.mul_(rows.view(shape))
+
+
+def _scale_interleaved_rows(slab: Slab, per_head: Tensor, head_dim: int) -> None:
+    """Scale the heads' rows of a slab whose heads are interleaved with other rows, in place (a strided view)."""
+    width = slab.width or head_dim
+    blocks = per_head.numel() // slab.per_block
+    dim = slab.dim
+    held = slab.param.narrow(dim, 0, blocks * slab.period).unflatten(dim, (blocks, slab.period))
+    target = held.narrow(dim + 1, slab.start, slab.per_block * width)
+    shape = [1] * target.ndim
+    shape[dim], shape[dim + 1] = blocks, slab.per_block * width
+    rows = per_head.repeat_interleave(width).to(slab.param.device, slab.param.dtype)
     target.mul_(rows.view(shape))
