@@ -4,7 +4,9 @@ r"""The query and key weights of an attention module's heads, and the exact per-
 - :func:`find_heads`: the rows (columns for GPT-2's ``Conv1D``) of each head's query and key projection in the
   module's parameters: separate projections (``q_proj``/``k_proj`` of Llama-style models, BERT's ``query``/``key``,
   ``wq``/``wk``, ``to_q``/``to_k``), a fused ``[q | k | v]`` projection (``qkv``, GPT-2's ``c_attn``, ``qkv_proj``,
-  ``Wqkv``) or ``nn.MultiheadAttention``'s ``in_proj_weight``; :class:`Unreadable` says why when there is none.
+  ``Wqkv``), one interleaved per key head (``query_key_value``: GPT-NeoX, Bloom, Falcon), multi-latent attention's
+  up-projections (DeepSeek-V2/V3: per head ``[nope | rope]`` query rows, ``[nope | value]`` key-value rows) or
+  ``nn.MultiheadAttention``'s ``in_proj_weight``; :class:`Unreadable` says why when there is none.
 - :func:`sdpa_head_max`: the largest logit of each head of a ``F.scaled_dot_product_attention`` call, over every
   batch element, query and key (its mask, causality and scale applied), computed in query chunks.
 - :func:`mha_head_max`: the same for ``nn.MultiheadAttention``, from its projections and masks.
