@@ -314,11 +314,12 @@ def test_llama_grouped_query_heads_with_rotary_embeddings_are_rescaled_by_the_mu
 
 
 # -- interleaved and multi-latent layouts, FlexAttention -------------------------------------------------------------
-def scaled_blocks(t: Tensor, per_head: Tensor, period: int, start: int, width: int) -> Tensor:
-    """``t`` with rows ``h * period + start ...`` (``width`` of them) multiplied by ``per_head[h]``, row by row."""
+def scaled_blocks(t: Tensor, per_head: Tensor, period: int, start: int, width: int, per_block: int = 1) -> Tensor:
+    """``t`` with the ``width`` rows of head ``h`` multiplied by ``per_head[h]``, row by row: blocks of ``period`` rows,
+    each with ``per_block`` heads side by side from row ``start`` of the block."""
     out = t.detach().clone().double()
     for h, s in enumerate(per_head.tolist()):
-        rows = out.narrow(0, h * period + start, width)
+        rows = out.narrow(0, (h // per_block) * period + start + (h % per_block) * width, width)
         rows *= s
     return out.to(t.dtype)
 
@@ -427,6 +428,56 @@ def test_gpt_neox_interleaved_query_key_value_heads_are_rescaled_by_the_muonclip
     for name, value in expected.items():
         torch.testing.assert_close(getattr(fused, name), value, rtol=1e-6, atol=1e-7, msg=name)
         assert torch.equal(getattr(fused, name).view(4, 12, -1)[:, 8:], value.view(4, 12, -1)[:, 8:])  # values
+    check_logits(before, logits(), gamma, tau)
+
+
+@pytest.mark.parametrize("layout", ["grouped", "multi_query"])
+def test_falcon_query_key_value_grouped_per_key_head_is_rescaled_by_the_muonclip_rule(layout: str) -> None:
+    # Falcon's fused rows per key head: [its query heads | key | value] (2 key heads of 2 query heads; or 1 of 4).
+    from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    kv_heads = 2 if layout == "grouped" else 1
+    config = transformers.FalconConfig(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        vocab_size=50,
+        new_decoder_architecture=layout == "grouped",
+        multi_query=layout == "multi_query",
+        num_kv_heads=kv_heads,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    config._attn_implementation = "eager"
+    model = transformers.FalconForCausalLM(config)
+    ids = torch.randint(50, (2, 8))
+    attention = model.transformer.h[0].self_attention
+    seen: dict[str, object] = {}
+    attention.register_forward_pre_hook(lambda m, a, k: seen.update(args=a, kwargs=k), with_kwargs=True)
+    group = 4 // kv_heads
+
+    def logits() -> Tensor:  # from the attention's input as the model gives it, by hand
+        with torch.no_grad():
+            model(ids)
+            hidden = seen["args"][0] if seen["args"] else seen["kwargs"]["hidden_states"]  # type: ignore[index]
+            cos, sin = seen["kwargs"]["position_embeddings"]  # type: ignore[index]
+            qkv = attention.query_key_value(hidden).view(2, 8, kv_heads, group + 2, 4)
+            q = qkv[..., :group, :].flatten(2, 3).transpose(1, 2)
+            k = qkv[..., group, :].transpose(1, 2)
+            return causal_logits(*apply_rotary_pos_emb(q, k, cos, sin), 0.5)
+
+    with torch.no_grad():
+        attention.query_key_value.weight *= 10
+    before = logits()
+    tau = threshold_between(head_max(before))
+    gamma, query, key = hand_factors(head_max(before), tau, kv_heads=kv_heads)
+    period = (group + 2) * 4
+    weight = attention.query_key_value.weight
+    expected = scaled_blocks(scaled_blocks(weight, query, period, 0, 4, group), key, period, group * 4, 4)
+    one_step(model, QKClip(threshold=tau), lambda: model(ids, labels=ids).loss)
+
+    torch.testing.assert_close(attention.query_key_value.weight, expected, rtol=1e-6, atol=1e-7)
     check_logits(before, logits(), gamma, tau)
 
 

@@ -127,8 +127,8 @@ class QKClip:
     **Which weights.** Each selected module's query and key projections: ``q_proj``/``k_proj`` (Llama-style),
     ``query``/``key`` (BERT), ``wq``/``wk``, ``to_q``/``to_k``, a fused ``[q | k | v]`` projection ``qkv``,
     ``c_attn`` (GPT-2's ``Conv1D``), ``qkv_proj`` or ``Wqkv``, a fused projection ``query_key_value`` interleaved
-    per key head as ``[its query heads | key | value]`` (GPT-NeoX's per-head ``[q | k | v]``; Bloom's and Falcon's
-    layouts are the same, untested), multi-latent attention's ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` beside
+    per key head as ``[its query heads | key | value]`` (GPT-NeoX's per-head ``[q | k | v]``, Falcon's grouped and multi-query
+    layouts; Bloom's is the same, untested), multi-latent attention's ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` beside
     ``kv_a_proj_with_mqa`` (Hugging Face's DeepSeek-V2/V3; DeepSeek's own ``wq_b``/``wq``, ``wkv_b``, ``wkv_a``), or
     ``nn.MultiheadAttention``'s ``in_proj_weight`` (or ``q_proj_weight``/``k_proj_weight``); the head count from the
     module's (or its ``config``'s) ``num_heads``/``n_head``/``num_attention_heads``,
