@@ -38,7 +38,7 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _SOFTMAX = (torch.softmax, F.softmax, Tensor.softmax)
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights")
 # FlexAttention's operator (what `flex_attention` calls, compiled or not): `(query, key, value, score_mod, block_mask,
-# scale, kernel_options, ...)`, returning `(out, lse, max_scores)` (max_scores since torch 2.9).
+# scale, kernel_options, ...)`, returning `(out, lse, max_scores)` (a torch without max_scores returns two: not read).
 _FLEX = getattr(torch.ops.higher_order, "flex_attention", None)
 _FLEX_OPTIONS = 6
 
@@ -70,7 +70,7 @@ class _LogitMode(ModuleScopedMode):
             if isinstance(scores, Tensor) and scores.ndim == 4 and dim in (-1, 3):  # (batch, heads, queries, keys)
                 with torch.no_grad():
                     self.owner.note(self.name, scores.detach().transpose(0, 1).reshape(scores.shape[1], -1).amax(1))
-        elif func is _FLEX and _FLEX is not None:
+        elif _FLEX is not None and func is _FLEX:
             return self._flex(func, list(args), kwargs)
         return func(*args, **kwargs)
 
@@ -120,16 +120,16 @@ class QKClip:
     computes anyway (``flex_attention``'s ``max_scores``, asked of every call in the forward, compiled or not: its
     ``block_mask`` and ``score_mod`` applied, as its softmax sees them), and for ``nn.MultiheadAttention`` its own
     projections of its query and key with its masks. Rotary embeddings and scaling are seen as the module applies
-    them. The maxima stay
-    device tensors (``torch.maximum`` over the step's micro-batches); under ``torch.distributed`` every module's
-    maxima travel in one all-reduce (MAX), so every rank rescales the same.
+    them. The maxima stay device tensors (``torch.maximum`` over the step's micro-batches); under
+    ``torch.distributed`` every module's maxima travel in one all-reduce (MAX), so every rank rescales the same.
 
     **Which weights.** Each selected module's query and key projections: ``q_proj``/``k_proj`` (Llama-style),
     ``query``/``key`` (BERT), ``wq``/``wk``, ``to_q``/``to_k``, a fused ``[q | k | v]`` projection ``qkv``,
     ``c_attn`` (GPT-2's ``Conv1D``), ``qkv_proj`` or ``Wqkv``, a fused projection ``query_key_value`` interleaved
-    per key head as ``[its query heads | key | value]`` (GPT-NeoX's per-head ``[q | k | v]``, Falcon's grouped and multi-query
-    layouts; Bloom's is the same, untested), multi-latent attention's ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` beside
-    ``kv_a_proj_with_mqa`` (Hugging Face's DeepSeek-V2/V3; DeepSeek's own ``wq_b``/``wq``, ``wkv_b``, ``wkv_a``), or
+    per key head as ``[its query heads | key | value]`` (GPT-NeoX's per-head ``[q | k | v]``, Falcon's grouped and
+    multi-query layouts; Bloom's is the same, untested), multi-latent attention's ``q_b_proj`` (or ``q_proj``) and
+    ``kv_b_proj`` beside ``kv_a_proj_with_mqa`` (Hugging Face's DeepSeek-V2/V3; DeepSeek's own ``wq_b``/``wq``,
+    ``wkv_b``, ``wkv_a``), or
     ``nn.MultiheadAttention``'s ``in_proj_weight`` (or ``q_proj_weight``/``k_proj_weight``); the head count from the
     module's (or its ``config``'s) ``num_heads``/``n_head``/``num_attention_heads``,
     ``num_key_value_heads``/``n_query_groups``/``num_kv_heads`` and ``head_dim``/``head_size`` (for MLA,
