@@ -313,6 +313,215 @@ def test_llama_grouped_query_heads_with_rotary_embeddings_are_rescaled_by_the_mu
     check_logits(before, logits(), gamma, tau)
 
 
+# -- interleaved and multi-latent layouts, FlexAttention -------------------------------------------------------------
+def scaled_blocks(t: Tensor, per_head: Tensor, period: int, start: int, width: int, per_block: int = 1) -> Tensor:
+    """``t`` with the ``width`` rows of head ``h`` multiplied by ``per_head[h]``, row by row: blocks of ``period`` rows,
+    each with ``per_block`` heads side by side from row ``start`` of the block."""
+    out = t.detach().clone().double()
+    for h, s in enumerate(per_head.tolist()):
+        rows = out.narrow(0, (h // per_block) * period + start + (h % per_block) * width, width)
+        rows *= s
+    return out.to(t.dtype)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_deepseek_v3_multi_latent_heads_are_rescaled_by_kimi_k2s_mla_rule(implementation: str) -> None:
+    # Reference: Kimi K2's rule for MLA by hand: per head, the nope rows of q_b_proj and kv_b_proj by sqrt(gamma), the
+    # rope rows of q_b_proj by gamma, the shared rotary key (kv_a_proj_with_mqa) untouched; logits by hand.
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=1,
+        first_k_dense_replace=1,  # a dense MLP: no experts
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=2,
+        v_head_dim=4,
+        vocab_size=50,
+        max_position_embeddings=16,
+    )
+    config._attn_implementation = implementation
+    model = transformers.DeepseekV3ForCausalLM(config)
+    ids = torch.randint(50, (2, 8))
+    layer = model.model.layers[0]
+    attention = layer.self_attn
+
+    def logits() -> Tensor:  # MLA by hand: [q nope | q rope] . [k nope of the head | the shared rotary key]
+        with torch.no_grad():
+            hidden = layer.input_layernorm(model.model.embed_tokens(ids))
+            cos, sin = model.model.rotary_emb(hidden, torch.arange(8)[None])
+            q = attention.q_b_proj(attention.q_a_layernorm(attention.q_a_proj(hidden))).view(2, 8, 4, 6).transpose(1, 2)
+            latent, k_rope = attention.kv_a_proj_with_mqa(hidden).split([8, 2], dim=-1)
+            k_nope = attention.kv_b_proj(attention.kv_a_layernorm(latent)).view(2, 8, 4, 8).transpose(1, 2)[..., :4]
+            q_rope, k_rope = apply_rotary_pos_emb_interleave(q[..., 4:], k_rope.view(2, 1, 8, 2), cos, sin)
+            k = torch.cat([k_nope, k_rope.expand(2, 4, 8, 2)], dim=-1)
+            return causal_logits(torch.cat([q[..., :4], q_rope], dim=-1), k, 6**-0.5)
+
+    with torch.no_grad():
+        attention.q_b_proj.weight *= 30
+        attention.kv_b_proj.weight *= 30
+        attention.kv_a_proj_with_mqa.weight *= 30
+    before = logits()
+    tau = threshold_between(head_max(before))
+    gamma, root, _ = hand_factors(head_max(before), tau, kv_heads=4)
+    q_b = attention.q_b_proj.weight
+    expected = {
+        "q_b_proj.weight": scaled_blocks(scaled_blocks(q_b, root, 6, 0, 4), gamma, 6, 4, 2),
+        "kv_b_proj.weight": scaled_blocks(attention.kv_b_proj.weight, root, 8, 0, 4),
+    }
+    untouched = {k: v.clone() for k, v in attention.state_dict().items() if k not in expected}
+    one_step(model, QKClip(threshold=tau), lambda: model(ids, labels=ids).loss)
+
+    state = attention.state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    assert "kv_a_proj_with_mqa.weight" in untouched
+    for name, value in untouched.items():
+        assert torch.equal(state[name], value), name
+    check_logits(before, logits(), gamma, tau)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_gpt_neox_interleaved_query_key_value_heads_are_rescaled_by_the_muonclip_rule(implementation: str) -> None:
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        vocab_size=50,
+        max_position_embeddings=16,
+        rotary_pct=0.5,
+    )
+    config._attn_implementation = implementation
+    model = transformers.GPTNeoXForCausalLM(config)
+    ids = torch.randint(50, (2, 8))
+    layer = model.gpt_neox.layers[0]
+    fused = layer.attention.query_key_value  # per head [q | k | v], 4 rows each
+
+    def logits() -> Tensor:
+        with torch.no_grad():
+            hidden = layer.input_layernorm(model.gpt_neox.embed_in(ids))
+            cos, sin = model.gpt_neox.rotary_emb(hidden, torch.arange(8)[None])
+            q, k, _ = fused(hidden).view(2, 8, 4, 12).transpose(1, 2).chunk(3, dim=-1)
+            return causal_logits(*apply_rotary_pos_emb(q, k, cos, sin), 0.5)
+
+    with torch.no_grad():
+        fused.weight *= 10
+    before = logits()
+    tau = threshold_between(head_max(before))
+    gamma, query, key = hand_factors(head_max(before), tau, kv_heads=4)
+    expected = {
+        name: scaled_blocks(scaled_blocks(t, query, 12, 0, 4), key, 12, 4, 4)
+        for name, t in (("weight", fused.weight), ("bias", fused.bias))
+    }
+    one_step(model, QKClip(threshold=tau), lambda: model(ids, labels=ids).loss)
+
+    for name, value in expected.items():
+        torch.testing.assert_close(getattr(fused, name), value, rtol=1e-6, atol=1e-7, msg=name)
+        assert torch.equal(getattr(fused, name).view(4, 12, -1)[:, 8:], value.view(4, 12, -1)[:, 8:])  # values
+    check_logits(before, logits(), gamma, tau)
+
+
+@pytest.mark.parametrize("layout", ["grouped", "multi_query"])
+def test_falcon_query_key_value_grouped_per_key_head_is_rescaled_by_the_muonclip_rule(layout: str) -> None:
+    # Falcon's fused rows per key head: [its query heads | key | value] (2 key heads of 2 query heads; or 1 of 4).
+    from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    kv_heads = 2 if layout == "grouped" else 1
+    config = transformers.FalconConfig(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        vocab_size=50,
+        new_decoder_architecture=layout == "grouped",
+        multi_query=layout == "multi_query",
+        num_kv_heads=kv_heads,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    config._attn_implementation = "eager"
+    model = transformers.FalconForCausalLM(config)
+    ids = torch.randint(50, (2, 8))
+    attention = model.transformer.h[0].self_attention
+    seen: dict[str, object] = {}
+    attention.register_forward_pre_hook(lambda m, a, k: seen.update(args=a, kwargs=k), with_kwargs=True)
+    group = 4 // kv_heads
+
+    def logits() -> Tensor:  # from the attention's input as the model gives it, by hand
+        with torch.no_grad():
+            model(ids)
+            hidden = seen["args"][0] if seen["args"] else seen["kwargs"]["hidden_states"]  # type: ignore[index]
+            cos, sin = seen["kwargs"]["position_embeddings"]  # type: ignore[index]
+            qkv = attention.query_key_value(hidden).view(2, 8, kv_heads, group + 2, 4)
+            q = qkv[..., :group, :].flatten(2, 3).transpose(1, 2)
+            k = qkv[..., group, :].transpose(1, 2)
+            return causal_logits(*apply_rotary_pos_emb(q, k, cos, sin), 0.5)
+
+    with torch.no_grad():
+        attention.query_key_value.weight *= 10
+    before = logits()
+    tau = threshold_between(head_max(before))
+    gamma, query, key = hand_factors(head_max(before), tau, kv_heads=kv_heads)
+    period = (group + 2) * 4
+    weight = attention.query_key_value.weight
+    expected = scaled_blocks(scaled_blocks(weight, query, period, 0, 4, group), key, period, group * 4, 4)
+    one_step(model, QKClip(threshold=tau), lambda: model(ids, labels=ids).loss)
+
+    torch.testing.assert_close(attention.query_key_value.weight, expected, rtol=1e-6, atol=1e-7)
+    check_logits(before, logits(), gamma, tau)
+
+
+class UserFlexAttention(UserAttention):
+    """UserAttention's projections through FlexAttention with a causal block mask. FlexAttention on the CPU has no
+    backward: it attends over detached q, k, v here (only ``o_proj`` learns); its logits are what QKClip reads."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        b, t, c = x.shape
+        q, k = self.qk(x)
+        v = self.v_proj(x).view(b, t, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, t, t, device=x.device)
+        y = flex_attention(q.detach(), k.detach(), v.detach(), block_mask=mask, enable_gqa=True)
+        assert isinstance(y, Tensor)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
+def test_flex_attention_heads_are_rescaled_by_the_muonclip_rule_from_its_max_scores() -> None:
+    torch.manual_seed(0)
+    model = UserFlexAttention()
+    x = torch.randn(2, 6, 16) * 3
+
+    def logits() -> Tensor:
+        with torch.no_grad():
+            return causal_logits(*model.qk(x), 0.5)
+
+    before = logits()
+    tau = threshold_between(head_max(before))
+    gamma, query, key = hand_factors(head_max(before), tau, kv_heads=2)
+    expected = {
+        "q_proj.weight": scaled_rows(model.q_proj.weight, query, 4),
+        "k_proj.bias": scaled_rows(model.k_proj.bias, key, 4),
+    }
+    clip = QKClip(threshold=tau, attention=["UserFlexAttention"])
+    one_step(model, clip, lambda: model(x).sum())
+
+    for name, value in expected.items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    check_logits(before, logits(), gamma, tau)
+
+
 # -- the hot path, the doors -----------------------------------------------------------------------------------------
 def test_no_host_sync_off_logging_steps_and_one_read_on_them() -> None:
     torch.manual_seed(0)
@@ -365,16 +574,16 @@ def test_trainer_and_loop_door_rescale_to_the_same_weights(tmp_path: Path) -> No
 
 
 # -- refusals --------------------------------------------------------------------------------------------------------
-class NeoXStyleAttention(nn.Module):
-    """An interleaved fused projection under a name QKClip does not read."""
+class UnknownProjectionAttention(nn.Module):
+    """A fused projection under a name QKClip does not read."""
 
     def __init__(self) -> None:
         super().__init__()
         self.num_heads = 2
-        self.query_key_value = nn.Linear(8, 24)
+        self.in_proj = nn.Linear(8, 24)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.query_key_value(x)
+        return self.in_proj(x)
 
 
 class NormalizedAttention(UserAttention):
@@ -395,7 +604,7 @@ class HiddenKernelAttention(UserAttention):
 @pytest.mark.parametrize(
     ("model", "reason"),
     [
-        (NeoXStyleAttention(), "holds no query and key projections gradkit knows"),
+        (UnknownProjectionAttention(), "holds no query and key projections gradkit knows"),
         (NormalizedAttention(), "normalizes its queries and keys (`q_norm`)"),
     ],
 )

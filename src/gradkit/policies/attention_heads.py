@@ -4,7 +4,9 @@ r"""The query and key weights of an attention module's heads, and the exact per-
 - :func:`find_heads`: the rows (columns for GPT-2's ``Conv1D``) of each head's query and key projection in the
   module's parameters: separate projections (``q_proj``/``k_proj`` of Llama-style models, BERT's ``query``/``key``,
   ``wq``/``wk``, ``to_q``/``to_k``), a fused ``[q | k | v]`` projection (``qkv``, GPT-2's ``c_attn``, ``qkv_proj``,
-  ``Wqkv``) or ``nn.MultiheadAttention``'s ``in_proj_weight``; :class:`Unreadable` says why when there is none.
+  ``Wqkv``), one interleaved per key head (``query_key_value``: GPT-NeoX, Bloom, Falcon), multi-latent attention's
+  up-projections (DeepSeek-V2/V3: per head ``[nope | rope]`` query rows, ``[nope | value]`` key-value rows) or
+  ``nn.MultiheadAttention``'s ``in_proj_weight``; :class:`Unreadable` says why when there is none.
 - :func:`sdpa_head_max`: the largest logit of each head of a ``F.scaled_dot_product_attention`` call, over every
   batch element, query and key (its mask, causality and scale applied), computed in query chunks.
 - :func:`mha_head_max`: the same for ``nn.MultiheadAttention``, from its projections and masks.
@@ -15,7 +17,7 @@ Pure PyTorch; no Lightning here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +53,13 @@ _FUSED = ("qkv", "c_attn", "qkv_proj", "Wqkv")
 _HEADS = ("num_heads", "n_head", "num_attention_heads", "n_heads")
 _KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_query_groups")
 _HEAD_DIM = ("head_dim", "head_size", "attention_head_size")
+# Multi-latent attention (DeepSeek-V2/V3; HF's names, then DeepSeek's own): the query projection (low-rank, else full
+# rank), the key-value up-projection (per head [k nope | v]) and the down-projection that also makes the rotary key
+# every head shares.
+_MLA = (("q_b_proj", "q_proj", "kv_b_proj", "kv_a_proj_with_mqa"), ("wq_b", "wq", "wkv_b", "wkv_a"))
+_MLA_DIMS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# Fused projections interleaved per key head, [its query heads | key | value] (GPT-NeoX, Bloom, Falcon).
+_INTERLEAVED = ("query_key_value",)
 # Normalized q and k: their logits do not scale with the projection weights (and qk-layernorm bounds them already).
 _QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "norm_q", "norm_k")
 # Logits per chunk of an exact maximum: bounds its temporary (fp32) to 256 MiB.
@@ -64,24 +73,33 @@ class Unreadable(ValueError):
 @dataclass
 class Slab:
     """The rows of one parameter that hold heads: the parameter, the dimension of its rows (1 for ``Conv1D``'s
-    ``(in, out)`` weight) and where the first head starts along it."""
+    ``(in, out)`` weight) and where the first head starts along it.
+
+    With a ``period`` the heads are interleaved with other rows: the rows come in blocks of ``period`` rows, each
+    holding ``per_block`` heads of ``width`` rows (``head_dim`` where 0) from row ``start`` of the block on (GPT-NeoX's
+    per-head ``[q | k | v]``, or a multi-latent head's ``[nope | rope]`` query rows)."""
 
     param: Tensor
     dim: int
     start: int
+    period: int = 0
+    width: int = 0
+    per_block: int = 1
 
 
 @dataclass
 class Heads:
     """One attention module's heads: ``heads`` query heads of ``head_dim`` rows, ``kv_heads`` key heads (query head
     ``h`` reads key head ``h // (heads // kv_heads)``, as Llama's ``repeat_kv``), and the weights and biases holding
-    them (``q``, ``k``)."""
+    them (``q``, ``k``). ``q_rope`` holds query rows whose keys every head shares (multi-latent attention's rotary
+    query): they take the head's whole factor, and the shared key rows are not scaled."""
 
     heads: int
     kv_heads: int
     head_dim: int
     q: list[Slab]
     k: list[Slab]
+    q_rope: list[Slab] = field(default_factory=list)
 
 
 def _attribute(modules: list[nn.Module], names: tuple[str, ...]) -> int | None:
@@ -127,6 +145,7 @@ def _projections(module: nn.Module) -> tuple[nn.Module, list[Slab], list[Slab], 
         + ", ".join(f"`{q}`/`{k}`" for q, k in _SEPARATE)
         + " or a fused [q | k | v] projection named "
         + ", ".join(f"`{n}`" for n in _FUSED)
+        + ", an interleaved one named `query_key_value`, or multi-latent attention's `q_b_proj`/`kv_b_proj`"
     )
 
 
@@ -146,6 +165,89 @@ def _mha_heads(module: nn.MultiheadAttention) -> Heads:
     return Heads(heads, heads, dim, q, k)
 
 
+def _child(module: nn.Module, names: tuple[str, ...]) -> tuple[nn.Module, dict[str, nn.Module]] | None:
+    """The first module of ``module``'s tree (itself first) with a child of each of ``names``, and its children."""
+    for owner in module.modules():
+        children = dict(owner.named_children())
+        if all(n in children for n in names):
+            return owner, children
+    return None
+
+
+def _mla_heads(module: nn.Module) -> Heads | None:
+    """The heads of a multi-latent attention (DeepSeek-V2/V3), ``None`` where ``module`` is none: per head, rows
+    ``[nope | rope]`` of the query projection and rows ``[nope | value]`` of ``kv_b_proj``; the rotary key comes from
+    ``kv_a_proj_with_mqa``, one for every head, and is left out (Kimi K2's rule for MLA)."""
+    for low_q, full_q, up_kv, down_kv in _MLA:
+        found = _child(module, (up_kv, down_kv))
+        if found is None:
+            continue
+        owner, children = found
+        query = children.get(low_q, children.get(full_q))
+        if query is None:
+            raise Unreadable(f"its multi-latent attention has `{up_kv}` but no query projection `{low_q}`/`{full_q}`")
+        return _mla_layout([owner, module], query, children[up_kv])
+    return None
+
+
+def _mla_layout(places: list[nn.Module], query: nn.Module, up_kv: nn.Module) -> Heads:
+    heads = _attribute(places, _HEADS)
+    nope, rope, value = (_attribute(places, (name,)) for name in _MLA_DIMS)
+    if heads is None or nope is None or rope is None or value is None:
+        raise Unreadable(
+            "its multi-latent attention does not say its head count and head sizes: attributes "
+            f"{', '.join(_HEADS[:1] + _MLA_DIMS)} on it or its `config`"
+        )
+    q, q_rows = _linear_slabs(query)
+    k, k_rows = _linear_slabs(up_kv)
+    if q_rows != heads * (nope + rope) or k_rows != heads * (nope + value):
+        raise Unreadable(
+            f"its multi-latent projections ({q_rows} query rows, {k_rows} key-value rows) are not {heads} heads of "
+            f"[{nope} nope | {rope} rope] query rows and [{nope} nope | {value} value] key-value rows"
+        )
+    return Heads(
+        heads,
+        heads,
+        nope + rope,
+        q=[replace(s, period=nope + rope, width=nope) for s in q],
+        k=[replace(s, period=nope + value, width=nope) for s in k],
+        q_rope=[replace(s, start=nope, period=nope + rope, width=rope) for s in q],
+    )
+
+
+def _interleaved_heads(module: nn.Module) -> Heads | None:
+    """The heads of a fused projection laid out per key head as ``[its query heads | key | value]`` (GPT-NeoX's and
+    Bloom's per-head ``[q | k | v]``, Falcon's grouped layout), ``None`` where ``module`` has none."""
+    for name in _INTERLEAVED:
+        found = _child(module, (name,))
+        if found is not None:
+            return _interleaved_layout([found[0], module], found[1][name])
+    return None
+
+
+def _interleaved_layout(places: list[nn.Module], proj: nn.Module) -> Heads:
+    slabs, total = _linear_slabs(proj)
+    heads = _attribute(places, _HEADS)
+    if heads is None:
+        raise Unreadable(f"no head count: none of the attributes {', '.join(_HEADS)} on it or its `config`")
+    kv_heads = _attribute(places, _KV_HEADS) or heads
+    dim = _attribute(places, _HEAD_DIM) or total // (heads + 2 * kv_heads)
+    group = heads // kv_heads
+    if heads % kv_heads or total != kv_heads * (group + 2) * dim:
+        raise Unreadable(
+            f"its fused projection's {total} rows are not blocks [{group} query heads | key | value] of {dim} rows "
+            f"for each of {kv_heads} key heads"
+        )
+    period = (group + 2) * dim
+    return Heads(
+        heads,
+        kv_heads,
+        dim,
+        q=[replace(s, period=period, per_block=group) for s in slabs],
+        k=[replace(s, start=group * dim, period=period) for s in slabs],
+    )
+
+
 def find_heads(module: nn.Module) -> Heads:
     """The heads of ``module`` and the parameters that hold their query and key rows.
 
@@ -161,6 +263,10 @@ def find_heads(module: nn.Module) -> Heads:
             f"it normalizes its queries and keys (`{norms[0]}`): its logits do not scale with the projection weights, "
             "and qk-layernorm bounds them already"
         )
+    for layout in (_mla_heads, _interleaved_heads):
+        found = layout(module)
+        if found is not None:
+            return found
     owner, q, k, q_rows, k_rows, fused = _projections(module)
     places = [owner, module]
     heads = _attribute(places, _HEADS)

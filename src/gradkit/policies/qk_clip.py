@@ -37,12 +37,22 @@ __all__ = ["QKClip"]
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SOFTMAX = (torch.softmax, F.softmax, Tensor.softmax)
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights")
+# FlexAttention's operator (what `flex_attention` calls, compiled or not): `(query, key, value, score_mod, block_mask,
+# scale, kernel_options, ...)`, returning `(out, lse, max_scores)` (a torch without max_scores returns two: not read).
+_FLEX = getattr(torch.ops.higher_order, "flex_attention", None)
+_FLEX_OPTIONS = 6
 
 
 class _LogitMode(ModuleScopedMode):
     """Active inside one attention module's training forward: reads the exact per-head maxima of its logits."""
 
     owner: QKClip
+
+    def __init__(self, owner: QKClip, name: str) -> None:
+        super().__init__(owner, name)
+        #: Each FlexAttention call's largest score per row ``(batch, heads, queries)``, in the kernel's log2 units: read
+        #: at the end of the forward (the call may run inside ``torch.compile``, where nothing else should happen).
+        self.flex: list[Tensor] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -60,7 +70,27 @@ class _LogitMode(ModuleScopedMode):
             if isinstance(scores, Tensor) and scores.ndim == 4 and dim in (-1, 3):  # (batch, heads, queries, keys)
                 with torch.no_grad():
                     self.owner.note(self.name, scores.detach().transpose(0, 1).reshape(scores.shape[1], -1).amax(1))
+        elif _FLEX is not None and func is _FLEX:
+            return self._flex(func, list(args), kwargs)
         return func(*args, **kwargs)
+
+    def _flex(self, func: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """A FlexAttention call, asked for its rows' largest scores too (``OUTPUT_MAX``, which ``return_aux`` sets).
+        Dynamo traces this inside ``flex_attention``'s compile: plain Python only."""
+        options = args[_FLEX_OPTIONS] if len(args) > _FLEX_OPTIONS else kwargs.get("kernel_options", {})
+        wants = options.get("BACKEND") != "FLASH"  # its FLASH backend has no max scores to give
+        # The eager (math) path computes them anyway; the CPU's inductor kernel has none (it returns the output alone,
+        # and reading them fails its compile), but FlexAttention has no backward on the CPU: no training forward.
+        if wants and args[0].device.type not in ("cpu", "mps"):
+            options = {**options, "OUTPUT_MAX": True}
+            if len(args) > _FLEX_OPTIONS:
+                args[_FLEX_OPTIONS] = options
+            else:
+                kwargs = {**kwargs, "kernel_options": options}
+        out = func(*args, **kwargs)
+        if wants and len(out) > 2:
+            self.flex.append(out[2])
+        return out
 
 
 class QKClip:
@@ -76,28 +106,39 @@ class QKClip:
     query head per key head both are scaled by ``sqrt(gamma_h)``, the paper's rule). The biases of the query and key
     rows are scaled with their weights, so the logits scale exactly. A head over the threshold thus has its largest
     logit of the step brought back to ``tau``; a head under it keeps its logits (in a group with a clipped head its
-    query rows grow as its key rows shrink). The rescale is on the device (``torch.where``), with no host sync.
+    query rows grow as its key rows shrink). Multi-latent attention (DeepSeek-V2/V3) follows the report's rule for
+    MLA: the head's own query and key components (``q^C``, ``k^C``: the "nope" rows of ``q_b_proj`` and
+    ``kv_b_proj``) by ``sqrt(gamma_h)``, its rotary query ``q^R`` by ``gamma_h``, and the rotary key ``k^R``, which
+    every head shares (``kv_a_proj_with_mqa``), left as it is so no other head is touched. The rescale is on the
+    device (``torch.where``), with no host sync.
 
     **Where the maxima come from.** Exactly, from what the module computes in its training forward: the input of a
     ``softmax`` over 4-D scores ``(batch, heads, queries, keys)`` (eager attention: HF GPT-2, BERT and Llama with
     ``attn_implementation="eager"``), the query and key of a ``F.scaled_dot_product_attention`` call, whose logits
     are computed again here in chunks (its mask, causality, scale and grouped-query layout applied; this costs about
-    one more ``q @ k^T`` of the attention per step), and for ``nn.MultiheadAttention`` its own projections of its
-    query and key with its masks. Rotary embeddings and scaling are seen as the module applies them. The maxima stay
-    device tensors (``torch.maximum`` over the step's micro-batches); under ``torch.distributed`` every module's
-    maxima travel in one all-reduce (MAX), so every rank rescales the same.
+    one more ``q @ k^T`` of the attention per step), the largest score of each row that FlexAttention's kernel
+    computes anyway (``flex_attention``'s ``max_scores``, asked of every call in the forward, compiled or not: its
+    ``block_mask`` and ``score_mod`` applied, as its softmax sees them), and for ``nn.MultiheadAttention`` its own
+    projections of its query and key with its masks. Rotary embeddings and scaling are seen as the module applies
+    them. The maxima stay device tensors (``torch.maximum`` over the step's micro-batches); under
+    ``torch.distributed`` every module's maxima travel in one all-reduce (MAX), so every rank rescales the same.
 
     **Which weights.** Each selected module's query and key projections: ``q_proj``/``k_proj`` (Llama-style),
     ``query``/``key`` (BERT), ``wq``/``wk``, ``to_q``/``to_k``, a fused ``[q | k | v]`` projection ``qkv``,
-    ``c_attn`` (GPT-2's ``Conv1D``), ``qkv_proj`` or ``Wqkv``, or ``nn.MultiheadAttention``'s ``in_proj_weight``
-    (or ``q_proj_weight``/``k_proj_weight``); the head count from the module's (or its ``config``'s)
-    ``num_heads``/``n_head``/``num_attention_heads``, ``num_key_value_heads``/``n_query_groups`` and
-    ``head_dim``/``head_size``. A module where they cannot be found, or that normalizes its queries and keys
-    (qk-layernorm), is refused at ``attach`` with the reason; one whose forward computes its logits in a kernel gradkit
-    cannot read (FlexAttention, flash-attn, Transformer Engine) is refused at the end of the step that ran it.
-    Multi-latent attention, interleaved fused layouts (GPT-NeoX's ``query_key_value``) and sharded weights (FSDP,
-    FSDP2, tensor parallelism) are refused for now; ``torch.compile`` of the attention modules is untested (the
-    maxima are read in Python, inside their forward).
+    ``c_attn`` (GPT-2's ``Conv1D``), ``qkv_proj`` or ``Wqkv``, a fused projection ``query_key_value`` interleaved
+    per key head as ``[its query heads | key | value]`` (GPT-NeoX's per-head ``[q | k | v]``, Falcon's grouped and
+    multi-query layouts; Bloom's is the same, untested), multi-latent attention's ``q_b_proj`` (or ``q_proj``) and
+    ``kv_b_proj`` beside ``kv_a_proj_with_mqa`` (Hugging Face's DeepSeek-V2/V3; DeepSeek's own ``wq_b``/``wq``,
+    ``wkv_b``, ``wkv_a``), or
+    ``nn.MultiheadAttention``'s ``in_proj_weight`` (or ``q_proj_weight``/``k_proj_weight``); the head count from the
+    module's (or its ``config``'s) ``num_heads``/``n_head``/``num_attention_heads``,
+    ``num_key_value_heads``/``n_query_groups``/``num_kv_heads`` and ``head_dim``/``head_size`` (for MLA,
+    ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim``). A module where they cannot be found, or that
+    normalizes its queries and keys (qk-layernorm), is refused at ``attach`` with the reason; one whose forward
+    computes its logits in a kernel gradkit cannot read (flash-attn, Transformer Engine, FlexAttention's ``FLASH``
+    backend, which has no max scores) is refused at the end of the step that ran it. Sharded weights (FSDP, FSDP2,
+    tensor parallelism) are refused for now; ``torch.compile`` of the attention modules is untested (the maxima are
+    read in Python, inside their forward; FlexAttention's own compile is traced through).
 
     **Logged** on logging steps only (read there, in the loop's one transfer): ``qk_clip/max_logit``, the largest
     logit over every head of the step, and ``qk_clip/clipped_heads``, how many heads it rescaled. Built with
@@ -269,6 +310,10 @@ class QKClip:
         mode = self._modes.get(name)
         if mode is not None:
             mode.stop()
+            for scores in mode.flex:  # (batch, heads, queries) in log2 units: the kernel's softmax runs on exp2
+                if scores.numel():
+                    self.note(name, scores.detach().float().transpose(0, 1).flatten(1).amax(1) * math.log(2))
+            mode.flex.clear()
 
     def _mha_hook(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if not self._reads(module):
@@ -314,9 +359,10 @@ class QKClip:
         if unread:
             raise RuntimeError(
                 f"QKClip read no attention logits in `{sorted(unread)[0]}` during the step: its forward calls neither "
-                "`softmax` on 4-D scores nor `F.scaled_dot_product_attention` (FlexAttention, flash-attn, a fused "
-                "kernel?), so its largest logit is unknown. Use eager or SDPA attention "
-                "(`attn_implementation='eager'` or 'sdpa' for Hugging Face models), or leave it out of `attention`."
+                "`softmax` on 4-D scores, `F.scaled_dot_product_attention` nor FlexAttention with max scores "
+                "(flash-attn, a fused kernel, FlexAttention's FLASH backend?), so its largest logit is unknown. Use "
+                "eager or SDPA attention (`attn_implementation='eager'` or 'sdpa' for Hugging Face models), or leave "
+                "it out of `attention`."
             )
         if not self._maxima:
             return  # no training forward this step (its batches were dropped)
@@ -348,11 +394,29 @@ def _rescale(heads: Heads, gamma: Tensor) -> None:
         _scale_rows(slab, query_scale, heads.head_dim)
     for slab in heads.k:
         _scale_rows(slab, key_scale, heads.head_dim)
+    for slab in heads.q_rope:  # its key is every head's: the query rows take the whole gamma (Kimi K2, MLA)
+        _scale_rows(slab, gamma, heads.head_dim)
 
 
 def _scale_rows(slab: Slab, per_head: Tensor, head_dim: int) -> None:
+    if slab.period:
+        _scale_interleaved_rows(slab, per_head, head_dim)
+        return
     rows = per_head.repeat_interleave(head_dim).to(slab.param.device, slab.param.dtype)
     target = slab.param.narrow(slab.dim, slab.start, rows.numel())
     shape = [1] * target.ndim
     shape[slab.dim] = -1
+    target.mul_(rows.view(shape))
+
+
+def _scale_interleaved_rows(slab: Slab, per_head: Tensor, head_dim: int) -> None:
+    """Scale the heads' rows of a slab whose heads are interleaved with other rows, in place (a strided view)."""
+    width = slab.width or head_dim
+    blocks = per_head.numel() // slab.per_block
+    dim = slab.dim
+    held = slab.param.narrow(dim, 0, blocks * slab.period).unflatten(dim, (blocks, slab.period))
+    target = held.narrow(dim + 1, slab.start, slab.per_block * width)
+    shape = [1] * target.ndim
+    shape[dim], shape[dim + 1] = blocks, slab.per_block * width
+    rows = per_head.repeat_interleave(width).to(slab.param.device, slab.param.dtype)
     target.mul_(rows.view(shape))
