@@ -6,7 +6,11 @@
 - ``StepsToSkip`` under ``Trainer(strategy="gradkit_ddp")``: each rank records its final parameters, its global
   step, and the batches its ``training_step`` ran;
 - ``QKClip`` behind the loop door on a ``DistributedDataParallel`` TinyGPT, each rank with its own batches (those of
-  :func:`qk_clip_batches`): each rank records its final parameters and what it logged.
+  :func:`qk_clip_batches`): each rank records its final parameters and what it logged;
+- ``QKClip`` behind the loop door on the test's ``ShardableLM`` sharded by FSDP2 (``fully_shard`` per block and at
+  the root; each rank its element of ``sharded_batches``) and by tensor parallelism (``ColwiseParallel`` query, key
+  and value projections, ``RowwiseParallel`` output projection; every rank the whole batch): each rank records its
+  final (gathered) parameters and what it logged.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from gradkit.doors.loop import GradKit
@@ -28,6 +36,13 @@ from gradkit.policies.qk_clip import QKClip
 from helpers import MLPModule, distributed_trainer, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import StepsToSkip
 from lightning_gradkit.demos import GPTConfig, TinyGPT
+from test_early_warning_distributed import (
+    SHARDED_CONFIGS,
+    SHARDED_STEPS,
+    SHARDED_THRESHOLD,
+    ShardableLM,
+    sharded_batches,
+)
 
 CONFIG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=32)
 STEPS = 6
@@ -126,6 +141,36 @@ def run_qk_clip(rank: int) -> dict[str, Any]:
     return {"logged": logged, "params": {n: p.detach().flatten().tolist() for n, p in ddp.module.named_parameters()}}
 
 
+def run_qk_clip_sharded(rank: int, layout: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = ShardableLM(**SHARDED_CONFIGS[layout])  # the reference's initial weights, then sharded
+    mesh = init_device_mesh("cpu", (2,))
+    for block in model.blocks:
+        if layout == "fsdp2":
+            fully_shard(block, mesh=mesh)
+        else:
+            plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()}
+            parallelize_module(block.attn, mesh, {**plan, "o_proj": RowwiseParallel()})
+    if layout == "fsdp2":
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    logged: list[dict[str, float]] = []
+    clip = QKClip(threshold=SHARDED_THRESHOLD)
+    kit = GradKit(model, optimizer, clip, log_every_n_steps=1, log_dir=False, log=lambda m, s: logged.append(m))
+    for step in range(SHARDED_STEPS):
+        x = sharded_batches(step)
+        x = x[rank] if layout == "fsdp2" else x.flatten(0, 1)
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        kit.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    kit.close()
+    params = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
+    return {
+        "logged": [{k: float(v) for k, v in row.items() if k.startswith("qk_clip/")} for row in logged],
+        "params": {n: p.detach().flatten().tolist() for n, p in params.items()},
+    }
+
+
 def main() -> None:
     args = script_parser().parse_args()
     dist.init_process_group("gloo")
@@ -136,6 +181,8 @@ def main() -> None:
             "early_warning": run_early_warning(rank),
             "steps_to_skip": run_steps_to_skip(rank),
             "qk_clip": run_qk_clip(rank),
+            "qk_clip_fsdp2": run_qk_clip_sharded(rank, "fsdp2"),
+            "qk_clip_tp": run_qk_clip_sharded(rank, "tp"),
         }
     write_rank_result(args.out, rank, result)
 
