@@ -167,3 +167,23 @@ def test_qk_clip_rescales_sharded_weights_as_one_process_rescales_the_whole_mode
     assert set(first["params"]) == set(params)
     for name, param in params.items():  # fp32 reduction order only (the gradients' all-reduce, the sharded matmuls)
         torch.testing.assert_close(torch.tensor(first["params"][name]), param.flatten(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_qk_clip_callback_under_a_tensor_parallel_trainer_rescales_as_the_loop_door_on_one_process(
+    ranks: list[dict[str, Any]],
+) -> None:
+    params, _ = sharded_reference("tp")  # the same model, steps and batches, unsharded, behind the loop door
+    first, second = (r["qk_clip_trainer"] for r in ranks)
+    assert first == second and set(first) == set(params)
+    for name, param in params.items():
+        torch.testing.assert_close(torch.tensor(first[name]), param.flatten(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_qk_clip_refuses_a_tensor_parallel_forward_whose_query_and_key_heads_are_split_differently(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # `ColwiseParallel` on `q_proj` alone: each rank's 2 query heads meet both key heads, not their own one.
+    for rank in ranks:
+        message = rank["qk_clip_refused"]
+        assert message.startswith("QKClip cannot read the heads of `blocks.0.attn`: its forward splits the query and")
+        assert "`ColwiseParallel` on the same mesh" in message and "leave this module out of `attention`" in message

@@ -10,7 +10,9 @@
 - ``QKClip`` behind the loop door on the test's ``ShardableLM`` sharded by FSDP2 (``fully_shard`` per block and at
   the root; each rank its element of ``sharded_batches``) and by tensor parallelism (``ColwiseParallel`` query, key
   and value projections, ``RowwiseParallel`` output projection; every rank the whole batch): each rank records its
-  final (gathered) parameters and what it logged.
+  final (gathered) parameters and what it logged; then the error QKClip raises at the first forward of a model whose
+  query projection alone is ``ColwiseParallel``; then the tensor-parallel case again under
+  ``Trainer(strategy=GradKitModelParallelStrategy(tensor_parallel_size=2))`` with the ``QKClip`` callback.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradkit.doors.loop import GradKit
 from gradkit.policies.early_warning import EarlyWarning
 from gradkit.policies.qk_clip import QKClip
-from helpers import MLPModule, distributed_trainer, rank_loader, script_parser, write_rank_result
+from helpers import MLPModule, distributed_trainer, pg_timeout, rank_loader, script_parser, write_rank_result
 from lightning_gradkit import StepsToSkip
 from lightning_gradkit.demos import GPTConfig, TinyGPT
 from test_early_warning_distributed import (
@@ -141,6 +143,14 @@ def run_qk_clip(rank: int) -> dict[str, Any]:
     return {"logged": logged, "params": {n: p.detach().flatten().tolist() for n, p in ddp.module.named_parameters()}}
 
 
+TP_PLAN = {
+    "q_proj": ColwiseParallel(),
+    "k_proj": ColwiseParallel(),
+    "v_proj": ColwiseParallel(),
+    "o_proj": RowwiseParallel(),
+}
+
+
 def run_qk_clip_sharded(rank: int, layout: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = ShardableLM(**SHARDED_CONFIGS[layout])  # the reference's initial weights, then sharded
@@ -149,8 +159,7 @@ def run_qk_clip_sharded(rank: int, layout: str) -> dict[str, Any]:
         if layout == "fsdp2":
             fully_shard(block, mesh=mesh)
         else:
-            plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()}
-            parallelize_module(block.attn, mesh, {**plan, "o_proj": RowwiseParallel()})
+            parallelize_module(block.attn, mesh, TP_PLAN)
     if layout == "fsdp2":
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -171,6 +180,58 @@ def run_qk_clip_sharded(rank: int, layout: str) -> dict[str, Any]:
     }
 
 
+class _TensorParallelLM(pl.LightningModule):
+    """The test's ``ShardableLM``, tensor-parallel in ``configure_model`` (``GradKitModelParallelStrategy``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = ShardableLM(**SHARDED_CONFIGS["tp"])
+
+    def configure_model(self) -> None:
+        for block in self.model.blocks:
+            parallelize_module(block.attn, self.device_mesh["tensor_parallel"], TP_PLAN)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        x = batch[0]
+        return F.cross_entropy(self.model(x).flatten(0, 1), x.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def run_qk_clip_trainer(rank: int) -> dict[str, list[float]]:
+    """The tensor-parallel case under ``Trainer(strategy=GradKitModelParallelStrategy(tensor_parallel_size=2))``."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_gradkit import GradKitModelParallelStrategy
+    from lightning_gradkit import QKClip as QKClipCallback
+
+    module = _TensorParallelLM()
+    data = TensorDataset(torch.cat([sharded_batches(step).flatten(0, 1) for step in range(SHARDED_STEPS)]))
+    strategy = GradKitModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, timeout=pg_timeout())
+    trainer = distributed_trainer(strategy=strategy, callbacks=[QKClipCallback(threshold=SHARDED_THRESHOLD)])
+    trainer.fit(module, DataLoader(data, batch_size=8))
+    params = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in module.model.named_parameters()}
+    return {n: p.detach().flatten().tolist() for n, p in params.items()}
+
+
+def run_qk_clip_refused(rank: int) -> str:
+    """Tensor parallelism on the query projection only: a rank's query heads meet every key head; QKClip's error."""
+    torch.manual_seed(0)
+    model = ShardableLM(**SHARDED_CONFIGS["tp"])
+    mesh = init_device_mesh("cpu", (2,))
+    for block in model.blocks:
+        parallelize_module(block.attn, mesh, {"q_proj": ColwiseParallel()})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    with GradKit(model, optimizer, QKClip(threshold=SHARDED_THRESHOLD), log_dir=False):
+        try:
+            model(sharded_batches(0).flatten(0, 1))
+        except RuntimeError as error:
+            return str(error)
+    return ""
+
+
 def main() -> None:
     args = script_parser().parse_args()
     dist.init_process_group("gloo")
@@ -183,6 +244,8 @@ def main() -> None:
             "qk_clip": run_qk_clip(rank),
             "qk_clip_fsdp2": run_qk_clip_sharded(rank, "fsdp2"),
             "qk_clip_tp": run_qk_clip_sharded(rank, "tp"),
+            "qk_clip_refused": run_qk_clip_refused(rank),
+            "qk_clip_trainer": run_qk_clip_trainer(rank),
         }
     write_rank_result(args.out, rank, result)
 

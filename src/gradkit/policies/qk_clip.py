@@ -258,7 +258,9 @@ class QKClip:
             try:
                 index = local_row_index(slab.param, slab.dim)
             except Unreadable as reason:
-                raise ValueError(f"QKClip cannot rescale the heads of `{name}`: {reason}. {_SHARDING_HINT}") from None
+                raise ValueError(
+                    f"QKClip cannot rescale the heads of `{name or 'the model'}`: {reason}. {_SHARDING_HINT}"
+                ) from None
             if index is not None:
                 self._rows[(id(slab.param), slab.dim)] = index
 
@@ -324,7 +326,9 @@ class QKClip:
             try:
                 self._local_heads[name] = forward_heads(find_heads(self._readers[name]), self._heads[name])
             except Unreadable as reason:
-                raise RuntimeError(f"QKClip cannot read the heads of `{name}`: {reason}. {_SHARDING_HINT}") from None
+                raise RuntimeError(
+                    f"QKClip cannot read the heads of `{name or 'the model'}`: {reason}. {_SHARDING_HINT}"
+                ) from None
         first, count = self._local_heads[name]
         if value.numel() != count:
             return value  # not this rank's heads: `note` says what it read
