@@ -100,9 +100,20 @@ class QKClip:
     ``head_dim``/``head_size``. A module where they cannot be found, or that normalizes its queries and keys
     (qk-layernorm), is refused at ``attach`` with the reason; one whose forward computes its logits in a kernel gradkit
     cannot read (FlexAttention, flash-attn, Transformer Engine) is refused at the end of the step that ran it.
-    Multi-latent attention, interleaved fused layouts (GPT-NeoX's ``query_key_value``) and sharded weights (FSDP,
-    FSDP2, tensor parallelism) are refused for now; ``torch.compile`` of the attention modules is untested (the
-    maxima are read in Python, inside their forward).
+    Multi-latent attention and interleaved fused layouts (GPT-NeoX's ``query_key_value``) are refused for now;
+    ``torch.compile`` of the attention modules is untested (the maxima are read in Python, inside their forward).
+
+    **Sharded weights.** FSDP2 (``fully_shard``) and tensor parallelism (``ColwiseParallel`` query and key
+    projections, ``RowwiseParallel`` output projection; both on a 2-D mesh): the rule is computed for every head of
+    the whole weight, and each rank multiplies the rows its shard holds (their global indices found once at
+    ``attach`` from the DTensor's mesh and placements: uneven shards and a head split between two ranks included).
+    A tensor-parallel rank's forward computes its own heads (``first ... first + count - 1`` of its mesh coordinate);
+    their maxima take their place among all the module's heads, ``-inf`` elsewhere, and the one all-reduce (MAX) of
+    the step, over every rank, fills in the others. The head counts are the whole module's (its ``config``'s), as
+    Hugging Face models give them. FSDP1's flat shards are refused at ``attach`` (a rank does not know where a row
+    starts), as is a weight placed as a partial sum; a tensor-parallel forward whose query and key rows are not
+    split alike, once, evenly into whole heads (or that splits a fused ``[q | k | v]`` projection) is refused at its
+    first forward.
 
     **Logged** on logging steps only (read there, in the loop's one transfer): ``qk_clip/max_logit``, the largest
     logit over every head of the step, and ``qk_clip/clipped_heads``, how many heads it rescaled. Built with
@@ -120,9 +131,10 @@ class QKClip:
 
     Raises:
         ValueError: at construction, naming the argument; at ``attach``, a pattern that selects no module, a
-            module whose query and key weights cannot be found (the message names it, the reason and what to do), or
-            weights sharded by FSDP.
-        RuntimeError: after a step, a selected module whose training forward ran without exposing its logits.
+            module whose query and key weights cannot be found (the message names it, the reason and what to do),
+            weights flattened by FSDP1, or a weight placed as a partial sum.
+        RuntimeError: after a step, a selected module whose training forward ran without exposing its logits; in a
+            tensor-parallel forward, query and key heads split otherwise than alike, once and evenly.
 
     Example::
 
