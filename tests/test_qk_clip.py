@@ -627,6 +627,20 @@ def test_an_attention_whose_logits_no_forward_exposes_is_refused_at_its_first_st
     kit.close()
 
 
+def test_a_weight_placed_as_a_partial_sum_is_refused_at_attach(one_rank_group: object) -> None:
+    # A partial sum (each rank a summand) has no rows to rescale: scaling one summand's rows is not the rule.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    model = UserAttention()
+    mesh = init_device_mesh("cpu", (1,))
+    model.q_proj.weight = nn.Parameter(DTensor.from_local(model.q_proj.weight.detach(), mesh, [Partial()]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"QKClip cannot rescale the heads of `the model`: .* partial sum") as info:
+        GradKit(model, optimizer, QKClip(), log_dir=False)
+    assert "`ColwiseParallel`" in str(info.value)
+
+
 def test_threshold_is_checked_at_construction() -> None:
     with pytest.raises(ValueError, match="threshold"):
         QKClip(threshold=0.0)

@@ -25,6 +25,7 @@ from gradkit.policies.attention_heads import (
     mha_head_max,
     sdpa_head_max,
 )
+from gradkit.policies.sharded_heads import forward_heads, local_row_index
 from gradkit.step.norms import local_tensor, world_size
 from gradkit.step.params import clean_name
 from gradkit.step.plan import StepOutcome, StepStats
@@ -36,6 +37,10 @@ __all__ = ["QKClip"]
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SOFTMAX = (torch.softmax, F.softmax, Tensor.softmax)
+_SHARDING_HINT = (
+    "QKClip rescales weights sharded by FSDP2 (`fully_shard`) and tensor parallelism (`ColwiseParallel` on the query "
+    "and key projections); leave this module out of `attention`, or place its weights so"
+)
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights")
 # FlexAttention's operator (what `flex_attention` calls, compiled or not): `(query, key, value, score_mod, block_mask,
 # scale, kernel_options, ...)`, returning `(out, lse, max_scores)` (a torch without max_scores returns two: not read).
@@ -136,9 +141,21 @@ class QKClip:
     ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim``). A module where they cannot be found, or that
     normalizes its queries and keys (qk-layernorm), is refused at ``attach`` with the reason; one whose forward
     computes its logits in a kernel gradkit cannot read (flash-attn, Transformer Engine, FlexAttention's ``FLASH``
-    backend, which has no max scores) is refused at the end of the step that ran it. Sharded weights (FSDP, FSDP2,
-    tensor parallelism) are refused for now; ``torch.compile`` of the attention modules is untested (the maxima are
-    read in Python, inside their forward; FlexAttention's own compile is traced through).
+    backend, which has no max scores) is refused at the end of the step that ran it. ``torch.compile`` of the
+    attention modules is untested (the maxima are read in Python, inside their forward; FlexAttention's own compile
+    is traced through).
+
+    **Sharded weights.** FSDP2 (``fully_shard``) and tensor parallelism (``ColwiseParallel`` query and key
+    projections, ``RowwiseParallel`` output projection; both on a 2-D mesh): the rule is computed for every head of
+    the whole weight, and each rank multiplies the rows its shard holds (their global indices found once at
+    ``attach`` from the DTensor's mesh and placements: uneven shards and a head split between two ranks included).
+    A tensor-parallel rank's forward computes its own heads (``first ... first + count - 1`` of its mesh coordinate);
+    their maxima take their place among all the module's heads, ``-inf`` elsewhere, and the one all-reduce (MAX) of
+    the step, over every rank, fills in the others. The head counts are the whole module's (its ``config``'s), as
+    Hugging Face models give them. FSDP1's flat shards are refused at ``attach`` (a rank does not know where a row
+    starts), as is a weight placed as a partial sum; a tensor-parallel forward whose query and key rows are not
+    split alike, once, evenly into whole heads (or that splits a fused ``[q | k | v]`` projection) is refused at its
+    first forward.
 
     **Logged** on logging steps only (read there, in the loop's one transfer): ``qk_clip/max_logit``, the largest
     logit over every head of the step, and ``qk_clip/clipped_heads``, how many heads it rescaled. Built with
@@ -156,9 +173,10 @@ class QKClip:
 
     Raises:
         ValueError: at construction, naming the argument; at ``attach``, a pattern that selects no module, a
-            module whose query and key weights cannot be found (the message names it, the reason and what to do), or
-            weights sharded by FSDP.
-        RuntimeError: after a step, a selected module whose training forward ran without exposing its logits.
+            module whose query and key weights cannot be found (the message names it, the reason and what to do),
+            weights flattened by FSDP1, or a weight placed as a partial sum.
+        RuntimeError: after a step, a selected module whose training forward ran without exposing its logits; in a
+            tensor-parallel forward, query and key heads split otherwise than alike, once and evenly.
 
     Example::
 
@@ -195,6 +213,11 @@ class QKClip:
         #: Whether it reads the logits and rescales now: ``enabled``, until an EscalationLadder switches it.
         self.active = self.enabled
         self._heads: dict[str, Heads] = {}
+        self._readers: dict[str, nn.Module] = {}  # the module whose forward each attention's maxima come from
+        # Sharded weights: the global index of each local row of a (param, dim), where a rank holds some of them.
+        self._rows: dict[tuple[int, int], Tensor] = {}
+        # Tensor parallelism: (first, count) of the query heads a rank's forward computes, found at its first forward.
+        self._local_heads: dict[str, tuple[int, int]] = {}
         self._hooks: list[RemovableHandle] = []
         self._modes: dict[str, _LogitMode] = {}
         self._maxima: dict[str, Tensor] = {}
@@ -226,17 +249,18 @@ class QKClip:
             ValueError: a pattern that selects no module, or a module whose heads' weights cannot be found.
         """
         self.detach(ctx)
-        self._heads = {}
+        self._heads, self._readers, self._rows, self._local_heads = {}, {}, {}, {}
         if ctx.flat_sharded():
             raise ValueError(
-                "QKClip rescales rows of the query and key weights, and under FSDP (flat shards over several ranks) a "
-                "rank does not hold them whole; QKClip does not support sharded weights yet. Use DDP, or leave QKClip "
-                "out."
+                "QKClip rescales rows of the query and key weights, and under FSDP1 (flat shards over several ranks) "
+                "a rank does not hold them whole, nor knows where a row starts. Use FSDP2 (`fully_shard`; "
+                "`ModelParallelStrategy` for the Trainer), DDP or tensor parallelism, or leave QKClip out."
             )
         named = [(clean_name(n), m) for n, m in model.named_modules()]
         for name, module in self._select(named):
             reader = next((m for m in module.modules() if isinstance(m, nn.MultiheadAttention)), module)
             self._heads[name] = self._heads_of(name, reader)
+            self._readers[name] = reader
             if isinstance(reader, nn.MultiheadAttention):
                 hook = functools.partial(self._mha_hook, name)
                 self._hooks.append(reader.register_forward_hook(hook, with_kwargs=True))
@@ -279,13 +303,20 @@ class QKClip:
                 "Leave it out of `attention` (select the modules to clip by class name or `re:` pattern), or give it "
                 "one of the projections QKClip reads (see `help(gradkit.QKClip)`)."
             ) from None
-        sharded = [s for s in [*heads.q, *heads.k] if local_tensor(s.param) is not s.param]
-        if sharded:
-            raise ValueError(
-                f"QKClip cannot rescale the heads of `{name}`: its weights are sharded (DTensor: FSDP2 or tensor "
-                "parallelism), which QKClip does not support yet. Use DDP, or leave QKClip out."
-            )
+        self._index_shards(name, heads)
         return heads
+
+    def _index_shards(self, name: str, heads: Heads) -> None:
+        """Where a rank holds some rows of a DTensor weight (FSDP2, tensor parallelism): their global indices."""
+        for slab in [*heads.q, *heads.k]:
+            try:
+                index = local_row_index(slab.param, slab.dim)
+            except Unreadable as reason:
+                raise ValueError(
+                    f"QKClip cannot rescale the heads of `{name or 'the model'}`: {reason}. {_SHARDING_HINT}"
+                ) from None
+            if index is not None:
+                self._rows[(id(slab.param), slab.dim)] = index
 
     def detach(self, ctx: StepContext | None = None) -> None:
         """Remove the hooks (and leave a mode a failed forward left open)."""
@@ -335,6 +366,8 @@ class QKClip:
     def note(self, name: str, value: Tensor) -> None:
         """A forward's per-head maxima of module ``name``: kept as their maximum over the step (on the device)."""
         heads = self._heads[name].heads
+        if value.shape != (heads,) and value.ndim == 1:  # tensor parallelism: this rank's heads only
+            value = self._spread(name, value)
         if value.shape != (heads,):  # a shape, on the host: scores whose dimension 1 is not the heads
             raise RuntimeError(
                 f"QKClip read the logits of {value.numel()} heads in `{name}`, whose projections hold {heads}: its "
@@ -343,6 +376,21 @@ class QKClip:
         previous = self._maxima.get(name)
         value = value.float()
         self._maxima[name] = value if previous is None else torch.maximum(previous, value)
+
+    def _spread(self, name: str, value: Tensor) -> Tensor:
+        """A tensor-parallel rank's maxima of its heads, at their place among all the module's heads (``-inf``
+        elsewhere: the all-reduce (MAX) of the step fills them in from the ranks that compute them)."""
+        if name not in self._local_heads:  # once: the forward's weights, as it sees them (host only)
+            try:
+                self._local_heads[name] = forward_heads(find_heads(self._readers[name]), self._heads[name])
+            except Unreadable as reason:
+                raise RuntimeError(
+                    f"QKClip cannot read the heads of `{name or 'the model'}`: {reason}. {_SHARDING_HINT}"
+                ) from None
+        first, count = self._local_heads[name]
+        if value.numel() != count:
+            return value  # not this rank's heads: `note` says what it read
+        return F.pad(value, (first, self._heads[name].heads - first - count), value=-math.inf)
 
     # -- the step -----------------------------------------------------------------------------------------------
     def observe(self, stats: StepStats, outcome: StepOutcome, ctx: StepContext) -> None:
@@ -378,32 +426,38 @@ class QKClip:
         gamma = torch.where(over, self.threshold / maxima, torch.ones_like(maxima))
         with torch.no_grad():
             for name, part in zip(names, gamma.split([self._heads[n].heads for n in names]), strict=True):
-                _rescale(self._heads[name], part)
+                _rescale(self._heads[name], part, self._rows)
         self._clipped = over.sum()
         if self._logging:
             ctx.log({"qk_clip/max_logit": maxima.amax(), "qk_clip/clipped_heads": self._clipped.float()})
 
 
-def _rescale(heads: Heads, gamma: Tensor) -> None:
+def _rescale(heads: Heads, gamma: Tensor, rows: dict[tuple[int, int], Tensor] | None = None) -> None:
     """Scale each head's query and key rows so that its logits scale by ``gamma`` (per query head): the key head of a
-    group by ``sqrt(min gamma)``, each query head by ``gamma / sqrt(min gamma)``."""
+    group by ``sqrt(min gamma)``, each query head by ``gamma / sqrt(min gamma)``. ``rows``: the global index of the
+    local rows of each sharded ``(id(param), dim)`` (:func:`~gradkit.policies.sharded_heads.local_row_index`)."""
     group = gamma.view(heads.kv_heads, heads.heads // heads.kv_heads)
     key_scale = group.amin(1).sqrt()
     query_scale = (group / key_scale[:, None]).reshape(-1)
     for slab in heads.q:
-        _scale_rows(slab, query_scale, heads.head_dim)
+        _scale_rows(slab, query_scale, heads.head_dim, rows)
     for slab in heads.k:
-        _scale_rows(slab, key_scale, heads.head_dim)
+        _scale_rows(slab, key_scale, heads.head_dim, rows)
     for slab in heads.q_rope:  # its key is every head's: the query rows take the whole gamma (Kimi K2, MLA)
-        _scale_rows(slab, gamma, heads.head_dim)
+        _scale_rows(slab, gamma, heads.head_dim, rows)
 
 
-def _scale_rows(slab: Slab, per_head: Tensor, head_dim: int) -> None:
+def _scale_rows(slab: Slab, per_head: Tensor, head_dim: int, index: dict[tuple[int, int], Tensor] | None) -> None:
+    local_rows = None if index is None else index.get((id(slab.param), slab.dim))
+    if local_rows is not None:
+        _scale_local_rows(slab, per_head, head_dim, local_rows)
+        return
     if slab.period:
         _scale_interleaved_rows(slab, per_head, head_dim)
         return
     rows = per_head.repeat_interleave(head_dim).to(slab.param.device, slab.param.dtype)
-    target = slab.param.narrow(slab.dim, slab.start, rows.numel())
+    # A DTensor split along another dimension (or replicated) holds every row: its local tensor is scaled.
+    target = local_tensor(slab.param).narrow(slab.dim, slab.start, rows.numel())
     shape = [1] * target.ndim
     shape[slab.dim] = -1
     target.mul_(rows.view(shape))
@@ -420,3 +474,15 @@ def _scale_interleaved_rows(slab: Slab, per_head: Tensor, head_dim: int) -> None
     shape[dim], shape[dim + 1] = blocks, slab.per_block * width
     rows = per_head.repeat_interleave(width).to(slab.param.device, slab.param.dtype)
     target.mul_(rows.view(shape))
+
+
+def _scale_local_rows(slab: Slab, per_head: Tensor, head_dim: int, local_rows: Tensor) -> None:
+    """A shard holding some rows of a DTensor: the scale of every global row (1 outside the slab's heads), then
+    those of the local rows, multiplied into the local tensor (in place: the DTensor's storage). On the device."""
+    local = local_tensor(slab.param)
+    rows = per_head.repeat_interleave(head_dim).to(local.device, local.dtype)
+    total = slab.param.shape[slab.dim]
+    every = F.pad(rows, (slab.start, total - slab.start - rows.numel()), value=1.0)
+    shape = [1] * local.ndim
+    shape[slab.dim] = -1
+    local.mul_(every.index_select(0, local_rows).view(shape))

@@ -111,7 +111,8 @@ class QKClip(gradkit.QKClip, GradKitCallback):
     r"""The Trainer callback of :class:`gradkit.QKClip`: its docstring, then what follows.
 
     Under a Trainer the rescale runs at the end of each batch that stepped the optimizer (``on_train_batch_end``),
-    with DDP or a single device (not FSDP, whose weights are sharded, nor DeepSpeed, whose engine owns them);
+    with DDP, FSDP2 and tensor parallelism (``GradKitModelParallelStrategy``, sharding in ``configure_model``) or a
+    single device (not FSDP1, whose flat shards hide the rows, nor DeepSpeed, whose engine owns the weights);
     validation forwards are not read (the module is in eval mode).
 
     Raises:
