@@ -344,7 +344,7 @@ def test_in_the_warm_up_only_thresholds_fire_and_the_growth_rule_learns_nothing(
 
 
 def test_the_growth_rule_sets_its_bar_from_the_series_own_rises() -> None:
-    detector = Detector({}, {"attn_logit_max": 100.0}, 2.0, 20, sigmas=4.0, warmup_steps=0)
+    detector = Detector({}, {"attn_logit_max": 100.0}, 2.0, 20, sigmas={"attn_logit_max": 4.0}, warmup_steps=0)
     # A steady x2.2 every 20 steps (as a healthy model's logits may grow for a while): each rise is about log(2.2),
     # above log(2), but it is the series' own pace. The rises alternate 0.05 below and above log(2.2).
     level, rises = math.log(150.0), []
@@ -375,7 +375,7 @@ def test_the_growth_rule_sets_its_bar_from_the_series_own_rises() -> None:
 
 
 def test_log_z_rules_are_taken_above_the_log_z_of_a_uniform_prediction() -> None:
-    detector = Detector({"logz_mean": 10.0}, {}, 2.0, 20, warmup_steps=0)
+    detector = Detector({"logz_mean": 10.0}, {}, 2.0, 20, sigmas=None, warmup_steps=0)
     detector.reading(0, 0.1)
     uniform = math.log(256)  # a vocabulary of 256: log Z of equal logits
     assert detector.check("logz_mean", "", 0, uniform + 9.9, baseline=uniform) is None

@@ -16,7 +16,14 @@ from torch import Tensor, nn
 from gradkit._util.arguments import check_bool, check_choice, check_float, check_int, name_list
 from gradkit.policies.escalation import Escalation, FindingSink, module_params
 from gradkit.policies.signals import Reading, StabilitySignals, signal_key
-from gradkit.policies.warning_rules import DEFAULT_FLOORS, DEFAULT_THRESHOLDS, Detector, Finding, checked_rules
+from gradkit.policies.warning_rules import (
+    DEFAULT_FLOORS,
+    DEFAULT_SIGMAS,
+    DEFAULT_THRESHOLDS,
+    Detector,
+    Finding,
+    checked_rules,
+)
 from gradkit.report.events import SIGNALS_EVENT, EventLog, write_metadata
 from gradkit.step.plan import StepOutcome, StepStats
 from gradkit.step.protocol import Door, Stage, StepContext, state_key
@@ -63,14 +70,14 @@ class EarlyWarning:
     **Detector** (:mod:`gradkit.policies.warning_rules`): each ``(signal, module)`` series fires when it exceeds its
     threshold (``thresholds``: a level beyond what training recovers from; non-finite values too), at any step, or,
     outside the warm-up and from its floor on (``floors``), when it grew ``growth`` times over ``growth_steps``
-    optimizer steps *and* faster than its own history explains (more than ``sigmas`` robust standard deviations
-    above its past rises over as many steps); it fires again only after growing ``growth`` times since. The warm-up
-    is every reading at which the learning rate rose since the previous one, and the first ``warmup_steps``
-    optimizer steps: everything moves then, in healthy runs too, so only thresholds fire there. It decides on the
-    reduced values, so every rank decides the same, and its state is saved in checkpoints. The defaults watch the
-    attention logits (threshold 1000; growth from 100, Kimi K2's QK-Clip level) and, where an output module is found
-    (``output="auto"``), its mean log Z (threshold 10 nats above a uniform prediction's ``log(n)``; growth from 2
-    above it). Their leads and false alarms on proxies of several kinds are in ``benchmarks/RESULTS.md``
+    optimizer steps (and, for a signal with ``sigmas``, by more than its own past rises explain); it fires again
+    only after growing ``growth`` times since. The warm-up is every reading at which the learning rate rose since the
+    previous one, and the first ``warmup_steps`` optimizer steps: everything moves then, in healthy runs too, so only
+    thresholds fire there. It decides on the reduced values, so every rank decides the same, and its state is saved
+    in checkpoints. The defaults watch the attention logits (threshold 1500; x3 in 20 steps from 200) and, where an
+    output module is found (``output="auto"``), its mean log Z (threshold 10 nats above a uniform prediction's
+    ``log(n)``; from 2 above it, x3 of Z in 20 steps and 4 robust standard deviations above its own past rises).
+    Their leads and false alarms on proxies of several kinds are in ``benchmarks/RESULTS.md``
     (``benchmarks/bench_early_warning.py``). The other signals are logged and drawn; give them a threshold or floor
     to watch them.
 
@@ -103,8 +110,9 @@ class EarlyWarning:
         floors: per signal, the growth rule's floor; merged into ``DEFAULT_FLOORS``, ``None`` turns one off.
         growth: the growth factor of the growth rule and of a series firing again (> 1).
         growth_steps: the optimizer steps the growth is measured over (>= 1).
-        sigmas: how far above its own past rises a series' rise must be to fire the growth rule, in robust standard
-            deviations (``1.4826 * MAD``, over at least 10 past rises; > 0); ``None``: the growth factor alone.
+        sigmas: per signal, how far above its own past rises a series' rise must be to fire the growth rule, in
+            robust standard deviations (``1.4826 * MAD``, over at least 10 past rises); merged into
+            ``DEFAULT_SIGMAS`` (log Z: 4), ``None`` leaves a signal's bar at ``growth`` alone.
         warmup_steps: the first optimizer steps in which only thresholds fire, whatever the learning rate does (a
             rising learning rate is a warm-up too) (>= 0).
         action: ``"warn"`` or ``"escalate"``.
@@ -159,9 +167,9 @@ class EarlyWarning:
         theta: float = 5000.0,
         thresholds: dict[str, float | None] | None = None,
         floors: dict[str, float | None] | None = None,
-        growth: float = 2.0,
+        growth: float = 3.0,
         growth_steps: int = 20,
-        sigmas: float | None = 4.0,
+        sigmas: dict[str, float | None] | None = None,
         warmup_steps: int = 40,
         action: Literal["warn", "escalate"] = "warn",
         escalate_lr_factor: float | None = 0.1,
@@ -179,9 +187,7 @@ class EarlyWarning:
         self.floors = checked_rules("floors", floors, DEFAULT_FLOORS)
         self.growth = check_float("growth", growth, above=1.0, hint="E.g. `growth=2.0`: a doubling fires.")
         self.growth_steps = check_int("growth_steps", growth_steps, 1, hint="E.g. `growth_steps=20`.")
-        if sigmas is not None:
-            check_float("sigmas", sigmas, above=0.0, hint="E.g. `sigmas=4.0`; None: the growth factor alone.")
-        self.sigmas = sigmas
+        self.sigmas = checked_rules("sigmas", sigmas, DEFAULT_SIGMAS)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, hint="E.g. `warmup_steps=40`.")
         self.action = check_choice("action", action, ("warn", "escalate"))
         if log_every_n_steps is not None:

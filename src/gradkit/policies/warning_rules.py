@@ -6,9 +6,9 @@ of the early-warning signals (:mod:`gradkit.policies.signals`), on host values t
 - **growth**: outside the warm-up, from the signal's floor on, the value grew at least ``growth`` times over
   ``growth_steps`` optimizer steps (since the last value logged that long ago or longer) *and* by more than the
   series' own history explains: more than the median of its past rises over ``growth_steps`` plus ``sigmas`` robust
-  standard deviations of them (``1.4826 * MAD``), once :data:`MIN_HISTORY` rises are known. A series that grows
-  steadily, as healthy attention logits do while the model learns, sets its own bar; one whose growth speeds up
-  fires. ``sigmas=None`` leaves the bar at ``growth``.
+  standard deviations of them (``1.4826 * MAD``), once :data:`MIN_HISTORY` rises are known, for a signal with
+  ``sigmas`` (:data:`DEFAULT_SIGMAS`: log Z, which wanders in healthy runs; a series of it sets its own bar, one
+  whose growth speeds up fires). Without ``sigmas`` the bar is ``growth`` alone.
 - **warm-up**: a reading is in the warm-up while the learning rate rose since the previous reading, and over the
   first ``warmup_steps`` optimizer steps. The values of a warm-up are not a history to calibrate on (everything moves
   then, in healthy runs too): the growth rule neither fires nor learns there.
@@ -33,6 +33,7 @@ from gradkit._util.arguments import check_float, shown
 
 __all__ = [
     "DEFAULT_FLOORS",
+    "DEFAULT_SIGMAS",
     "DEFAULT_THRESHOLDS",
     "LOG_SIGNALS",
     "MIN_HISTORY",
@@ -59,11 +60,12 @@ LOG_SIGNALS = frozenset({"logz_mean", "logz_max"})
 #: Past rises of a series the growth rule calibrates on before it may fire (with ``sigmas``).
 MIN_HISTORY = 10
 
-#: Per signal, the value above which it warns at any step (``None``: no threshold rule). Attention logits of 1000 are
-#: ten times the level at which Kimi K2's QK-Clip acts (100) and far beyond what softmax attention trains back from;
-#: a mean log Z 10 nats above a uniform prediction's puts a factor e^10 on the output's normalizer.
+#: Per signal, the value above which it warns at any step (``None``: no threshold rule). Attention logits of 1500
+#: are fifteen times the level at which Kimi K2's QK-Clip acts (100), above what the slowly growing logits of healthy
+#: runs reach in their first hundreds of steps (up to about 1000 on the proxies of ``bench_early_warning.py``); a
+#: mean log Z 10 nats above a uniform prediction's puts a factor e^10 on the output's normalizer.
 DEFAULT_THRESHOLDS: dict[str, float | None] = {
-    "attn_logit_max": 1000.0,
+    "attn_logit_max": 1500.0,
     "logz_mean": 10.0,
     "logz_max": None,
     "adam_g2_v": None,
@@ -72,11 +74,25 @@ DEFAULT_THRESHOLDS: dict[str, float | None] = {
     "spike_score": None,
 }
 
-#: Per signal, the value from which the growth rule applies (``None``: no growth rule): attention logits from the
-#: level at which Kimi K2's QK-Clip acts, log Z from 2 nats above a uniform prediction's.
+#: Per signal, the value from which the growth rule applies (``None``: no growth rule): attention logits from twice
+#: the level at which Kimi K2's QK-Clip acts, log Z from 2 nats above a uniform prediction's.
 DEFAULT_FLOORS: dict[str, float | None] = {
-    "attn_logit_max": 100.0,
+    "attn_logit_max": 200.0,
     "logz_mean": 2.0,
+    "logz_max": None,
+    "adam_g2_v": None,
+    "adam_spike_frac": None,
+    "update_ratio_spread": None,
+    "spike_score": None,
+}
+
+#: Per signal, how many robust standard deviations above its own past rises a series' rise must be for the growth
+#: rule (``None``: the growth factor alone). Attention logits that grow exponentially at a steady pace are the
+#: instability itself (Wortsman et al. 2023; a healthy model's slow down), so their bar is the growth factor; log Z
+#: wanders by more than a doubling of Z in healthy runs, so its bar is its own history's.
+DEFAULT_SIGMAS: dict[str, float | None] = {
+    "attn_logit_max": None,
+    "logz_mean": 4.0,
     "logz_max": None,
     "adam_g2_v": None,
     "adam_spike_frac": None,
@@ -154,13 +170,13 @@ class Detector:
         floors: per signal, the growth rule's floor (``None``: off).
         growth: the growth factor (> 1).
         growth_steps: the optimizer steps the growth is measured over (>= 1).
-        sigmas: how far above its own past rises a series' rise must be, in robust standard deviations (``None``:
-            only ``growth``).
+        sigmas: per signal, how far above its own past rises a series' rise must be, in robust standard deviations
+            (``None`` or absent: the growth factor alone).
         warmup_steps: the first optimizer steps that are a warm-up whatever the learning rate does.
 
     Example::
 
-        >>> detector = Detector({"attn_logit_max": 1000.0}, {"attn_logit_max": 100.0}, 2.0, 20, None, 0)
+        >>> detector = Detector({"attn_logit_max": 1000.0}, {"attn_logit_max": 100.0}, 2.0, 20, {}, 0)
         >>> [detector.check("attn_logit_max", "attn", step, v) for step, v in ((0, 60.0), (10, 90.0))]
         [None, None]
         >>> detector.check("attn_logit_max", "attn", 20, 150.0).rule
@@ -173,11 +189,12 @@ class Detector:
         floors: dict[str, float | None],
         growth: float,
         growth_steps: int,
-        sigmas: float | None = 4.0,
+        sigmas: dict[str, float | None] | None = None,
         warmup_steps: int = 40,
     ) -> None:
         self.thresholds, self.floors = thresholds, floors
-        self.growth, self.growth_steps, self.sigmas, self.warmup_steps = growth, growth_steps, sigmas, warmup_steps
+        self.growth, self.growth_steps, self.warmup_steps = growth, growth_steps, warmup_steps
+        self.sigmas = sigmas or {}
         self._history: dict[tuple[str, str], deque[tuple[int, float]]] = {}
         self._rises: dict[tuple[str, str], list[float]] = {}
         self._fired: dict[tuple[str, str], float] = {}
@@ -231,7 +248,7 @@ class Detector:
             return None
         rise = level - reference[1]
         rises = self._rises.setdefault(key, [])
-        bar = _bar(rises, self.sigmas)
+        bar = _bar(rises, self.sigmas.get(key[0]))
         rises.append(rise)
         del rises[:-_MAX_RISES]
         if bar is None or value < base + floor or rise < max(math.log(self.growth), bar):
