@@ -98,7 +98,7 @@ class EarlyWarning:
         output: the qualified name of the module that returns the output logits (e.g. ``"lm_head"``); ``"auto"``:
             the one the model's ``get_output_embeddings()`` returns (Hugging Face), else the last ``nn.Linear``
             named ``lm_head``, ``head``, ``output``, ``classifier``, ``fc``, ``decoder``, ``logits`` or ``out``
-            (:attr:`output_module` says which; none found: no log Z); ``None``: no log Z.
+            (``output_module`` says which; none found: no log Z); ``None``: no log Z.
         adam: log the ``g^2/v`` signals when the optimizer keeps ``exp_avg_sq``.
         update_spread: log the spread of the per-module update-to-weight ratios (the parameters are copied before
             the step of a logging step, as ``GradNormMonitor(update_ratio=True)`` does).
