@@ -185,7 +185,7 @@ class EarlyWarning:
         self.theta = check_float("theta", theta, above=0.0, hint="SPAM's default is `theta=5000`.")
         self.thresholds = checked_rules("thresholds", thresholds, DEFAULT_THRESHOLDS)
         self.floors = checked_rules("floors", floors, DEFAULT_FLOORS)
-        self.growth = check_float("growth", growth, above=1.0, hint="E.g. `growth=2.0`: a doubling fires.")
+        self.growth = check_float("growth", growth, above=1.0, hint="E.g. `growth=3.0`: x3 in `growth_steps` fires.")
         self.growth_steps = check_int("growth_steps", growth_steps, 1, hint="E.g. `growth_steps=20`.")
         self.sigmas = checked_rules("sigmas", sigmas, DEFAULT_SIGMAS)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, hint="E.g. `warmup_steps=40`.")
@@ -193,14 +193,7 @@ class EarlyWarning:
         if log_every_n_steps is not None:
             check_int("log_every_n_steps", log_every_n_steps, 1, hint="None follows the loop's logging period.")
         self.log_every_n_steps = log_every_n_steps
-        self._escalation = Escalation(
-            escalate_lr_factor, escalate_rewarmup_steps, escalate_reset_moments, 1, 0.97, 6.0, 2
-        )
-        if self.action == "escalate" and escalate_lr_factor is None and escalate_reset_moments == "none":
-            raise ValueError(
-                "`action='escalate'` with `escalate_lr_factor=None` and `escalate_reset_moments='none'` has nothing "
-                "to do: give a factor (e.g. 0.1) or a moment reset ('spiking', 'all'), or use `action='warn'`."
-            )
+        self._escalation = _escalation(self.action, escalate_lr_factor, escalate_rewarmup_steps, escalate_reset_moments)
         self.escalate_lr_factor = self._escalation.lr_factor
         self.escalate_rewarmup_steps = self._escalation.rewarmup_steps
         self.escalate_reset_moments = self._escalation.reset_moments
@@ -413,6 +406,18 @@ class EarlyWarning:
         self._signals.load_state_dict(state_dict["signals"])
         self.warnings = [(int(s), str(g), str(m), float(v)) for s, g, m, v in state_dict["warnings"]]
         self._escalation.load_state_dict(state_dict)
+
+
+def _escalation(
+    action: str, lr_factor: float | None, rewarmup_steps: int, reset_moments: Literal["none", "all", "spiking"]
+) -> Escalation:
+    """The escalation ``action="escalate"`` starts (checked even for ``"warn"``: its arguments are public)."""
+    if action == "escalate" and lr_factor is None and reset_moments == "none":
+        raise ValueError(
+            "`action='escalate'` with `escalate_lr_factor=None` and `escalate_reset_moments='none'` has nothing "
+            "to do: give a factor (e.g. 0.1) or a moment reset ('spiking', 'all'), or use `action='warn'`."
+        )
+    return Escalation(lr_factor, rewarmup_steps, reset_moments, 1, 0.97, 6.0, 2)
 
 
 def _learning_rate(ctx: StepContext) -> float | None:
