@@ -1,7 +1,7 @@
 """Does EarlyWarning see an instability coming, and stay quiet on healthy runs? Small-scale proxies, on the CPU.
 
-Every run trains behind the loop door (``gradkit.GradKit``) with ``gradkit.EarlyWarning`` at its defaults (only
-``output``, the module that returns the logits, is given), the signals measured every ``--log-every`` optimizer steps
+Every run trains behind the loop door (``gradkit.GradKit``) with ``gradkit.EarlyWarning`` at its defaults (the output
+module it finds by itself is checked against the kind's), the signals measured every ``--log-every`` optimizer steps
 (5: the loop's logging period), 300 steps, seeds 0, 1, 2. The GPTs are ``lightning_gradkit.demos.TinyGPT`` (layers x
 heads x width, 64 tokens, batch 8, byte-level standard-library text, AdamW with betas 0.9/0.95 and no weight decay, a
 linear warm-up then a constant learning rate); the twins of a seed share the initial weights and the data order.
@@ -231,7 +231,7 @@ def classification_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
 class Kind:
     """A proxy kind: its model, data, optimizer and schedule, and (unstable kinds) the stable twin it is judged by.
 
-    ``output`` is the module that returns the logits (``EarlyWarning``'s ``output``); ``output_lr`` multiplies the
+    ``output`` is the module that returns the logits (the one ``EarlyWarning`` must find); ``output_lr`` multiplies the
     learning rate of its parameters; the learning rate warms up linearly over ``warmup`` steps, then stays constant.
     """
 
@@ -305,17 +305,19 @@ def train_kind(
     lr: float | None = None,
     **options: Any,
 ) -> Run:
-    """Train ``kind`` for ``steps`` optimizer steps behind the loop door, ``EarlyWarning(output=kind.output,
-    **options)`` watching; ``lr`` replaces the kind's."""
+    """Train ``kind`` for ``steps`` optimizer steps behind the loop door, ``EarlyWarning(**options)`` watching (its
+    ``output`` found by itself: checked to be ``kind.output``); ``lr`` replaces the kind's."""
     model = kind.model(seed)
     optimizer = make_optimizer(kind, model, kind.lr if lr is None else lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / kind.warmup))
-    warning = EarlyWarning(output=kind.output, **options)
+    warning = EarlyWarning(**options)  # output="auto": the output module found as a user's run finds it
     losses: list[float] = []
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the warnings are counted from the policy, not printed run after run
         kit = GradKit(model, optimizer, warning, log_every_n_steps=log_every, schedulers=schedule, log_dir=False)
+        if warning.output_module != kind.output:
+            raise RuntimeError(f"EarlyWarning found the output module {warning.output_module!r}, not {kind.output!r}")
         for x, y in kind.batches(seed, steps):
             loss = kind.loss(model, x, y)
             loss.backward()

@@ -32,7 +32,8 @@ QUIET = {"adam": False, "update_spread": False, "spike_score": False}
 
 # -- the detector ------------------------------------------------------------------------------------------------
 def _detector() -> Detector:
-    return Detector({"attn_logit_max": 1000.0}, {"attn_logit_max": 100.0}, growth=2.0, growth_steps=20)
+    """The plain rules: no calibration on the series' own rises, no warm-up."""
+    return Detector({"attn_logit_max": 1000.0}, {"attn_logit_max": 100.0}, 2.0, 20, sigmas=None, warmup_steps=0)
 
 
 def test_the_threshold_rule_fires_above_the_threshold_and_on_a_non_finite_value() -> None:
@@ -100,7 +101,7 @@ def test_the_defaults_watch_the_attention_logits_and_log_the_rest() -> None:
     watched = {s for s, v in DEFAULT_THRESHOLDS.items() if v is not None} | {
         s for s, v in DEFAULT_FLOORS.items() if v is not None
     }
-    assert watched == {"attn_logit_max"}
+    assert watched == {"attn_logit_max", "logz_mean"}
     assert EarlyWarning(thresholds={"spike_score": 0.05}).thresholds["spike_score"] == 0.05
 
 
@@ -191,7 +192,7 @@ def test_a_resumed_run_continues_exactly_as_the_uninterrupted_one() -> None:
     """Resumed between two logging steps (the SpikeScore's pending steps travel in the state) with a series mid-way
     through the growth rule: the same warnings, the same logged values, the same state."""
     batches = _batches(12)
-    options = {"floors": {"attn_logit_max": 0.0}, "growth": 1.02, "growth_steps": 3, "output": "lm_head"}
+    options = {"floors": {"attn_logit_max": 0.0}, "growth": 1.02, "growth_steps": 3, "sigmas": None, "warmup_steps": 0}
 
     def door(model: nn.Module, logged: list[dict]) -> GradKit:
         warning = EarlyWarning(**options)  # type: ignore[arg-type]
@@ -253,7 +254,8 @@ def test_the_trainer_logs_the_signals_of_its_logging_steps(tmp_path: Path) -> No
     rows = [r for r in read_metrics(trainer) if r.get("signals/spike_score_total")]
     assert [int(r["step"]) for r in rows] == [1, 3, 5]
     keys = {k for k in rows[0] if k.startswith("signals/")}
-    expected = {"signals/attn_logit_max/model.blocks.0.attn", "signals/logz_mean", "signals/adam_g2_v/model.lm_head"}
+    # (The Adam signals start at the 10th optimizer step: tests/test_signals.py.)
+    expected = {"signals/attn_logit_max/model.blocks.0.attn", "signals/logz_mean", "signals/update_ratio_spread"}
     assert expected <= keys
     warning = trainer.callbacks[0]
     assert warning._signals.spike_score.steps == 6  # every step's loss, from Lightning's own copy
@@ -319,3 +321,131 @@ def test_under_the_trainer_a_step_that_does_not_log_adds_no_operation(tmp_path: 
     bare = _trainer_batch_ops(tmp_path, [GradNormMonitor()])
     ours = _trainer_batch_ops(tmp_path, [GradNormMonitor(), EarlyWarningCallback(output="model.lm_head")])
     assert (ours.total, ours.launches, ours.bytes) == (bare.total, bare.launches, bare.bytes)
+
+
+# -- the calibrated detector (issue 44 item 1) --------------------------------------------------------------------
+def test_in_the_warm_up_only_thresholds_fire_and_the_growth_rule_learns_nothing() -> None:
+    detector = Detector({"attn_logit_max": 1000.0}, {"attn_logit_max": 100.0}, 2.0, 20, sigmas=None, warmup_steps=30)
+    steps = [(0, 110.0, 0.1), (20, 400.0, 0.2), (40, 1200.0, 0.3), (60, 2400.0, 0.3), (80, 2400.0, 0.3)]
+    fired = []
+    for step, value, lr in steps:
+        warm = detector.reading(step, lr)
+        finding = detector.check("attn_logit_max", "a", step, value)
+        fired.append((step, warm, finding and finding.rule))
+    # x3.6 at step 20 while the learning rate rises: quiet; the threshold fires at step 40 (still rising); x2 at
+    # step 60 past the warm-up: the growth rule (2400 is also 2x what the threshold fired at).
+    assert fired == [
+        (0, True, None),
+        (20, True, None),
+        (40, True, "threshold"),
+        (60, False, "threshold"),
+        (80, False, None),
+    ]
+
+
+def test_the_growth_rule_sets_its_bar_from_the_series_own_rises() -> None:
+    detector = Detector({}, {"attn_logit_max": 100.0}, 2.0, 20, sigmas=4.0, warmup_steps=0)
+    # A steady x2.2 every 20 steps (as a healthy model's logits may grow for a while): each rise is about log(2.2),
+    # above log(2), but it is the series' own pace. The rises alternate 0.05 below and above log(2.2).
+    level, rises = math.log(150.0), []
+    detector.reading(0, 0.1)
+    assert detector.check("attn_logit_max", "a", 0, 150.0) is None
+    for i in range(1, 17):
+        rise = math.log(2.2) + (0.05 if i % 2 else -0.05)
+        level, rises = level + rise, [*rises, rise]
+        detector.reading(20 * i, 0.1)
+        assert detector.check("attn_logit_max", "a", 20 * i, math.exp(level)) is None
+    # The bar by hand: the median of the 16 rises is log(2.2), each is 0.05 from it (MAD 0.05).
+    ordered = sorted(rises)
+    median = (ordered[7] + ordered[8]) / 2
+    bar = median + 4.0 * 1.4826 * 0.05
+    assert median == pytest.approx(math.log(2.2))
+    under, over = copy.deepcopy(detector), detector
+    for d in (under, over):
+        d.reading(340, 0.1)
+    assert under.check("attn_logit_max", "a", 340, math.exp(level + bar - 1e-3)) is None
+    finding = over.check("attn_logit_max", "a", 340, math.exp(level + bar + 1e-3))
+    assert finding is not None and finding.rule == "growth" and finding.reference_step == 320
+    # Without calibration the same steady series fires at its first rise above log(2).
+    plain = Detector({}, {"attn_logit_max": 100.0}, 2.0, 20, sigmas=None, warmup_steps=0)
+    for step, value in ((0, 150.0), (20, 150.0 * 2.2 * math.exp(-0.05))):
+        plain.reading(step, 0.1)
+        finding = plain.check("attn_logit_max", "a", step, value)
+    assert finding is not None and finding.rule == "growth"
+
+
+def test_log_z_rules_are_taken_above_the_log_z_of_a_uniform_prediction() -> None:
+    detector = Detector({"logz_mean": 10.0}, {}, 2.0, 20, warmup_steps=0)
+    detector.reading(0, 0.1)
+    uniform = math.log(256)  # a vocabulary of 256: log Z of equal logits
+    assert detector.check("logz_mean", "", 0, uniform + 9.9, baseline=uniform) is None
+    finding = detector.check("logz_mean", "", 5, uniform + 10.1, baseline=uniform)
+    assert finding is not None and finding.limit == pytest.approx(uniform + 10.0)
+    # Fires again once log Z rose by log(2) more: its normalizer Z doubled.
+    assert detector.check("logz_mean", "", 10, uniform + 10.1 + 0.69, baseline=uniform) is None
+    assert detector.check("logz_mean", "", 15, uniform + 10.1 + 0.70, baseline=uniform) is not None
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.body(x).mean((2, 3)))
+
+
+def test_the_output_module_is_found_by_default_and_its_log_z_logged() -> None:
+    gpt = TinyGPT(CONFIG)
+    outputs: list[Tensor] = []
+    gpt.lm_head.register_forward_hook(lambda m, a, out: outputs.append(out.detach()))
+    warning = EarlyWarning(attention=None, **QUIET)
+    logged: list[dict] = []
+    _train(_kit(gpt, warning, log=lambda m, s: logged.append(m)), gpt, _batches(1))
+    assert warning.output_module == "lm_head"
+    assert logged[0]["signals/logz_mean"] == pytest.approx(float(torch.logsumexp(outputs[0], -1).mean()), rel=1e-5)
+    net = _ConvNet()
+    found = EarlyWarning(attention=None, **QUIET)
+    _kit(net, found)
+    assert found.output_module == "fc"  # torchvision's and timm's classifier names
+    none = EarlyWarning(attention=None, **QUIET)
+    _kit(nn.Sequential(nn.Linear(4, 4)), none)
+    assert none.output_module is None
+
+
+def test_the_output_module_of_a_hugging_face_model_is_its_output_embeddings() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    model = transformers.BertForMaskedLM(config)
+    warning = EarlyWarning(attention=None, **QUIET)
+    _kit(model, warning)
+    assert warning.output_module == "cls.predictions.decoder"
+    assert model.get_submodule(warning.output_module) is model.get_output_embeddings()
+
+
+@pytest.mark.parametrize("model", ["gpt", "convnet"])
+def test_the_documented_example_rules_do_not_fire_on_a_healthy_run(model: str) -> None:
+    """docs/jobs/early_warning.md's example: `adam_spike_frac` read 0.01 to 0.22 at step 1 on every run before the
+    Adam signals waited for second moments of 10 steps (the issue's ResNet with Adam included)."""
+    torch.manual_seed(0)
+    net = TinyGPT(CONFIG) if model == "gpt" else _ConvNet()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    watch = EarlyWarning(
+        thresholds={"spike_score": 0.01, "adam_spike_frac": 1e-3}, floors={"update_ratio_spread": 20.0}
+    )
+    kit = GradKit(net, optimizer, watch, log_every_n_steps=1, log_dir=False)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(14):
+        if model == "gpt":
+            x = torch.randint(256, (4, 16), generator=gen)
+            loss = F.cross_entropy(net(x).flatten(0, 1), x.flatten())
+        else:
+            loss = F.cross_entropy(net(torch.randn(8, 3, 8, 8, generator=gen)), torch.randint(10, (8,), generator=gen))
+        loss.backward()
+        kit.note_loss(loss)
+        kit.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    assert watch.warnings == []

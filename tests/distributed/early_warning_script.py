@@ -76,7 +76,9 @@ def run_early_warning(rank: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     logged: list[dict[str, float]] = []
-    warning = EarlyWarning(output="lm_head", floors={"attn_logit_max": 0.0}, growth=1.01, growth_steps=2)
+    warning = EarlyWarning(
+        output="lm_head", floors={"attn_logit_max": 0.0}, growth=1.01, growth_steps=2, sigmas=None, warmup_steps=0
+    )
     kit = GradKit(ddp, optimizer, warning, log_every_n_steps=2, log_dir=False, log=lambda m, s: logged.append(m))
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
     for _ in range(STEPS):

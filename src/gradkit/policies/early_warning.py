@@ -6,6 +6,7 @@ moments of the modules concerned (:mod:`gradkit.policies.escalation`), before th
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,12 +61,18 @@ class EarlyWarning:
     (:attr:`sampled` says it per module, and ``gradkit_run.json`` keeps it as ``signals_sampled``).
 
     **Detector** (:mod:`gradkit.policies.warning_rules`): each ``(signal, module)`` series fires when it exceeds its
-    threshold (``thresholds``; non-finite values too) or, from its floor on (``floors``), when it grew ``growth``
-    times over ``growth_steps`` optimizer steps; it fires again only after growing ``growth`` times since. It decides
-    on the reduced values, so every rank decides the same, and its state is saved in checkpoints. The defaults watch
-    the attention logits (threshold 1000, growth x2 in 20 steps from 150): calibrated on the small-scale proxy of
-    ``benchmarks/bench_early_warning.py``, where they fire on every unstable seed long before the loss shows it and
-    never on its stable twin. The other signals are logged and drawn; give them a threshold or floor to watch them.
+    threshold (``thresholds``: a level beyond what training recovers from; non-finite values too), at any step, or,
+    outside the warm-up and from its floor on (``floors``), when it grew ``growth`` times over ``growth_steps``
+    optimizer steps *and* faster than its own history explains (more than ``sigmas`` robust standard deviations
+    above its past rises over as many steps); it fires again only after growing ``growth`` times since. The warm-up
+    is every reading at which the learning rate rose since the previous one, and the first ``warmup_steps``
+    optimizer steps: everything moves then, in healthy runs too, so only thresholds fire there. It decides on the
+    reduced values, so every rank decides the same, and its state is saved in checkpoints. The defaults watch the
+    attention logits (threshold 1000; growth from 100, Kimi K2's QK-Clip level) and, where an output module is found
+    (``output="auto"``), its mean log Z (threshold 10 nats above a uniform prediction's ``log(n)``; growth from 2
+    above it). Their leads and false alarms on proxies of several kinds are in ``benchmarks/RESULTS.md``
+    (``benchmarks/bench_early_warning.py``). The other signals are logged and drawn; give them a threshold or floor
+    to watch them.
 
     **Action.** Every firing is an ``early_warning`` event in ``gradkit_events.jsonl`` (with the signal, the module,
     the value, the rule and the action) and a warning that says what to do. With ``action="escalate"``, a step with
@@ -81,8 +88,10 @@ class EarlyWarning:
     Args:
         attention: the attention modules: ``"auto"`` (the outermost modules whose class name ends in
             ``Attention``), class names or ``re:`` patterns (:mod:`gradkit.step.selection`), or ``None`` for none.
-        output: the qualified name of the module that returns the output logits (e.g. ``"lm_head"``); ``None``: no
-            log Z.
+        output: the qualified name of the module that returns the output logits (e.g. ``"lm_head"``); ``"auto"``:
+            the one the model's ``get_output_embeddings()`` returns (Hugging Face), else the last ``nn.Linear``
+            named ``lm_head``, ``head``, ``output``, ``classifier``, ``fc``, ``decoder``, ``logits`` or ``out``
+            (:attr:`output_module` says which; none found: no log Z); ``None``: no log Z.
         adam: log the ``g^2/v`` signals when the optimizer keeps ``exp_avg_sq``.
         update_spread: log the spread of the per-module update-to-weight ratios (the parameters are copied before
             the step of a logging step, as ``GradNormMonitor(update_ratio=True)`` does).
@@ -94,6 +103,10 @@ class EarlyWarning:
         floors: per signal, the growth rule's floor; merged into ``DEFAULT_FLOORS``, ``None`` turns one off.
         growth: the growth factor of the growth rule and of a series firing again (> 1).
         growth_steps: the optimizer steps the growth is measured over (>= 1).
+        sigmas: how far above its own past rises a series' rise must be to fire the growth rule, in robust standard
+            deviations (``1.4826 * MAD``, over at least 10 past rises; > 0); ``None``: the growth factor alone.
+        warmup_steps: the first optimizer steps in which only thresholds fire, whatever the learning rate does (a
+            rising learning rate is a warm-up too) (>= 0).
         action: ``"warn"`` or ``"escalate"``.
         escalate_lr_factor: with ``action="escalate"``, multiply the learning rate by this factor in ``(0, 1)``,
             ramping back to the schedule (``None``: no cut).
@@ -114,17 +127,19 @@ class EarlyWarning:
         >>> from lightning_gradkit.demos import GPTConfig, TinyGPT
         >>> model = TinyGPT(GPTConfig(n_layer=1, n_embd=32))
         >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        >>> logged = []
-        >>> kit = GradKit(model, optimizer, EarlyWarning(output="lm_head"), log_every_n_steps=1, log_dir=False,
+        >>> logged, warning = [], EarlyWarning()
+        >>> kit = GradKit(model, optimizer, warning, log_every_n_steps=1, log_dir=False,
         ...               log=lambda metrics, step: logged.append(metrics))
+        >>> warning.attention_modules, warning.output_module  # found: by class name, and the output logits' module
+        (['blocks.0.attn'], 'lm_head')
         >>> x = torch.randint(256, (2, 16))
-        >>> for _ in range(2):
+        >>> for _ in range(11):  # the Adam signals wait for second moments of 10 steps
         ...     loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
         ...     loss.backward()
         ...     kit.note_loss(loss)
         ...     _ = kit.step(optimizer)
         ...     optimizer.zero_grad()
-        >>> sorted(k for k in logged[1] if "blocks" not in k)  # doctest: +NORMALIZE_WHITESPACE
+        >>> sorted(k for k in logged[-1] if "blocks" not in k)  # doctest: +NORMALIZE_WHITESPACE
         ['signals/adam_g2_v/lm_head', 'signals/adam_g2_v/ln_f', 'signals/adam_g2_v/wpe', 'signals/adam_g2_v/wte',
          'signals/adam_spike_frac/lm_head', 'signals/adam_spike_frac/ln_f', 'signals/adam_spike_frac/wpe',
          'signals/adam_spike_frac/wte', 'signals/logz_max', 'signals/logz_mean', 'signals/spike_score',
@@ -136,7 +151,7 @@ class EarlyWarning:
     def __init__(  # noqa: PLR0913 (a public constructor: one argument per documented option)
         self,
         attention: list[str] | Literal["auto"] | None = "auto",
-        output: str | None = None,
+        output: str | None = "auto",
         adam: bool = True,
         update_spread: bool = True,
         spike_score: bool = True,
@@ -146,6 +161,8 @@ class EarlyWarning:
         floors: dict[str, float | None] | None = None,
         growth: float = 2.0,
         growth_steps: int = 20,
+        sigmas: float | None = 4.0,
+        warmup_steps: int = 40,
         action: Literal["warn", "escalate"] = "warn",
         escalate_lr_factor: float | None = 0.1,
         escalate_rewarmup_steps: int = 300,
@@ -162,6 +179,10 @@ class EarlyWarning:
         self.floors = checked_rules("floors", floors, DEFAULT_FLOORS)
         self.growth = check_float("growth", growth, above=1.0, hint="E.g. `growth=2.0`: a doubling fires.")
         self.growth_steps = check_int("growth_steps", growth_steps, 1, hint="E.g. `growth_steps=20`.")
+        if sigmas is not None:
+            check_float("sigmas", sigmas, above=0.0, hint="E.g. `sigmas=4.0`; None: the growth factor alone.")
+        self.sigmas = sigmas
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, hint="E.g. `warmup_steps=40`.")
         self.action = check_choice("action", action, ("warn", "escalate"))
         if log_every_n_steps is not None:
             check_int("log_every_n_steps", log_every_n_steps, 1, hint="None follows the loop's logging period.")
@@ -187,7 +208,9 @@ class EarlyWarning:
             self.theta,
             log_every_n_steps,
         )
-        self._detector = Detector(self.thresholds, self.floors, self.growth, self.growth_steps)
+        self._detector = Detector(
+            self.thresholds, self.floors, self.growth, self.growth_steps, self.sigmas, self.warmup_steps
+        )
         #: The loop's EscalationLadder, which hears of every step with findings (set by the ladder's ``attach``).
         self._ladder: FindingSink | None = None
         self._start_run_state()
@@ -265,10 +288,12 @@ class EarlyWarning:
         if self._log_dir is not None and self._signals.sampled != self._written_sampled:
             self._written_sampled = dict(self._signals.sampled)
             write_metadata(self._log_dir, signals_sampled=self._written_sampled)
+        self._detector.reading(reading.step, _learning_rate(ctx))
         findings = [
             finding
             for (signal, module), value in reading.values.items()
-            if (finding := self._detector.check(signal, module, reading.step, value)) is not None
+            if (finding := self._detector.check(signal, module, reading.step, value, reading.baseline(signal)))
+            is not None
         ]
         if findings:
             self._fire(ctx, reading, findings)
@@ -301,7 +326,7 @@ class EarlyWarning:
             self.warnings.append((finding.step, finding.signal, module, finding.value))
             self._event(ctx, finding.step, "early_warning", finding.values(), module or None, action=self.action)
             rule = (
-                f"above {finding.limit:g}"
+                ("not finite" if not math.isfinite(finding.value) else f"above {finding.limit:.4g}")
                 if finding.rule == "threshold"
                 else f"x{finding.value / finding.reference:.3g} since step {finding.reference_step}"
                 if finding.reference
@@ -328,6 +353,11 @@ class EarlyWarning:
         fields["module_values"] = fields.pop("module_z")
         self._event(ctx, step, "escalation", values, next(iter(modules), None), **fields)
         ctx.warn(f"EarlyWarning: escalation {self._escalation.count} at step {step}: {actions}.")
+
+    @property
+    def output_module(self) -> str | None:
+        """The output module whose log Z is watched (known after ``attach``; ``None``: none found or given)."""
+        return self._signals.output
 
     def _params_of(self, modules: list[str]) -> list[Tensor]:
         """The parameters of the named modules (a module row, an attention or output module, or a parameter's name)."""
@@ -377,3 +407,9 @@ class EarlyWarning:
         self._signals.load_state_dict(state_dict["signals"])
         self.warnings = [(int(s), str(g), str(m), float(v)) for s, g, m, v in state_dict["warnings"]]
         self._escalation.load_state_dict(state_dict)
+
+
+def _learning_rate(ctx: StepContext) -> float | None:
+    """The largest learning rate of the loop's optimizers, on the host (a tensor one is read: a logging step's)."""
+    rates = [float(group["lr"]) for optimizer in ctx.optimizers for group in optimizer.param_groups if "lr" in group]
+    return max(rates) if rates else None

@@ -58,6 +58,7 @@ from gradkit._util.arguments import name_list
 from gradkit.policies.attention_heads import ModuleScopedMode
 from gradkit.policies.signal_math import SpikeScore, adam_ratio_sums, sdpa_logit_max
 from gradkit.policies.update_ratio import update_ratios
+from gradkit.policies.warning_rules import LOG_SIGNALS
 from gradkit.report.events import SIGNALS_PREFIX as PREFIX
 from gradkit.step.accumulate import mean_window_scale
 from gradkit.step.norms import ParamIndex, host_to_device, local_tensor, per_tensor_norms, world_size
@@ -124,6 +125,7 @@ class StabilitySignals:
         self.adam, self.update_spread, self.spike_score_on = adam, update_spread, spike_score
         self.sdpa_queries, self.theta, self.log_every_n_steps = sdpa_queries, theta, log_every_n_steps
         self.spike_score = SpikeScore()
+        self.classes: int | None = None  # the output module's number of outputs, from its forward
         #: Per attention module: what its logits were read from (the sample of a ``scaled_dot_product_attention``).
         self.sampled: dict[str, str] = {}
         self.modules: dict[str, nn.Module] = {}
@@ -182,14 +184,16 @@ class StabilitySignals:
             self._modes[name] = _AttentionMode(self, name)
             self._hooks.append(module.register_forward_pre_hook(functools.partial(self._enter, name)))
             self._hooks.append(module.register_forward_hook(functools.partial(self._exit, name), always_call=True))
+        if self.output == "auto":
+            self.output = output_module(model, named)
+        elif self.output is not None and self.output not in self.modules:
+            names = [n for n, _ in named if n]
+            hint = no_match_hint(NamePattern.parse("re:" + self.output, "output"), names, [])
+            raise ValueError(
+                f"`output={self.output!r}` names no module of `{type(model).__name__}`. {hint} Give the qualified "
+                "name of the module that returns the output logits (e.g. 'lm_head'), or `output=None`."
+            )
         if self.output is not None:
-            if self.output not in self.modules:
-                names = [n for n, _ in named if n]
-                hint = no_match_hint(NamePattern.parse("re:" + self.output, "output"), names, [])
-                raise ValueError(
-                    f"`output={self.output!r}` names no module of `{type(model).__name__}`. {hint} Give the qualified "
-                    "name of the module that returns the output logits (e.g. 'lm_head'), or `output=None`."
-                )
             self._hooks.append(self.modules[self.output].register_forward_hook(self._output_hook))
 
     def _select_attention(self, named: list[tuple[str, nn.Module]]) -> list[str]:
@@ -256,6 +260,7 @@ class StabilitySignals:
         if torch.compiler.is_compiling() or not (module.training and self._active() and isinstance(output, Tensor)):
             return
         self._hooked_forwards += 1
+        self.classes = output.shape[-1]
         with torch.no_grad():
             lse = torch.logsumexp(output.detach().float(), dim=-1)
             total, peak = lse.sum(), lse.amax()
@@ -404,7 +409,7 @@ class StabilitySignals:
     def _reading(self, r: _Reduced) -> Reading:
         """The logging step's :class:`Reading` from the host values."""
         s, m, p = r.s, r.m, r.p
-        reading = Reading(self._step)
+        reading = Reading(self._step, classes=self.classes)
         for name, part in r.attention.items():
             reading.add("attn_logit_max", name, m[part][0])
         if r.logz is not None:
@@ -483,6 +488,12 @@ class Reading:
     step: int
     values: dict[tuple[str, str], float] = field(default_factory=dict)
     concerned: dict[str, str] = field(default_factory=dict)
+    #: The number of outputs of the output module (log Z of a uniform prediction: its log), once seen.
+    classes: int | None = None
+
+    def baseline(self, signal: str) -> float:
+        """What the detector's rules for ``signal`` are taken above: ``log(n)`` for log Z over ``n`` outputs."""
+        return math.log(self.classes) if signal in LOG_SIGNALS and self.classes else 0.0
 
     def add(self, signal: str, module: str, value: float, concerned: str | None = None) -> None:
         self.values[(signal, module)] = value
@@ -538,3 +549,32 @@ class _Pack:
 
     def vector(self) -> Tensor:
         return torch.cat(self.parts) if self.parts else torch.zeros(0, device=self.device)
+
+
+#: The names an output module goes by (the last part of its qualified name), when the model does not say.
+_OUTPUT_NAMES = ("lm_head", "head", "output", "classifier", "fc", "decoder", "logits", "out")
+
+
+def output_module(model: nn.Module, named: list[tuple[str, nn.Module]]) -> str | None:
+    """The module that returns the output logits: what the outermost model that has ``get_output_embeddings``
+    (Hugging Face) returns, else the last ``nn.Linear`` named as an output module is (:data:`_OUTPUT_NAMES`: GPT's
+    ``lm_head``, torchvision's ``fc``, timm's ``head``, ...); ``None`` when there is none.
+
+    Example::
+
+        >>> from torch import nn
+        >>> net = nn.Sequential()
+        >>> net.add_module("body", nn.Linear(4, 8))
+        >>> net.add_module("fc", nn.Linear(8, 3))
+        >>> output_module(net, list(net.named_modules()))
+        'fc'
+    """
+    names = {id(m): n for n, m in named}
+    for _, module in named:
+        get = getattr(module, "get_output_embeddings", None)
+        if callable(get):
+            found = get()
+            if isinstance(found, nn.Module) and id(found) in names:
+                return names[id(found)]
+    linear = [n for n, m in named if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in _OUTPUT_NAMES]
+    return linear[-1] if linear else None

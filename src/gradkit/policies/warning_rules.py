@@ -1,19 +1,29 @@
 """The detector of :class:`~gradkit.EarlyWarning`: a threshold rule and a growth rule over each series
 of the early-warning signals (:mod:`gradkit.policies.signals`), on host values that are the same on every rank.
 
-- **threshold**: the value is above the signal's threshold, or not finite;
-- **growth**: the value is at least the signal's floor and at least ``growth`` times what it was ``growth_steps``
-  optimizer steps before (the last value logged that long ago or longer): a series that grows exponentially, before
-  it reaches any threshold.
+- **threshold**: the value is above the signal's threshold (a level beyond what training recovers from), or not
+  finite. It fires at any step, the warm-up included.
+- **growth**: outside the warm-up, from the signal's floor on, the value grew at least ``growth`` times over
+  ``growth_steps`` optimizer steps (since the last value logged that long ago or longer) *and* by more than the
+  series' own history explains: more than the median of its past rises over ``growth_steps`` plus ``sigmas`` robust
+  standard deviations of them (``1.4826 * MAD``), once :data:`MIN_HISTORY` rises are known. A series that grows
+  steadily, as healthy attention logits do while the model learns, sets its own bar; one whose growth speeds up
+  fires. ``sigmas=None`` leaves the bar at ``growth``.
+- **warm-up**: a reading is in the warm-up while the learning rate rose since the previous reading, and over the
+  first ``warmup_steps`` optimizer steps. The values of a warm-up are not a history to calibrate on (everything moves
+  then, in healthy runs too): the growth rule neither fires nor learns there.
 
-A series that fired fires again only once its value is ``growth`` times the value it fired at: a level that stays
-high (attention logits do not shrink by themselves) warns once, a level that keeps growing warns again at every
-doubling. Pure Python; the state round-trips through :meth:`Detector.state_dict`.
+Growth is measured on a log scale: ``log(value)``, or the value itself for the signals that are logarithms already
+(:data:`LOG_SIGNALS`: log Z, whose thresholds and floors are also taken above ``log(n)``, the log Z of a uniform
+prediction over the output module's ``n`` outputs). A series that fired fires again only once its value is
+``growth`` times the value it fired at: a level that stays high warns once, a level that keeps growing warns again
+at every doubling. Pure Python; the state round-trips through :meth:`Detector.state_dict`.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,7 +31,16 @@ from typing import Any
 
 from gradkit._util.arguments import check_float, shown
 
-__all__ = ["DEFAULT_FLOORS", "DEFAULT_THRESHOLDS", "SIGNALS", "Detector", "Finding", "checked_rules"]
+__all__ = [
+    "DEFAULT_FLOORS",
+    "DEFAULT_THRESHOLDS",
+    "LOG_SIGNALS",
+    "MIN_HISTORY",
+    "SIGNALS",
+    "Detector",
+    "Finding",
+    "checked_rules",
+]
 
 #: The signals the detector watches.
 SIGNALS = (
@@ -34,10 +53,18 @@ SIGNALS = (
     "spike_score",
 )
 
-#: Per signal, the value above which it warns (``None``: no threshold rule).
+#: The signals that are logarithms already: their growth is their rise, and their rules are above ``log(n)``.
+LOG_SIGNALS = frozenset({"logz_mean", "logz_max"})
+
+#: Past rises of a series the growth rule calibrates on before it may fire (with ``sigmas``).
+MIN_HISTORY = 10
+
+#: Per signal, the value above which it warns at any step (``None``: no threshold rule). Attention logits of 1000 are
+#: ten times the level at which Kimi K2's QK-Clip acts (100) and far beyond what softmax attention trains back from;
+#: a mean log Z 10 nats above a uniform prediction's puts a factor e^10 on the output's normalizer.
 DEFAULT_THRESHOLDS: dict[str, float | None] = {
     "attn_logit_max": 1000.0,
-    "logz_mean": None,
+    "logz_mean": 10.0,
     "logz_max": None,
     "adam_g2_v": None,
     "adam_spike_frac": None,
@@ -45,10 +72,11 @@ DEFAULT_THRESHOLDS: dict[str, float | None] = {
     "spike_score": None,
 }
 
-#: Per signal, the value from which the growth rule applies (``None``: no growth rule).
+#: Per signal, the value from which the growth rule applies (``None``: no growth rule): attention logits from the
+#: level at which Kimi K2's QK-Clip acts, log Z from 2 nats above a uniform prediction's.
 DEFAULT_FLOORS: dict[str, float | None] = {
-    "attn_logit_max": 150.0,
-    "logz_mean": None,
+    "attn_logit_max": 100.0,
+    "logz_mean": 2.0,
     "logz_max": None,
     "adam_g2_v": None,
     "adam_spike_frac": None,
@@ -126,10 +154,13 @@ class Detector:
         floors: per signal, the growth rule's floor (``None``: off).
         growth: the growth factor (> 1).
         growth_steps: the optimizer steps the growth is measured over (>= 1).
+        sigmas: how far above its own past rises a series' rise must be, in robust standard deviations (``None``:
+            only ``growth``).
+        warmup_steps: the first optimizer steps that are a warm-up whatever the learning rate does.
 
     Example::
 
-        >>> detector = Detector({"attn_logit_max": 1000.0}, {"attn_logit_max": 100.0}, 2.0, 20)
+        >>> detector = Detector({"attn_logit_max": 1000.0}, {"attn_logit_max": 100.0}, 2.0, 20, None, 0)
         >>> [detector.check("attn_logit_max", "attn", step, v) for step, v in ((0, 60.0), (10, 90.0))]
         [None, None]
         >>> detector.check("attn_logit_max", "attn", 20, 150.0).rule
@@ -137,51 +168,112 @@ class Detector:
     """
 
     def __init__(
-        self, thresholds: dict[str, float | None], floors: dict[str, float | None], growth: float, growth_steps: int
+        self,
+        thresholds: dict[str, float | None],
+        floors: dict[str, float | None],
+        growth: float,
+        growth_steps: int,
+        sigmas: float | None = 4.0,
+        warmup_steps: int = 40,
     ) -> None:
         self.thresholds, self.floors = thresholds, floors
-        self.growth, self.growth_steps = growth, growth_steps
+        self.growth, self.growth_steps, self.sigmas, self.warmup_steps = growth, growth_steps, sigmas, warmup_steps
         self._history: dict[tuple[str, str], deque[tuple[int, float]]] = {}
+        self._rises: dict[tuple[str, str], list[float]] = {}
         self._fired: dict[tuple[str, str], float] = {}
+        self._lr: float | None = None
+        self._warm = False  # set by each reading
 
-    def check(self, signal: str, module: str, step: int, value: float) -> Finding | None:
-        """Record ``value`` of the series at ``step``; the finding if a rule fires."""
+    def reading(self, step: int, lr: float | None) -> bool:
+        """Start the reading of ``step``, at learning rate ``lr`` (the largest of the loop's, ``None``: unknown);
+        whether it is in the warm-up."""
+        rising = lr is not None and self._lr is not None and lr > self._lr * (1 + 1e-6)
+        self._lr = lr if lr is not None else self._lr
+        self._warm = rising or step < self.warmup_steps
+        return self._warm
+
+    def check(self, signal: str, module: str, step: int, value: float, baseline: float = 0.0) -> Finding | None:
+        """Record ``value`` of the series at ``step``; the finding if a rule fires. ``baseline``: what the signal's
+        thresholds and floors are taken above (``log(n)`` for log Z)."""
         key = (signal, module)
+        level = _level(signal, value)
         history = self._history.setdefault(key, deque())
         # The growth rule compares with the newest value at least `growth_steps` before: older ones are not needed.
         while len(history) > 1 and history[1][0] <= step - self.growth_steps:
             history.popleft()
         reference = history[0] if history and history[0][0] <= step - self.growth_steps else None
-        history.append((step, value))
-        finding = self._rule(signal, module, step, value, reference)
+        history.append((step, level))
+        finding = self._threshold(signal, module, step, value, baseline)
+        if finding is None and reference is not None and not self._warm:
+            finding = self._growth(key, step, value, level, reference, baseline)
         if finding is None:
             return None
         fired = self._fired.get(key)
-        again = fired is None or value >= self.growth * fired or (math.isfinite(fired) and not math.isfinite(value))
+        grew = not math.isfinite(level) or level >= (fired or 0.0) + math.log(self.growth)
+        again = fired is None or (math.isfinite(fired) and grew)
         if not again:
             return None  # warned already; again once the value has grown by `growth` since
-        self._fired[key] = value if math.isfinite(value) else math.inf
+        self._fired[key] = level if math.isfinite(level) else math.inf
         return finding
 
-    def _rule(
-        self, signal: str, module: str, step: int, value: float, reference: tuple[int, float] | None
-    ) -> Finding | None:
+    def _threshold(self, signal: str, module: str, step: int, value: float, baseline: float) -> Finding | None:
         threshold = self.thresholds.get(signal)
-        if threshold is not None and (not math.isfinite(value) or value > threshold):
-            return Finding(signal, module, step, value, "threshold", threshold)
-        floor = self.floors.get(signal)
-        if floor is None or reference is None or not (value >= floor and reference[1] > 0):
-            return None
-        if value >= self.growth * reference[1]:
-            return Finding(signal, module, step, value, "growth", self.growth, reference[1], reference[0])
+        if not math.isfinite(value) or (threshold is not None and value > baseline + threshold):
+            limit = baseline + threshold if threshold is not None else math.inf
+            return Finding(signal, module, step, value, "threshold", limit)
         return None
+
+    def _growth(
+        self, key: tuple[str, str], step: int, value: float, level: float, reference: tuple[int, float], base: float
+    ) -> Finding | None:
+        floor = self.floors.get(key[0])
+        if floor is None or not math.isfinite(level) or not math.isfinite(reference[1]):
+            return None
+        rise = level - reference[1]
+        rises = self._rises.setdefault(key, [])
+        bar = _bar(rises, self.sigmas)
+        rises.append(rise)
+        del rises[:-_MAX_RISES]
+        if bar is None or value < base + floor or rise < max(math.log(self.growth), bar):
+            return None
+        earlier = math.exp(reference[1]) if key[0] not in LOG_SIGNALS else reference[1]
+        return Finding(key[0], key[1], step, value, "growth", self.growth, earlier, reference[0])
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "history": [[signal, module, list(map(list, h))] for (signal, module), h in self._history.items()],
             "fired": [[signal, module, value] for (signal, module), value in self._fired.items()],
+            "rises": [[signal, module, list(r)] for (signal, module), r in self._rises.items()],
+            "lr": self._lr,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._history = {(s, m): deque((int(t), float(v)) for t, v in h) for s, m, h in state["history"]}
         self._fired = {(s, m): float(v) for s, m, v in state["fired"]}
+        # Saved before the calibrated growth rule (no rises, values not on the log scale): it starts calibrating.
+        self._rises = {(s, m): [float(x) for x in r] for s, m, r in state.get("rises", [])}
+        if "rises" not in state:
+            self._history, self._fired = {}, {}
+        self._lr = state.get("lr")
+
+
+# The past rises a series keeps (its calibration: the last 1,000 logging steps).
+_MAX_RISES = 1000
+
+
+def _level(signal: str, value: float) -> float:
+    """The value on the growth rule's log scale."""
+    if signal in LOG_SIGNALS or not math.isfinite(value):
+        return value
+    return math.log(value) if value > 0 else -math.inf
+
+
+def _bar(rises: list[float], sigmas: float | None) -> float | None:
+    """The rise a series must exceed given its past ``rises`` (``None``: not calibrated yet)."""
+    if sigmas is None:
+        return -math.inf
+    if len(rises) < MIN_HISTORY:
+        return None
+    median = statistics.median(rises)
+    spread = 1.4826 * statistics.median(abs(r - median) for r in rises)
+    return median + sigmas * spread
