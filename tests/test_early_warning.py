@@ -449,3 +449,21 @@ def test_the_documented_example_rules_do_not_fire_on_a_healthy_run(model: str) -
         kit.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
     assert watch.warnings == []
+
+
+def test_the_growth_rule_measures_no_rise_that_spans_the_end_of_the_warm_up() -> None:
+    """A 10x-lower-learning-rate GPT's logits still grow x3 in the 20 steps after its warm-up: the rise from a value
+    read in the warm-up is the warm-up's, not a trend."""
+    detector = Detector({}, {"attn_logit_max": 100.0}, 3.0, 20, sigmas=None, warmup_steps=0)
+    readings = [(0, 0.05, 30.0), (10, 0.1, 80.0), (20, 0.1, 150.0), (30, 0.1, 300.0), (40, 0.1, 400.0)]
+    fired = []
+    for step, lr, value in readings:
+        detector.reading(step, lr)
+        finding = detector.check("attn_logit_max", "a", step, value)
+        fired.append(finding and finding.reference_step)
+    # Step 30 is x3.75 since step 10 (in the warm-up: the learning rate rose there): nothing. Step 40 is x2.7 since
+    # step 20: under x3. A plain rule without the warm-up would have fired at step 30.
+    assert fired == [None] * 5
+    detector.reading(60, 0.1)
+    finding = detector.check("attn_logit_max", "a", 60, 1300.0)  # x3.25 since step 40, read after the warm-up
+    assert finding is not None and (finding.rule, finding.reference_step) == ("growth", 40)

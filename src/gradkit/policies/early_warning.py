@@ -75,7 +75,7 @@ class EarlyWarning:
     previous one, and the first ``warmup_steps`` optimizer steps: everything moves then, in healthy runs too, so only
     thresholds fire there. It decides on the reduced values, so every rank decides the same, and its state is saved
     in checkpoints. The defaults watch the attention logits (threshold 1500; x3 in 20 steps from 200) and, where an
-    output module is found (``output="auto"``), its mean log Z (threshold 10 nats above a uniform prediction's
+    output module is found (``output="auto"``), its mean log Z (threshold 15 nats above a uniform prediction's
     ``log(n)``; from 2 above it, x3 of Z in 20 steps and 4 robust standard deviations above its own past rises).
     Their leads and false alarms on proxies of several kinds are in ``benchmarks/RESULTS.md``
     (``benchmarks/bench_early_warning.py``). The other signals are logged and drawn; give them a threshold or floor

@@ -10,8 +10,9 @@ of the early-warning signals (:mod:`gradkit.policies.signals`), on host values t
   ``sigmas`` (:data:`DEFAULT_SIGMAS`: log Z, which wanders in healthy runs; a series of it sets its own bar, one
   whose growth speeds up fires). Without ``sigmas`` the bar is ``growth`` alone.
 - **warm-up**: a reading is in the warm-up while the learning rate rose since the previous reading, and over the
-  first ``warmup_steps`` optimizer steps. The values of a warm-up are not a history to calibrate on (everything moves
-  then, in healthy runs too): the growth rule neither fires nor learns there.
+  first ``warmup_steps`` optimizer steps. The values of a warm-up are not a history to measure growth on (everything
+  moves then, in healthy runs too): the growth rule neither fires nor learns there, and measures a rise only from a
+  value read after it.
 
 Growth is measured on a log scale: ``log(value)``, or the value itself for the signals that are logarithms already
 (:data:`LOG_SIGNALS`: log Z, whose thresholds and floors are also taken above ``log(n)``, the log Z of a uniform
@@ -63,10 +64,11 @@ MIN_HISTORY = 10
 #: Per signal, the value above which it warns at any step (``None``: no threshold rule). Attention logits of 1500
 #: are fifteen times the level at which Kimi K2's QK-Clip acts (100), above what the slowly growing logits of healthy
 #: runs reach in their first hundreds of steps (up to about 1000 on the proxies of ``bench_early_warning.py``); a
-#: mean log Z 10 nats above a uniform prediction's puts a factor e^10 on the output's normalizer.
+#: mean log Z 15 nats above a uniform prediction's (healthy GPTs pass 10 for a few steps of their warm-up) puts a
+#: factor e^15 on the output's normalizer.
 DEFAULT_THRESHOLDS: dict[str, float | None] = {
     "attn_logit_max": 1500.0,
-    "logz_mean": 10.0,
+    "logz_mean": 15.0,
     "logz_max": None,
     "adam_g2_v": None,
     "adam_spike_frac": None,
@@ -200,6 +202,7 @@ class Detector:
         self._fired: dict[tuple[str, str], float] = {}
         self._lr: float | None = None
         self._warm = False  # set by each reading
+        self._warm_step = -1  # the last step read in a warm-up
 
     def reading(self, step: int, lr: float | None) -> bool:
         """Start the reading of ``step``, at learning rate ``lr`` (the largest of the loop's, ``None``: unknown);
@@ -207,6 +210,8 @@ class Detector:
         rising = lr is not None and self._lr is not None and lr > self._lr * (1 + 1e-6)
         self._lr = lr if lr is not None else self._lr
         self._warm = rising or step < self.warmup_steps
+        if self._warm:
+            self._warm_step = step
         return self._warm
 
     def check(self, signal: str, module: str, step: int, value: float, baseline: float = 0.0) -> Finding | None:
@@ -221,7 +226,8 @@ class Detector:
         reference = history[0] if history and history[0][0] <= step - self.growth_steps else None
         history.append((step, level))
         finding = self._threshold(signal, module, step, value, baseline)
-        if finding is None and reference is not None and not self._warm:
+        # A rise is measured from a value read after the warm-up: one that spans its end is still the warm-up's.
+        if finding is None and reference is not None and not self._warm and reference[0] > self._warm_step:
             finding = self._growth(key, step, value, level, reference, baseline)
         if finding is None:
             return None
@@ -262,6 +268,7 @@ class Detector:
             "fired": [[signal, module, value] for (signal, module), value in self._fired.items()],
             "rises": [[signal, module, list(r)] for (signal, module), r in self._rises.items()],
             "lr": self._lr,
+            "warm_step": self._warm_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -272,6 +279,7 @@ class Detector:
         if "rises" not in state:
             self._history, self._fired = {}, {}
         self._lr = state.get("lr")
+        self._warm_step = int(state.get("warm_step", -1))
 
 
 # The past rises a series keeps (its calibration: the last 1,000 logging steps).
