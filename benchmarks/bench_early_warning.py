@@ -23,10 +23,10 @@ linear warm-up then a constant learning rate); the twins of a seed share the ini
 
 **Stable kinds**: the twins; ``w4_lowlr`` (``w4_plain`` at LR 0.01: issue 44's "10x-lower-LR twin", whose attention
 logits grow to about 1000 in 300 healthy steps); ``g4_lowlr`` and ``g2_lowlr`` (the plain-attention GPTs at a 10x
-lower LR, which end with the best losses of all); ``resnet`` (a BatchNorm ResNet of 3 stages, SGD with momentum 0.9, LR 0.1 after a 10-step
-warm-up, weight decay 5e-4, batch 32 of noisy 16x16 images of 10 classes), ``resnet_adam`` (the same with AdamW at
-1e-3, torch's betas and weight decay) and ``bert`` (``transformers.BertForMaskedLM``, 2 layers x 4 heads x 128, eager
-attention, from scratch, 15% of the bytes masked, AdamW 1e-3 after a 30-step warm-up, weight decay 0.01).
+lower LR, which end with the best losses of all); ``resnet`` (a BatchNorm ResNet of 3 stages, SGD with momentum 0.9, LR
+0.1 after a 10-step warm-up, weight decay 5e-4, batch 32 of noisy 16x16 images of 10 classes), ``resnet_adam`` (the same
+with AdamW at 1e-3, torch's betas and weight decay) and ``bert`` (``transformers.BertForMaskedLM``, 2 layers x 4 heads x
+128, eager attention, from scratch, 15% of the bytes masked, AdamW 1e-3 after a 30-step warm-up, weight decay 0.01).
 
 The criteria of issue 44 item 1:
 
