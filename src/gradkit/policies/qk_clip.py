@@ -31,7 +31,7 @@ from gradkit.step.params import clean_name
 from gradkit.step.plan import StepOutcome, StepStats
 from gradkit.step.protocol import Stage, StepContext, state_key
 from gradkit.step.replay import replaying
-from gradkit.step.selection import no_match_hint, parse_patterns
+from gradkit.step.selection import outermost_attention, parse_patterns
 
 __all__ = ["QKClip"]
 
@@ -257,7 +257,7 @@ class QKClip:
                 "`ModelParallelStrategy` for the Trainer), DDP or tensor parallelism, or leave QKClip out."
             )
         named = [(clean_name(n), m) for n, m in model.named_modules()]
-        for name, module in self._select(named):
+        for name, module in outermost_attention(named, self._patterns):
             reader = next((m for m in module.modules() if isinstance(m, nn.MultiheadAttention)), module)
             self._heads[name] = self._heads_of(name, reader)
             self._readers[name] = reader
@@ -273,26 +273,6 @@ class QKClip:
                 f"QKClip found no attention module in `{type(model).__name__}` (no module whose class name ends in "
                 "`Attention`): it rescales nothing. Select them with `attention=[...]` (class names or `re:` patterns)."
             )
-
-    def _select(self, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-        chosen: list[tuple[str, nn.Module]] = []
-        for name, module in named:
-            if any(name.startswith(c + ".") or not c for c, _ in chosen):
-                continue  # the outermost selected module is read whole
-            if self._patterns:
-                hit = any(p.matches_module(name, module) for p in self._patterns)
-            else:  # "auto"
-                hit = type(module).__name__.lower().endswith("attention")
-            if hit:
-                chosen.append((name, module))
-        for pattern in self._patterns:
-            if not any(pattern.matches_module(n, m) for n, m in chosen):
-                names = [n for n, _ in named if n]
-                classes = sorted({type(m).__name__ for _, m in named})
-                raise ValueError(
-                    f"`attention` entry {pattern.text!r} selects no module. {no_match_hint(pattern, names, classes)}"
-                )
-        return chosen
 
     def _heads_of(self, name: str, module: nn.Module) -> Heads:
         try:

@@ -66,7 +66,14 @@ from gradkit.step.params import clean_name
 from gradkit.step.plan import StepOutcome, StepStats
 from gradkit.step.protocol import Door, StepContext
 from gradkit.step.replay import replaying
-from gradkit.step.selection import NamePattern, auto_module_keys, module_rows, no_match_hint, repeated_blocks
+from gradkit.step.selection import (
+    NamePattern,
+    auto_module_keys,
+    module_rows,
+    no_match_hint,
+    outermost_attention,
+    repeated_blocks,
+)
 
 __all__ = ["PREFIX", "Reading", "StabilitySignals", "signal_key"]
 
@@ -178,7 +185,8 @@ class StabilitySignals:
         self._model_order = [clean_name(n) for n, _ in model.named_parameters()]
         self._blocks = repeated_blocks(named)
         self._rows.clear()
-        self.attention_names = self._select_attention(named)
+        patterns = self.attention
+        self.attention_names = [] if patterns is None else [n for n, _ in outermost_attention(named, patterns)]
         for name in self.attention_names:
             module = self.modules[name]
             self._modes[name] = _AttentionMode(self, name)
@@ -195,28 +203,6 @@ class StabilitySignals:
             )
         if self.output is not None:
             self._hooks.append(self.modules[self.output].register_forward_hook(self._output_hook))
-
-    def _select_attention(self, named: list[tuple[str, nn.Module]]) -> list[str]:
-        if self.attention is None:
-            return []
-        chosen: list[str] = []
-        for name, module in named:
-            if any(name.startswith(c + ".") for c in chosen if c):
-                continue  # the outermost selected module reads the attention inside it
-            if self.attention:
-                hit = any(p.matches_module(name, module) for p in self.attention)
-            else:  # "auto"
-                hit = type(module).__name__.lower().endswith("attention")
-            if hit:
-                chosen.append(name)
-        for pattern in self.attention:
-            if not any(pattern.matches_module(n, self.modules[n]) for n in chosen):
-                names = [n for n, _ in named if n]
-                classes = sorted({type(m).__name__ for _, m in named})
-                raise ValueError(
-                    f"`attention` entry {pattern.text!r} selects no module. {no_match_hint(pattern, names, classes)}"
-                )
-        return chosen
 
     def detach(self) -> None:
         """Remove every hook (and leave an attention mode a failed forward left open)."""

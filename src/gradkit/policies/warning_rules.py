@@ -232,8 +232,9 @@ class Detector:
         if finding is None:
             return None
         fired = self._fired.get(key)
-        grew = not math.isfinite(level) or level >= (fired or 0.0) + math.log(self.growth)
-        again = fired is None or (math.isfinite(fired) and grew)
+        again = fired is None or (
+            math.isfinite(fired) and (not math.isfinite(level) or level >= fired + math.log(self.growth))
+        )
         if not again:
             return None  # warned already; again once the value has grown by `growth` since
         self._fired[key] = level if math.isfinite(level) else math.inf

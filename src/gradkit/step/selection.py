@@ -41,6 +41,7 @@ __all__ = [
     "auto_module_keys",
     "module_rows",
     "no_match_hint",
+    "outermost_attention",
     "parameters_selected",
     "parse_patterns",
     "repeated_blocks",
@@ -286,3 +287,41 @@ def module_rows(keys: Sequence[str], names: Sequence[str], model_order: Sequence
     rows = sorted(dict.fromkeys(keys), key=lambda k: first[k])
     lookup = {k: i for i, k in enumerate(rows)}
     return rows, [lookup[k] for k in keys]
+
+
+def outermost_attention(
+    named: Sequence[tuple[str, nn.Module]], patterns: Sequence[NamePattern]
+) -> list[tuple[str, nn.Module]]:
+    """The attention modules of ``named`` (``model.named_modules()``): those a pattern selects, or, without patterns
+    (``attention="auto"``), those whose class name ends in ``Attention``; the outermost only (a selected module is
+    read whole, the modules inside it are not selected again).
+
+    Raises:
+        ValueError: an ``attention`` pattern that selects none of them, with the nearest names and classes.
+
+    Example::
+
+        >>> from torch import nn
+        >>> class SelfAttention(nn.Module): ...
+        >>> net = nn.Sequential(SelfAttention(), nn.Linear(2, 2))
+        >>> [name for name, _ in outermost_attention(list(net.named_modules()), ())]
+        ['0']
+    """
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, module in named:
+        if any(name.startswith(c + ".") or not c for c, _ in chosen):
+            continue  # inside a selected module
+        if patterns:
+            hit = any(p.matches_module(name, module) for p in patterns)
+        else:
+            hit = type(module).__name__.lower().endswith("attention")
+        if hit:
+            chosen.append((name, module))
+    for pattern in patterns:
+        if not any(pattern.matches_module(n, m) for n, m in chosen):
+            names = [n for n, _ in named if n]
+            classes = sorted({type(m).__name__ for _, m in named})
+            raise ValueError(
+                f"`attention` entry {pattern.text!r} selects no module. {no_match_hint(pattern, names, classes)}"
+            )
+    return chosen
