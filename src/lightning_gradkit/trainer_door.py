@@ -385,7 +385,7 @@ class TrainerPipeline:
 
     @property
     def generation(self) -> int:
-        """Backward passes so far (:attr:`Pipeline.generation`; the callbacks count them in ``on_after_backward``)."""
+        """Backward passes so far (:attr:`Pipeline.generation`; the callbacks count them in ``on_before_backward``)."""
         return self.pipeline.generation
 
     @generation.setter
@@ -565,16 +565,22 @@ class GradKitCallback(Callback):
         if setup is not None and not isinstance(setup, _InstanceHook):
             cls.setup = _InstanceHook(setup)  # type: ignore[method-assign]  # `callbacks=[cls]` is refused
 
+    #: The pipeline of the Trainer this callback is set up in, bound once in ``setup`` for the hooks Lightning calls
+    #: every micro-batch (``None`` outside a Trainer's stage: a subclass whose ``setup`` skips this one's finds it by
+    #: the Trainer).
+    _gradkit_engine: TrainerPipeline | None = None
+
     @instance_hook
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_callback_instances(trainer)
-        TrainerPipeline.of(trainer).reset()
+        self._gradkit_engine = engine = TrainerPipeline.of(trainer)
+        engine.reset()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = TrainerPipeline.of(trainer)
         engine.verify_layout(trainer, pl_module)
-        for attach in self._gradkit_roster().attach:
+        for attach in self._gradkit_roster.attach:
             attach(engine.context(trainer, pl_module), pl_module)
         self._first_forward_done = False
 
@@ -584,57 +590,57 @@ class GradKitCallback(Callback):
     ) -> None:
         if not self._first_forward_done:
             self._first_forward_done = True
-            for before_first_forward in self._gradkit_roster().before_first_forward:
+            for before_first_forward in self._gradkit_roster.before_first_forward:
                 before_first_forward(self._context(trainer, pl_module))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        # Lightning calls it before every backward (`manual_backward` and closure re-evaluations included): the count
+        # of backward passes tells a closure's later evaluation from a second run for the same gradients. A subclass
+        # that overrides this hook calls it (one gradkit callback's count is enough: only a change is read).
+        engine = self._gradkit_engine or TrainerPipeline.of(trainer)
+        engine.pipeline.generation += 1
         # The unscaled loss costs a `detach` per micro-batch: only for a policy that reads it.
-        for note_loss in self._gradkit_roster().note_loss:
-            note_loss(unscaled_loss(trainer, loss), TrainerPipeline.of(trainer).context(trainer, pl_module))
-
-    @override
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning calls it after every backward (`manual_backward` and closure re-evaluations included).
-        TrainerPipeline.of(trainer).pipeline.generation += 1
+        for note_loss in self._gradkit_roster.note_loss:
+            note_loss(unscaled_loss(trainer, loss), engine.context(trainer, pl_module))
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        TrainerPipeline.of(trainer).run(trainer, pl_module, optimizer)
+        (self._gradkit_engine or TrainerPipeline.of(trainer)).run(trainer, pl_module, optimizer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        for after_step in self._gradkit_roster().after_step:
+        for after_step in self._gradkit_roster.after_step:
             after_step(self._context(trainer, pl_module))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for finish in self._gradkit_roster().finish:
+        for finish in self._gradkit_roster.finish:
             finish(self._context(trainer, pl_module))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # The hooks a policy put on the model and the optimizers leave them, as `GradKit.close()` removes them behind
         # the loop door.
-        for detach in self._gradkit_roster().detach:
+        for detach in self._gradkit_roster.detach:
             detach(self._context(trainer, pl_module))
+        self._gradkit_engine = None  # the callback keeps no Trainer's pipeline past the stage (a pickle stays small)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # After an error Lightning calls neither `on_train_end` nor `teardown`: the hooks leave here.
-        for detach in self._gradkit_roster().detach:
+        for detach in self._gradkit_roster.detach:
             detach(self._context(trainer, pl_module))
+        self._gradkit_engine = None
 
+    @functools.cached_property
     def _gradkit_roster(self) -> Roster:
         """This policy's hooks, looked up once (Lightning calls some of them every micro-batch)."""
-        hooks = self.__dict__.get("_gradkit_hooks")
-        if hooks is None:
-            hooks = self.__dict__["_gradkit_hooks"] = Roster.of(self)
-        return hooks
+        return Roster.of(self)
 
     @staticmethod
     def _context(trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainerContext:

@@ -353,19 +353,14 @@ class HFGradKit(TrainerCallback):
             return
         if not accelerated.gradient_state.sync_gradients:  # as accelerate: no step inside an accumulation window
             return
-        ran: list[bool] = []
-        original = inner.step
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            ran.append(True)
-            return original(*args, **kwargs)
-
-        # `counted` tells a step the GradScaler skipped (fp16 overflow) from one it ran, as accelerate's patch does.
-        with shadowed(inner, step=counted):
-            kit.step(inner, **({} if closure is None else {"closure": closure}))
+        kwargs = {} if closure is None else {"closure": closure}
+        if self.trainer.accelerator.scaler is None:
+            applied = kit.step(inner, **kwargs)
+        else:
+            applied = _counted_step(kit, inner, kwargs)
         record = kit.pipeline.last_records.get(id(inner))
         # A fused optimizer's skip is only on device: one read, which HF's scheduler decision needs anyway.
-        skipped = not ran or (record is not None and record.decision.skip is not None and record.skip_on_host())
+        skipped = applied is False or (applied is None and record is not None and record.skip_on_host())
         accelerated._is_overflow = skipped
         if self._scheduler is not None:
             self._scheduler.due = False  # HF steps (or holds) its scheduler next
@@ -514,6 +509,22 @@ class HFGradKit(TrainerCallback):
         self._optimizer = self._inner = self._replaced_step = None
         if self.kit is not None:
             self.kit.close()
+
+
+def _counted_step(kit: GradKit, inner: Optimizer, kwargs: dict[str, Any]) -> bool | None:
+    """``kit.step(inner)`` under a ``GradScaler``, which skips an overflowing step without the door knowing: whether
+    ``inner.step`` ran tells the scaler's skip from a step it applied, as accelerate's own patch of ``step`` does.
+    Returns ``kit.step``'s answer, ``False`` when the scaler skipped the step."""
+    ran: list[bool] = []
+    original = inner.step
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        ran.append(True)
+        return original(*args, **kw)
+
+    with shadowed(inner, step=counted):
+        applied = kit.step(inner, **kwargs)
+    return applied if ran else False
 
 
 class _HeldScheduler:

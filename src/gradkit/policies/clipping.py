@@ -132,7 +132,8 @@ class ClipLedger:
         """Keep the step's clip and its clipped flag (the flags are summed every ``_COUNT_EVERY`` steps); mark the
         step's ``decision`` as decided by a clipper."""
         idx = stats.optimizer_idx
-        decision.decide_clip()
+        if not decision.clipped:  # a clip form written marked the decision already
+            decision.decide_clip()
         self.last[idx] = clip
         key = (idx, clip.clip_above if clip.clipped is None else None)
         pending = self._uncounted.setdefault(key, [])

@@ -15,7 +15,7 @@ engine meets new gradients for a step it has already run. The rule, stated here 
   counts, window losses), which belongs to no decision. Nothing is guarded, counted or logged again: once the
   optimizer runs, the step is applied.
 - **How the pipeline tells them apart** (:meth:`gradkit.step.pipeline.Pipeline.run`): every ``backward`` advances
-  ``Pipeline.generation`` (``on_after_backward``, which Lightning calls for closure re-evaluations too). A run for
+  ``Pipeline.generation`` (``on_before_backward``, which Lightning calls for closure re-evaluations too). A run for
   an optimizer step that was run already is a later evaluation, unless no backward happened since (same generation)
   or, with several optimizers, the backward since did not touch this optimizer's gradients (same gradient
   versions): then it is the same set of gradients again and the engine does nothing.

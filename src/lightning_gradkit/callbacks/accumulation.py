@@ -331,6 +331,7 @@ class AccumulationGuard(GradKitCallback):
             self._restore_window(trainer, pl_module, batch_idx)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        super().on_before_backward(trainer, pl_module, loss)  # counts the backward pass
         if not (self.check_clean and self._expect_clean):
             return
         self._expect_clean = False

@@ -17,7 +17,7 @@ import gradkit.policies.update_clip
 from lightning_gradkit._deepspeed import refuse_under_deepspeed
 from lightning_gradkit._docstring import with_policy_docstring
 from lightning_gradkit.strategy import require_gradkit_step
-from lightning_gradkit.trainer_door import GradKitCallback
+from lightning_gradkit.trainer_door import GradKitCallback, TrainerPipeline
 
 __all__ = ["EarlyWarning", "EscalationLadder", "QKClip", "StepsToSkip", "UpdateClip"]
 
@@ -55,8 +55,10 @@ class EarlyWarning(gradkit.EarlyWarning, GradKitCallback):
     _trained = False  # whether the current batch ran a backward (a batch StepsToSkip dropped runs none)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """The batch trains; its loss is taken at the batch end, already detached by Lightning (no operation here)."""
+        """The batch trains; its loss is taken at the batch end, already detached by Lightning (no operation here).
+        The backward pass is counted as :class:`GradKitCallback` counts it, without its ``note_loss`` call."""
         self._trained = True
+        (self._gradkit_engine or TrainerPipeline.of(trainer)).pipeline.generation += 1
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
