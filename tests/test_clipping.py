@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -90,6 +91,23 @@ def test_parameters_after_20_steps_equal_the_reference_loop(tmp_path: Path, case
     # The case clips on some steps, not necessarily all: the comparison is not vacuous.
     clipped = column(rows, "grad_clip/clipped_fraction")
     assert len(clipped) == STEPS and 0 < sum(clipped) <= STEPS
+
+
+class _ClipWithOwnSetup(ClipGradNorm):
+    """A user's subclass whose ``setup`` does not call ``super()``: the hooks find the Trainer's pipeline without the
+    binding ``GradKitCallback.setup`` makes."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.stages = [*getattr(self, "stages", []), stage]
+
+
+def test_a_subclass_whose_setup_skips_super_clips_as_the_reference(tmp_path: Path) -> None:
+    callback = _ClipWithOwnSetup(0.8)
+    got, rows = lightning_params(tmp_path, callback, accumulate=2)
+    expected = reference_params(NormRef(0.8), accumulate=2)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    assert callback.stages == ["fit"] and 0 < sum(column(rows, "grad_clip/clipped_fraction")) <= STEPS
 
 
 def test_agc_eps_floor_lets_zero_initialised_parameters_update(tmp_path: Path) -> None:
