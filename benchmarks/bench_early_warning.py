@@ -400,11 +400,11 @@ def kinds_to_run(names: list[str]) -> list[str]:
     return order
 
 
-def run_kinds(names: list[str], seeds: int, steps: int, log_every: int) -> dict[tuple[str, int], Run]:
+def run_kinds(names: list[str], seeds: list[int], steps: int, log_every: int) -> dict[tuple[str, int], Run]:
     """Every (kind, seed) run once, a line printed as each ends."""
     runs: dict[tuple[str, int], Run] = {}
     for name in kinds_to_run(names):
-        for seed in range(seeds):
+        for seed in seeds:
             run = runs[name, seed] = train_kind(KINDS[name], seed, steps, log_every)
             print(
                 f"{name} seed {seed}: {len(run.warnings)} warnings, first {_alarm(_first(run))}; "
@@ -454,22 +454,23 @@ def stable_table(runs: dict[tuple[str, int], Run]) -> list[str]:
     return rows
 
 
-def _judge_unstable(runs: dict[tuple[str, int], Run], name: str, seeds: int) -> tuple[str, str, bool]:
+def _judge_unstable(runs: dict[tuple[str, int], Run], name: str, seeds: list[int]) -> tuple[str, str, bool]:
     """The leads of ``name``'s seeds, and whether they are >= ``LEAD`` in most."""
     twin = KINDS[name].twin
-    leads = [lead(runs[name, s], divergence_step(runs[name, s].losses, runs[twin, s].losses)) for s in range(seeds)]
+    leads = [lead(runs[name, s], divergence_step(runs[name, s].losses, runs[twin, s].losses)) for s in seeds]
     hits = sum(steps is not None and steps >= LEAD for steps in leads)
-    return ", ".join("n/a" if steps is None else str(steps) for steps in leads), f"{hits}/{seeds}", 2 * hits > seeds
+    per_seed = ", ".join("n/a" if steps is None else str(steps) for steps in leads)
+    return per_seed, f"{hits}/{len(seeds)}", 2 * hits > len(seeds)
 
 
-def _judge_stable(runs: dict[tuple[str, int], Run], name: str, seeds: int) -> tuple[str, str, bool]:
+def _judge_stable(runs: dict[tuple[str, int], Run], name: str, seeds: list[int]) -> tuple[str, str, bool]:
     """The warnings of ``name``'s seeds, and whether they are within ``BUDGET`` per 1,000 steps over all."""
-    per_seed = [runs[name, seed] for seed in range(seeds)]
+    per_seed = [runs[name, seed] for seed in seeds]
     rate = 1000 * sum(len(run.warnings) for run in per_seed) / sum(len(run.losses) for run in per_seed)
     return ", ".join(str(len(run.warnings)) for run in per_seed), f"{rate:.2f} per 1,000 steps", rate <= BUDGET
 
 
-def kind_summary(runs: dict[tuple[str, int], Run], seeds: int) -> tuple[list[str], str]:
+def kind_summary(runs: dict[tuple[str, int], Run], seeds: list[int]) -> tuple[list[str], str]:
     """One row per kind against its criterion, and the summary line."""
     rows = ["| kind | seeds | criterion | per seed | result |", "| --- | --- | --- | --- | --- |"]
     verdicts: dict[bool, list[bool]] = {True: [], False: []}  # unstable?: met
@@ -477,7 +478,7 @@ def kind_summary(runs: dict[tuple[str, int], Run], seeds: int) -> tuple[list[str
         unstable = KINDS[name].twin is not None
         per_seed, result, ok = (_judge_unstable if unstable else _judge_stable)(runs, name, seeds)
         criterion = f"lead >= {LEAD} steps in most seeds" if unstable else f"<= {BUDGET:g} warning per 1,000 steps"
-        rows.append(f"| {name} | {seeds} | {criterion} | {per_seed} | {result} {'ok' if ok else 'MISSED'} |")
+        rows.append(f"| {name} | {len(seeds)} | {criterion} | {per_seed} | {result} {'ok' if ok else 'MISSED'} |")
         verdicts[unstable].append(ok)
     seconds = sum(run.seconds for run in runs.values())
     line = (
@@ -488,7 +489,7 @@ def kind_summary(runs: dict[tuple[str, int], Run], seeds: int) -> tuple[list[str
     return rows, line
 
 
-def report_kinds(runs: dict[tuple[str, int], Run], seeds: int) -> None:
+def report_kinds(runs: dict[tuple[str, int], Run], seeds: list[int]) -> None:
     summary, line = kind_summary(runs, seeds)
     for title, rows in (
         (f"Unstable kinds: the lead (the first warning >= {LEAD} steps before the divergence)", unstable_table(runs)),
@@ -599,7 +600,10 @@ def kind_list(value: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kinds", type=kind_list, default=list(KINDS), help="comma list (default: every kind)")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds 0 .. n-1 (default 3; 5 with --mitigation)")
+    parser.add_argument(
+        "--seeds", type=int, default=None, help="how many seeds, from --first-seed (default 3; 5 with --mitigation)"
+    )
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (held-out seeds: 3 and on)")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--log-every", type=int, default=LOG_EVERY, help="the loop's logging period, in steps")
     parser.add_argument("--mitigation", action="store_true", help="issue 34's twins and action='escalate' instead")
@@ -610,8 +614,8 @@ def main() -> None:
     if args.mitigation or args.low_lr_twin:
         report_mitigation(args.seeds or 5, args.steps, args.low_lr_twin)
         return
-    seeds = args.seeds or 3
-    print(f"{seeds} seeds x {args.steps} steps, signals every {args.log_every} steps: {', '.join(args.kinds)}")
+    seeds = list(range(args.first_seed, args.first_seed + (args.seeds or 3)))
+    print(f"seeds {seeds} x {args.steps} steps, signals every {args.log_every} steps: {', '.join(args.kinds)}")
     report_kinds(run_kinds(args.kinds, seeds, args.steps, args.log_every), seeds)
 
 
