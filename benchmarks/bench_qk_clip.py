@@ -15,6 +15,7 @@ is that of its normalized queries and keys at the last step.
 
     python benchmarks/bench_qk_clip.py                         # 5 seeds, tau 100, 30, 10: benchmarks/RESULTS.md
     python benchmarks/bench_qk_clip.py --seeds 1 --thresholds 10 --bound-thresholds
+    python benchmarks/bench_qk_clip.py --thresholds 30 10 --bound-thresholds   # with scale_updates=True beside
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def bound_logits(model: TinyGPT, tau: float) -> None:
         block.attn.register_forward_pre_hook(hook)
 
 
-def train(seed: int, qk_norm: bool, steps: int, tau: float | None, bound: float | None = None) -> tuple[float, float]:
+def train(
+    seed: int, qk_norm: bool, steps: int, tau: float | None, bound: float | None = None, scale_updates: bool = False
+) -> tuple[float, float]:
     """One twin's run: its end loss and the largest logit of its last logged step (QKClip's ``qk_clip/max_logit``,
     or, without QKClip, that of the last step's forward)."""
     model = proxy_model(seed, qk_norm)
@@ -81,7 +84,7 @@ def train(seed: int, qk_norm: bool, steps: int, tau: float | None, bound: float 
     losses: list[float] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        policies = [QKClip(threshold=tau)] if tau is not None else []
+        policies = [QKClip(threshold=tau, scale_updates=scale_updates)] if tau is not None else []
         log_every = max(1, steps // 6)
         with GradKit(
             model, optimizer, policies, log=lambda m, s: logged.update(m), log_every_n_steps=log_every,
@@ -116,6 +119,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--thresholds", type=float, nargs="+", default=[100.0, 30.0, 10.0])
     parser.add_argument("--bound-thresholds", type=float, nargs="*", default=[30.0, 10.0])
+    parser.add_argument("--scale-updates-thresholds", type=float, nargs="*", default=[30.0, 10.0])
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread")
@@ -123,6 +127,7 @@ def main() -> None:
         "| seed | stable: end loss, max logit | "
         + " | ".join(f"QKClip({t:g}): end loss, / stable, max logit" for t in args.thresholds)
         + "".join(f" | exact bound {t:g}: end loss, / stable" for t in args.bound_thresholds)
+        + "".join(f" | QKClip({t:g}, scale_updates=True)" for t in args.scale_updates_thresholds)
         + " |"
     )
     for seed in range(args.first_seed, args.first_seed + args.seeds):
@@ -135,6 +140,9 @@ def main() -> None:
         for tau in args.bound_thresholds:
             bounded, _ = train(seed, False, args.steps, None, bound=tau)
             cells.append(f"{bounded:.3f}, {bounded / stable:.3f}")
+        for tau in args.scale_updates_thresholds:
+            scaled, peak = train(seed, False, args.steps, tau, scale_updates=True)
+            cells.append(f"{scaled:.3f}, {scaled / stable:.3f}, {peak:.0f}")
         print(
             f"| {seed} | {stable:.3f}, {stable_max:.0f} | "
             + " | ".join(cells)

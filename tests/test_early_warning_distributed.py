@@ -123,6 +123,8 @@ class ShardableLM(nn.Module):
 #: ``fsdp2``: 24 query rows and 12 key rows split 12 / 6 per rank, so a key head's rows straddle the two shards;
 #: ``tp``: 4 query heads and 2 key heads, 2 and 1 per rank.
 SHARDED_CONFIGS = {"fsdp2": {"width": 24, "heads": 6, "kv_heads": 3}, "tp": {"width": 16, "heads": 4, "kv_heads": 2}}
+# `scale_updates` under FSDP2 (the blend of each clipped row's update on a shard's rows); the plain rule under TP.
+SHARDED_SCALE_UPDATES = {"fsdp2": True, "tp": False}
 SHARDED_THRESHOLD, SHARDED_STEPS = 1.4, 3  # some heads of every step over it, some under
 
 
@@ -140,7 +142,7 @@ def sharded_reference(layout: str) -> tuple[dict[str, Tensor], list[dict[str, fl
     model = ShardableLM(**SHARDED_CONFIGS[layout])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     logged: list[dict[str, float]] = []
-    clip = QKClip(threshold=SHARDED_THRESHOLD)
+    clip = QKClip(threshold=SHARDED_THRESHOLD, scale_updates=SHARDED_SCALE_UPDATES[layout])
     with GradKit(model, optimizer, clip, log_every_n_steps=1, log_dir=False, log=lambda m, s: logged.append(m)) as kit:
         for step in range(SHARDED_STEPS):
             x = sharded_batches(step).flatten(0, 1)

@@ -166,6 +166,98 @@ def test_a_step_with_learning_rate_rescales_the_stepped_weights_by_the_maxima_of
     torch.testing.assert_close(model.v_proj.weight, reference.v_proj.weight, rtol=0, atol=0)
 
 
+def _blended(before: Tensor, after: Tensor, per_head: Tensor, head_dim: int) -> Tensor:
+    """``before + s * (after - before)`` row by row, ``s`` the row's head's factor (the reference of
+    ``scale_updates``)."""
+    out = after.detach().clone().double()
+    old = before.double()
+    for h, factor in enumerate(per_head.tolist()):
+        rows = slice(h * head_dim, (h + 1) * head_dim)
+        out[rows] = old[rows] + factor * (out[rows] - old[rows])
+    return out.to(after.dtype)
+
+
+def _scale_updates_reference(model: UserAttention, xs: list[Tensor], tau: float) -> tuple[Tensor, Tensor]:
+    """SGD steps with momentum in a plain loop, each followed by ``scale_updates`` and the MuonClip rule by hand: every
+    query and key row takes its update times the product of the factors it was rescaled by so far, then this step's
+    factor (a query factor above 1, grouped-query's, leaves the product as it is). Returns the final products. Not
+    AdamW: it turns the last bits of two summation orders into full-size updates of the near-zero bias gradients."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    products = {"q": torch.ones(4, dtype=torch.float64), "k": torch.ones(2, dtype=torch.float64)}
+    projections = {"q": model.q_proj, "k": model.k_proj}
+    for x in xs:
+        with torch.no_grad():
+            maxima = head_max(causal_logits(*model.qk(x), 1 / math.sqrt(model.head_dim)))
+        before = {(p, n): getattr(m, n).detach().clone() for p, m in projections.items() for n in ("weight", "bias")}
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _, query, key = hand_factors(maxima, tau, kv_heads=2)
+        factors = {"q": query, "k": key}
+        with torch.no_grad():
+            for (part, name), old in before.items():
+                param = getattr(projections[part], name)
+                param.copy_(scaled_rows(_blended(old, param, products[part], 4), factors[part], 4))
+        products["q"] *= query.clamp(max=1.0)
+        products["k"] *= key
+    return products["q"], products["k"]
+
+
+def test_scale_updates_blends_each_clipped_rows_update_by_its_product_of_factors() -> None:
+    torch.manual_seed(0)
+    model = UserAttention()
+    reference, plain = copy.deepcopy(model), copy.deepcopy(model)
+    xs = [torch.randn(2, 6, 16) * 3 for _ in range(6)]
+    with torch.no_grad():
+        tau = threshold_between(head_max(causal_logits(*model.qk(xs[0]), 0.5)))
+    query, key = _scale_updates_reference(reference, xs, tau)
+    assert (query < 1).any() and (key < 0.9).any()  # clipped, more than once: the products matter
+
+    def run(net: UserAttention, clip: QKClip) -> None:
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        with GradKit(net, optimizer, clip, log_dir=False) as kit:
+            for x in xs:
+                net(x).pow(2).mean().backward()
+                kit.step(optimizer)
+                optimizer.zero_grad()
+
+    clip = QKClip(threshold=tau, scale_updates=True)
+    run(model, clip)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    factors = clip.state_dict()["factors"][""]
+    torch.testing.assert_close(factors["query"].double(), query, rtol=1e-5, atol=0)
+    torch.testing.assert_close(factors["key"].double(), key, rtol=1e-5, atol=0)
+    run(plain, QKClip(threshold=tau))  # without it the query and key weights end elsewhere
+    assert not torch.allclose(plain.q_proj.weight, model.q_proj.weight, rtol=1e-3, atol=1e-4)
+
+
+def test_scale_updates_resumes_from_its_state_as_an_uninterrupted_run() -> None:
+    torch.manual_seed(0)
+    model = UserAttention()
+    resumed = copy.deepcopy(model)
+    xs = [torch.randn(2, 6, 16) * 3 for _ in range(6)]
+    with torch.no_grad():
+        tau = threshold_between(head_max(causal_logits(*model.qk(xs[0]), 0.5)))
+
+    def steps(net: UserAttention, clip: QKClip, optimizer: torch.optim.Optimizer, batch: list[Tensor]) -> None:
+        with GradKit(net, optimizer, clip, log_dir=False) as kit:
+            for x in batch:
+                net(x).pow(2).mean().backward()
+                kit.step(optimizer)
+                optimizer.zero_grad()
+
+    steps(model, QKClip(threshold=tau, scale_updates=True), torch.optim.AdamW(model.parameters(), lr=0.05), xs)
+    optimizer = torch.optim.AdamW(resumed.parameters(), lr=0.05)
+    first = QKClip(threshold=tau, scale_updates=True)
+    steps(resumed, first, optimizer, xs[:3])
+    second = QKClip(threshold=tau, scale_updates=True)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    steps(resumed, second, optimizer, xs[3:])
+    for name, value in model.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
+
+
 def test_multihead_attention_heads_over_the_threshold_are_rescaled_by_the_muonclip_rule() -> None:
     torch.manual_seed(0)
     model = nn.MultiheadAttention(12, 3, batch_first=True)

@@ -40,6 +40,7 @@ from lightning_gradkit import StepsToSkip
 from lightning_gradkit.demos import GPTConfig, TinyGPT
 from test_early_warning_distributed import (
     SHARDED_CONFIGS,
+    SHARDED_SCALE_UPDATES,
     SHARDED_STEPS,
     SHARDED_THRESHOLD,
     ShardableLM,
@@ -166,7 +167,7 @@ def run_qk_clip_sharded(rank: int, layout: str) -> dict[str, Any]:
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     logged: list[dict[str, float]] = []
-    clip = QKClip(threshold=SHARDED_THRESHOLD)
+    clip = QKClip(threshold=SHARDED_THRESHOLD, scale_updates=SHARDED_SCALE_UPDATES[layout])
     kit = GradKit(model, optimizer, clip, log_every_n_steps=1, log_dir=False, log=lambda m, s: logged.append(m))
     for step in range(SHARDED_STEPS):
         x = sharded_batches(step)
