@@ -171,6 +171,51 @@ def test_qk_clip_rescales_sharded_weights_as_one_process_rescales_the_whole_mode
         torch.testing.assert_close(torch.tensor(first["params"][name]), param.flatten(), rtol=1e-5, atol=1e-6, msg=name)
 
 
+class MHAModel(nn.Module):
+    """``nn.MultiheadAttention`` (3 heads of 4) and a head: the script shards the attention module on itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mha = nn.MultiheadAttention(12, 3, batch_first=True)
+        self.out = nn.Linear(12, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.mha(x, x, x, need_weights=False)[0])
+
+
+MHA_THRESHOLD = 25.0  # 2 of the 3 heads go over it at the first step
+
+
+def mha_batches() -> Tensor:
+    """Two steps' global batch ``(2 steps, 4, 5, 12)``; under FSDP2 rank ``r`` takes elements ``2r, 2r + 1``."""
+    return torch.randn(2, 4, 5, 12, generator=torch.Generator().manual_seed(1)) * 4
+
+
+def test_qk_clip_on_multihead_attention_sharded_on_itself_rescales_as_one_process(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # FSDP2 reshards a module sharded on itself in its own post-forward hook: QKClip's hook reads the whole weights
+    # before it. Reference: the unsharded model in one process on the global batch.
+    from gradkit import GradKit, QKClip
+
+    model = MHAModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    clip = QKClip(threshold=MHA_THRESHOLD, attention=["MultiheadAttention"])
+    clipped = []
+    with GradKit(model, optimizer, clip, log_dir=False) as kit:
+        for x in mha_batches():
+            model(x).pow(2).mean().backward()
+            kit.step(optimizer)
+            optimizer.zero_grad()
+            clipped.append(clip.clipped_heads)
+    assert clipped == [2, 0]  # some heads clipped, some not
+    first, second = (r["qk_clip_mha"] for r in ranks)
+    assert first == second and first["clipped"] == clipped
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(torch.tensor(first["params"][name]), param.flatten(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_the_qk_clip_callback_under_a_tensor_parallel_trainer_rescales_as_the_loop_door_on_one_process(
     ranks: list[dict[str, Any]],
 ) -> None:

@@ -39,11 +39,14 @@ from helpers import MLPModule, distributed_trainer, pg_timeout, rank_loader, scr
 from lightning_gradkit import StepsToSkip
 from lightning_gradkit.demos import GPTConfig, TinyGPT
 from test_early_warning_distributed import (
+    MHA_THRESHOLD,
     SHARDED_CONFIGS,
     SHARDED_SCALE_UPDATES,
     SHARDED_STEPS,
     SHARDED_THRESHOLD,
+    MHAModel,
     ShardableLM,
+    mha_batches,
     sharded_batches,
 )
 
@@ -183,6 +186,25 @@ def run_qk_clip_sharded(rank: int, layout: str) -> dict[str, Any]:
     }
 
 
+def run_qk_clip_mha(rank: int) -> dict[str, Any]:
+    """``nn.MultiheadAttention`` sharded by FSDP2 on itself (and at the root), behind the loop door."""
+    model = MHAModel()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model.mha, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    clip = QKClip(threshold=MHA_THRESHOLD, attention=["MultiheadAttention"])
+    clipped = []
+    with GradKit(model, optimizer, clip, log_dir=False) as kit:
+        for x in mha_batches():
+            model(x[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
+            kit.step(optimizer)
+            optimizer.zero_grad()
+            clipped.append(clip.clipped_heads)
+    params = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
+    return {"clipped": clipped, "params": {n: p.detach().flatten().tolist() for n, p in params.items()}}
+
+
 class _TensorParallelLM(pl.LightningModule):
     """The test's ``ShardableLM``, tensor-parallel in ``configure_model`` (``GradKitModelParallelStrategy``)."""
 
@@ -249,6 +271,7 @@ def main() -> None:
             "qk_clip_tp": run_qk_clip_sharded(rank, "tp"),
             "qk_clip_refused": run_qk_clip_refused(rank),
             "qk_clip_trainer": run_qk_clip_trainer(rank),
+            "qk_clip_mha": run_qk_clip_mha(rank),
         }
     write_rank_result(args.out, rank, result)
 

@@ -288,7 +288,8 @@ class QKClip:
             self._readers[name] = reader
             if isinstance(reader, nn.MultiheadAttention):
                 hook = functools.partial(self._mha_hook, name)
-                self._hooks.append(reader.register_forward_hook(hook, with_kwargs=True))
+                # Before FSDP2's own post-forward hook (a module sharded on itself): its weights are still whole then.
+                self._hooks.append(reader.register_forward_hook(hook, with_kwargs=True, prepend=True))
             else:
                 self._modes[name] = _LogitMode(self, name)
                 self._hooks.append(module.register_forward_pre_hook(functools.partial(self._enter, name)))
