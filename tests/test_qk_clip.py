@@ -639,7 +639,8 @@ def _tiny_gpt_batches() -> list[tuple[Tensor, Tensor]]:
     return [(ids[i : i + 4, :-1], ids[i : i + 4, 1:]) for i in range(0, 12, 4)]
 
 
-def test_trainer_and_loop_door_rescale_to_the_same_weights(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scale_updates", [False, True], ids=["rule", "scale_updates"])
+def test_trainer_and_loop_door_rescale_to_the_same_weights(tmp_path: Path, scale_updates: bool) -> None:
     from lightning_gradkit import QKClip as QKClipCallback
     from lightning_gradkit.demos import TinyGPTModule
 
@@ -647,13 +648,13 @@ def test_trainer_and_loop_door_rescale_to_the_same_weights(tmp_path: Path) -> No
     module = TinyGPTModule(n_layer=2, n_head=2, n_embd=16, block_size=8, lr=0.05)
     twin = copy.deepcopy(module)
     batches = _tiny_gpt_batches()
-    callback = QKClipCallback(threshold=0.2)
+    callback = QKClipCallback(threshold=0.2, scale_updates=scale_updates)
     trainer = make_trainer(tmp_path, callbacks=[callback], max_steps=3, logger=False)
     data = TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
     trainer.fit(module, DataLoader(data, batch_size=4))
 
     optimizer = twin.configure_optimizers()
-    clip = QKClip(threshold=0.2)
+    clip = QKClip(threshold=0.2, scale_updates=scale_updates)
     with GradKit(twin, optimizer, clip, log_dir=False) as kit:
         for batch in batches:
             twin.training_step(batch, 0).backward()
@@ -663,6 +664,10 @@ def test_trainer_and_loop_door_rescale_to_the_same_weights(tmp_path: Path) -> No
     assert clip.clipped_heads > 0
     for (name, expected), actual in zip(twin.state_dict().items(), module.state_dict().values(), strict=True):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)
+    products = [(n, p, t) for n, parts in clip.state_dict()["factors"].items() for p, t in parts.items()]
+    assert bool(products) == scale_updates and all(t.min() < 1 for _, p, t in products if p != "rope")
+    for name, part, value in products:
+        assert torch.equal(callback.state_dict()["factors"][name][part], value), (name, part)
 
 
 # -- refusals --------------------------------------------------------------------------------------------------------

@@ -447,7 +447,10 @@ class QKClip:
             for name, part in zip(names, gamma.split([self._heads[n].heads for n in names]), strict=True):
                 query, key = _rescale(self._heads[name], part, self._rows)
                 if self.scale_updates:
-                    self._compound(name, {"query": query.clamp(max=1.0), "key": key, "rope": part})
+                    applied = {"query": query.clamp(max=1.0), "key": key}
+                    if self._heads[name].q_rope:
+                        applied["rope"] = part
+                    self._compound(name, applied)
         self._clipped = over.sum()
         if self._logging:
             ctx.log({"qk_clip/max_logit": maxima.amax(), "qk_clip/clipped_heads": self._clipped.float()})
