@@ -479,6 +479,51 @@ def test_deepseek_v3_multi_latent_heads_are_rescaled_by_kimi_k2s_mla_rule(implem
     check_logits(before, logits(), gamma, tau)
 
 
+def test_scale_updates_blends_multi_latent_rows_by_their_own_products() -> None:
+    # Reference, by hand: step 2's update (plain SGD's, -lr * grad at the weights after step 1, from a copy) times
+    # each row's product after step 1 (the nope query and key rows by their heads' products, the rotary query rows by
+    # theirs), then step 2's own rescale (the ratio of the products); the rotary products are the nope ones squared
+    # (Kimi K2's MLA rule: gamma against sqrt(gamma)).
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1,
+        first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
+        v_head_dim=4, vocab_size=50, max_position_embeddings=16,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    model = transformers.DeepseekV3ForCausalLM(config).train()
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        for name in ("q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa"):
+            getattr(attention, name).weight.mul_(30)
+    ids = [torch.randint(50, (2, 8)) for _ in range(2)]
+    lr, key = 0.01, "model.layers.0.self_attn"
+    clip = QKClip(threshold=5.0, scale_updates=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    with GradKit(model, optimizer, clip, log_dir=False) as kit:
+        model(ids[0], labels=ids[0]).loss.backward()
+        kit.step(optimizer)
+        optimizer.zero_grad()
+        first = copy.deepcopy(model)
+        products = {part: value.clone() for part, value in clip.state_dict()["factors"][key].items()}
+        first(ids[1], labels=ids[1]).loss.backward()
+        model(ids[1], labels=ids[1]).loss.backward()
+        kit.step(optimizer)
+    after = clip.state_dict()["factors"][key]
+    assert set(products) == {"query", "key", "rope"} and (products["query"] < 0.9).any()
+    torch.testing.assert_close(after["rope"], after["query"] ** 2, rtol=1e-6, atol=0)
+    step = {part: after[part] / products[part] for part in products}
+    reference = first.model.layers[0].self_attn
+    q_b, kv_b = reference.q_b_proj.weight, reference.kv_b_proj.weight
+    update = scaled_blocks(scaled_blocks(-lr * q_b.grad, products["query"], 6, 0, 4), products["rope"], 6, 4, 2)
+    expected = scaled_blocks(scaled_blocks(q_b + update, step["query"], 6, 0, 4), step["rope"], 6, 4, 2)
+    torch.testing.assert_close(attention.q_b_proj.weight, expected, rtol=1e-6, atol=1e-6)
+    update = scaled_blocks(-lr * kv_b.grad, products["key"], 8, 0, 4)  # the value rows take the whole update
+    torch.testing.assert_close(attention.kv_b_proj.weight, scaled_blocks(kv_b + update, step["key"], 8, 0, 4))
+    shared = reference.kv_a_proj_with_mqa.weight  # the rotary key every head shares: plain SGD, never rescaled
+    torch.testing.assert_close(attention.kv_a_proj_with_mqa.weight, shared - lr * shared.grad, rtol=0, atol=1e-7)
+
+
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_gpt_neox_interleaved_query_key_value_heads_are_rescaled_by_the_muonclip_rule(implementation: str) -> None:
     from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
