@@ -406,6 +406,33 @@ def test_llama_grouped_query_heads_with_rotary_embeddings_are_rescaled_by_the_mu
 
 
 # -- interleaved and multi-latent layouts, FlexAttention -------------------------------------------------------------
+def deepseek_v3(implementation: str) -> nn.Module:
+    """A one-layer DeepSeek-V3 (multi-latent attention, 4 heads of 4 nope and 2 rotary dimensions, a dense MLP: no
+    experts) whose query and key projections are 30 times their initial scale, so that its logits are large."""
+    config = transformers.DeepseekV3Config(
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=1,
+        first_k_dense_replace=1,
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=2,
+        v_head_dim=4,
+        vocab_size=50,
+        max_position_embeddings=16,
+    )
+    config._attn_implementation = implementation
+    model = transformers.DeepseekV3ForCausalLM(config)
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        for name in ("q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa"):
+            getattr(attention, name).weight.mul_(30)
+    return model
+
+
 def scaled_blocks(t: Tensor, per_head: Tensor, period: int, start: int, width: int, per_block: int = 1) -> Tensor:
     """``t`` with the ``width`` rows of head ``h`` multiplied by ``per_head[h]``, row by row: blocks of ``period`` rows,
     each with ``per_block`` heads side by side from row ``start`` of the block."""
@@ -423,23 +450,7 @@ def test_deepseek_v3_multi_latent_heads_are_rescaled_by_kimi_k2s_mla_rule(implem
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
     torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(
-        hidden_size=16,
-        intermediate_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        num_hidden_layers=1,
-        first_k_dense_replace=1,  # a dense MLP: no experts
-        q_lora_rank=8,
-        kv_lora_rank=8,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=2,
-        v_head_dim=4,
-        vocab_size=50,
-        max_position_embeddings=16,
-    )
-    config._attn_implementation = implementation
-    model = transformers.DeepseekV3ForCausalLM(config)
+    model = deepseek_v3(implementation)
     ids = torch.randint(50, (2, 8))
     layer = model.model.layers[0]
     attention = layer.self_attn
@@ -455,10 +466,6 @@ def test_deepseek_v3_multi_latent_heads_are_rescaled_by_kimi_k2s_mla_rule(implem
             k = torch.cat([k_nope, k_rope.expand(2, 4, 8, 2)], dim=-1)
             return causal_logits(torch.cat([q[..., :4], q_rope], dim=-1), k, 6**-0.5)
 
-    with torch.no_grad():
-        attention.q_b_proj.weight *= 30
-        attention.kv_b_proj.weight *= 30
-        attention.kv_a_proj_with_mqa.weight *= 30
     before = logits()
     tau = threshold_between(head_max(before))
     gamma, root, _ = hand_factors(head_max(before), tau, kv_heads=4)
@@ -485,17 +492,8 @@ def test_scale_updates_blends_multi_latent_rows_by_their_own_products() -> None:
     # theirs), then step 2's own rescale (the ratio of the products); the rotary products are the nope ones squared
     # (Kimi K2's MLA rule: gamma against sqrt(gamma)).
     torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(
-        hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1,
-        first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
-        v_head_dim=4, vocab_size=50, max_position_embeddings=16,
-    )  # fmt: skip
-    config._attn_implementation = "eager"
-    model = transformers.DeepseekV3ForCausalLM(config).train()
+    model = deepseek_v3("eager").train()
     attention = model.model.layers[0].self_attn
-    with torch.no_grad():
-        for name in ("q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa"):
-            getattr(attention, name).weight.mul_(30)
     ids = [torch.randint(50, (2, 8)) for _ in range(2)]
     lr, key = 0.01, "model.layers.0.self_attn"
     clip = QKClip(threshold=5.0, scale_updates=True)

@@ -33,8 +33,8 @@ from gradkit.step.selection import (
     NamePattern,
     auto_module_keys,
     module_rows,
-    no_match_hint,
     parse_patterns,
+    refuse_unmatched,
     repeated_blocks,
 )
 
@@ -286,13 +286,7 @@ class UpdateClip:
             inside = any(name.startswith(c + ".") or not c for c in chosen)
             if not inside and any(p.matches_module(name, module) for p in self._patterns):
                 chosen.append(name)
-        for pattern in self._patterns:
-            if not any(pattern.matches_module(n, m) for n, m in named):
-                names = [n for n, _ in named if n]
-                classes = sorted({type(m).__name__ for _, m in named})
-                raise ValueError(
-                    f"`modules` entry {pattern.text!r} selects no module. {no_match_hint(pattern, names, classes)}"
-                )
+        refuse_unmatched("modules", self._patterns, named, named)
         return chosen
 
     def detach(self, ctx: StepContext | None = None) -> None:

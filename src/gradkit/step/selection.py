@@ -44,6 +44,7 @@ __all__ = [
     "outermost_attention",
     "parameters_selected",
     "parse_patterns",
+    "refuse_unmatched",
     "repeated_blocks",
 ]
 
@@ -317,11 +318,26 @@ def outermost_attention(
             hit = type(module).__name__.lower().endswith("attention")
         if hit:
             chosen.append((name, module))
+    refuse_unmatched("attention", patterns, chosen, named)
+    return chosen
+
+
+def refuse_unmatched(
+    argument: str,
+    patterns: Sequence[NamePattern],
+    matched: Sequence[tuple[str, nn.Module]],
+    named: Sequence[tuple[str, nn.Module]],
+) -> None:
+    """Refuse the first of ``patterns`` (the entries of ``argument``) that matches none of the ``matched`` modules,
+    with :func:`no_match_hint` over every module of ``named``.
+
+    Raises:
+        ValueError: naming ``argument``, the entry, the nearest names and a pattern that would match.
+    """
     for pattern in patterns:
-        if not any(pattern.matches_module(n, m) for n, m in chosen):
+        if not any(pattern.matches_module(n, m) for n, m in matched):
             names = [n for n, _ in named if n]
             classes = sorted({type(m).__name__ for _, m in named})
             raise ValueError(
-                f"`attention` entry {pattern.text!r} selects no module. {no_match_hint(pattern, names, classes)}"
+                f"`{argument}` entry {pattern.text!r} selects no module. {no_match_hint(pattern, names, classes)}"
             )
-    return chosen
